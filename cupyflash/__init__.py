@@ -1,0 +1,31 @@
+"""cupyflash: FlashAttention as readable CUDA C, JIT-compiled through CuPy, with a NumPy reference.
+
+Public API
+----------
+flash_attn_func, flash_attn_varlen_func : tiled prefill (FlashAttention-2, arXiv 2307.08691)
+flash_attn_with_kvcache, merge_states   : split-KV decode (Flash-Decoding) and its exact merge
+explain                                 : the dispatch plan of a call, as data
+reference                               : NumPy float64 / online-softmax reference (no GPU needed)
+testing                                 : Hypothesis strategies for fuzzing kernels against it
+
+CuPy is imported lazily: ``import cupyflash`` and the reference work on a machine without a GPU.
+"""
+__version__ = "0.1.0"
+
+import importlib
+
+_LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "api",
+         "flash_attn_with_kvcache": "decode", "merge_states": "decode",
+         "reference": None, "checks": None, "testing": None, "io_model": None, "jit": None}
+
+
+def __getattr__(name):  # PEP 562: submodules load on first use
+    if name in _LAZY:
+        mod = _LAZY[name]
+        if mod is None:
+            return importlib.import_module(f".{name}", __name__)
+        return getattr(importlib.import_module(f".{mod}", __name__), name)
+    raise AttributeError(f"module 'cupyflash' has no attribute {name!r}")
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_states",
+           "explain", "reference", "checks", "__version__"]

@@ -1,0 +1,43 @@
+"""Zero-copy views of caller arrays as CuPy arrays, and the stream to launch on."""
+from __future__ import annotations
+
+__all__ = ["as_cupy", "is_device_array", "current_stream"]
+
+
+def is_device_array(x) -> bool:
+    """True for CuPy arrays and objects exposing ``__cuda_array_interface__`` or DLPack on a
+    CUDA device (PyTorch CUDA tensors, JAX arrays on GPU, ...)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return int(dev()[0]) in (2, 13)  # kDLCUDA, kDLCUDAManaged
+        except Exception:
+            return False
+    return False
+
+
+def as_cupy(x, name: str):
+    """View ``x`` as a ``cupy.ndarray`` without copying.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a device array (e.g. a NumPy array), naming the argument.
+    """
+    import cupy
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)  # zero-copy: wraps the pointer
+    if is_device_array(x):
+        return cupy.from_dlpack(x)
+    raise TypeError(f"{name}: expected a CUDA array (cupy.ndarray, or an object with "
+                    f"__cuda_array_interface__ / DLPack on a CUDA device), got {type(x).__name__}")
+
+
+def current_stream():
+    """The caller's current CuPy stream (kernels launch on it)."""
+    import cupy
+    return cupy.cuda.get_current_stream()

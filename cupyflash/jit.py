@@ -1,0 +1,268 @@
+"""Kernel sources -> compiled kernels.
+
+Two paths share one preprocessed source string:
+
+* ``compile_report(spec, arch)`` calls NVRTC directly (no GPU needed) and returns the cubin and
+  the parsed ``--ptxas-options=-v`` report (registers, shared memory, spills). CPU tests use it to
+  build every specialisation for sm_80 and sm_90a; ``explain()`` uses it for the register report.
+* ``get_kernel(spec)`` compiles through CuPy (``cupy.RawModule``), so CuPy's in-memory and on-disk
+  caches apply. CuPy keys its disk cache by the source string only, so every ``#include "..."`` of
+  our own headers is inlined first (with ``#line`` markers so that compiler errors and profilers
+  point at the real file): editing a header changes the key.
+
+Specialisations are C++ template instantiations named by a ``KernelSpec``: its ``name`` is the
+readable cache key / log line / profiler label, its ``entry`` the C++ name expression.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import re
+from pathlib import Path
+
+__all__ = [
+    "KernelSpec", "PtxasReport", "CompileResult", "kernels_dir", "preprocess", "include_dirs",
+    "compile_report", "parse_ptxas", "get_kernel", "KernelSourceError",
+]
+
+
+class KernelSourceError(RuntimeError):
+    """The kernel sources could not be found or did not compile."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One compiled specialisation.
+
+    name : readable deterministic name, e.g. ``fwd_bf16_hd128_m128_n64_w4_causal``.
+    source : path of the ``.cu`` file relative to ``kernels_cu/``.
+    entry : C++ name expression of the ``__global__`` function, e.g.
+        ``"flash_fwd_kernel<__nv_bfloat16, 128, 128, 64, 4, true>"``.
+    smem_bytes : dynamic shared memory the launch needs (raised on the function if > 48 KiB).
+    """
+    name: str
+    source: str
+    entry: str
+    smem_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxasReport:
+    registers: int
+    shared_bytes: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    spec: KernelSpec
+    arch: str
+    cubin: bytes
+    lowered_name: str
+    ptxas: PtxasReport
+    log: str
+
+
+# ----------------------------------------------------------------------------------------------
+# Locating and preprocessing the sources
+# ----------------------------------------------------------------------------------------------
+def kernels_dir() -> Path:
+    """The folder holding the ``.cu``/``.cuh`` sources.
+
+    Tried in order: ``$CUPYFLASH_KERNELS_DIR``; the data sub-package ``cupyflash/kernels_cu``
+    (installed wheel); ``kernels_cu/`` beside the package (source checkout, editable install).
+
+    Raises
+    ------
+    KernelSourceError
+        If none exists, listing every path tried.
+    """
+    here = Path(__file__).resolve().parent
+    tried = []
+    env = os.environ.get("CUPYFLASH_KERNELS_DIR")
+    candidates = ([Path(env)] if env else []) + [here / "kernels_cu", here.parent / "kernels_cu"]
+    try:  # editable installs map the data package elsewhere; ask the import system too
+        import importlib.util
+        s = importlib.util.find_spec("cupyflash.kernels_cu")
+        if s is not None and s.submodule_search_locations:
+            candidates += [Path(p) for p in s.submodule_search_locations]
+    except Exception:  # pragma: no cover - best effort only
+        pass
+    for c in candidates:
+        tried.append(str(c))
+        if (c / "common").is_dir():
+            return c
+    raise KernelSourceError("cupyflash: kernel sources (kernels_cu/) not found; tried: "
+                            + ", ".join(tried))
+
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def preprocess(source: str) -> str:
+    """Return ``source`` (relative to ``kernels_cu/``) with our own headers inlined.
+
+    ``#include "x.cuh"`` is resolved relative to the including file, then to ``kernels_cu/``;
+    ``#pragma once`` is honoured; ``#include <...>`` is left for NVRTC's include path.
+    """
+    root = kernels_dir()
+    return _preprocess_cached(str(root), source, _tree_mtime(root))
+
+
+def _tree_mtime(root: Path) -> float:
+    return max((p.stat().st_mtime for p in root.rglob("*.cu*")), default=0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _preprocess_cached(root: str, source: str, _mtime: float) -> str:
+    rootp = Path(root)
+    seen: set[Path] = set()
+    out: list[str] = []
+
+    def emit(path: Path) -> None:
+        path = path.resolve()
+        if path in seen:
+            return
+        text = path.read_text()
+        if re.search(r"^\s*#\s*pragma\s+once", text, re.M):
+            seen.add(path)
+        rel = path.relative_to(rootp.resolve()).as_posix()
+        out.append(f'#line 1 "kernels_cu/{rel}"')
+        for i, line in enumerate(text.splitlines(), start=1):
+            m = _INCLUDE_RE.match(line)
+            if m:
+                inc = m.group(1)
+                cand = [path.parent / inc, rootp / inc]
+                found = next((c for c in cand if c.is_file()), None)
+                if found is None:
+                    raise KernelSourceError(f"{rel}:{i}: cannot find header {inc!r}")
+                emit(found)
+                out.append(f'#line {i + 1} "kernels_cu/{rel}"')
+            elif re.match(r"^\s*#\s*pragma\s+once", line):
+                out.append("")
+            else:
+                out.append(line)
+
+    p = rootp / source
+    if not p.is_file():
+        raise KernelSourceError(f"kernel source {source!r} not found under {rootp}")
+    emit(p)
+    return "\n".join(out) + "\n"
+
+
+def include_dirs() -> list[str]:
+    """Folders holding ``cuda_fp16.h``/``cuda_bf16.h`` for NVRTC (it has no default path).
+
+    pip's ``nvidia-cuda-runtime`` (``nvidia/cu13/include``, ``nvidia/cuda_runtime/include``),
+    then ``$CUDA_PATH/include``, ``$CUDA_HOME/include``, ``/usr/local/cuda/include``.
+    """
+    dirs: list[str] = []
+    try:
+        import nvidia  # namespace package of pip's CUDA wheels
+        for base in nvidia.__path__:
+            for sub in ("cu13/include", "cu12/include", "cuda_runtime/include"):
+                d = Path(base) / sub
+                if (d / "cuda_fp16.h").is_file():
+                    dirs.append(str(d))
+    except ImportError:
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs.append("/usr/local/cuda/include")
+    return [d for d in dict.fromkeys(dirs) if os.path.isfile(os.path.join(d, "cuda_fp16.h"))]
+
+
+BASE_OPTIONS = ("-std=c++17", "-default-device", "-DCUPYFLASH_NVRTC=1")
+
+
+# ----------------------------------------------------------------------------------------------
+# Direct NVRTC compile (no GPU needed): cubin + ptxas report
+# ----------------------------------------------------------------------------------------------
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(log: str, lowered_name: str | None = None) -> PtxasReport:
+    """Parse the ``--ptxas-options=-v`` report of one entry function (the first if unnamed)."""
+    block = log
+    if lowered_name and f"'{lowered_name}'" in log:
+        start = log.index(f"Compiling entry function '{lowered_name}'")
+        nxt = log.find("Compiling entry function", start + 1)
+        block = log[start:nxt if nxt >= 0 else None]
+    regs = _PTXAS_REGS.search(block)
+    smem = _PTXAS_SMEM.search(block)
+    spill = _PTXAS_SPILL.search(block)
+    if regs is None or spill is None:
+        raise KernelSourceError("could not parse the ptxas report:\n" + log)
+    return PtxasReport(registers=int(regs.group(1)), shared_bytes=int(smem.group(1)) if smem else 0,
+                       stack_bytes=int(spill.group(1)), spill_stores=int(spill.group(2)),
+                       spill_loads=int(spill.group(3)))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_report_cached(code: str, entry: str, arch: str, options: tuple) -> tuple:
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(code, "cupyflash.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, entry)
+        opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}", "--ptxas-options=-v"]
+        opts += [f"-I{d}" for d in include_dirs()] + list(options)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise KernelSourceError(f"NVRTC failed for {entry} ({arch}): {e}\n"
+                                    + nvrtc.getProgramLog(prog)) from None
+        log = nvrtc.getProgramLog(prog)
+        lowered = nvrtc.getLoweredName(prog, entry)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return cubin, lowered, log
+
+
+def compile_report(spec: KernelSpec, arch: str = "sm_90a", options: tuple = ()) -> CompileResult:
+    """Compile ``spec`` with NVRTC for ``arch`` (no GPU needed) and parse the ptxas report."""
+    code = preprocess(spec.source)
+    cubin, lowered, log = _compile_report_cached(code, spec.entry, arch, tuple(options))
+    return CompileResult(spec=spec, arch=arch, cubin=cubin, lowered_name=lowered,
+                         ptxas=parse_ptxas(log, lowered), log=log)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU path: CuPy RawModule (CuPy's own caches)
+# ----------------------------------------------------------------------------------------------
+_KERNELS: dict = {}
+
+
+def get_kernel(spec: KernelSpec, options: tuple = ()):
+    """The ``cupy.RawKernel`` for ``spec`` on the current device (compiled once per process;
+    CuPy's disk cache keeps it across processes). Raises its dynamic shared-memory limit to
+    ``spec.smem_bytes`` when that is above 48 KiB."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    key = (spec, tuple(options), dev)
+    k = _KERNELS.get(key)
+    if k is None:
+        code = preprocess(spec.source)
+        opts = BASE_OPTIONS + tuple(f"-I{d}" for d in include_dirs()) + tuple(options)
+        mod = cupy.RawModule(code=code, options=opts, name_expressions=[spec.entry])
+        k = mod.get_function(spec.entry)
+        if spec.smem_bytes > 48 * 1024:
+            k.max_dynamic_shared_size_bytes = spec.smem_bytes
+        _KERNELS[key] = k
+    return k
+
+
+def source_hash(spec: KernelSpec) -> str:
+    """Short hash of the preprocessed source: recorded in experiment provenance."""
+    return hashlib.sha256(preprocess(spec.source).encode()).hexdigest()[:12]

@@ -1,0 +1,158 @@
+"""Run the GPU test suite (+ optional sanitizer pass and quick benchmarks) in one go and record it.
+
+Writes ``experiments/results/gpu_suite.json`` (commit, date, GPU, counts, failures) and, when
+``$OUT`` is set (the device machine), copies every produced file there.
+
+    PYTHONPATH=. python experiments/gpu_suite.py                 # GPU tests + quick benchmarks
+    PYTHONPATH=. python experiments/gpu_suite.py --tests-only -k decode
+    PYTHONPATH=. python experiments/gpu_suite.py --sanitize      # + compute-sanitizer memcheck/racecheck
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+
+
+def sh(cmd: list[str], timeout: float, log: Path, env=None) -> int:
+    """Run ``cmd`` (tee'd into ``log``); return its exit code (124 on timeout)."""
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.time()
+    with open(log, "w") as f:
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, timeout=timeout, env=env)
+            out, rc = p.stdout, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc = 124
+        f.write(out)
+    tail = "\n".join(out.splitlines()[-25:])
+    print(tail, f"\n[rc={rc}, {time.time() - t0:.1f}s]", flush=True)
+    return rc
+
+
+def junit_summary(xml_path: Path) -> dict:
+    if not xml_path.exists():
+        return {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [],
+                "note": "no junit xml (pytest did not run or crashed)"}
+    root = ET.parse(xml_path).getroot()
+    failures, counts = [], dict(tests=0, failed=0, errors=0, skipped=0)
+    for case in root.iter("testcase"):
+        counts["tests"] += 1
+        name = f"{case.get('classname')}::{case.get('name')}"
+        for tag, key in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+            el = case.find(tag)
+            if el is not None:
+                counts[key] += 1
+                if key != "skipped":
+                    failures.append({"test": name, "kind": key,
+                                     "message": (el.get("message") or "")[:800]})
+                break
+    counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+    return {**counts, "failures": failures}
+
+
+def provenance() -> dict:
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except Exception:
+            return ""
+    info = {"commit": git("rev-parse", "HEAD") or os.environ.get("CUPYFLASH_COMMIT", "unknown"),
+            "dirty": bool(git("status", "--porcelain", "--", "kernels_cu", "cupyflash")),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import cupy
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        info.update(gpu=props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+                    sms=props["multiProcessorCount"], cc=f"{props['major']}.{props['minor']}",
+                    cupy=cupy.__version__, cuda_runtime=cupy.cuda.runtime.runtimeGetVersion(),
+                    cuda_driver=cupy.cuda.runtime.driverGetVersion())
+    except Exception as e:  # no GPU: record why
+        info["gpu"] = f"none ({type(e).__name__}: {e})"
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tests-only", action="store_true", help="skip the quick benchmarks")
+    ap.add_argument("--bench-only", action="store_true", help="skip the tests")
+    ap.add_argument("--sanitize", action="store_true", help="also run compute-sanitizer memcheck + racecheck")
+    ap.add_argument("-k", default=None, help="pytest -k expression")
+    ap.add_argument("--test-timeout", type=float, default=300)
+    ap.add_argument("--bench", nargs="*", default=["bench_prefill.py --quick", "bench_decode.py --quick"],
+                    help="experiment scripts (with args) to run after the tests")
+    args = ap.parse_args()
+    start = time.time()
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_dir = RESULTS / "_logs"  # ignored by git; bundled into $OUT at the end
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env.setdefault("HYPOTHESIS_PROFILE", "ci")
+    record = {"what": "gpu_suite", **provenance()}
+
+    if not args.bench_only:
+        xml = out_dir / "gpu_junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
+               f"--junitxml={xml}", "-rfE"]
+        if args.k:
+            cmd += ["-k", args.k]
+        t0 = time.time()
+        rc = sh(cmd, args.test_timeout, out_dir / "gpu_tests.log", env)
+        record["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "selection": args.k,
+                           **junit_summary(xml)}
+
+    if args.sanitize:
+        record["sanitizer"] = {}
+        san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+        for tool in ("memcheck", "racecheck"):
+            log = out_dir / f"sanitize_{tool}.log"
+            rc = sh([san, "--tool", tool, "--error-exitcode", "99", sys.executable,
+                     "experiments/sanitize_cases.py"], 240, log, env)
+            text = log.read_text()
+            summary = [l for l in text.splitlines() if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l]
+            record["sanitizer"][tool] = {"rc": rc, "summary": summary[-3:]}
+
+    if not args.tests_only:
+        record["bench"] = {}
+        for spec in args.bench:
+            parts = spec.split()
+            log = out_dir / ("bench_" + Path(parts[0]).stem + ".log")
+            rc = sh([sys.executable, f"experiments/{parts[0]}", *parts[1:]], 240, log, env)
+            record["bench"][spec] = {"rc": rc}
+
+    path = RESULTS / "gpu_suite.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "tests"}, indent=1)[:3000])
+    if "tests" in record:
+        t = record["tests"]
+        print(f"GPU tests: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
+              f"{t['skipped']} skipped in {t['seconds']} s")
+        for f in t["failures"][:30]:
+            print("FAIL", f["test"], "|", f["message"][:300])
+    if os.environ.get("OUT"):  # the device tool returns at most 8 files: one bundle + the record
+        out = Path(os.environ["OUT"])
+        with tarfile.open(out / "bundle.tar.gz", "w:gz") as tar:
+            for p in RESULTS.rglob("*"):
+                if p.is_file() and p.stat().st_mtime > start - 5:
+                    tar.add(p, arcname=str(p.relative_to(ROOT)))
+        shutil.copy(path, out / path.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""A reduced set of launches for compute-sanitizer (memcheck, racecheck): every kernel family,
+tails that are not multiples of the tiles, causal/window, GQA, paged cache with a shuffled table.
+
+    compute-sanitizer --tool memcheck python experiments/sanitize_cases.py
+(``experiments/gpu_suite.py --sanitize`` runs both tools and records the summaries.)
+"""
+import cupy as cp
+import numpy as np
+
+import cupyflash as cf
+
+rng = np.random.default_rng(0)
+
+
+def rand(shape, dtype):
+    return cp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def main():
+    bf16 = cp.dtype("bfloat16") if hasattr(cp, "bfloat16") else None
+    dtypes = [cp.float16, cp.float32, cp.float64] + ([bf16] if bf16 is not None else [])
+    for dt in dtypes:
+        for d in (64, 128, 40):
+            q, k, v = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt), rand((2, 133, 2, d), dt)
+            for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
+                cf.flash_attn_func(q, k, v, causal=causal, window_size=window)
+    # varlen
+    cu = cp.asarray(np.array([0, 5, 5, 70], dtype=np.int32))
+    q = rand((70, 4, 64), cp.float16)
+    cf.flash_attn_varlen_func(q, q[:, :2], q[:, :2], cu, cu, 65, 65, causal=True)
+    # decode: contiguous and paged, ragged lengths incl. 0, GQA 4, seqlen_q 1 and 3
+    for dt in (cp.float16,) + ((bf16,) if bf16 is not None else ()):
+        kc, vc = rand((3, 300, 2, 128), dt), rand((3, 300, 2, 128), dt)
+        lens = cp.asarray(np.array([0, 1, 257], dtype=np.int32))
+        for sq in (1, 3):
+            qd = rand((3, sq, 8, 128), dt)
+            cf.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=4)
+        page = 16
+        pool_k, pool_v = rand((64, page, 2, 128), dt), rand((64, page, 2, 128), dt)
+        table = cp.asarray(rng.permutation(64)[:3 * 19].reshape(3, 19).astype(np.int32))
+        cf.flash_attn_with_kvcache(rand((3, 1, 8, 128), dt), pool_k, pool_v, cache_seqlens=lens,
+                                   block_table=table, num_splits=0)
+    cp.cuda.runtime.deviceSynchronize()
+    print("sanitize cases: done")
+
+
+if __name__ == "__main__":
+    main()
