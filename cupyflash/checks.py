@@ -1,0 +1,745 @@
+"""Every user-facing input check of cupyflash, in one place.
+
+Each public entry point (the CUDA paths in :mod:`cupyflash.api` and the NumPy reference in
+:mod:`cupyflash.reference`) calls one of the ``check_*`` functions below before doing any work,
+so that the kernels and the reference reject exactly the same inputs with exactly the same
+messages.
+
+The checks read only ``.shape``, ``.dtype`` and strides, so they accept NumPy arrays, CuPy arrays,
+PyTorch tensors and anything else with those attributes; CuPy is never imported at module import
+time. Content checks (``cu_seqlens``, ``cache_seqlens``, ``block_table`` values) copy those small
+index arrays to the host when ``validate=True``.
+
+Errors
+------
+``TypeError``
+    Wrong kind of object or unsupported dtype.
+``ValueError``
+    Wrong shape, inconsistent sizes, or out-of-range values.
+
+Every message starts with the name of the offending argument, then says what was given and what
+is supported, e.g. ``"k: expected 4 dims (batch, seqlen_k, nheads_k, headdim), got shape (2, 3)"``.
+
+Semantics (see ``design.md``): causal masking is aligned bottom-right; ``window_size=(left, right)``
+with -1 meaning unbounded, also bottom-right aligned; ``causal=True`` is the same as ``right=0``;
+``softmax_scale=None`` means ``1/sqrt(headdim)``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
+    "check_attention", "check_varlen", "check_kvcache", "check_merge", "resolve_softmax_scale",
+    "check_last_dim_contiguous", "check_window_size", "dtype_name", "to_host",
+]
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+MAX_HEADDIM = 256
+HEADDIM_MULTIPLE = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem descriptions returned by the checks
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnProblem:
+    """A validated prefill (dense or variable-length) attention problem.
+
+    Attributes
+    ----------
+    batch : int
+        Number of sequences (varlen: ``len(cu_seqlens_q) - 1``).
+    seqlen_q, seqlen_k : int
+        Query / key length (varlen: ``max_seqlen_q`` / ``max_seqlen_k``).
+    nheads, nheads_k : int
+        Query heads and key/value heads; ``nheads % nheads_k == 0`` (GQA/MQA).
+    headdim : int
+        Head dimension, a positive multiple of 8, at most 256.
+    dtype : str
+        NumPy name of the element type: ``'float16'``, ``'bfloat16'``, ``'float32'`` or
+        ``'float64'``.
+    softmax_scale : float
+        The resolved scale (finite, positive) applied to ``q k^T``.
+    causal : bool
+        True when the effective mask is causal, i.e. the normalised ``window_size[1] == 0``
+        (``causal=True`` and ``window_size=(-1, 0)`` describe the same problem).
+    window_size : tuple[int, int]
+        Normalised ``(left, right)``, -1 = unbounded; ``causal=True`` sets ``right = 0``.
+    varlen : bool
+        True for :func:`check_varlen` problems.
+    total_q, total_k : int
+        Packed token counts (varlen only; 0 otherwise).
+    """
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    dtype: str
+    softmax_scale: float
+    causal: bool
+    window_size: tuple
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """A validated attention-against-a-KV-cache problem (decode / chunked prefill).
+
+    Attributes
+    ----------
+    batch, seqlen_q, nheads, nheads_k, headdim : int
+        Sizes of ``q`` (batch, seqlen_q, nheads, headdim) and the cache heads.
+    dtype : str
+        NumPy name of the element type.
+    softmax_scale : float
+        Resolved scale.
+    causal : bool
+        Bottom-right causal mask against each sequence's length (cache + new tokens).
+    paged : bool
+        True when ``block_table`` is given.
+    seqlen_cache : int
+        Capacity per sequence in tokens: cache dim 1 (contiguous) or
+        ``max_pages_per_seq * page_size`` (paged).
+    page_size : int
+        Tokens per page (0 if contiguous).
+    num_pages : int
+        Pages in the pool (0 if contiguous).
+    max_pages_per_seq : int
+        Columns of ``block_table`` (0 if contiguous).
+    seqlen_new : int
+        Tokens appended from ``k``/``v`` (0 if none).
+    num_splits : int
+        As given (0 = choose by heuristic).
+    """
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    dtype: str
+    softmax_scale: float
+    causal: bool
+    paged: bool
+    seqlen_cache: int
+    page_size: int
+    num_pages: int
+    max_pages_per_seq: int
+    seqlen_new: int
+    num_splits: int
+
+
+# ----------------------------------------------------------------------------------------------
+# Small helpers
+# ----------------------------------------------------------------------------------------------
+def _is_int(x) -> bool:
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_bool(x) -> bool:
+    return isinstance(x, (bool, np.bool_))
+
+
+def dtype_name(x) -> str:
+    """NumPy name of an array's element type.
+
+    Parameters
+    ----------
+    x : array
+        NumPy/CuPy array (``np.dtype(x.dtype).name``; ml_dtypes' bfloat16 gives ``'bfloat16'``)
+        or PyTorch tensor (``torch.float16`` -> ``'float16'``).
+
+    Returns
+    -------
+    str
+        E.g. ``'float16'``, ``'bfloat16'``, ``'float32'``, ``'int32'``.
+    """
+    dt = x.dtype
+    try:
+        return np.dtype(dt).name
+    except TypeError:
+        return str(dt).rsplit(".", 1)[-1]  # torch.bfloat16 -> 'bfloat16'
+
+
+def _shape(x, name: str) -> tuple:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name}: expected an array (NumPy, CuPy, or torch tensor) with .shape "
+                        f"and .dtype, got {type(x).__name__}")
+    return tuple(int(s) for s in x.shape)
+
+
+def _is_device(x) -> bool:
+    from .interop import is_device_array
+    return is_device_array(x)
+
+
+def _check_ndim(x, name: str, layout: str) -> tuple:
+    shape = _shape(x, name)
+    want = layout.count(",") + 1
+    if len(shape) != want:
+        raise ValueError(f"{name}: expected {want} dims ({layout}), got shape {shape}")
+    return shape
+
+
+def _check_dtype(x, name: str, dtypes) -> str:
+    dt = dtype_name(x)
+    if dt not in dtypes:
+        raise TypeError(f"{name}: dtype {dt} is not supported; supported: {', '.join(dtypes)}")
+    return dt
+
+
+def _check_same_dtype(x, name: str, dt: str, ref_name: str) -> None:
+    got = dtype_name(x)
+    if got != dt:
+        raise TypeError(f"{name}: dtype {got} must match {ref_name} dtype {dt}")
+
+
+def _check_headdim(d: int, name: str) -> None:
+    if d <= 0 or d % HEADDIM_MULTIPLE or d > MAX_HEADDIM:
+        raise ValueError(f"{name}: headdim {d} is not supported; supported: positive multiples "
+                         f"of {HEADDIM_MULTIPLE} up to {MAX_HEADDIM}")
+
+
+def _check_heads(nheads: int, nheads_k: int, kname: str) -> None:
+    if nheads_k <= 0 or nheads <= 0:
+        raise ValueError(f"{kname}: nheads ({nheads}) and nheads_k ({nheads_k}) must be positive")
+    if nheads % nheads_k:
+        raise ValueError(f"{kname}: nheads_k {nheads_k} must divide nheads {nheads} "
+                         f"(GQA/MQA: query head h reads KV head h // (nheads // nheads_k))")
+
+
+def _check_bool(x, name: str) -> bool:
+    if not _is_bool(x):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def check_last_dim_contiguous(x, name: str) -> None:
+    """Raise unless the last dimension of ``x`` has unit stride.
+
+    Reads CuPy/NumPy ``.strides`` (bytes), torch ``.stride()`` (elements), or the
+    ``__cuda_array_interface__`` strides. Arrays with a last dimension of size <= 1 or with no
+    elements always pass (their last stride is never used).
+
+    Parameters
+    ----------
+    x : array-like
+        The array to check.
+    name : str
+        Argument name used in the message.
+
+    Raises
+    ------
+    ValueError
+        ``"{name}: last dimension must be contiguous (stride 1 element), got stride ..."``.
+    """
+    shape = _shape(x, name)
+    if not shape or shape[-1] <= 1 or 0 in shape:
+        return
+    stride_elems = None
+    stride_fn = getattr(x, "stride", None)
+    if callable(stride_fn) and not hasattr(x, "strides"):  # torch: strides in elements
+        stride_elems = int(stride_fn()[-1])
+    elif getattr(x, "strides", None) is not None:
+        itemsize = int(x.itemsize) if hasattr(x, "itemsize") else np.dtype(x.dtype).itemsize
+        stride_elems = int(x.strides[-1]) / itemsize
+    elif hasattr(x, "__cuda_array_interface__"):
+        cai = x.__cuda_array_interface__
+        if cai.get("strides") is None:
+            return  # C-contiguous by definition
+        stride_elems = int(cai["strides"][-1]) / np.dtype(cai["typestr"]).itemsize
+    if stride_elems is not None and stride_elems != 1:
+        raise ValueError(f"{name}: last dimension must be contiguous (stride 1 element), got "
+                         f"stride {stride_elems:g} elements for shape {shape}")
+
+
+def to_host(x) -> np.ndarray:
+    """A NumPy copy (or view) of ``x``; device arrays are copied to the host.
+
+    Parameters
+    ----------
+    x : array-like
+        Objects on a CUDA device (CuPy arrays, ``__cuda_array_interface__`` or CUDA DLPack
+        objects) go through ``cupy.asnumpy`` (CuPy is imported only then, and the copy
+        synchronises the current stream); everything else through ``np.asarray`` (NumPy arrays
+        are returned as they are, CPU torch tensors and lists are converted).
+
+    Returns
+    -------
+    numpy.ndarray
+        Same shape and dtype.
+    """
+    if _is_device(x):
+        import cupy
+        if not isinstance(x, cupy.ndarray):
+            x = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
+        return cupy.asnumpy(x)
+    return np.asarray(x)
+
+
+def resolve_softmax_scale(softmax_scale, headdim: int) -> float:
+    """The scale applied to ``q k^T``: ``1/sqrt(headdim)`` when ``None``.
+
+    Parameters
+    ----------
+    softmax_scale : float or None
+        Requested scale (a real number, not bool).
+    headdim : int
+        Head dimension, used for the default.
+
+    Returns
+    -------
+    float
+        Finite, positive scale.
+
+    Raises
+    ------
+    TypeError
+        ``softmax_scale`` is not a real number or None.
+    ValueError
+        ``softmax_scale`` is NaN, infinite, zero or negative.
+    """
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    if _is_bool(softmax_scale) or not isinstance(softmax_scale, (numbers.Real, np.floating,
+                                                                 np.integer)):
+        raise TypeError(f"softmax_scale: expected a float or None, got "
+                        f"{type(softmax_scale).__name__} {softmax_scale!r}")
+    s = float(softmax_scale)
+    if not math.isfinite(s) or s <= 0.0:
+        raise ValueError(f"softmax_scale: expected a finite positive float or None, got {s!r}")
+    return s
+
+
+def check_window_size(window_size, causal: bool) -> tuple:
+    """Validate ``window_size`` and fold ``causal`` into it.
+
+    Parameters
+    ----------
+    window_size : tuple of 2 int
+        ``(left, right)``; each >= -1, -1 meaning unbounded. Bottom-right aligned: query row ``i``
+        of ``seqlen_q`` sees key ``j`` iff
+        ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``.
+    causal : bool
+        ``True`` sets ``right = 0`` (the causal mask is the window ``(-1, 0)``).
+
+    Returns
+    -------
+    tuple[int, int]
+        The normalised window.
+
+    Raises
+    ------
+    TypeError
+        Not a tuple/list of two ints.
+    ValueError
+        An entry below -1.
+    """
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 \
+            or not all(_is_int(w) for w in window_size):
+        raise TypeError(f"window_size: expected a tuple of 2 ints (left, right), each >= -1, "
+                        f"got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: entries must be >= -1 (-1 = unbounded), got "
+                         f"{(left, right)}")
+    if causal:
+        right = 0
+    return (left, right)
+
+
+def _check_device_consistency(named: dict) -> None:
+    """All given arrays on the GPU, or all on the host; names the first that differs."""
+    items = [(n, a) for n, a in named.items() if a is not None]
+    if not items:
+        return
+    first_name, first = items[0]
+    first_dev = _is_device(first)
+    for n, a in items[1:]:
+        if _is_device(a) != first_dev:
+            where = "a host" if first_dev else "a CUDA"
+            other = "on the GPU" if first_dev else "on the host"
+            raise TypeError(f"{n}: got {where} array {type(a).__name__} while {first_name} is "
+                            f"{other}; pass all arrays on the same device")
+    if first_dev:
+        for n, a in items:
+            check_last_dim_contiguous(a, n)
+
+
+def _check_out(out, q_shape: tuple, dt: str) -> None:
+    if out is None:
+        return
+    shape = _shape(out, "out")
+    if shape != q_shape:
+        raise ValueError(f"out: expected shape {q_shape} (same as q), got {shape}")
+    _check_same_dtype(out, "out", dt, "q")
+
+
+def _check_index_array(x, name: str, ndim: int, layout: str) -> tuple:
+    shape = _shape(x, name)
+    if len(shape) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims ({layout}), got shape {shape}")
+    dt = dtype_name(x)
+    if dt != "int32":
+        raise TypeError(f"{name}: dtype {dt} is not supported; expected int32")
+    return shape
+
+
+def _check_nonneg_int(x, name: str) -> int:
+    if not _is_int(x):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__} {x!r}")
+    if x < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {x}")
+    return int(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public checks
+# ----------------------------------------------------------------------------------------------
+def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), out=None,
+                    dtypes=SUPPORTED_DTYPES) -> AttnProblem:
+    """Validate a dense prefill attention call (FlashAttention-2, arXiv 2307.08691 Sec. 3.1).
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, nheads, headdim)
+    k, v : array, shape (batch, seqlen_k, nheads_k, headdim)
+        Same dtype as ``q``; ``nheads % nheads_k == 0``.
+    softmax_scale : float or None
+        See :func:`resolve_softmax_scale`.
+    causal : bool
+        Bottom-right aligned causal mask.
+    window_size : tuple of 2 int
+        See :func:`check_window_size`.
+    out : array or None
+        Optional output buffer, same shape and dtype as ``q``.
+    dtypes : tuple of str
+        Element types the caller supports (default: float16, bfloat16, float32, float64).
+
+    Returns
+    -------
+    AttnProblem
+
+    Raises
+    ------
+    TypeError
+        Non-array argument, unsupported or mismatched dtype, host/device mix, bad ``causal``,
+        ``window_size`` or ``softmax_scale`` type.
+    ValueError
+        Wrong number of dims, inconsistent batch / headdim / heads, unsupported headdim
+        (not a positive multiple of 8 up to 256), ``nheads % nheads_k != 0``, non-contiguous last
+        dimension of a device array, bad ``window_size`` or ``softmax_scale`` value, ``out``
+        shape.
+
+    Notes
+    -----
+    Sizes of 0 (batch, seqlen_q, seqlen_k) are accepted: the output is empty, or (for
+    ``seqlen_k == 0``) every row is empty and gives output 0 and LSE -inf.
+    """
+    qs = _check_ndim(q, "q", "batch, seqlen_q, nheads, headdim")
+    ks = _check_ndim(k, "k", "batch, seqlen_k, nheads_k, headdim")
+    vs = _check_ndim(v, "v", "batch, seqlen_k, nheads_k, headdim")
+    dt = _check_dtype(q, "q", dtypes)
+    _check_same_dtype(k, "k", dt, "q")
+    _check_same_dtype(v, "v", dt, "q")
+    batch, seqlen_q, nheads, headdim = qs
+    if ks[0] != batch:
+        raise ValueError(f"k: batch {ks[0]} must match q batch {batch} (shape {ks})")
+    if ks[3] != headdim:
+        raise ValueError(f"k: headdim {ks[3]} must match q headdim {headdim} (shape {ks})")
+    if vs != ks:
+        raise ValueError(f"v: shape {vs} must match k shape {ks}")
+    _check_headdim(headdim, "q")
+    _check_heads(nheads, ks[2], "k")
+    causal = _check_bool(causal, "causal")
+    window = check_window_size(window_size, causal)
+    scale = resolve_softmax_scale(softmax_scale, headdim)
+    _check_out(out, qs, dt)
+    _check_device_consistency({"q": q, "k": k, "v": v, "out": out})
+    return AttnProblem(batch=batch, seqlen_q=seqlen_q, seqlen_k=ks[1], nheads=nheads,
+                       nheads_k=ks[2], headdim=headdim, dtype=dt, softmax_scale=scale,
+                       causal=window[1] == 0, window_size=window)
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                 softmax_scale=None, causal=False, window_size=(-1, -1), out=None,
+                 dtypes=SUPPORTED_DTYPES, validate=True) -> AttnProblem:
+    """Validate a variable-length (packed) prefill attention call.
+
+    Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; masks are applied per sequence (bottom-right aligned
+    against that sequence's own lengths). FlashAttention-2 (arXiv 2307.08691) Sec. 3.1 per segment.
+
+    Parameters
+    ----------
+    q : array, shape (total_q, nheads, headdim)
+    k, v : array, shape (total_k, nheads_k, headdim)
+    cu_seqlens_q, cu_seqlens_k : int32 array, shape (batch + 1,)
+        Cumulative sequence starts: begin at 0, non-decreasing, end at ``total_q`` / ``total_k``.
+    max_seqlen_q, max_seqlen_k : int
+        Upper bounds (>= every sequence length); used to size launch grids.
+    softmax_scale, causal, window_size, out, dtypes
+        As in :func:`check_attention` (``out`` matches ``q``).
+    validate : bool
+        When True, read the ``cu_seqlens`` values (a host copy if on the GPU: this synchronises)
+        and check them; when False, check shapes and dtypes only.
+
+    Returns
+    -------
+    AttnProblem
+        With ``varlen=True``, ``batch = len(cu_seqlens_q) - 1``, ``seqlen_q = max_seqlen_q``,
+        ``seqlen_k = max_seqlen_k``, and ``total_q``/``total_k`` set.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As in :func:`check_attention`, plus non-int32 ``cu_seqlens``, mismatched lengths,
+        values not starting at 0, decreasing, not ending at the total, or longer than
+        ``max_seqlen``.
+    """
+    qs = _check_ndim(q, "q", "total_q, nheads, headdim")
+    ks = _check_ndim(k, "k", "total_k, nheads_k, headdim")
+    vs = _check_ndim(v, "v", "total_k, nheads_k, headdim")
+    dt = _check_dtype(q, "q", dtypes)
+    _check_same_dtype(k, "k", dt, "q")
+    _check_same_dtype(v, "v", dt, "q")
+    total_q, nheads, headdim = qs
+    total_k = ks[0]
+    if ks[2] != headdim:
+        raise ValueError(f"k: headdim {ks[2]} must match q headdim {headdim} (shape {ks})")
+    if vs != ks:
+        raise ValueError(f"v: shape {vs} must match k shape {ks}")
+    _check_headdim(headdim, "q")
+    _check_heads(nheads, ks[1], "k")
+    cq = _check_index_array(cu_seqlens_q, "cu_seqlens_q", 1, "batch + 1")
+    ck = _check_index_array(cu_seqlens_k, "cu_seqlens_k", 1, "batch + 1")
+    if cq[0] < 1:
+        raise ValueError(f"cu_seqlens_q: expected at least 1 entry (batch + 1), got shape {cq}")
+    if ck != cq:
+        raise ValueError(f"cu_seqlens_k: shape {ck} must match cu_seqlens_q shape {cq}")
+    max_q = _check_nonneg_int(max_seqlen_q, "max_seqlen_q")
+    max_k = _check_nonneg_int(max_seqlen_k, "max_seqlen_k")
+    causal = _check_bool(causal, "causal")
+    window = check_window_size(window_size, causal)
+    scale = resolve_softmax_scale(softmax_scale, headdim)
+    _check_out(out, qs, dt)
+    _check_device_consistency({"q": q, "k": k, "v": v, "out": out})
+    if not isinstance(validate, (bool, np.bool_)):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    if validate:
+        for name, cu, total, mx, mxname in (
+                ("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "max_seqlen_q"),
+                ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "max_seqlen_k")):
+            c = to_host(cu).astype(np.int64)
+            if c[0] != 0:
+                raise ValueError(f"{name}: must start at 0, got {c[0]}")
+            lens = np.diff(c)
+            if (lens < 0).any():
+                b = int(np.argmax(lens < 0))
+                raise ValueError(f"{name}: must be non-decreasing, got {name}[{b}]={c[b]} > "
+                                 f"{name}[{b + 1}]={c[b + 1]}")
+            if c[-1] != total:
+                raise ValueError(f"{name}: last entry {c[-1]} must equal the packed length "
+                                 f"{total} (dim 0 of {'q' if name.endswith('q') else 'k'})")
+            if lens.size and lens.max() > mx:
+                raise ValueError(f"{mxname}: {mx} is smaller than the longest sequence "
+                                 f"({int(lens.max())}) in {name}")
+    return AttnProblem(batch=cq[0] - 1, seqlen_q=max_q, seqlen_k=max_k, nheads=nheads,
+                       nheads_k=ks[1], headdim=headdim, dtype=dt, softmax_scale=scale,
+                       causal=window[1] == 0, window_size=window, varlen=True,
+                       total_q=total_q, total_k=total_k)
+
+
+def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, *,
+                  softmax_scale=None, causal=True, num_splits=0, out=None,
+                  dtypes=SUPPORTED_DTYPES, validate=True) -> DecodeProblem:
+    """Validate attention against a KV cache (Flash-Decoding; FlashAttention-2 Sec. 3.1 per split).
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, nheads, headdim)
+    k_cache, v_cache : array
+        Contiguous: shape (batch, seqlen_cache, nheads_k, headdim). Paged (``block_table`` given):
+        shape (num_pages, page_size, nheads_k, headdim), any ``page_size >= 1``. Same dtype as q.
+    k, v : array or None, shape (batch, seqlen_new, nheads_k, headdim)
+        New tokens written at ``cache_seqlens[b]`` before attending; both or neither.
+    cache_seqlens : int32 array, shape (batch,), or None
+        Valid tokens per sequence before appending. ``None`` means the whole contiguous cache;
+        required with ``block_table`` or with ``k``/``v``.
+    block_table : int32 array, shape (batch, max_pages_per_seq), or None
+        Page ids of each sequence in order; only the first
+        ``ceil((cache_seqlens[b] + seqlen_new) / page_size)`` entries of a row are read.
+    softmax_scale : float or None
+        See :func:`resolve_softmax_scale`.
+    causal : bool
+        Bottom-right causal mask against each sequence's total length.
+    num_splits : int
+        >= 0; 0 lets the heuristic choose.
+    out : array or None
+        Same shape and dtype as ``q``.
+    dtypes : tuple of str
+        Supported element types.
+    validate : bool
+        When True, read ``cache_seqlens`` and ``block_table`` (host copy if on the GPU) and check
+        ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + seqlen_new <= seqlen_cache``, and page
+        ids in ``[0, num_pages)`` for the pages each sequence uses.
+
+    Returns
+    -------
+    DecodeProblem
+
+    Raises
+    ------
+    TypeError
+        Non-array, unsupported/mismatched dtypes (index arrays must be int32), only one of
+        ``k``/``v``, bad ``causal``/``num_splits``/``softmax_scale`` type, host/device mix.
+    ValueError
+        Wrong dims or inconsistent sizes, unsupported headdim, ``nheads % nheads_k != 0``,
+        missing ``cache_seqlens`` where required, negative ``num_splits``, lengths over capacity,
+        page ids out of range.
+    """
+    qs = _check_ndim(q, "q", "batch, seqlen_q, nheads, headdim")
+    paged = block_table is not None
+    cache_layout = ("num_pages, page_size, nheads_k, headdim" if paged
+                    else "batch, seqlen_cache, nheads_k, headdim")
+    kcs = _check_ndim(k_cache, "k_cache", cache_layout)
+    vcs = _check_ndim(v_cache, "v_cache", cache_layout)
+    dt = _check_dtype(q, "q", dtypes)
+    _check_same_dtype(k_cache, "k_cache", dt, "q")
+    _check_same_dtype(v_cache, "v_cache", dt, "q")
+    batch, seqlen_q, nheads, headdim = qs
+    if kcs[3] != headdim:
+        raise ValueError(f"k_cache: headdim {kcs[3]} must match q headdim {headdim} "
+                         f"(shape {kcs})")
+    if vcs != kcs:
+        raise ValueError(f"v_cache: shape {vcs} must match k_cache shape {kcs}")
+    _check_headdim(headdim, "q")
+    nheads_k = kcs[2]
+    _check_heads(nheads, nheads_k, "k_cache")
+    if paged:
+        num_pages, page_size = kcs[0], kcs[1]
+        bts = _check_index_array(block_table, "block_table", 2, "batch, max_pages_per_seq")
+        if bts[0] != batch:
+            raise ValueError(f"block_table: batch {bts[0]} must match q batch {batch} "
+                             f"(shape {bts})")
+        if page_size < 1:
+            raise ValueError(f"k_cache: page_size (dim 1) must be >= 1, got shape {kcs}")
+        max_pages = bts[1]
+        seqlen_cache = max_pages * page_size
+    else:
+        num_pages = page_size = max_pages = 0
+        if kcs[0] != batch:
+            raise ValueError(f"k_cache: batch {kcs[0]} must match q batch {batch} (shape {kcs})")
+        seqlen_cache = kcs[1]
+    if (k is None) != (v is None):
+        raise TypeError(f"{'v' if k is not None else 'k'}: k and v must be given together "
+                        f"(got k={'array' if k is not None else None}, "
+                        f"v={'array' if v is not None else None})")
+    seqlen_new = 0
+    if k is not None:
+        ns = _check_ndim(k, "k", "batch, seqlen_new, nheads_k, headdim")
+        nvs = _check_ndim(v, "v", "batch, seqlen_new, nheads_k, headdim")
+        _check_same_dtype(k, "k", dt, "q")
+        _check_same_dtype(v, "v", dt, "q")
+        if ns[0] != batch or ns[2] != nheads_k or ns[3] != headdim:
+            raise ValueError(f"k: expected shape ({batch}, seqlen_new, {nheads_k}, {headdim}) "
+                             f"(batch of q, heads and headdim of k_cache), got {ns}")
+        if nvs != ns:
+            raise ValueError(f"v: shape {nvs} must match k shape {ns}")
+        seqlen_new = ns[1]
+    if cache_seqlens is None:
+        if paged:
+            raise ValueError("cache_seqlens: required when block_table is given (paged cache)")
+        if k is not None:
+            raise ValueError("cache_seqlens: required when k/v are given (they are written at "
+                             "cache_seqlens)")
+    else:
+        css = _check_index_array(cache_seqlens, "cache_seqlens", 1, "batch")
+        if css[0] != batch:
+            raise ValueError(f"cache_seqlens: expected shape ({batch},) (batch of q), got {css}")
+    causal = _check_bool(causal, "causal")
+    if not _is_int(num_splits):
+        raise TypeError(f"num_splits: expected an int >= 0, got {type(num_splits).__name__} "
+                        f"{num_splits!r}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits}")
+    scale = resolve_softmax_scale(softmax_scale, headdim)
+    _check_out(out, qs, dt)
+    _check_device_consistency({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
+                               "cache_seqlens": cache_seqlens, "block_table": block_table,
+                               "out": out})
+    if not isinstance(validate, (bool, np.bool_)):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    if validate and cache_seqlens is not None:
+        cs = to_host(cache_seqlens).astype(np.int64)
+        if (cs < 0).any():
+            b = int(np.argmax(cs < 0))
+            raise ValueError(f"cache_seqlens: must be >= 0, got cache_seqlens[{b}]={cs[b]}")
+        total = cs + seqlen_new
+        if (total > seqlen_cache).any():
+            b = int(np.argmax(total > seqlen_cache))
+            raise ValueError(f"cache_seqlens: cache_seqlens[{b}]={cs[b]} + seqlen_new "
+                             f"{seqlen_new} exceeds the cache capacity {seqlen_cache} "
+                             + ("(max_pages_per_seq * page_size)" if paged
+                                else "(k_cache dim 1)"))
+        if paged:
+            bt = to_host(block_table).astype(np.int64)
+            used = -(-total // page_size)  # pages each sequence reads or writes
+            cols = np.arange(max_pages)[None, :]
+            bad = (cols < used[:, None]) & ((bt < 0) | (bt >= num_pages))
+            if bad.any():
+                b, p = (int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(f"block_table: page id block_table[{b}, {p}]={bt[b, p]} is "
+                                 f"outside the pool [0, {num_pages}) (sequence {b} uses "
+                                 f"{int(used[b])} pages)")
+    return DecodeProblem(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k,
+                         headdim=headdim, dtype=dt, softmax_scale=scale, causal=causal,
+                         paged=paged, seqlen_cache=seqlen_cache, page_size=page_size,
+                         num_pages=num_pages, max_pages_per_seq=max_pages,
+                         seqlen_new=seqlen_new, num_splits=int(num_splits))
+
+
+def check_merge(o_parts, lse_parts) -> tuple:
+    """Validate partial attention states for :func:`merge_states` (Flash-Decoding combine).
+
+    Parameters
+    ----------
+    o_parts : array, shape (num_parts, batch, seqlen, nheads, headdim)
+        Normalised partial outputs; float16, bfloat16, float32 or float64.
+    lse_parts : array, shape (num_parts, batch, nheads, seqlen)
+        Natural-log partial LSEs (-inf for an empty part); float32 or float64.
+
+    Returns
+    -------
+    tuple of int
+        ``(num_parts, batch, seqlen, nheads, headdim)``.
+
+    Raises
+    ------
+    TypeError
+        Non-array, unsupported dtype, host/device mix.
+    ValueError
+        Wrong dims, ``num_parts < 1``, shapes that disagree, unsupported headdim.
+    """
+    os_ = _check_ndim(o_parts, "o_parts", "num_parts, batch, seqlen, nheads, headdim")
+    ls = _check_ndim(lse_parts, "lse_parts", "num_parts, batch, nheads, seqlen")
+    _check_dtype(o_parts, "o_parts", SUPPORTED_DTYPES)
+    _check_dtype(lse_parts, "lse_parts", ("float32", "float64"))
+    num_parts, batch, seqlen, nheads, headdim = os_
+    if num_parts < 1:
+        raise ValueError(f"o_parts: expected at least 1 part (dim 0), got shape {os_}")
+    want = (num_parts, batch, nheads, seqlen)
+    if ls != want:
+        raise ValueError(f"lse_parts: expected shape {want} (num_parts, batch, nheads, seqlen "
+                         f"of o_parts), got {ls}")
+    _check_headdim(headdim, "o_parts")
+    _check_device_consistency({"o_parts": o_parts, "lse_parts": lse_parts})
+    return os_

@@ -1,0 +1,590 @@
+"""NumPy reference implementations: the definition of "correct" for every cupyflash kernel.
+
+* :func:`attention_reference`: one-shot softmax attention in float64 (materialises the scores).
+* :func:`online_softmax_attention`: the streaming algorithm of FlashAttention (running max ``m``,
+  normaliser ``l``, unscaled accumulator ``acc`` rescaled by ``exp(m_old - m_new)``), vectorised
+  over query rows, over blocks of ``block_size_k`` keys, in the input's dtype or float64.
+* :func:`split_kv_partials` and :func:`merge_states`: Flash-Decoding's split-KV partial states
+  ``(o, lse)`` and their exact combination.
+* :func:`varlen_attention_reference`: packed variable-length batches (``cu_seqlens``).
+* :func:`kvcache_attention_reference`: decode against a contiguous or paged KV cache, with
+  optional new tokens appended at ``cache_seqlens``.
+
+The online-softmax update exists in exactly one function, :func:`online_softmax_update`;
+streaming attention, split-KV partials and the merge all call it. The masking rule exists in
+exactly one function, :func:`visible`.
+
+Semantics (``design.md``): causal masking and windows are aligned bottom-right (query row ``i`` of
+``seqlen_q`` sees key ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
+right``; ``causal`` means ``right = 0``); a row with no visible key gives output 0 and LSE -inf;
+LSE is the natural log of the softmax denominator of the scaled scores; GQA query head ``h`` reads
+KV head ``h // (nheads // nheads_k)``. Every function validates its inputs through
+:mod:`cupyflash.checks` (the same checks the kernels use) before any work.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import checks
+
+__all__ = [
+    "visible", "attention_mask", "attention_reference", "online_softmax_update",
+    "online_softmax_finalize", "online_softmax_attention", "split_boundaries",
+    "split_kv_partials", "merge_states", "varlen_attention_reference", "KVCacheResult",
+    "kvcache_attention_reference",
+]
+
+_NEG_INF = -np.inf
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks
+# ----------------------------------------------------------------------------------------------
+def visible(i, j, seqlen_q, seqlen_k, window_size=(-1, -1)):
+    """Whether query row ``i`` sees key ``j`` (elementwise, broadcasting; the one masking rule).
+
+    Parameters
+    ----------
+    i, j : int or int array
+        Query row and key index within one sequence (broadcast together).
+    seqlen_q, seqlen_k : int or int array
+        That sequence's query and key lengths (broadcast with ``i``/``j``).
+    window_size : tuple of 2 int
+        Normalised ``(left, right)``, -1 = unbounded (causal is ``right = 0``).
+
+    Returns
+    -------
+    bool or bool array
+        ``j < seqlen_k`` and ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
+        right`` (each bound dropped when its entry is -1): the bottom-right alignment of
+        FlashAttention-2 (arXiv 2307.08691) causal / sliding-window masks.
+    """
+    left, right = window_size
+    j = np.asarray(j)
+    diag = np.asarray(i) + np.asarray(seqlen_k) - np.asarray(seqlen_q)
+    ok = (j >= 0) & (j < seqlen_k)
+    if left >= 0:
+        ok = ok & (j >= diag - left)
+    if right >= 0:
+        ok = ok & (j <= diag + right)
+    return ok
+
+
+def attention_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1)) -> np.ndarray:
+    """Boolean mask of visible keys, shape (seqlen_q, seqlen_k), True = visible.
+
+    Parameters
+    ----------
+    seqlen_q, seqlen_k : int
+    causal : bool
+        Bottom-right causal (same as ``window_size[1] = 0``).
+    window_size : tuple of 2 int
+        ``(left, right)``, -1 = unbounded.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad ``window_size`` (see :func:`cupyflash.checks.check_window_size`).
+    """
+    window = checks.check_window_size(window_size, checks._check_bool(causal, "causal"))
+    return visible(np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :],
+                   seqlen_q, seqlen_k, window)
+
+
+# ----------------------------------------------------------------------------------------------
+# The online-softmax update (the only place it exists in NumPy)
+# ----------------------------------------------------------------------------------------------
+def online_softmax_update(m, l, acc, s, v):
+    """Fold one block of scores into the running softmax state.
+
+    FlashAttention (arXiv 2205.14135) Sec. 3.1 with FlashAttention-2's (arXiv 2307.08691,
+    Sec. 3.1) unscaled accumulator: with ``m_new = max(m, rowmax(s))``,
+
+    ``l_new = exp(m - m_new) * l + sum_j exp(s_j - m_new)``,
+    ``acc_new = exp(m - m_new) * acc + sum_j exp(s_j - m_new) v_j``.
+
+    Rows with nothing visible yet keep ``m = -inf, l = 0, acc = 0`` (the exponentials use 0 as
+    the reference point instead of -inf, so no ``-inf - -inf = NaN`` appears).
+
+    Parameters
+    ----------
+    m, l : array, shape (..., rows)
+        Running max (in score units, i.e. after ``softmax_scale``) and normaliser.
+    acc : array, shape (..., rows, d)
+        Unnormalised output accumulator.
+    s : array, shape (..., rows, n)
+        Scaled scores of the block; -inf marks a masked key. ``n`` may be 0.
+    v : array, shape (..., n, d) or (..., rows, n, d)
+        Values shared by every row (attention), or one value per row and key (merging partial
+        states, :func:`merge_states`). In the per-row form a key with probability 0 contributes
+        exactly nothing even if its value is NaN.
+
+    Returns
+    -------
+    m_new, l_new, acc_new : arrays
+        Same shapes as ``m``, ``l``, ``acc``; computed in the dtype of the inputs.
+    """
+    m_blk = s.max(axis=-1) if s.shape[-1] else np.full(s.shape[:-1], _NEG_INF, s.dtype)
+    m_new = np.maximum(m, m_blk)                         # running max
+    m_ref = np.where(m_new == _NEG_INF, 0, m_new).astype(m_new.dtype)  # exp reference point
+    alpha = np.exp(m - m_ref)                            # rescale factor of the old state
+    p = np.exp(s - m_ref[..., None])                     # block probabilities (unnormalised)
+    if v.ndim == s.ndim + 1:                             # per-row values (merge)
+        pv = np.where(p[..., None] > 0, p[..., None] * v, 0).astype(acc.dtype).sum(axis=-2)
+    else:
+        pv = (p @ v).astype(acc.dtype)  # (ml_dtypes' bfloat16 matmul returns float32)
+    l_new = alpha * l + p.sum(axis=-1)                   # normaliser
+    acc_new = alpha[..., None] * acc + pv                # rescaled accumulator
+    return m_new, l_new, acc_new
+
+
+def online_softmax_finalize(m, l, acc):
+    """Normalise a streaming state once at the end (FlashAttention-2 Sec. 3.1).
+
+    Parameters
+    ----------
+    m, l : array, shape (..., rows)
+    acc : array, shape (..., rows, d)
+
+    Returns
+    -------
+    out : array, shape (..., rows, d)
+        ``acc / l``; 0 for a row with ``l == 0`` (nothing visible).
+    lse : array, shape (..., rows)
+        ``m + log(l)``, natural log; -inf for a row with ``l == 0``.
+    """
+    empty = l == 0
+    safe_l = np.where(empty, 1, l).astype(l.dtype)
+    out = np.where(empty[..., None], 0, acc / safe_l[..., None]).astype(acc.dtype)
+    lse = np.where(empty, _NEG_INF, m + np.log(safe_l)).astype(m.dtype)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared plumbing
+# ----------------------------------------------------------------------------------------------
+def _heads_first(x, nheads):
+    """(batch, seqlen, nheads_x, d) -> (batch, nheads, seqlen, d), repeating KV heads for GQA:
+    query head h reads KV head h // (nheads // nheads_x)."""
+    group = nheads // x.shape[2]
+    if group > 1:
+        x = np.repeat(x, group, axis=2)
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+def _compute_dtype(dtype, like):
+    dt = np.dtype(like.dtype if dtype is None else dtype)
+    if checks.dtype_name(np.empty(0, dt)) not in checks.SUPPORTED_DTYPES:
+        raise TypeError(f"dtype: {dt} is not supported; supported: "
+                        f"{', '.join(checks.SUPPORTED_DTYPES)}")
+    return dt
+
+
+def _one_shot(qh, kh, vh, vis, scale):
+    """Float64 softmax(s) v with the whole score matrix; vis broadcasts to (b, h, sq, sk)."""
+    s = (qh @ kh.swapaxes(-1, -2)) * scale
+    s = np.where(vis, s, _NEG_INF)
+    m = s.max(axis=-1) if s.shape[-1] else np.full(s.shape[:-1], _NEG_INF)
+    m_ref = np.where(m == _NEG_INF, 0.0, m)
+    p = np.exp(s - m_ref[..., None])
+    l = p.sum(axis=-1)
+    empty = l == 0
+    safe_l = np.where(empty, 1.0, l)
+    out = np.where(empty[..., None], 0.0, (p @ vh) / safe_l[..., None])
+    lse = np.where(empty, _NEG_INF, m_ref + np.log(safe_l))
+    return out, lse
+
+
+def _stream(qh, kh, vh, vis, scale, block_size_k, dtype, key_start=0, key_stop=None):
+    """Streaming state (m, l, acc) over keys [key_start, key_stop) in blocks of block_size_k."""
+    b, h, sq, d = qh.shape
+    key_stop = kh.shape[2] if key_stop is None else key_stop
+    q_ = qh.astype(dtype)
+    scale_ = dtype.type(scale)
+    m = np.full((b, h, sq), _NEG_INF, dtype)
+    l = np.zeros((b, h, sq), dtype)
+    acc = np.zeros((b, h, sq, d), dtype)
+    for start in range(key_start, key_stop, block_size_k):
+        stop = min(start + block_size_k, key_stop)
+        k_blk = kh[:, :, start:stop].astype(dtype)
+        v_blk = vh[:, :, start:stop].astype(dtype)
+        s = (q_ @ k_blk.swapaxes(-1, -2)).astype(dtype) * scale_    # S = Q K^T (scaled)
+        s = np.where(vis[..., start:stop], s, _NEG_INF).astype(dtype)  # mask
+        m, l, acc = online_softmax_update(m, l, acc, s, v_blk)
+    return m, l, acc
+
+
+def _check_block_size(block_size_k):
+    if not checks._is_int(block_size_k):
+        raise TypeError(f"block_size_k: expected an int >= 1, got {block_size_k!r}")
+    if block_size_k < 1:
+        raise ValueError(f"block_size_k: expected an int >= 1, got {block_size_k}")
+    return int(block_size_k)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense attention
+# ----------------------------------------------------------------------------------------------
+def attention_reference(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """Exact attention, one-shot softmax in float64 (the oracle for every kernel).
+
+    ``out = softmax(softmax_scale * q k^T + mask) v`` with the whole score matrix materialised
+    (the standard attention of FlashAttention, arXiv 2205.14135, Sec. 2.2).
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, nheads, headdim)
+    k, v : array, shape (batch, seqlen_k, nheads_k, headdim)
+        float16, bfloat16 (ml_dtypes), float32 or float64 (NumPy, CuPy, or anything
+        ``np.asarray`` takes); upcast to float64.
+    softmax_scale : float or None
+        Multiplies ``q k^T``; None = ``1/sqrt(headdim)``.
+    causal : bool
+        Bottom-right aligned causal mask.
+    window_size : tuple of 2 int
+        ``(left, right)`` sliding window, -1 = unbounded, bottom-right aligned.
+
+    Returns
+    -------
+    out : float64 array, shape (batch, seqlen_q, nheads, headdim)
+        0 for rows with no visible key.
+    lse : float64 array, shape (batch, nheads, seqlen_q)
+        Natural-log sum of exp of the scaled visible scores; -inf for rows with no visible key.
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.checks.check_attention`.
+    """
+    q, k, v = checks.to_host(q), checks.to_host(k), checks.to_host(v)
+    p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
+    vis = attention_mask(p.seqlen_q, p.seqlen_k, window_size=p.window_size)
+    f = np.float64
+    out, lse = _one_shot(_heads_first(q.astype(f), p.nheads), _heads_first(k.astype(f), p.nheads),
+                         _heads_first(v.astype(f), p.nheads), vis, p.softmax_scale)
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def online_softmax_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             block_size_k=64, dtype=None):
+    """Streaming (online-softmax) attention over blocks of keys, as the kernels compute it.
+
+    FlashAttention (arXiv 2205.14135) Sec. 3.1, Algorithm 1, with FlashAttention-2's
+    (arXiv 2307.08691, Sec. 3.1) unscaled accumulator normalised once at the end. Vectorised over
+    all query rows; keys are visited in blocks of ``block_size_k`` and each block is folded in by
+    :func:`online_softmax_update`.
+
+    Parameters
+    ----------
+    q, k, v, softmax_scale, causal, window_size
+        As in :func:`attention_reference`.
+    block_size_k : int
+        Keys per block (>= 1); the result is independent of it up to rounding.
+    dtype : numpy dtype or None
+        Arithmetic precision (float16, bfloat16, float32, float64); None = the dtype of ``q``.
+
+    Returns
+    -------
+    out : array of ``dtype``, shape (batch, seqlen_q, nheads, headdim)
+    lse : array of ``dtype``, shape (batch, nheads, seqlen_q)
+        As in :func:`attention_reference` (0 and -inf for empty rows).
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.checks.check_attention`; bad ``block_size_k`` or ``dtype``.
+
+    Notes
+    -----
+    Error bound in float32: see :func:`cupyflash.testing.streaming_error_bound`.
+    """
+    q, k, v = checks.to_host(q), checks.to_host(k), checks.to_host(v)
+    p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
+    block_size_k = _check_block_size(block_size_k)
+    dt = _compute_dtype(dtype, q)
+    vis = attention_mask(p.seqlen_q, p.seqlen_k, window_size=p.window_size)
+    m, l, acc = _stream(_heads_first(q, p.nheads), _heads_first(k, p.nheads),
+                        _heads_first(v, p.nheads), vis, p.softmax_scale, block_size_k, dt)
+    out, lse = online_softmax_finalize(m, l, acc)
+    return out.transpose(0, 2, 1, 3), lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Split-KV (Flash-Decoding) and merging
+# ----------------------------------------------------------------------------------------------
+def split_boundaries(seqlen_k, num_splits, block_size_k=64):
+    """Key ranges ``[(start, stop), ...]`` of each split, in whole blocks of ``block_size_k``.
+
+    ``n_blocks = ceil(seqlen_k / block_size_k)`` blocks are dealt out ``ceil(n_blocks /
+    num_splits)`` per split in order; trailing splits may be empty (``start == stop``) when
+    ``num_splits`` exceeds the number of blocks. The merged result does not depend on the
+    boundaries (up to rounding).
+
+    Parameters
+    ----------
+    seqlen_k : int
+        Keys to split (>= 0).
+    num_splits : int
+        Number of splits (>= 1).
+    block_size_k : int
+        Granularity (>= 1).
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``num_splits`` or ``block_size_k`` not an int >= 1.
+    """
+    block_size_k = _check_block_size(block_size_k)
+    if not checks._is_int(num_splits):
+        raise TypeError(f"num_splits: expected an int >= 1, got {num_splits!r}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits: expected an int >= 1, got {num_splits}")
+    n_blocks = -(-seqlen_k // block_size_k)
+    per_split = -(-n_blocks // num_splits) * block_size_k
+    return [(min(s * per_split, seqlen_k), min((s + 1) * per_split, seqlen_k))
+            for s in range(num_splits)]
+
+
+def split_kv_partials(q, k, v, num_splits, *, softmax_scale=None, causal=False,
+                      window_size=(-1, -1), block_size_k=64, dtype=np.float64):
+    """Per-split partial attention states (Flash-Decoding's split step).
+
+    Split ``s`` attends only to its key range (:func:`split_boundaries`), with the masks still
+    evaluated at global key positions, and returns its own normalised output and LSE.
+    ``merge_states(*split_kv_partials(...))`` equals the unsplit attention.
+
+    Parameters
+    ----------
+    q, k, v, softmax_scale, causal, window_size
+        As in :func:`attention_reference`.
+    num_splits : int
+        >= 1; splits with no keys (or no visible key) give ``(0, -inf)``.
+    block_size_k : int
+        Block size of the streaming loop and granularity of the split boundaries.
+    dtype : numpy dtype
+        Arithmetic precision (default float64).
+
+    Returns
+    -------
+    o_parts : array, shape (num_splits, batch, seqlen_q, nheads, headdim)
+    lse_parts : array, shape (num_splits, batch, nheads, seqlen_q)
+        Natural log; -inf where the split saw no key.
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.checks.check_attention`; bad ``num_splits``/``block_size_k``.
+    """
+    q, k, v = checks.to_host(q), checks.to_host(k), checks.to_host(v)
+    p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
+    bounds = split_boundaries(p.seqlen_k, num_splits, block_size_k)
+    dt = _compute_dtype(dtype, q)
+    vis = attention_mask(p.seqlen_q, p.seqlen_k, window_size=p.window_size)
+    qh, kh, vh = (_heads_first(x, p.nheads) for x in (q, k, v))
+    o_parts, lse_parts = [], []
+    for start, stop in bounds:
+        m, l, acc = _stream(qh, kh, vh, vis, p.softmax_scale, block_size_k, dt, start, stop)
+        o, lse = online_softmax_finalize(m, l, acc)
+        o_parts.append(o.transpose(0, 2, 1, 3))
+        lse_parts.append(lse)
+    return np.stack(o_parts), np.stack(lse_parts)
+
+
+def merge_states(o_parts, lse_parts, *, dtype=np.float64):
+    """Exact combination of partial attention states (Flash-Decoding's combine step).
+
+    With ``lse_max = max_i lse_i`` and ``w_i = exp(lse_i - lse_max)``:
+    ``lse = lse_max + log(sum_i w_i)`` and ``o = sum_i w_i o_i / sum_i w_i``. This is attention in
+    which part ``i`` is one key with score ``lse_i`` and value ``o_i``, so it is computed by the
+    same :func:`online_softmax_update` (FlashAttention arXiv 2205.14135 Sec. 3.1). Parts with
+    ``lse = -inf`` contribute nothing (their ``o`` is ignored, even if NaN):
+    ``merge(x, (0, -inf)) = x``; merging only empty parts gives ``(0, -inf)``.
+
+    Parameters
+    ----------
+    o_parts : array, shape (num_parts, batch, seqlen, nheads, headdim)
+    lse_parts : array, shape (num_parts, batch, nheads, seqlen)
+        Natural-log LSE, float32 or float64.
+    dtype : numpy dtype
+        Arithmetic precision (default float64).
+
+    Returns
+    -------
+    o : array, shape (batch, seqlen, nheads, headdim)
+    lse : array, shape (batch, nheads, seqlen)
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.checks.check_merge`.
+    """
+    o_parts, lse_parts = checks.to_host(o_parts), checks.to_host(lse_parts)
+    num_parts, batch, seqlen, nheads, d = checks.check_merge(o_parts, lse_parts)
+    dt = np.dtype(dtype)
+    s = np.moveaxis(lse_parts.astype(dt), 0, -1)                    # (b, h, sq, parts)
+    vals = np.moveaxis(o_parts.astype(dt), 0, -2).transpose(0, 2, 1, 3, 4)  # (b, h, sq, parts, d)
+    m = np.full((batch, nheads, seqlen), _NEG_INF, dt)
+    l = np.zeros((batch, nheads, seqlen), dt)
+    acc = np.zeros((batch, nheads, seqlen, d), dt)
+    m, l, acc = online_softmax_update(m, l, acc, s, vals)
+    o, lse = online_softmax_finalize(m, l, acc)
+    return o.transpose(0, 2, 1, 3), lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Variable length
+# ----------------------------------------------------------------------------------------------
+def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                               max_seqlen_k=None, *, softmax_scale=None, causal=False,
+                               window_size=(-1, -1)):
+    """Exact float64 attention over a packed batch of variable-length sequences.
+
+    All sequences are computed at once with a block-diagonal mask over the packed tokens: query
+    row ``t`` of sequence ``b`` sees key ``u`` iff ``u`` belongs to sequence ``b`` and the
+    bottom-right mask of that sequence's own lengths allows it.
+
+    Parameters
+    ----------
+    q : array, shape (total_q, nheads, headdim)
+    k, v : array, shape (total_k, nheads_k, headdim)
+    cu_seqlens_q, cu_seqlens_k : int32 array, shape (batch + 1,)
+        Sequence starts (0, ..., total).
+    max_seqlen_q, max_seqlen_k : int or None
+        Bounds on the lengths (None = the actual maxima).
+    softmax_scale, causal, window_size
+        As in :func:`attention_reference`, applied per sequence.
+
+    Returns
+    -------
+    out : float64 array, shape (total_q, nheads, headdim)
+    lse : float64 array, shape (nheads, total_q)
+        -inf for rows with no visible key (e.g. a sequence with no keys).
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.checks.check_varlen` (``validate=True``).
+    """
+    q, k, v = checks.to_host(q), checks.to_host(k), checks.to_host(v)
+    cq_arr = checks.to_host(cu_seqlens_q)
+    ck_arr = checks.to_host(cu_seqlens_k)
+    if max_seqlen_q is None and cq_arr.ndim == 1 and cq_arr.size >= 1:
+        max_seqlen_q = int(np.diff(cq_arr.astype(np.int64)).max(initial=0))
+    if max_seqlen_k is None and ck_arr.ndim == 1 and ck_arr.size >= 1:
+        max_seqlen_k = int(np.diff(ck_arr.astype(np.int64)).max(initial=0))
+    p = checks.check_varlen(q, k, v, cq_arr, ck_arr, max_seqlen_q, max_seqlen_k,
+                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            validate=True)
+    cq, ck = cq_arr.astype(np.int64), ck_arr.astype(np.int64)
+    len_q, len_k = np.diff(cq), np.diff(ck)
+    seg_q = np.repeat(np.arange(p.batch), len_q)           # sequence of each packed row
+    seg_k = np.repeat(np.arange(p.batch), len_k)
+    pos_q = np.arange(p.total_q) - cq[seg_q]               # position within its sequence
+    pos_k = np.arange(p.total_k) - ck[seg_k]
+    vis = (seg_q[:, None] == seg_k[None, :]) & visible(
+        pos_q[:, None], pos_k[None, :], len_q[seg_q][:, None], len_k[seg_q][:, None],
+        p.window_size)
+    f = np.float64
+    out, lse = _one_shot(_heads_first(q[None].astype(f), p.nheads),
+                         _heads_first(k[None].astype(f), p.nheads),
+                         _heads_first(v[None].astype(f), p.nheads), vis, p.softmax_scale)
+    return out[0].transpose(1, 0, 2), lse[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache (decode)
+# ----------------------------------------------------------------------------------------------
+class KVCacheResult(NamedTuple):
+    """Result of :func:`kvcache_attention_reference` (unpacks as a 4-tuple).
+
+    out : float64 (batch, seqlen_q, nheads, headdim)
+    lse : float64 (batch, nheads, seqlen_q)
+    k_cache, v_cache : the caches after appending ``k``/``v`` (new arrays of the cache dtype), or
+        the inputs (as NumPy arrays) when nothing was appended.
+    """
+    out: np.ndarray
+    lse: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+
+
+def kvcache_attention_reference(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                                block_table=None, softmax_scale=None, causal=True):
+    """Exact float64 attention of new queries against a (contiguous or paged) KV cache.
+
+    Sequence ``b`` attends to its first ``L_b = cache_seqlens[b] + seqlen_new`` keys: the
+    ``cache_seqlens[b]`` cached tokens, then the new ``k[b]``/``v[b]`` (written at positions
+    ``cache_seqlens[b] ... L_b - 1``). Causal masking is bottom-right against ``L_b``: query row
+    ``i`` sees key ``j`` iff ``j <= i + L_b - seqlen_q``. Nothing at or beyond ``L_b`` (cache
+    tail, tail of the last page, unused ``block_table`` entries) is read. Flash-Decoding computes
+    the same function in splits (see :func:`split_kv_partials`).
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, nheads, headdim)
+    k_cache, v_cache : array
+        Contiguous (batch, seqlen_cache, nheads_k, headdim) or, with ``block_table``, paged
+        (num_pages, page_size, nheads_k, headdim) with any ``page_size >= 1``.
+    k, v : array or None, shape (batch, seqlen_new, nheads_k, headdim)
+        New tokens to append before attending.
+    cache_seqlens : int32 array (batch,) or None
+        Valid cached tokens per sequence; None = the whole contiguous cache.
+    block_table : int32 array (batch, max_pages_per_seq) or None
+        Page ids; token ``t`` of sequence ``b`` lives at
+        ``k_cache[block_table[b, t // page_size], t % page_size]``.
+    softmax_scale : float or None
+        None = ``1/sqrt(headdim)``.
+    causal : bool
+        Bottom-right causal mask (default True).
+
+    Returns
+    -------
+    KVCacheResult
+        ``(out, lse, k_cache, v_cache)``: float64 output and natural-log LSE (0 and -inf for a
+        sequence with no key), and the updated caches. The inputs are never modified: the
+        updated caches are copies when ``k``/``v`` are given.
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.checks.check_kvcache` (``validate=True``).
+    """
+    q, k_cache, v_cache = (checks.to_host(x) for x in (q, k_cache, v_cache))
+    k = None if k is None else checks.to_host(k)
+    v = None if v is None else checks.to_host(v)
+    cs_in = None if cache_seqlens is None else checks.to_host(cache_seqlens)
+    bt_in = None if block_table is None else checks.to_host(block_table)
+    p = checks.check_kvcache(q, k_cache, v_cache, k, v, cs_in, bt_in, softmax_scale=softmax_scale,
+                             causal=causal, validate=True)
+    cs = (np.full(p.batch, p.seqlen_cache, np.int64) if cs_in is None
+          else cs_in.astype(np.int64))
+    if k is not None:
+        k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    f = np.float64
+    out = np.zeros((p.batch, p.seqlen_q, p.nheads, p.headdim))
+    lse = np.full((p.batch, p.nheads, p.seqlen_q), _NEG_INF)
+    window = (-1, 0) if p.causal else (-1, -1)
+    for b in range(p.batch):
+        pos = np.arange(cs[b] + p.seqlen_new)              # token positions of sequence b
+        if p.paged:
+            page = bt_in[b, pos // p.page_size].astype(np.int64)
+            slot = (page, pos % p.page_size)
+        else:
+            slot = (np.full(pos.shape, b), pos)
+        if k is not None:                                  # append: write new tokens in place
+            new = slice(int(cs[b]), None)
+            k_cache[slot[0][new], slot[1][new]] = k[b]
+            v_cache[slot[0][new], slot[1][new]] = v[b]
+        kb = k_cache[slot].astype(f)[None]                 # (1, L_b, nheads_k, d): gathered keys
+        vb = v_cache[slot].astype(f)[None]
+        vis = visible(np.arange(p.seqlen_q)[:, None], pos[None, :], p.seqlen_q, pos.size, window)
+        o, s = _one_shot(_heads_first(q[b:b + 1].astype(f), p.nheads), _heads_first(kb, p.nheads),
+                         _heads_first(vb, p.nheads), vis, p.softmax_scale)
+        out[b] = o[0].transpose(1, 0, 2)
+        lse[b] = s[0]
+    return KVCacheResult(out, lse, k_cache, v_cache)

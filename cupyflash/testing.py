@@ -1,0 +1,646 @@
+"""Hypothesis strategies and error measures for testing attention kernels against the reference.
+
+Public so that anyone can fuzz their own kernel against :mod:`cupyflash.reference`::
+
+    from hypothesis import given
+    from cupyflash import reference, testing
+
+    @given(testing.attention_cases(dtypes=("float32",)))
+    def test_mine(case):
+        out = my_kernel(case.q, case.k, case.v, **case.kwargs())
+        ref, _ = reference.attention_reference(case.q, case.k, case.v, **case.kwargs())
+        assert testing.rel_error(out, ref) <= 1e-5
+
+Strategies draw compile-time-like parameters (dtype, head dim) from small sets and runtime ones
+(batch, lengths including 0, 1 and block-size neighbours, heads, GQA ratios, windows, page tables
+in shuffled order) freely. Array contents come from a ``numpy.random.Generator`` seeded by a drawn
+integer: fresh standard-normal data every example, never zeros. Cache tails, unused pages and
+unused ``block_table`` entries are filled with NaN by default (``poison=True``): nothing beyond a
+sequence's length may influence a result.
+
+Requires ``hypothesis`` (the ``test`` extra).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import strategies as st
+
+__all__ = [
+    "DTYPES", "BLOCK_SIZES", "np_dtype", "rel_error", "streaming_error_bound",
+    "dtypes", "headdims", "head_counts", "seqlens", "window_sizes", "softmax_scales",
+    "segment_lengths", "cu_seqlens_from_lengths", "random_normal",
+    "AttentionCase", "attention_cases", "VarlenCase", "varlen_cases",
+    "KVCacheCase", "kvcache_cases", "paged_to_contiguous", "contiguous_to_paged",
+]
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: Tile sizes used by the kernels; lengths near their multiples are drawn often.
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def np_dtype(name) -> np.dtype:
+    """NumPy dtype for a name.
+
+    Parameters
+    ----------
+    name : str or dtype
+        ``'float16'``, ``'bfloat16'``, ``'float32'``, ``'float64'``, ...
+
+    Returns
+    -------
+    numpy.dtype
+        ``'bfloat16'`` is ml_dtypes' bfloat16 (the dtype CuPy uses for bf16).
+    """
+    if str(name) == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Error measures
+# ----------------------------------------------------------------------------------------------
+def _host64(x) -> np.ndarray:
+    from .checks import to_host
+    return to_host(x).astype(np.float64)
+
+
+def rel_error(out, ref) -> float:
+    """Normwise relative error ``||out - ref||_2 / ||ref||_2`` (all elements, float64).
+
+    Equal infinities (e.g. LSE = -inf of empty rows in both) count as exact; any NaN in ``out``,
+    or an infinity in only one of them, gives ``inf``. If ``||ref|| == 0`` the result is 0 when
+    ``out`` is also all zero, else ``inf``.
+
+    Parameters
+    ----------
+    out, ref : array (NumPy, CuPy, anything ``np.asarray`` takes), same shape
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    ValueError
+        Shapes differ, or ``ref`` holds NaN.
+    """
+    a, b = _host64(out), _host64(ref)
+    if a.shape != b.shape:
+        raise ValueError(f"out: shape {a.shape} must match ref shape {b.shape}")
+    if np.isnan(b).any():
+        raise ValueError("ref: holds NaN; a reference must be NaN-free")
+    if np.isnan(a).any():
+        return math.inf
+    same = a == b                                        # covers equal infinities
+    with np.errstate(invalid="ignore", over="ignore"):   # inf - inf where both are equal
+        delta = np.where(same, 0.0, a - b)
+    if not np.isfinite(delta).all():
+        return math.inf
+    diff = np.linalg.norm(delta)
+    norm = np.linalg.norm(np.where(np.isfinite(b), b, 0.0))
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return float(diff / norm)
+
+
+def streaming_error_bound(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                          block_size_k=64, dtype=np.float32, c_exp=8.0):
+    """First-order error bound of the streaming algorithm (``online_softmax_attention``).
+
+    Bounds ``rel_error(out_hat, out)`` where ``out_hat`` is the streaming result computed in
+    ``dtype`` (float32 or float64) on inputs exactly representable in ``dtype`` and ``out`` the
+    exact attention. With unit roundoff ``u = eps / 2``, for query row ``i``:
+
+    * ``A_i = max_j softmax_scale * sum_c |q_ic| |k_jc|`` over visible keys (bounds ``|s_ij|``);
+    * ``n_blk`` blocks of at most ``nb = block_size_k`` keys;
+    * scores: ``|s_hat - s| <= (d + 2) u A_i`` (dot product of length d, then the rounded scale),
+      which perturbs each normalised weight by a relative ``2 (d + 2) u A_i``;
+    * each unnormalised weight ``p_j = exp(s_j - m) * prod(alpha)`` carries a relative error of at
+      most ``E_i = u (4 A_i + c_exp + (c_exp + 1) n_blk)``: the subtraction ``s - m`` (``|s - m|
+      <= 2 A_i``), ``exp`` (``c_exp`` u, i.e. ``c_exp / 2`` ulp), and per later block one rescale
+      ``alpha = exp(m_old - m_new)`` (its subtraction telescopes to ``<= 2 A_i u`` in total) and
+      one multiply; perturbing weights relatively by ``E`` moves the output by ``2 E W``;
+    * the sums of ``l`` and of ``acc = sum p v`` (positive / absolute terms, any order): ``(nb +
+      n_blk) u`` each, relative to ``W``; the final division: ``u``;
+
+    where ``W_ic = sum_j P_ij |v_jc|``. Hence componentwise
+
+    ``|out_hat - out|_ic <= u K_i W_ic``, ``K_i = (2d + 12) A_i + 2 c_exp + 2 (c_exp + 1) n_blk
+    + 2 nb + 2 n_blk + 1``,
+
+    and with a factor 2 for the neglected higher-order terms (``2 u = eps``)::
+
+        rel_error <= eps * sqrt(sum_i K_i^2 ||W_i||^2) / ||out||.
+
+    For the LSE (absolute, per row): ``|lse_hat - lse| <= eps * [(d + 6) A_i + 2 c_exp +
+    (c_exp + 1) n_blk + nb + n_blk + |lse_i|]``.
+
+    Parameters
+    ----------
+    q, k, v, softmax_scale, causal, window_size, block_size_k
+        As in :func:`~cupyflash.reference.online_softmax_attention`.
+    dtype : numpy dtype
+        Precision of the streaming computation (float32 or float64; for float64 the same bound
+        also covers the float64 reference's own error when doubled).
+    c_exp : float
+        Accuracy of ``np.exp`` in units of ``u`` (default 8 = 4 ulp; NumPy's float32 SIMD
+        ``exp`` is documented within a few ulp).
+
+    Returns
+    -------
+    out_bound : float
+        Bound on ``rel_error(out_hat, out)``.
+    lse_bound : float64 array, shape (batch, nheads, seqlen_q)
+        Bound on ``|lse_hat - lse|`` per row (0 for rows with no visible key).
+
+    References
+    ----------
+    FlashAttention arXiv 2205.14135 Sec. 3.1 (online softmax); Higham, *Accuracy and Stability of
+    Numerical Algorithms*, Sec. 3.1 (the ``gamma_n`` bounds used for the sums).
+    """
+    from . import checks, reference
+    q, k, v = (checks.to_host(x) for x in (q, k, v))
+    p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype: the bound is derived for float32/float64, got {dt}")
+    eps = float(np.finfo(dt).eps)
+    f = np.float64
+    qh = reference._heads_first(q.astype(f), p.nheads)
+    kh = reference._heads_first(k.astype(f), p.nheads)
+    vh = reference._heads_first(v.astype(f), p.nheads)
+    vis = reference.attention_mask(p.seqlen_q, p.seqlen_k, window_size=p.window_size)
+    out, lse = reference._one_shot(qh, kh, vh, vis, p.softmax_scale)
+    a = p.softmax_scale * (np.abs(qh) @ np.abs(kh).swapaxes(-1, -2))
+    a_i = np.where(vis, a, 0.0).max(axis=-1, initial=0.0)             # (b, h, sq)
+    probs = np.exp(np.where(vis, (qh @ kh.swapaxes(-1, -2)) * p.softmax_scale, -np.inf)
+                   - np.where(np.isfinite(lse), lse, 0.0)[..., None])
+    w = probs @ np.abs(vh)                                             # (b, h, sq, d)
+    nb = min(block_size_k, max(p.seqlen_k, 1))
+    n_blk = -(-p.seqlen_k // block_size_k)
+    d = p.headdim
+    k_i = (2 * d + 12) * a_i + 2 * c_exp + 2 * (c_exp + 1) * n_blk + 2 * nb + 2 * n_blk + 1
+    num = math.sqrt(float(((k_i ** 2) * (w ** 2).sum(axis=-1)).sum()))
+    den = float(np.linalg.norm(out))
+    out_bound = 0.0 if num == 0.0 else (math.inf if den == 0.0 else eps * num / den)
+    lse_fin = np.where(np.isfinite(lse), np.abs(lse), 0.0)
+    lse_bound = eps * ((d + 6) * a_i + 2 * c_exp + (c_exp + 1) * n_blk + nb + n_blk + lse_fin)
+    lse_bound = np.where(np.isfinite(lse), lse_bound, 0.0)
+    return out_bound, lse_bound
+
+
+# ----------------------------------------------------------------------------------------------
+# Basic strategies
+# ----------------------------------------------------------------------------------------------
+def dtypes(names=DTYPES):
+    """Strategy: a dtype name.
+
+    Parameters
+    ----------
+    names : tuple of str
+        Candidates (default: float16, bfloat16, float32, float64).
+
+    Returns
+    -------
+    SearchStrategy[str]
+    """
+    return st.sampled_from(tuple(names))
+
+
+def headdims(max_value=256, min_value=8):
+    """Strategy: head dims, the multiples of 8 in ``[min_value, max_value]``.
+
+    Parameters
+    ----------
+    max_value, min_value : int
+        Range (the checks accept multiples of 8 from 8 to 256).
+
+    Returns
+    -------
+    SearchStrategy[int]
+    """
+    return st.sampled_from(tuple(range(max(8, min_value), max_value + 1, 8)))
+
+
+def head_counts(max_nheads_k=4, max_group=4):
+    """Strategy: head counts for MHA, GQA and MQA.
+
+    Parameters
+    ----------
+    max_nheads_k : int
+        Largest number of KV heads.
+    max_group : int
+        Largest ratio ``nheads // nheads_k``.
+
+    Returns
+    -------
+    SearchStrategy[tuple[int, int]]
+        ``(nheads, nheads_k)`` with ``nheads = group * nheads_k``.
+    """
+    return st.tuples(st.integers(1, max_nheads_k), st.integers(1, max_group)).map(
+        lambda t: (t[0] * t[1], t[0]))
+
+
+def seqlens(max_value=64, min_value=0, block_sizes=BLOCK_SIZES):
+    """Strategy: sequence lengths (tokens), biased to the edges of tiles.
+
+    Parameters
+    ----------
+    max_value, min_value : int
+        Range of lengths.
+    block_sizes : tuple of int
+        Tile sizes ``b``; ``0, 1, b - 1, b, b + 1`` are drawn often, other lengths uniformly.
+
+    Returns
+    -------
+    SearchStrategy[int]
+    """
+    special = sorted({x for b in block_sizes for x in (0, 1, b - 1, b, b + 1)
+                      if min_value <= x <= max_value})
+    uniform = st.integers(min_value, max_value)
+    return st.one_of(st.sampled_from(special), uniform) if special else uniform
+
+
+def window_sizes(max_value=64):
+    """Strategy: sliding windows ``(left, right)`` in keys, -1 = unbounded.
+
+    Parameters
+    ----------
+    max_value : int
+        Largest finite entry.
+
+    Returns
+    -------
+    SearchStrategy[tuple[int, int]]
+        ``(-1, -1)`` often; otherwise each entry in ``[-1, max_value]``.
+    """
+    entry = st.one_of(st.just(-1), st.integers(0, max_value))
+    return st.one_of(st.just((-1, -1)), st.tuples(entry, entry))
+
+
+def softmax_scales():
+    """Strategy: ``softmax_scale`` values.
+
+    Returns
+    -------
+    SearchStrategy[float or None]
+        ``None`` (= ``1/sqrt(headdim)``) or a finite scale in ``[0.01, 2]``.
+    """
+    return st.one_of(st.none(), st.floats(0.01, 2.0))
+
+
+def segment_lengths(max_batch=4, max_len=40, min_batch=1):
+    """Strategy: per-sequence lengths of a variable-length batch.
+
+    Parameters
+    ----------
+    max_batch, min_batch : int
+        Range of the number of sequences.
+    max_len : int
+        Longest sequence (0 is allowed).
+
+    Returns
+    -------
+    SearchStrategy[list[int]]
+    """
+    return st.lists(seqlens(max_len), min_size=min_batch, max_size=max_batch)
+
+
+def cu_seqlens_from_lengths(lengths) -> np.ndarray:
+    """Cumulative sequence starts of a packed batch.
+
+    Parameters
+    ----------
+    lengths : sequence of int
+
+    Returns
+    -------
+    numpy.ndarray
+        int32, shape (len(lengths) + 1,): ``[0, l0, l0 + l1, ...]``.
+    """
+    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+
+
+def random_normal(rng: np.random.Generator, shape, dtype="float64", scale=1.0) -> np.ndarray:
+    """Fresh standard-normal data (never zeros).
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+    shape : tuple of int
+    dtype : str or dtype
+        Cast target (see :func:`np_dtype`).
+    scale : float
+        Standard deviation.
+
+    Returns
+    -------
+    numpy.ndarray
+    """
+    return (rng.standard_normal(shape) * scale).astype(np_dtype(dtype))
+
+
+def _seeds():
+    return st.integers(0, 2**32 - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Composite cases
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class AttentionCase:
+    """A dense attention problem: ``q`` (batch, seqlen_q, nheads, d), ``k``/``v`` (batch,
+    seqlen_k, nheads_k, d) NumPy arrays of ``dtype``, plus the call's keyword arguments."""
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    softmax_scale: float | None
+    causal: bool
+    window_size: tuple
+    seed: int
+
+    def kwargs(self) -> dict:
+        """``softmax_scale``, ``causal``, ``window_size`` as keyword arguments."""
+        return dict(softmax_scale=self.softmax_scale, causal=self.causal,
+                    window_size=self.window_size)
+
+
+@st.composite
+def attention_cases(draw, *, dtypes=("float64",), max_batch=2, max_seqlen_q=48,
+                    max_seqlen_k=48, max_headdim=64, max_nheads_k=3, max_group=3, causal=None,
+                    windows=True, min_seqlen=0, scale=1.0):
+    """Strategy: :class:`AttentionCase` with random shapes, GQA ratio, masks and data.
+
+    Parameters
+    ----------
+    dtypes : tuple of str
+        Dtypes to draw from.
+    max_batch, max_seqlen_q, max_seqlen_k, max_headdim, max_nheads_k, max_group : int
+        Size limits (lengths include 0, 1 and block-size neighbours).
+    causal : bool or None
+        Fixed, or drawn when None.
+    windows : bool
+        Draw sliding windows too (else ``(-1, -1)``).
+    min_seqlen : int
+        Smallest length drawn.
+    scale : float
+        Standard deviation of the data.
+    """
+    dt = draw(st.sampled_from(tuple(dtypes)))
+    batch = draw(st.integers(1, max_batch))
+    sq = draw(seqlens(max_seqlen_q, min_seqlen))
+    sk = draw(seqlens(max_seqlen_k, min_seqlen))
+    nheads, nheads_k = draw(head_counts(max_nheads_k, max_group))
+    d = draw(headdims(max_headdim))
+    is_causal = draw(st.booleans()) if causal is None else causal
+    window = draw(window_sizes(max(sq, sk, 1))) if windows else (-1, -1)
+    sm_scale = draw(softmax_scales())
+    seed = draw(_seeds())
+    rng = np.random.default_rng(seed)
+    return AttentionCase(q=random_normal(rng, (batch, sq, nheads, d), dt, scale),
+                         k=random_normal(rng, (batch, sk, nheads_k, d), dt, scale),
+                         v=random_normal(rng, (batch, sk, nheads_k, d), dt, scale),
+                         softmax_scale=sm_scale, causal=is_causal, window_size=window, seed=seed)
+
+
+@dataclass
+class VarlenCase:
+    """A packed variable-length problem: ``q`` (total_q, nheads, d), ``k``/``v`` (total_k,
+    nheads_k, d), int32 ``cu_seqlens_q``/``cu_seqlens_k`` (batch + 1,), the per-sequence lengths,
+    ``max_seqlen_q``/``max_seqlen_k`` and the call's keyword arguments."""
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+    lengths_q: list
+    lengths_k: list
+    softmax_scale: float | None
+    causal: bool
+    window_size: tuple
+    seed: int
+
+    def kwargs(self) -> dict:
+        """``softmax_scale``, ``causal``, ``window_size`` as keyword arguments."""
+        return dict(softmax_scale=self.softmax_scale, causal=self.causal,
+                    window_size=self.window_size)
+
+
+@st.composite
+def varlen_cases(draw, *, dtypes=("float64",), max_batch=4, max_len=40, max_headdim=64,
+                 max_nheads_k=2, max_group=3, causal=None, windows=True):
+    """Strategy: :class:`VarlenCase` (packed batches for ``flash_attn_varlen_func``).
+
+    Parameters
+    ----------
+    dtypes : tuple of str
+    max_batch, max_len : int
+        Sequences per batch and longest sequence; lengths include 0 and 1 (empty sequences,
+        sequences with queries but no keys and vice versa).
+    max_headdim, max_nheads_k, max_group : int
+    causal : bool or None
+        Fixed, or drawn when None.
+    windows : bool
+        Draw sliding windows too.
+
+    Returns
+    -------
+    SearchStrategy[VarlenCase]
+        ``max_seqlen_*`` may exceed the longest sequence by up to 3.
+    """
+    dt = draw(st.sampled_from(tuple(dtypes)))
+    batch = draw(st.integers(1, max_batch))
+    lq = draw(st.lists(seqlens(max_len), min_size=batch, max_size=batch))
+    lk = draw(st.lists(seqlens(max_len), min_size=batch, max_size=batch))
+    nheads, nheads_k = draw(head_counts(max_nheads_k, max_group))
+    d = draw(headdims(max_headdim))
+    is_causal = draw(st.booleans()) if causal is None else causal
+    window = draw(window_sizes(max_len)) if windows else (-1, -1)
+    extra_q = draw(st.integers(0, 3))                   # max_seqlen may exceed the longest
+    extra_k = draw(st.integers(0, 3))
+    sm_scale = draw(softmax_scales())
+    seed = draw(_seeds())
+    rng = np.random.default_rng(seed)
+    tq, tk = sum(lq), sum(lk)
+    return VarlenCase(q=random_normal(rng, (tq, nheads, d), dt),
+                      k=random_normal(rng, (tk, nheads_k, d), dt),
+                      v=random_normal(rng, (tk, nheads_k, d), dt),
+                      cu_seqlens_q=cu_seqlens_from_lengths(lq),
+                      cu_seqlens_k=cu_seqlens_from_lengths(lk),
+                      max_seqlen_q=max(lq) + extra_q, max_seqlen_k=max(lk) + extra_k,
+                      lengths_q=lq, lengths_k=lk, softmax_scale=sm_scale, causal=is_causal,
+                      window_size=window, seed=seed)
+
+
+def paged_to_contiguous(cache, block_table) -> np.ndarray:
+    """Gather a paged KV cache into the contiguous layout.
+
+    Parameters
+    ----------
+    cache : array, shape (num_pages, page_size, nheads_k, headdim)
+    block_table : int array, shape (batch, max_pages_per_seq)
+        Every entry must be a valid page id.
+
+    Returns
+    -------
+    numpy.ndarray, shape (batch, max_pages_per_seq * page_size, nheads_k, headdim)
+    """
+    from .checks import to_host
+    cache, bt = to_host(cache), to_host(block_table).astype(np.int64)
+    g = cache[bt]                                       # (batch, max_pages, page_size, hk, d)
+    return g.reshape(bt.shape[0], -1, *cache.shape[2:])
+
+
+def contiguous_to_paged(cache, page_size, rng: np.random.Generator, extra_pages=0,
+                        fill=np.nan):
+    """Scatter a contiguous cache (batch, seqlen_cache, nheads_k, d) into a pool of pages in
+    shuffled order.
+
+    ``seqlen_cache`` must be a multiple of ``page_size``. The pool has
+    ``batch * seqlen_cache / page_size + extra_pages`` pages; the extra pages hold ``fill``.
+
+    Returns
+    -------
+    pool : array (num_pages, page_size, nheads_k, d)
+    block_table : int32 array (batch, seqlen_cache / page_size)
+    """
+    batch, cap = cache.shape[:2]
+    if cap % page_size:
+        raise ValueError(f"page_size: {page_size} must divide seqlen_cache {cap}")
+    max_pages = cap // page_size
+    num_pages = batch * max_pages + extra_pages
+    perm = rng.permutation(num_pages)
+    bt = perm[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    pool = np.full((num_pages, page_size, *cache.shape[2:]), fill, cache.dtype)
+    pool[bt.reshape(-1)] = cache.reshape(batch * max_pages, page_size, *cache.shape[2:])
+    return pool, bt
+
+
+@dataclass
+class KVCacheCase:
+    """A decode problem against a KV cache.
+
+    ``q`` (batch, seqlen_q, nheads, d); ``k_cache``/``v_cache`` contiguous (batch, seqlen_cache,
+    nheads_k, d) or paged (num_pages, page_size, nheads_k, d) with ``block_table`` (batch,
+    max_pages_per_seq) int32 in shuffled order; optional new ``k``/``v`` (batch, seqlen_new,
+    nheads_k, d); ``cache_seqlens`` int32 (batch,). ``k_cache_contiguous``/``v_cache_contiguous``
+    hold the same logical cache in the contiguous layout (equal to ``k_cache``/``v_cache`` when
+    not paged). With poisoning, every cache position at or beyond ``cache_seqlens[b]``, every
+    unused page and the page that unused ``block_table`` entries point to hold NaN.
+    """
+    q: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    k: np.ndarray | None
+    v: np.ndarray | None
+    cache_seqlens: np.ndarray
+    block_table: np.ndarray | None
+    softmax_scale: float | None
+    causal: bool
+    page_size: int
+    seed: int
+    k_cache_contiguous: np.ndarray = field(repr=False, default=None)
+    v_cache_contiguous: np.ndarray = field(repr=False, default=None)
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def seqlen_new(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def args(self) -> tuple:
+        """``(q, k_cache, v_cache, k, v, cache_seqlens, block_table)``."""
+        return (self.q, self.k_cache, self.v_cache, self.k, self.v, self.cache_seqlens,
+                self.block_table)
+
+    def kwargs(self) -> dict:
+        """``softmax_scale``, ``causal`` as keyword arguments."""
+        return dict(softmax_scale=self.softmax_scale, causal=self.causal)
+
+
+_PAGE_SIZES = (1, 2, 3, 5, 8, 16, 64, 256)
+
+
+@st.composite
+def kvcache_cases(draw, *, dtypes=("float64",), paged=None, append=None, max_batch=3,
+                  max_seqlen_q=16, max_seqlen_new=4, max_pages_per_seq=6, page_sizes=_PAGE_SIZES,
+                  max_seqlen_cache=96, max_headdim=64, max_nheads_k=2, max_group=4, causal=None,
+                  poison=True):
+    """Strategy: :class:`KVCacheCase`, contiguous or paged, with ragged ``cache_seqlens``
+    (including 0, 1 and full), optional appended tokens, GQA, and (paged) any page size with
+    pages in shuffled order.
+
+    Parameters
+    ----------
+    dtypes : tuple of str
+    paged, append, causal : bool or None
+        Fixed, or drawn when None.
+    max_batch, max_seqlen_q, max_seqlen_new, max_pages_per_seq, max_seqlen_cache : int
+        Size limits (the capacity is at most ``max_seqlen_cache`` tokens per sequence).
+    page_sizes : tuple of int
+        Page sizes to draw from.
+    max_headdim, max_nheads_k, max_group : int
+    poison : bool
+        Fill everything beyond each sequence's length with NaN.
+    """
+    dt = draw(st.sampled_from(tuple(dtypes)))
+    is_paged = draw(st.booleans()) if paged is None else paged
+    do_append = draw(st.booleans()) if append is None else append
+    is_causal = draw(st.booleans()) if causal is None else causal
+    batch = draw(st.integers(1, max_batch))
+    sq = draw(st.integers(1, max_seqlen_q))
+    snew = draw(st.integers(0, max_seqlen_new)) if do_append else 0
+    nheads, nheads_k = draw(head_counts(max_nheads_k, max_group))
+    d = draw(headdims(max_headdim))
+    if is_paged:
+        ps = draw(st.sampled_from([p for p in page_sizes if p <= max_seqlen_cache]))
+        lo = max(1, -(-snew // ps))                      # room for the appended tokens
+        max_pages = draw(st.integers(lo, max(lo, min(max_pages_per_seq, max_seqlen_cache // ps))))
+        cap = max_pages * ps
+    else:
+        ps = 0
+        cap = draw(st.integers(max(snew, 1), max(snew, 1, max_seqlen_cache)))
+    room = cap - snew                                    # largest valid cache_seqlens
+    cs = draw(st.lists(st.one_of(st.sampled_from(sorted({0, min(1, room), room})),
+                                 st.integers(0, room)), min_size=batch, max_size=batch))
+    cs = np.array(cs, np.int32)
+    sm_scale = draw(softmax_scales())
+    seed = draw(_seeds())
+    rng = np.random.default_rng(seed)
+    npdt = np_dtype(dt)
+    kc = random_normal(rng, (batch, cap, nheads_k, d), dt)
+    vc = random_normal(rng, (batch, cap, nheads_k, d), dt)
+    if poison:
+        tail = np.arange(cap)[None, :] >= cs[:, None]
+        kc[tail] = np.nan
+        vc[tail] = np.nan
+    q = random_normal(rng, (batch, sq, nheads, d), dt)
+    k = random_normal(rng, (batch, snew, nheads_k, d), dt) if do_append else None
+    v = random_normal(rng, (batch, snew, nheads_k, d), dt) if do_append else None
+    bt = None
+    k_cache, v_cache = kc, vc
+    if is_paged:
+        fill = np.nan if poison else 0.0
+        extra = 1 + draw(st.integers(0, 2))              # spare pages (the first is the poison)
+        perm_seed = int(rng.integers(2**32))
+        k_cache, bt = contiguous_to_paged(kc, ps, np.random.default_rng(perm_seed), extra, fill)
+        v_cache, _ = contiguous_to_paged(vc, ps, np.random.default_rng(perm_seed), extra, fill)
+        if poison:                                       # unused entries -> a NaN page
+            used = -(-(cs.astype(np.int64) + snew) // ps)
+            spare = np.setdiff1d(np.arange(k_cache.shape[0]), bt.reshape(-1))[0]
+            bt = np.where(np.arange(bt.shape[1])[None, :] < used[:, None], bt, spare)
+            bt = bt.astype(np.int32)
+    k_cache = np.ascontiguousarray(k_cache, dtype=npdt)
+    v_cache = np.ascontiguousarray(v_cache, dtype=npdt)
+    return KVCacheCase(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cs,
+                       block_table=bt, softmax_scale=sm_scale, causal=is_causal, page_size=ps,
+                       seed=seed, k_cache_contiguous=kc, v_cache_contiguous=vc)
