@@ -16,6 +16,7 @@ import importlib
 
 _LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "api",
          "flash_attn_with_kvcache": "decode", "merge_states": "decode",
+         "attention_baseline": "baseline",
          "reference": None, "checks": None, "testing": None, "io_model": None, "jit": None}
 
 
@@ -28,4 +29,4 @@ def __getattr__(name):  # PEP 562: submodules load on first use
     raise AttributeError(f"module 'cupyflash' has no attribute {name!r}")
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_states",
-           "explain", "reference", "checks", "__version__"]
+           "explain", "attention_baseline", "reference", "checks", "testing", "__version__"]

@@ -1,0 +1,138 @@
+"""Prefill throughput: cupyflash vs torch SDPA (FlashAttention-2 and cuDNN backends) vs the
+materialising baseline, timed side by side in one run (issue 4's benchmark; figure 1).
+
+Shapes follow FlashAttention-2's benchmark: 16k tokens per batch (``batch = max(1, 16384 / S)``),
+hidden 2048 (``nheads = 2048 / headdim``), self-attention (``seqlen_q = seqlen_k = S``).
+TFLOP/s = ``4 * batch * nheads * pairs * headdim / time`` with the causal pairs counted exactly
+(``cupyflash.io_model.prefill_flops``). The baseline runs only while its ``S x S`` matrices fit
+(``--baseline-max-seqlen``).
+
+    python experiments/bench_prefill.py --quick       # bf16, S in {1k, 4k, 16k}: ~1 min on an H200
+    python experiments/bench_prefill.py               # bf16 + fp16, hd 64/128, S = 512 .. 32768
+
+Appends to ``experiments/results/bench_prefill.jsonl``: impl, dtype, headdim, batch, nheads,
+seqlen, causal, ms, tflops, gpu, commit, the timing spread, the cupyflash ``explain()`` record,
+its peak extra device memory, and the output's relative difference to torch's flash backend.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import RESULTS  # noqa: E402
+
+IMPLS = ("cupyflash", "torch_flash", "torch_cudnn", "baseline")
+
+
+def make_fn(impl, q, k, v, causal):
+    """A no-argument callable computing attention with ``impl`` (raises if unavailable)."""
+    if impl == "cupyflash":
+        from cupyflash.api import flash_attn_func
+        return lambda: flash_attn_func(q, k, v, causal=causal)
+    if impl == "baseline":
+        from cupyflash.baseline import attention_baseline
+        return lambda: attention_baseline(q, k, v, causal=causal)
+    if impl.startswith("torch_"):
+        return common.torch_sdpa(q, k, v, impl[len("torch_"):], causal=causal)
+    raise ValueError(f"impl: unknown {impl!r}; known: {IMPLS}")
+
+
+def rel_diff_vs(out_cupy, ref_torch_bhsd) -> float:
+    """||out - ref|| / ||ref|| with out (b, s, h, d) CuPy and ref (b, h, s, d) torch."""
+    a = common.cupy_to_torch(out_cupy).float()
+    b = ref_torch_bhsd.transpose(1, 2).float()
+    return float((a - b).norm() / b.norm())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="reduced sweep (bf16, S in 1k/4k/16k)")
+    ap.add_argument("--dtypes", nargs="+", default=None)
+    ap.add_argument("--headdims", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--seqlens", nargs="+", type=int, default=None)
+    ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per batch (batch = tokens / S)")
+    ap.add_argument("--hidden", type=int, default=2048, help="nheads = hidden / headdim")
+    ap.add_argument("--baseline-max-seqlen", type=int, default=8192)
+    ap.add_argument("--n-warmup", type=int, default=3)
+    ap.add_argument("--n-repeat", type=int, default=None)
+    ap.add_argument("--no-memory", action="store_true", help="skip cupyflash's peak-memory measurement")
+    ap.add_argument("--out", type=Path, default=RESULTS / "bench_prefill.jsonl")
+    args = ap.parse_args(argv)
+    dtypes = args.dtypes or (["bfloat16"] if args.quick else ["bfloat16", "float16"])
+    seqlens = args.seqlens or ([1024, 4096, 16384] if args.quick
+                               else [512, 1024, 2048, 4096, 8192, 16384, 32768])
+    causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    n_repeat = args.n_repeat or (10 if args.quick else 20)
+
+    if not common.have_gpu():
+        print("bench_prefill: no CUDA GPU here; nothing to measure")
+        return 0
+    from cupyflash import io_model
+    impls = []
+    for impl in args.impls:
+        ok, why = common.impl_available(impl)
+        if ok:
+            impls.append(impl)
+        else:
+            print(f"bench_prefill: skipping {impl}: {why}")
+    prov = common.provenance()
+    print(f"bench_prefill: {prov.get('gpu')} commit {prov['commit'][:10]} -> {args.out}")
+
+    grid = [(dt, d, s, c) for dt in dtypes for d in args.headdims for s in seqlens for c in causals]
+    n_written = 0
+    for dtype, d, S, causal in common.progress(grid, desc="prefill"):
+        B, H = max(1, args.tokens // S), args.hidden // d
+        common.free_memory()
+        q, k, v = common.random_qkv(B, S, S, H, H, d, dtype, seed=S + d)
+        flops = io_model.prefill_flops(B, H, S, S, d, causal)
+        base = {"what": "prefill", "dtype": dtype, "headdim": d, "batch": B, "nheads": H,
+                "nheads_k": H, "seqlen": S, "causal": causal, "flops": flops,
+                "gpu": prov.get("gpu"), "commit": prov["commit"]}
+        torch_ref = None
+        records = []
+        for impl in impls:
+            if impl == "baseline" and S > args.baseline_max_seqlen:
+                continue
+            rec = dict(base, impl=impl)
+            try:
+                fn = make_fn(impl, q, k, v, causal)
+                t = common.benchmark(fn, n_warmup=args.n_warmup, n_repeat=n_repeat)
+                rec.update(t, tflops=flops / (t["ms"] * 1e-3) / 1e12)
+                if impl.startswith("torch_"):
+                    rec["torch_layout"] = getattr(fn, "layout", None)
+                if impl == "torch_flash":
+                    torch_ref = fn()
+                if impl == "cupyflash":
+                    rec["explain"] = common.explain_record(q, k, v, causal=causal)
+                    if not args.no_memory:
+                        rec.update(common.peak_extra_memory_cupy(fn))
+                        rec["model_extra_bytes"] = io_model.prefill_extra_memory(B, H, S)
+            except Exception as e:  # record why, keep going
+                rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                print(f"bench_prefill: {impl} {dtype} hd{d} S={S} causal={causal}: {rec['error']}")
+            rec["provenance"] = prov
+            records.append(rec)
+        # correctness beside speed: each output against torch's flash backend on the same inputs
+        if torch_ref is not None:
+            for rec in records:
+                if rec["impl"] in ("cupyflash", "baseline") and "error" not in rec:
+                    try:
+                        rec["rel_diff_vs_torch_flash"] = rel_diff_vs(
+                            make_fn(rec["impl"], q, k, v, causal)(), torch_ref)
+                    except Exception as e:
+                        rec["rel_diff_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        n_written += common.append_jsonl(args.out, records)
+        del q, k, v, torch_ref
+        summary = "  ".join(f"{r['impl']}={r['tflops']:.0f}" for r in records if "tflops" in r)
+        print(f"  {dtype} hd{d} B={B} H={H} S={S} causal={causal}: TFLOP/s {summary}", flush=True)
+    print(f"bench_prefill: wrote {n_written} records to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

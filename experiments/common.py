@@ -1,0 +1,485 @@
+"""Shared plumbing of the experiment scripts: provenance, JSON Lines, timing, torch peers, memory.
+
+Every script records, per measurement, one JSON object per line with the provenance of
+:func:`provenance` (git commit, date, GPU name and SM count, CuPy / CUDA runtime / driver
+versions, torch and cuDNN versions when torch is importable) so a figure can always be traced
+back to the code and machine that produced it.
+
+Timing (:func:`benchmark`) uses CUDA events around each call, on the current (default) stream,
+and reports the median. Two habits keep the numbers honest:
+
+* a *blocking* spin kernel is queued before the timed calls, so the host enqueues all of them
+  while the GPU is still busy and the events measure device time, not Python launch overhead
+  (the nvbench technique); functions that synchronise internally defeat this, and their
+  records then include host time;
+* ``flush_l2=True`` writes a 256 MB buffer between repetitions (the H200 has a 60 MB L2), so
+  inputs that would fit in L2 are read from HBM each time, as in a real model step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import importlib
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python experiments/x.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "experiments" / "results"
+FIGURES = ROOT / "experiments" / "figures"
+
+__all__ = [
+    "ROOT", "RESULTS", "FIGURES", "provenance", "append_jsonl", "read_jsonl", "jsonable",
+    "progress", "have_gpu", "have_torch", "benchmark", "random_normal", "random_qkv",
+    "cupy_to_torch", "torch_sdpa", "peak_extra_memory_cupy", "peak_extra_memory_torch",
+    "explain_record", "free_memory", "impl_available",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Provenance and JSON Lines
+# ------------------------------------------------------------------------------------------------
+def _git(*args) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except Exception:
+        return ""
+
+
+@functools.lru_cache(maxsize=None)
+def provenance() -> dict:
+    """Where a result came from: commit (``$CUPYFLASH_COMMIT`` when the tree has no .git), whether
+    the package or kernels were modified, date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
+    info = {"commit": _git("rev-parse", "HEAD") or os.environ.get("CUPYFLASH_COMMIT", "unknown"),
+            "dirty": bool(_git("status", "--porcelain", "--", "kernels_cu", "cupyflash",
+                               "experiments")),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host_python": sys.version.split()[0]}
+    try:
+        import cupy
+        info["cupy"] = cupy.__version__
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"]
+        info.update(gpu=name.decode() if isinstance(name, bytes) else name,
+                    sms=int(props["multiProcessorCount"]), cc=f"{props['major']}.{props['minor']}",
+                    l2_bytes=int(props.get("l2CacheSize", 0)),
+                    gpu_mem_bytes=int(props.get("totalGlobalMem", 0)),
+                    cuda_runtime=cupy.cuda.runtime.runtimeGetVersion(),
+                    cuda_driver=cupy.cuda.runtime.driverGetVersion())
+    except Exception as e:  # no GPU: say why
+        info["gpu"] = f"none ({type(e).__name__}: {str(e)[:120]})"
+    if have_torch():
+        try:
+            import torch
+            info["torch"] = torch.__version__
+            info["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+        except Exception as e:  # pragma: no cover - broken torch install
+            info["torch"] = f"error ({type(e).__name__})"
+    return info
+
+
+def jsonable(x):
+    """``json.dumps`` default: dataclasses, NumPy scalars/arrays, tuples, paths, anything else as
+    its ``str``."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.asdict(x)
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, (set, frozenset)):
+        return sorted(x)
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return str(x)
+
+
+def append_jsonl(path, records) -> int:
+    """Append ``records`` (a dict or an iterable of dicts) to ``path`` as JSON Lines; returns the
+    number written. Creates the folder."""
+    if isinstance(records, dict):
+        records = [records]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps(r, default=jsonable) + "\n")
+            n += 1
+    return n
+
+
+def read_jsonl(path) -> list:
+    """Records of a JSON Lines file ([] if it does not exist; malformed lines skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def progress(iterable, **kw):
+    """tqdm if installed, else the iterable itself."""
+    try:
+        from tqdm.auto import tqdm
+        return tqdm(iterable, **kw)
+    except ImportError:  # pragma: no cover
+        return iterable
+
+
+# ------------------------------------------------------------------------------------------------
+# What is available
+# ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def have_gpu() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def have_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def impl_available(name: str) -> tuple[bool, str]:
+    """Whether an implementation can run here: ``(ok, why_not)``.
+
+    Names: ``cupyflash`` (prefill), ``cupyflash_decode``, ``baseline``, ``torch_flash``,
+    ``torch_cudnn``, ``torch_efficient``.
+    """
+    if not have_gpu():
+        return False, "no CUDA GPU"
+    if name.startswith("torch_"):
+        if not have_torch():
+            return False, "torch is not installed"
+        import torch
+        if not torch.cuda.is_available():
+            return False, "torch sees no CUDA device"
+        return True, ""
+    mod, attr = {"cupyflash": ("cupyflash.api", "flash_attn_func"),
+                 "cupyflash_decode": ("cupyflash.decode", "flash_attn_with_kvcache"),
+                 "baseline": ("cupyflash.baseline", "attention_baseline")}[name]
+    try:
+        m = importlib.import_module(mod)
+        getattr(m, attr)
+    except Exception as e:
+        return False, f"{mod}.{attr} unavailable ({type(e).__name__}: {str(e)[:200]})"
+    return True, ""
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------------
+_SPIN_SRC = r"""
+extern "C" __global__ void cupyflash_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _spin_kernel():
+    import cupy
+    return cupy.RawKernel(_SPIN_SRC, "cupyflash_spin")
+
+
+_FLUSH = {}
+
+
+def _flush_buffer(nbytes=256 << 20):
+    import cupy
+    key = (cupy.cuda.Device().id, nbytes)
+    if key not in _FLUSH:
+        _FLUSH[key] = cupy.empty(nbytes, dtype=cupy.uint8)
+    return _FLUSH[key]
+
+
+def benchmark(fn, *, n_warmup: int = 3, n_repeat: int = 20, flush_l2: bool = False,
+              spin: bool = True, max_spin_ms: float = 500.0) -> dict:
+    """Time ``fn()`` on the GPU with CUDA events; returns milliseconds.
+
+    Parameters
+    ----------
+    fn : callable or list of callables
+        A list is cycled through (rotating inputs: each callable closes over its own buffers).
+    n_warmup, n_repeat : int
+        Untimed and timed calls.
+    flush_l2 : bool
+        Write a 256 MB buffer before each timed call (outside the events).
+    spin : bool
+        Queue a spin kernel first so that host launch overhead does not leak into the device
+        time (see the module docstring). Its length is sized from the measured host time of one
+        call, capped at ``max_spin_ms``.
+
+    Returns
+    -------
+    dict
+        ``ms`` (median), ``ms_min``, ``ms_p20``, ``ms_p80``, ``n_repeat``, ``flush_l2``,
+        ``host_ms`` (host time to enqueue one call).
+    """
+    import cupy
+    fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
+    flush = _flush_buffer() if flush_l2 else None
+    for i in range(max(1, n_warmup)):
+        fns[i % len(fns)]()
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for i in range(min(3, n_repeat)):
+        if flush is not None:
+            flush.fill(0)
+        fns[i % len(fns)]()
+    host_ms = (time.perf_counter() - t0) * 1e3 / min(3, n_repeat)
+    cupy.cuda.Device().synchronize()
+    starts = [cupy.cuda.Event() for _ in range(n_repeat)]
+    ends = [cupy.cuda.Event() for _ in range(n_repeat)]
+    if spin:
+        ns = int(min(max_spin_ms, 1.5 * host_ms * n_repeat + 1.0) * 1e6)
+        _spin_kernel()((1,), (1,), (np.uint64(ns),))
+    for i in range(n_repeat):
+        if flush is not None:
+            flush.fill(0)
+        starts[i].record()
+        fns[i % len(fns)]()
+        ends[i].record()
+    ends[-1].synchronize()
+    ms = np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends)])
+    return {"ms": float(np.median(ms)), "ms_min": float(ms.min()),
+            "ms_p20": float(np.percentile(ms, 20)), "ms_p80": float(np.percentile(ms, 80)),
+            "n_repeat": n_repeat, "flush_l2": flush_l2, "host_ms": round(host_ms, 4)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+_BF16_BITS = None
+
+
+def random_normal(shape, dtype: str, seed: int = 0, chunk_elems: int = 1 << 28):
+    """A CuPy array of standard-normal values of ``dtype`` (float16, bfloat16, float32, float64),
+    generated in chunks of ``chunk_elems`` float32 values (so a 34 GB KV cache needs no 68 GB
+    float32 temporary). bfloat16 is produced by round-to-nearest-even on the float32 bits."""
+    global _BF16_BITS
+    import cupy
+    if dtype == "bfloat16":
+        if _BF16_BITS is None:
+            _BF16_BITS = cupy.ElementwiseKernel(
+                "float32 x", "uint16 y",
+                "unsigned int u = __float_as_uint(x); u += 0x7fffu + ((u >> 16) & 1u); "
+                "y = (unsigned short)(u >> 16);", "cupyflash_f32_to_bf16_bits")
+        out = cupy.empty(shape, dtype=cupy.uint16)
+    else:
+        out = cupy.empty(shape, dtype=dtype)
+    flat = out.reshape(-1)
+    rs = cupy.random.RandomState(seed)
+    for start in range(0, flat.size, chunk_elems):
+        stop = min(start + chunk_elems, flat.size)
+        x = rs.standard_normal(stop - start, dtype=cupy.float32)
+        if dtype == "bfloat16":
+            _BF16_BITS(x, flat[start:stop])
+        else:
+            flat[start:stop] = x.astype(dtype)
+        del x
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return out.view(ml_dtypes.bfloat16)
+    return out
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, seed=0):
+    """q (batch, seqlen_q, nheads, d), k and v (batch, seqlen_k, nheads_k, d), standard normal."""
+    return (random_normal((batch, seqlen_q, nheads, headdim), dtype, seed),
+            random_normal((batch, seqlen_k, nheads_k, headdim), dtype, seed + 1),
+            random_normal((batch, seqlen_k, nheads_k, headdim), dtype, seed + 2))
+
+
+def free_memory():
+    """Release CuPy's cached blocks (and torch's) so the next allocation sees the device."""
+    try:
+        import cupy
+        cupy.cuda.Device().synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
+    except Exception:
+        pass
+    if have_torch() and "torch" in sys.modules:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+# Torch peers
+# ------------------------------------------------------------------------------------------------
+def cupy_to_torch(x):
+    """Zero-copy torch view of a CuPy array (bfloat16 travels as int16 bits through DLPack)."""
+    import torch
+    if np.dtype(x.dtype).name == "bfloat16":
+        import cupy
+        return torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(x)
+
+
+def torch_sdpa(q, k, v, backend: str, causal: bool = False, enable_gqa: bool = False):
+    """A callable running ``torch.nn.functional.scaled_dot_product_attention`` with only the
+    ``backend`` (``flash``, ``cudnn``, ``efficient``, ``math``) enabled, on the same memory as the
+    CuPy arrays q (batch, seqlen_q, nheads, d), k, v (batch, seqlen_k, nheads_k, d).
+
+    torch wants (batch, heads, seqlen, d): transposed views first; if the backend rejects their
+    strides, contiguous copies made once here. The callable's attribute ``layout`` says which.
+    torch's ``is_causal`` is top-left aligned: only pass ``causal`` when seqlen_q == seqlen_k
+    (where it equals ours) or seqlen_q == 1 and causal is False.
+
+    Raises
+    ------
+    RuntimeError
+        If the backend rejects the problem (e.g. "No available kernel"), with torch's message.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError("torch_sdpa: torch's causal mask is top-left aligned; use seqlen_q == seqlen_k")
+    qt, kt, vt = (cupy_to_torch(x).transpose(1, 2) for x in (q, k, v))
+    kw = {"is_causal": causal}
+    if enable_gqa:
+        kw["enable_gqa"] = True
+    errors = []
+    for layout in ("bshd_view", "bhsd_contiguous"):
+        if layout == "bhsd_contiguous":
+            qt, kt, vt = qt.contiguous(), kt.contiguous(), vt.contiguous()
+
+        def run(qt=qt, kt=kt, vt=vt):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(qt, kt, vt, **kw)
+        try:
+            run()
+            torch.cuda.synchronize()
+            run.layout = layout
+            return run
+        except Exception as e:  # noqa: PERF203
+            errors.append(f"{layout}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    raise RuntimeError(f"torch SDPA {backend}: " + " | ".join(errors))
+
+
+# ------------------------------------------------------------------------------------------------
+# Peak extra device memory
+# ------------------------------------------------------------------------------------------------
+def _nbytes(res) -> int:
+    if res is None:
+        return 0
+    if isinstance(res, (tuple, list)):
+        return sum(_nbytes(r) for r in res)
+    nb = getattr(res, "nbytes", None)
+    if nb is not None:
+        return int(nb)
+    if hasattr(res, "element_size"):  # torch tensor
+        return int(res.element_size() * res.numel())
+    return 0
+
+
+def peak_extra_memory_cupy(fn) -> dict:
+    """Device memory a CuPy-allocating ``fn()`` needs beyond its result, in bytes.
+
+    ``fn`` is called once untimed first (compilation, cuBLAS handle and workspace), then CuPy's
+    pool is emptied and ``fn`` is called again: the pool only grows when no cached block fits, so
+    its growth over the call is the peak of simultaneously live allocations (up to block
+    rounding). ``peak_extra_bytes`` is that growth minus the result's bytes; ``device_extra_bytes``
+    is the drop in ``cudaMemGetInfo``'s free memory minus the result (it also sees allocations
+    outside the pool, e.g. library workspaces, at 2 MiB granularity).
+    """
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    res = fn()
+    del res
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    total0 = pool.total_bytes()
+    free0 = cupy.cuda.runtime.memGetInfo()[0]
+    res = fn()
+    cupy.cuda.Device().synchronize()
+    total1 = pool.total_bytes()
+    free1 = cupy.cuda.runtime.memGetInfo()[0]
+    out = _nbytes(res)
+    del res
+    pool.free_all_blocks()
+    return {"peak_extra_bytes": int(total1 - total0 - out),
+            "device_extra_bytes": int(free0 - free1 - out), "result_bytes": out}
+
+
+def peak_extra_memory_torch(fn) -> dict:
+    """Like :func:`peak_extra_memory_cupy` for a torch-allocating ``fn`` (torch's caching
+    allocator statistics: ``max_memory_allocated`` during the call minus before, minus result)."""
+    import torch
+    res = fn()
+    del res
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    out = _nbytes(res)
+    del res
+    return {"peak_extra_bytes": int(peak - before - out), "result_bytes": out}
+
+
+# ------------------------------------------------------------------------------------------------
+# explain() records
+# ------------------------------------------------------------------------------------------------
+def explain_record(*args, kind: str = "prefill", **kwargs):
+    """``dataclasses.asdict(cupyflash.explain(...))`` for the call's arguments, or
+    ``{"error": ...}`` when explain is missing or raises. ``kind="decode"`` looks for the decode
+    explain (``explain_kvcache`` in cupyflash.api or cupyflash.decode)."""
+    try:
+        if kind == "decode":
+            fn = None
+            for mod in ("cupyflash.api", "cupyflash.decode"):
+                try:
+                    m = importlib.import_module(mod)
+                except Exception:
+                    continue
+                fn = getattr(m, "explain_kvcache", None) or getattr(m, "explain_decode", None)
+                if fn is not None:
+                    break
+            if fn is None:  # the plan straight from the decode module
+                from cupyflash import checks, decode
+
+                def fn(*a, **kw):
+                    kw.setdefault("validate", False)
+                    return decode.plan_decode(checks.check_kvcache(*a, **kw))
+        else:
+            fn = importlib.import_module("cupyflash.api").explain
+        plan = fn(*args, **kwargs)
+        rec = dataclasses.asdict(plan) if dataclasses.is_dataclass(plan) else dict(plan)
+        return json.loads(json.dumps(rec, default=jsonable))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}

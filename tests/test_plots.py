@@ -1,0 +1,202 @@
+"""experiments/plot.py draws every figure from small synthetic results (no GPU), skips cleanly
+when results are missing, and the CPU numerics experiment runs end to end."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import plot  # noqa: E402
+
+FIGS = ["fig1_prefill_runtime", "fig1b_prefill_tflops", "fig2_memory", "fig3_hbm_bytes",
+        "fig4_roofline", "fig5_decode", "fig6_numerics", "fig7_tiles"]
+PROV = {"gpu": "NVIDIA H200", "commit": "0123456789abcdef"}
+
+
+def _write(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def synth(d: Path) -> None:
+    from cupyflash import io_model as m
+    recs = []
+    for hd in (64, 128):
+        for S in (1024, 4096, 16384):
+            for causal in (False, True):
+                B, H = max(1, 16384 // S), 2048 // hd
+                fl = m.prefill_flops(B, H, S, S, hd, causal)
+                for impl, tf in (("cupyflash", 300), ("torch_flash", 340), ("torch_cudnn", 550),
+                                 ("baseline", 50)):
+                    if impl == "baseline" and S > 8192:
+                        continue
+                    ms = fl / (tf * 1e12) * 1e3
+                    recs.append(dict(PROV, what="prefill", impl=impl, dtype="bfloat16", headdim=hd,
+                                     batch=B, nheads=H, seqlen=S, causal=causal, flops=fl, ms=ms,
+                                     tflops=tf))
+    recs.append(dict(PROV, what="prefill", impl="cupyflash", dtype="bfloat16", headdim=64,
+                     seqlen=512, causal=False, error="RuntimeError: boom"))  # ignored
+    _write(d / "bench_prefill.jsonl", recs)
+
+    recs = []
+    for S in (1024, 4096, 16384, 32768):
+        recs.append(dict(PROV, what="memory", impl="cupyflash", dtype="bfloat16", batch=1, nheads=16,
+                         headdim=128, seqlen=S, peak_extra_bytes=m.prefill_extra_memory(1, 16, S)))
+        if S <= 8192:
+            recs.append(dict(PROV, what="memory", impl="baseline", dtype="bfloat16", batch=1,
+                             nheads=16, headdim=128, seqlen=S,
+                             peak_extra_bytes=m.baseline_extra_memory(1, 16, 16, S, S, 128, "bfloat16")))
+    _write(d / "exp_memory.jsonl", recs)
+
+    recs = []
+    for S in (2048, 8192, 32768):
+        t = m.prefill_traffic(4, 16, 16, S, S, 128, "bfloat16", kv_reuse=True)
+        recs.append(dict(PROV, what="hbm", impl="cupyflash", seqlen=S, causal=False, num_splits=0,
+                         batch=4, nheads=16, headdim=128, dtype="bfloat16", model_bytes=t.total,
+                         model_bytes_no_reuse=m.prefill_hbm_bytes(4, 16, 16, S, S, 128, "bfloat16"),
+                         measured_bytes=int(t.total * 1.05)))
+    for S in (1024, 4096):
+        tb = m.baseline_hbm_bytes(4, 16, 16, S, S, 128, "bfloat16")
+        recs.append(dict(PROV, what="hbm", impl="baseline", seqlen=S, causal=False, num_splits=0,
+                         batch=4, nheads=16, headdim=128, dtype="bfloat16", model_bytes=tb,
+                         measured_bytes=int(tb * 0.97)))
+    td = m.decode_hbm_bytes(1, 32, 8, 131072, 128, "bfloat16", num_splits=16)
+    recs.append(dict(PROV, what="hbm", impl="cupyflash_decode", seqlen=131072, causal=False,
+                     num_splits=0, num_splits_model=16, model_bytes=td, measured_bytes=td))
+    _write(d / "exp_hbm.jsonl", recs)
+
+    _write(d / "bench_ceilings.jsonl", [dict(PROV, what="copy_bw", tbps=4.28),
+                                        dict(PROV, what="read_bw", tbps=4.23),
+                                        dict(PROV, what="bf16_matmul", impl="torch", tflops=690.0)])
+
+    recs = []
+    for B in (1, 16):
+        for S in (4096, 32768, 131072):
+            kvb = 2 * B * S * 8 * 128 * 2
+            fl = m.decode_flops(B, 32, S, 128)
+            for impl, page, tb in (("cupyflash", 0, 3.9), ("cupyflash", 16, 3.7),
+                                   ("cupyflash_unsplit", 0, 0.3 * B ** 0.5), ("baseline", 0, 0.8),
+                                   ("torch_flash", 0, 3.0), ("torch_cudnn", 0, 3.5)):
+                us = kvb / (tb * 1e12) * 1e6
+                recs.append(dict(PROV, what="decode", sweep="main", impl=impl, dtype="bfloat16",
+                                 batch=B, nheads=32, nheads_k=8, headdim=128, seqlen_k=S,
+                                 page_size=page, num_splits=1 if "unsplit" in impl else 0,
+                                 num_splits_chosen=16 if impl == "cupyflash" else None,
+                                 flops=fl, us=us, tbps=tb))
+    for ns in (0, 1, 2, 4, 8, 16, 32, 64):
+        tb = min(4.0, 0.25 * max(ns, 16))
+        recs.append(dict(PROV, what="decode", sweep="splits", impl="cupyflash", dtype="bfloat16",
+                         batch=1, nheads=32, nheads_k=8, headdim=128, seqlen_k=131072, page_size=0,
+                         num_splits=ns, num_splits_chosen=ns or 16, flops=1, us=1.0, tbps=tb))
+    _write(d / "bench_decode.jsonl", recs)
+
+    recs = []
+    for bm, bn, w in ((64, 64, 4), (128, 64, 4), (128, 128, 8)):
+        for hd in (64, 128):
+            recs.append(dict(PROV, what="tiles", impl="cupyflash", dtype="bfloat16", headdim=hd,
+                             seqlen=4096, causal=False, kernel=f"fwd_bf16_hd{hd}_m{bm}_n{bn}_w{w}",
+                             block_m=bm, block_n=bn, nwarps=w, tflops=200 + bm, rel_diff=1e-3,
+                             chosen=bm == 128 and bn == 64))
+    _write(d / "bench_tiles.jsonl", recs)
+
+    recs = []
+    for dt in ("float32", "float64"):
+        for S in (128, 512):
+            recs.append(dict(what="numerics", part="error", method="one_shot", dtype=dt, seqlen=S,
+                             block_size_k=None, rel_err=1e-7 if dt == "float32" else 0.0))
+            for bs in (16, 64):
+                recs.append(dict(what="numerics", part="error", method="online", dtype=dt, seqlen=S,
+                                 block_size_k=bs, rel_err=2e-7 if dt == "float32" else 5e-16))
+    for dt, lim in (("float16", 11.0), ("float32", 88.7), ("float64", 709.8)):
+        for c in (1.0, 10.0, 100.0, 1000.0):
+            recs.append(dict(what="numerics", part="overflow", method="no_running_max", dtype=dt,
+                             logit_max=c, finite=c < lim, rel_err=1e-6 if c < lim else float("inf"),
+                             ln_max=lim))
+            recs.append(dict(what="numerics", part="overflow", method="online", dtype=dt,
+                             logit_max=c, finite=True, rel_err=1e-6, ln_max=lim))
+    (d / "exp_numerics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_plot_every_figure_from_synthetic_results(tmp_path):
+    res, figs = tmp_path / "results", tmp_path / "figures"
+    res.mkdir()
+    synth(res)
+    assert plot.main(["--results", str(res), "--figures", str(figs)]) == 0
+    for name in FIGS:
+        p = figs / f"{name}.png"
+        assert p.is_file() and p.stat().st_size > 5000, name
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_skips_missing_results(tmp_path, capsys):
+    assert plot.main(["--results", str(tmp_path / "nothing"), "--figures", str(tmp_path / "f")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped") >= 7 and "FAILED" not in out
+    assert not list((tmp_path / "f").glob("*.png"))
+
+
+@pytest.mark.parametrize("script", ["bench_prefill", "bench_decode", "exp_memory", "exp_hbm",
+                                    "bench_tiles", "bench_ceilings", "exp_numerics", "plot"])
+def test_scripts_have_help(script):
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "usage" in r.stdout
+
+
+def test_exp_numerics_quick_runs(tmp_path):
+    out = tmp_path / "num.jsonl"
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "exp_numerics.py"), "--quick",
+                        "--seqlens", "64", "256", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(l) for l in out.read_text().splitlines()]
+    ovf = {(x["dtype"], x["method"], x["logit_max"]): x for x in recs if x["part"] == "overflow"}
+    # without the running max float32 overflows between logits 50 and 100; with it, never
+    assert ovf[("float32", "no_running_max", 50.0)]["finite"]
+    assert not ovf[("float32", "no_running_max", 100.0)]["finite"]
+    assert all(x["finite"] for k, x in ovf.items() if k[1] == "online")
+    # online is about as accurate as the stable one-shot softmax in the same precision
+    eps = {"float16": 2.0 ** -10, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
+    for (dt, meth, c), x in ovf.items():
+        if meth == "online":
+            assert x["rel_err"] <= 2 * ovf[(dt, "one_shot", c)]["rel_err"] + 4 * eps[dt], (dt, c)
+    err = [x for x in recs if x["part"] == "error" and x["dtype"] == "float64"]
+    assert max(x["rel_err"] for x in err) < 1e-14
+
+
+def test_common_jsonl_roundtrip(tmp_path):
+    import common
+    p = tmp_path / "a" / "x.jsonl"
+    assert common.append_jsonl(p, {"a": 1, "t": (1, 2)}) == 1
+    assert common.append_jsonl(p, [{"b": float("inf")}]) == 1
+    p.write_text(p.read_text() + "not json\n")
+    recs = common.read_jsonl(p)
+    assert recs[0] == {"a": 1, "t": [1, 2]} and len(recs) == 2
+    assert common.read_jsonl(tmp_path / "missing.jsonl") == []
+    prov = common.provenance()
+    assert {"commit", "date", "gpu"} <= set(prov)
+
+
+NCU_CSV = '''==PROF== Connected to process 4242 (/usr/bin/python3.12)
+==PROF== Profiling "flash_fwd_kernel": 0%....50%....100% - 1 pass
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.12","127.0.0.1","void cf::softmax<float, 256>(const float *, int)","1","7","(256, 1, 1)","(64, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"
+"0","4242","python3.12","127.0.0.1","void cf::softmax<float, 256>(const float *, int)","1","7","(256, 1, 1)","(64, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","524288"
+"1","4242","python3.12","127.0.0.1","sm90_xmma_gemm","1","7","(384, 1, 1)","(8, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Kbyte","2.5"
+"1","4242","python3.12","127.0.0.1","sm90_xmma_gemm","1","7","(384, 1, 1)","(8, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+'''
+
+
+def test_ncu_csv_parser():
+    import exp_hbm
+    r = exp_hbm.parse_ncu_csv("some program output\n" + NCU_CSV)
+    assert r["dram__bytes_read.sum"] == 1048576 + 2500
+    assert r["dram__bytes_write.sum"] == 524288
+    assert r["kernels"] == ["void cf::softmax<float, 256>(const float *, int)", "sm90_xmma_gemm"]
+    with pytest.raises(ValueError, match="no ncu CSV header"):
+        exp_hbm.parse_ncu_csv("==ERROR== Failed to initialize the profiler\n")
