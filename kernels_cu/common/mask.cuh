@@ -21,4 +21,31 @@ __device__ __forceinline__ bool key_visible(const KeyRange& r, int key) {
     return key >= r.lo && key < r.hi;
 }
 
+// The key tiles a block of query rows [row_first, row_last] must visit (FlashAttention-2 skips
+// the others: loop bounds, not masks). visible_keys(i).lo and .hi are non-decreasing in i, so
+// the union of the rows' ranges is [lo(row_first), hi(row_last)), and a tile [n0, n0 + BLOCK_N)
+// lies inside every row's range (needs no mask) iff n0 >= lo(row_last) and
+// n0 + BLOCK_N <= hi(row_first). Tiles [n_block_min, n_block_max); empty when no row sees a key.
+template <int BLOCK_N>
+struct KeyTiles {
+    int n_block_min, n_block_max;
+    int lo_last, hi_first;
+
+    __device__ __forceinline__ KeyTiles(int row_first, int row_last, int seqlen_q, int seqlen_k,
+                                        bool causal, int window_left, int window_right) {
+        const KeyRange first = visible_keys(row_first, seqlen_q, seqlen_k, causal, window_left, window_right);
+        const KeyRange last = visible_keys(row_last, seqlen_q, seqlen_k, causal, window_left, window_right);
+        const int lo = max(first.lo, 0), hi = min(last.hi, seqlen_k);
+        n_block_min = lo / BLOCK_N;
+        n_block_max = hi > lo ? (hi + BLOCK_N - 1) / BLOCK_N : n_block_min;
+        lo_last = last.lo;
+        hi_first = first.hi;
+    }
+
+    __device__ __forceinline__ bool needs_mask(int n_block) const {
+        const int n0 = n_block * BLOCK_N;
+        return !(n0 >= lo_last && n0 + BLOCK_N <= hi_first);
+    }
+};
+
 }  // namespace cf

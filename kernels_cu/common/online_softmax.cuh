@@ -7,7 +7,8 @@
 // exp2(m - m_new) before the block's terms are added.
 // An empty row keeps m = -inf, l = 0: output 0, LSE = -inf (never NaN).
 #pragma once
-#include <cmath>
+// <cstdint>/<cmath> under nvcc; NVRTC has no standard headers (see dtype.cuh)
+#include "dtype.cuh"
 
 namespace cf {
 
@@ -35,6 +36,18 @@ __device__ __forceinline__ T rescale_factor(T m_old, T m_new) {
 // exp2(s - m) for one score against the (new) running max.
 template <typename T>
 __device__ __forceinline__ T prob(T s, T m) { return exp2_<T>(s - safe_max(m)); }
+
+// exp2(s_raw * scale_log2 - m_ref) with the scale folded into one fused multiply-add
+// (FlashAttention-2, Sec. 3.1): s_raw is the unscaled score q.k, scale_log2 = softmax_scale *
+// log2(e), and m_ref = safe_max(m) is the row's reference point, computed once per row.
+template <typename T> __device__ __forceinline__ T fma_(T a, T b, T c);
+template <> __device__ __forceinline__ float fma_<float>(float a, float b, float c) { return fmaf(a, b, c); }
+template <> __device__ __forceinline__ double fma_<double>(double a, double b, double c) { return fma(a, b, c); }
+
+template <typename T>
+__device__ __forceinline__ T prob_fma(T s_raw, T scale_log2, T m_ref) {
+    return exp2_<T>(fma_<T>(s_raw, scale_log2, -m_ref));
+}
 
 // Natural-log LSE of the row from its log2-domain max and normaliser; -inf for an empty row.
 template <typename T>

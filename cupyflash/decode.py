@@ -1,0 +1,805 @@
+"""Split-KV decoding against a KV cache (Flash-Decoding), its exact merge, and the KV append.
+
+Algorithm
+---------
+Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023):
+one or a few query tokens against a long KV cache give a 1 x S score row per head; the work is
+bound by reading K and V, and one thread block per (batch, head) leaves most SMs idle at small
+batch. The key range of each sequence is cut into ``num_splits`` splits processed by separate
+thread blocks (each one the FlashAttention-2 forward pass, arXiv 2307.08691 Sec. 3.1, over its
+keys); each writes a normalised fp32 partial output and its LSE, and a combine kernel merges them
+exactly: ``o = sum_s w_s o_s / sum_s w_s`` with ``w_s = exp(lse_s - max lse)``.
+
+Kernels (``kernels_cu/flash_decode.cu``)
+----------------------------------------
+``decode_split_kernel``: grid ``(num_splits, batch, nheads_k * row_chunks)``. One block reads
+each K/V tile of its KV head once (16-byte ``cp.async`` copies into a ring of ``stages`` shared
+buffers, so ``stages - 1`` tiles are in flight while one is computed) and serves every query row
+of that head: the ``nheads // nheads_k`` GQA heads times the ``seqlen_q`` tokens, up to
+``GROUP = 16`` rows per block (more rows use more blocks, ``row_chunks``). Scores and ``P V`` use
+tensor cores (``mma.m16n8k16``, fp32 accumulate); the online softmax and the merges are fp32.
+With a single split it writes the final output directly (no combine launch).
+
+Supported: float16 and bfloat16 (tensor cores; float32/float64 caches are rejected with a
+TypeError); head dims that are multiples of 8 up to 256, run by the kernel compiled for 64, 128
+or 256 (the padding columns are zero-filled in shared memory, never read from memory).
+
+Page sizes: every page size from 1 to 256 (and beyond) runs the same code and reads the same
+bytes; each key row's page is looked up in ``block_table`` (an L1-cached 4-byte load). Powers of
+two compute the page slot with a shift, other sizes with one integer division per key row, which
+is the only difference: powers of two (1, 2, 4, ..., 256) are the fast sizes, others are expected
+to be within a few percent (see ``experiments/bench_decode``).
+
+CUDA graphs
+-----------
+With ``validate=False`` (no host read of ``cache_seqlens``/``block_table``), ``out=`` given,
+``return_lse=False`` and, when more than one split is used, a ``workspace=`` from
+:func:`alloc_workspace` (or any float32 CuPy array of at least :func:`workspace_size` elements),
+the call launches only kernels: no allocation and no host synchronisation, so it can be captured
+in a CUDA graph. The number of splits depends only on shapes (never on ``cache_seqlens``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from . import checks, jit
+from .heuristics import H200_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
+
+__all__ = [
+    "DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS", "DecodeLaunch",
+    "MAX_SPLITS", "MIN_TILES_PER_SPLIT", "launch_config",
+    "padded_headdim", "split_smem_bytes", "kernel_spec", "split_kernel_spec",
+    "combine_kernel_spec", "append_kernel_spec", "all_specs", "choose_num_splits",
+    "split_layout", "plan_decode", "workspace_elems", "workspace_size", "alloc_workspace",
+    "explain_kvcache", "flash_attn_with_kvcache", "merge_states",
+]
+
+SOURCE = "flash_decode.cu"
+#: Element types of the split kernel (tensor cores).
+DTYPES = ("float16", "bfloat16")
+#: Compiled head dims; a head dim d runs with the smallest compiled one >= d.
+HEADDIMS = (64, 128, 256)
+#: Query rows per block = the M of one mma.m16n8k16 tile (GQA heads x query tokens).
+GROUP = 16
+
+_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+# Device limits of the H200 (the default target of the pure planning functions; the launch path
+# reads the real ones from the device).
+H200_SMEM_PER_SM = 233472          # 228 KiB
+H200_SMEM_PER_BLOCK_OPTIN = 232448  # 227 KiB
+_SMEM_RESERVED_PER_BLOCK = 1024     # the driver keeps 1 KiB per resident block
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    """Tile shape of one split-kernel specialisation.
+
+    block_n : keys per tile (each of the ``nwarps`` warps owns ``block_n / nwarps`` of them,
+        a multiple of 16).
+    nwarps : warps per block.
+    stages : shared-memory ring depth; ``stages - 1`` K/V tiles are in flight during compute.
+    """
+    block_n: int
+    nwarps: int
+    stages: int
+
+
+#: Per head dim: about 35 KB of K+V per tile, three stages (~108 KB of shared memory), so two
+#: blocks fit on an H200 SM with ~140 KB of copies in flight per SM (Little's law at ~4.4 TB/s
+#: and ~1-2 us of latency asks for 35-70 KB per SM).
+SPLIT_CONFIGS = {64: SplitConfig(128, 4, 3), 128: SplitConfig(64, 4, 3), 256: SplitConfig(32, 2, 3)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Specialisations (names are data: cache key, log line, profiler label)
+# ----------------------------------------------------------------------------------------------
+def padded_headdim(headdim: int) -> int:
+    """The compiled head dim that runs ``headdim`` (smallest of :data:`HEADDIMS` >= it).
+
+    Raises
+    ------
+    ValueError
+        ``headdim`` above 256.
+    """
+    for hd in HEADDIMS:
+        if headdim <= hd:
+            return hd
+    raise ValueError(f"headdim: {headdim} is not supported; supported: multiples of 8 up to "
+                     f"{HEADDIMS[-1]}")
+
+
+def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int) -> int:
+    """Dynamic shared memory of the split kernel (mirrors ``DecodeTraits::kSmemBytes``).
+
+    Q tile ``GROUP x (headdim + 8)`` plus ``stages`` x (K and V tiles of ``block_n x (headdim +
+    8)``), 16-bit elements; rows are padded by 16 bytes so that ``ldmatrix`` is conflict-free.
+    """
+    e = np.dtype(_np_dtype(dtype)).itemsize
+    row = headdim + 16 // e
+    return (GROUP * row + stages * 2 * block_n * row) * e
+
+
+def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
+                      nwarps: int | None = None, stages: int | None = None) -> jit.KernelSpec:
+    """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
+
+    Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``;
+    ``block_n``/``nwarps``/``stages`` override :data:`SPLIT_CONFIGS` (experiments).
+    """
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype: {dtype} has no decode kernel; supported: {', '.join(DTYPES)}")
+    if headdim not in HEADDIMS:
+        raise ValueError(f"headdim: compiled head dims are {HEADDIMS}, got {headdim}")
+    cfg = SPLIT_CONFIGS[headdim]
+    bn = cfg.block_n if block_n is None else block_n
+    nw = cfg.nwarps if nwarps is None else nwarps
+    st = cfg.stages if stages is None else stages
+    name = (f"decode_split_{_SHORT[dtype]}_hd{headdim}_n{bn}_w{nw}_g{GROUP}_s{st}"
+            + ("_paged" if paged else ""))
+    entry = (f"cf::decode_split_kernel<{_CTYPE[dtype]}, {headdim}, {bn}, {nw}, {GROUP}, {st}, "
+             f"{'true' if paged else 'false'}>")
+    return jit.KernelSpec(name, SOURCE, entry, split_smem_bytes(dtype, headdim, bn, st))
+
+
+kernel_spec = split_kernel_spec
+
+
+def combine_kernel_spec(dtype: str) -> jit.KernelSpec:
+    """The combine (merge) kernel writing ``dtype`` (float16, bfloat16 or float32)."""
+    if dtype not in _CTYPE:
+        raise TypeError(f"dtype: {dtype} has no combine kernel; supported: {', '.join(_CTYPE)}")
+    return jit.KernelSpec(f"decode_combine_{_SHORT[dtype]}", SOURCE,
+                          f"cf::decode_combine_kernel<{_CTYPE[dtype]}>")
+
+
+def append_kernel_spec(paged: bool) -> jit.KernelSpec:
+    """The KV-append kernel (raw 16-bit element copy, for float16 and bfloat16 caches)."""
+    return jit.KernelSpec("decode_append_b16" + ("_paged" if paged else ""), SOURCE,
+                          f"cf::decode_append_kernel<unsigned short, {'true' if paged else 'false'}>")
+
+
+def all_specs() -> list:
+    """Every specialisation the public functions can launch (the supported set, as a table)."""
+    specs = [split_kernel_spec(dt, hd, pg) for dt in DTYPES for hd in HEADDIMS
+             for pg in (False, True)]
+    specs += [combine_kernel_spec(dt) for dt in _CTYPE]
+    specs += [append_kernel_spec(pg) for pg in (False, True)]
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristic and split layout (pure functions)
+# ----------------------------------------------------------------------------------------------
+def split_layout(seqlen: int, num_splits: int, block_n: int, split_tiles: int = 0) -> list:
+    """Key ranges ``[(start, stop), ...]`` of each split of one sequence, as the split kernel
+    computes them (one NumPy-free mirror of its index arithmetic, used by the CPU tests).
+
+    ``split_tiles > 0`` (the fixed ``split_size`` mode): split ``s`` covers tiles
+    ``[s * split_tiles, (s + 1) * split_tiles)``; otherwise ``ceil(tiles / num_splits)`` tiles per
+    split, with ``tiles = ceil(seqlen / block_n)``. Ranges are clipped to ``seqlen``; trailing
+    splits may be empty.
+    """
+    tiles = -(-seqlen // block_n)
+    per = split_tiles if split_tiles > 0 else -(-tiles // num_splits)
+    out = []
+    for s in range(num_splits):
+        t0 = min(s * per, tiles)
+        t1 = min(t0 + per, tiles)
+        out.append((min(t0 * block_n, seqlen), min(t1 * block_n, seqlen)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Plan (explain)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """How a :func:`flash_attn_with_kvcache` call launches (the fields the launch code needs;
+    :func:`plan_decode` turns it into a :class:`cupyflash.dispatch.Plan` for ``explain``).
+
+    kernel, template : split-kernel specialisation name and its template values.
+    grid, block, smem_bytes : launch shape of the split kernel (dynamic shared memory, bytes).
+    registers, spill_bytes : from the ptxas report (None unless requested).
+    num_splits : blocks along the key axis (grid x).
+    split_tiles : fixed tiles per split (``split_size`` mode), 0 = each sequence's tiles divided
+        into ``num_splits`` equal parts.
+    row_chunks : blocks per KV head along the query rows.
+    combine, append : names of the combine / append kernels launched (None if not).
+    workspace_elems : float32 elements of workspace used (0 with one split).
+    hbm_bytes, flops : I/O model at full cache capacity (cupyflash.io_model).
+    reasons : why each choice was made / alternatives rejected.
+    """
+    kernel: str
+    template: dict
+    grid: tuple
+    block: tuple
+    smem_bytes: int
+    num_splits: int
+    split_tiles: int
+    row_chunks: int
+    combine: str | None
+    append: str | None
+    workspace_elems: int
+    hbm_bytes: int
+    flops: int
+    reasons: tuple
+    registers: int | None = None
+    spill_bytes: int | None = None
+
+
+def _check_split_size(split_size) -> None:
+    if split_size is not None and (not checks._is_int(split_size) or split_size < 1):
+        raise ValueError(f"split_size: expected an int >= 1 (keys per split) or None, got "
+                         f"{split_size!r}")
+
+
+def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = None,
+                  num_sms: int = H200_SMS, smem_per_sm: int = H200_SMEM_PER_SM,
+                  max_smem_per_block: int = H200_SMEM_PER_BLOCK_OPTIN,
+                  ptxas_arch: str | None = None) -> DecodeLaunch:
+    """The launch configuration of a validated decode problem (pure unless ``ptxas_arch``).
+
+    Parameters
+    ----------
+    problem : checks.DecodeProblem
+        From :func:`cupyflash.checks.check_kvcache`.
+    split_size : int or None
+        Fixed keys per split (rounded up to a multiple of the tile's ``block_n``); overrides
+        ``problem.num_splits``.
+    num_sms, smem_per_sm, max_smem_per_block : int
+        Device limits (H200 defaults; the launch path passes the current device's).
+    ptxas_arch : str or None
+        If given (e.g. ``"sm_90a"``), compile the split kernel with NVRTC and fill ``registers``
+        and ``spill_bytes`` from the ptxas report (no GPU needed).
+
+    Returns
+    -------
+    DecodeLaunch
+
+    Raises
+    ------
+    TypeError
+        Unsupported dtype (float32/float64: no tensor-core decode path).
+    ValueError
+        ``split_size`` not a positive int; no stage count fits the device's shared memory.
+    """
+    p = problem
+    reasons = []
+    hd = padded_headdim(p.headdim)
+    if hd != p.headdim:
+        reasons.append(f"headdim {p.headdim} runs in the hd{hd} kernel (padding columns are "
+                       "zero-filled in shared memory, not read)")
+    cfg = SPLIT_CONFIGS[hd]
+    stages = cfg.stages
+    while stages > 2 and split_smem_bytes(p.dtype, hd, cfg.block_n, stages) > max_smem_per_block:
+        stages -= 1
+    if stages != cfg.stages:
+        reasons.append(f"{cfg.stages} stages need more than the device's {max_smem_per_block} "
+                       f"bytes of shared memory per block: using {stages}")
+    smem = split_smem_bytes(p.dtype, hd, cfg.block_n, stages)
+    if smem > max_smem_per_block:
+        raise ValueError(f"headdim: the hd{hd} decode kernel needs {smem} bytes of shared memory, "
+                         f"the device allows {max_smem_per_block}")
+    spec = split_kernel_spec(p.dtype, hd, p.paged, stages=stages)
+    ctas_per_sm = max(1, smem_per_sm // (smem + _SMEM_RESERVED_PER_BLOCK))
+    rows = (p.nheads // p.nheads_k) * p.seqlen_q
+    row_chunks = -(-rows // GROUP)
+    if row_chunks > 1:
+        reasons.append(f"{rows} query rows per KV head (GQA {p.nheads // p.nheads_k} x seqlen_q "
+                       f"{p.seqlen_q}) > {GROUP}: {row_chunks} blocks per KV head, each reads "
+                       "the KV tiles (the repeats mostly from L2)")
+    tiles_cap = -(-p.seqlen_cache // cfg.block_n)
+    split_tiles = 0
+    if split_size is not None:
+        _check_split_size(split_size)
+        split_tiles = -(-int(split_size) // cfg.block_n)
+        num_splits = max(1, -(-tiles_cap // split_tiles))
+        reasons.append(f"split_size={split_size}: {split_tiles} tiles ({split_tiles * cfg.block_n}"
+                       f" keys) per split, {num_splits} splits cover the capacity "
+                       f"{p.seqlen_cache}; a row's result does not depend on the batch")
+    elif p.num_splits >= 1:
+        num_splits = p.num_splits
+        reasons.append(f"num_splits={num_splits} as given")
+    else:
+        num_splits = choose_num_splits(p.batch, p.nheads_k, p.seqlen_cache, num_sms,
+                                       row_chunks=row_chunks, block_n=cfg.block_n,
+                                       ctas_per_sm=ctas_per_sm)
+        reasons.append(f"num_splits=0: heuristic: {p.batch * p.nheads_k * row_chunks} blocks "
+                       f"(batch x nheads_k x row_chunks) for {num_sms * ctas_per_sm} slots "
+                       f"({num_sms} SMs x {ctas_per_sm}), {tiles_cap} tiles of {cfg.block_n} "
+                       f"keys at capacity -> {num_splits} splits")
+    combine = None
+    ws = 0
+    if num_splits > 1:
+        combine = combine_kernel_spec(p.dtype).name
+        ws = workspace_elems(p.batch, p.seqlen_q, p.nheads, p.headdim, num_splits)
+    else:
+        reasons.append("one split: the split kernel writes the output directly (no combine)")
+    append = append_kernel_spec(p.paged).name if p.seqlen_new > 0 else None
+    from . import io_model
+    hbm = io_model.decode_hbm_bytes(p.batch, p.nheads, p.nheads_k, p.seqlen_cache, p.headdim,
+                                    p.dtype, num_splits, p.seqlen_q, p.page_size)
+    flops = io_model.decode_flops(p.batch, p.nheads, p.seqlen_cache, p.headdim, p.seqlen_q,
+                                  p.causal)
+    reasons.append("bytes/FLOPs at full capacity: cache_seqlens are not read when planning")
+    regs = spill = None
+    if ptxas_arch is not None:
+        rep = jit.compile_report(spec, ptxas_arch).ptxas
+        regs, spill = rep.registers, rep.spill_bytes
+    return DecodeLaunch(
+        kernel=spec.name,
+        template=dict(dtype=p.dtype, headdim=hd, block_n=cfg.block_n, nwarps=cfg.nwarps,
+                      group=GROUP, stages=stages, paged=p.paged),
+        grid=(num_splits, p.batch, p.nheads_k * row_chunks), block=(cfg.nwarps * 32, 1, 1),
+        smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
+        combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
+        reasons=tuple(reasons), registers=regs, spill_bytes=spill)
+
+
+def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
+                arch: str | None = None, report: bool = True, num_sms: int | None = None,
+                smem_per_sm: int | None = None, max_smem_per_block: int | None = None):
+    """The :class:`cupyflash.dispatch.Plan` of a decode problem (what ``explain`` returns).
+
+    ``kernel`` is the split kernel; ``extra_kernels`` the append (if new tokens) and the combine
+    (if more than one split); ``rejected`` lists the other decode specialisations with the reason,
+    then ``("num_splits", why)`` / ``("note", ...)`` lines for the split choice.
+
+    Parameters
+    ----------
+    problem : checks.DecodeProblem
+    split_size : int or None
+        As in :func:`flash_attn_with_kvcache`.
+    arch : str or None
+        Architecture of the ptxas report; default the current device's, else ``"sm_90a"``.
+    report : bool
+        Compile with NVRTC (no GPU needed) and fill registers / spills.
+    num_sms, smem_per_sm, max_smem_per_block : int or None
+        Device limits; default the current device's, else the H200's.
+    """
+    from . import dispatch
+    if not isinstance(problem, checks.DecodeProblem):
+        raise TypeError(f"problem: expected cupyflash.checks.DecodeProblem, got "
+                        f"{type(problem).__name__}")
+    try:
+        lim = _device_limits()
+    except Exception:  # no CuPy / no device: plan for an H200
+        lim = dict(num_sms=H200_SMS, smem_per_sm=H200_SMEM_PER_SM,
+                   max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN)
+    num_sms = lim["num_sms"] if num_sms is None else num_sms
+    smem_per_sm = lim["smem_per_sm"] if smem_per_sm is None else smem_per_sm
+    max_smem_per_block = lim["max_smem_per_block"] if max_smem_per_block is None \
+        else max_smem_per_block
+    arch = dispatch.default_arch() if arch is None else arch
+    la = launch_config(problem, split_size=split_size, num_sms=num_sms, smem_per_sm=smem_per_sm,
+                       max_smem_per_block=max_smem_per_block)
+    p = problem
+    t = la.template
+
+    def choice(spec, grid, block, smem):
+        regs = spill = None
+        if report:
+            rep = jit.compile_report(spec, arch).ptxas
+            regs, spill = rep.registers, rep.spill_bytes
+        return dispatch.KernelChoice(name=spec.name, entry=spec.entry, template=tmpl(spec),
+                                     grid=grid, block=block, smem_bytes=smem, registers=regs,
+                                     spill_bytes=spill, arch=arch if report else None, spec=spec)
+
+    def tmpl(spec):
+        return dict(t) if spec.name == la.kernel else {"dtype": p.dtype}
+
+    split_spec = split_kernel_spec(p.dtype, t["headdim"], p.paged, stages=t["stages"])
+    main = choice(split_spec, la.grid, la.block, la.smem_bytes)
+    extra = []
+    if la.append is not None:
+        n = p.seqlen_new * p.nheads_k * p.headdim
+        extra.append(choice(append_kernel_spec(p.paged), (-(-n // 256), p.batch, 1), (256, 1, 1),
+                            0))
+    if la.combine is not None:
+        rows = p.batch * p.seqlen_q * p.nheads
+        extra.append(choice(combine_kernel_spec(p.dtype), (-(-rows // 4), 1, 1), (128, 1, 1), 0))
+    rejected = []
+    for dt in DTYPES:
+        for hd in HEADDIMS:
+            for pg in (False, True):
+                spec = split_kernel_spec(dt, hd, pg)
+                if spec.name == la.kernel or (dt, hd, pg) == (p.dtype, t["headdim"], p.paged):
+                    continue
+                if dt != p.dtype:
+                    why = f"dtype {dt} != {p.dtype}"
+                elif pg != p.paged:
+                    why = "paged cache (block_table given)" if p.paged else "contiguous cache"
+                elif hd < p.headdim:
+                    why = f"headdim {p.headdim} > {hd}"
+                else:
+                    why = f"hd{t['headdim']} is the smallest compiled head dim >= {p.headdim}"
+                rejected.append((spec.name, why))
+    rejected.sort(key=lambda r: (not r[0].startswith(f"decode_split_{_SHORT[p.dtype]}"), r[0]))
+    notes = [("num_splits" if "split" in r else "note", r) for r in la.reasons]
+    return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
+                         hbm_bytes=la.hbm_bytes, rejected=notes + rejected,
+                         extra_kernels=tuple(extra), num_sms=num_sms)
+
+
+def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                    softmax_scale=None, causal=True, num_splits=0, split_size=None, *,
+                    arch=None, report=True, validate=False):
+    """The :class:`cupyflash.dispatch.Plan` of a :func:`flash_attn_with_kvcache` call, without
+    running it (accepts NumPy or CUDA arrays; only shapes and dtypes are read unless
+    ``validate``). Raises what :func:`flash_attn_with_kvcache` raises for bad arguments."""
+    prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                softmax_scale=softmax_scale, causal=causal,
+                                num_splits=num_splits, dtypes=DTYPES, validate=validate)
+    _check_split_size(split_size)
+    return plan_decode(prob, split_size=split_size, arch=arch, report=report)
+
+
+def workspace_elems(batch: int, seqlen_q: int, nheads: int, headdim: int, num_splits: int) -> int:
+    """float32 elements of the split workspace: partial O (num_splits, batch, seqlen_q, nheads,
+    headdim) followed by partial LSE (num_splits, batch, nheads, seqlen_q); 0 for one split."""
+    if num_splits <= 1:
+        return 0
+    return num_splits * batch * seqlen_q * nheads * (headdim + 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU helpers
+# ----------------------------------------------------------------------------------------------
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _device_limits() -> dict:
+    import cupy
+    return _device_limits_of(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits_of(dev_id: int) -> dict:
+    import cupy
+    a = cupy.cuda.Device(dev_id).attributes
+    return dict(num_sms=a["MultiProcessorCount"],
+                smem_per_sm=a["MaxSharedMemoryPerMultiprocessor"],
+                max_smem_per_block=a["MaxSharedMemoryPerBlockOptin"])
+
+
+def _view(x, name: str, dtype: str):
+    """Zero-copy CuPy view with the element type the checks saw (a torch bfloat16 tensor's
+    ``__cuda_array_interface__`` says ``<V2``; its bytes are re-viewed as bfloat16)."""
+    from .interop import as_cupy
+    c = as_cupy(x, name)
+    if checks.dtype_name(c) != dtype:
+        want = np.dtype(_np_dtype(dtype))
+        if c.dtype.itemsize != want.itemsize:  # pragma: no cover - the checks rejected this
+            raise TypeError(f"{name}: CuPy sees dtype {c.dtype}, expected {dtype}")
+        c = c.view(want)
+    return c
+
+
+def _estrides(x) -> tuple:
+    """Strides of a CuPy array in elements."""
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def _check_cache_alignment(x, name: str) -> None:
+    """The split kernel copies 16-byte chunks of each cache row: rows must be 16-byte aligned."""
+    bad_ptr = x.data.ptr % 16 != 0
+    bad_stride = any(x.shape[i] > 1 and x.strides[i] % 16 for i in range(x.ndim - 1))
+    if bad_ptr or bad_stride:
+        raise ValueError(f"{name}: rows must be 16-byte aligned for the decode kernel (pointer "
+                         f"{x.data.ptr:#x}, strides {x.strides} bytes); pass a contiguous cache")
+
+
+def _nullptr():
+    return np.uint64(0)
+
+
+def _resolve_plan(prob, split_size):
+    """The plan on the current device (cached: the per-call host cost stays small)."""
+    _check_split_size(split_size)
+    lim = _device_limits()
+    return _plan_cached(prob, split_size, lim["num_sms"], lim["smem_per_sm"],
+                        lim["max_smem_per_block"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_cached(prob, split_size, num_sms, smem_per_sm, max_smem_per_block):
+    return launch_config(prob, split_size=split_size, num_sms=num_sms, smem_per_sm=smem_per_sm,
+                         max_smem_per_block=max_smem_per_block)
+
+
+def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                   *, num_splits=0, split_size=None) -> int:
+    """float32 elements of workspace that :func:`flash_attn_with_kvcache` needs for these
+    arguments (0 when it runs as one split). Reads shapes only (``validate=False``) and the
+    current device's SM count and shared memory."""
+    prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                num_splits=num_splits, dtypes=DTYPES, validate=False)
+    return _resolve_plan(prob, split_size).workspace_elems
+
+
+def alloc_workspace(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                    *, num_splits=0, split_size=None):
+    """A float32 CuPy workspace for calls with these arguments' shapes: pass it as
+    ``workspace=`` (with ``out=`` and ``validate=False``) to capture the call in a CUDA graph.
+    Never empty, so it is always a valid argument."""
+    import cupy
+    n = workspace_size(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                       num_splits=num_splits, split_size=split_size)
+    return cupy.empty(max(n, 1), dtype=cupy.float32)
+
+
+def _launch_append(prob, k, v, k_cache, v_cache, cache_seqlens, block_table):
+    kern = jit.get_kernel(append_kernel_spec(prob.paged))
+    n = prob.seqlen_new * prob.nheads_k * prob.headdim
+    grid = (-(-n // 256), prob.batch, 1)
+    kn, vn, kc, vc = (_estrides(x) for x in (k, v, k_cache, v_cache))
+    bt = block_table if block_table is not None else _nullptr()
+    bt_bs = _estrides(block_table)[0] if block_table is not None else 0
+    i64 = np.int64
+    kern(grid, (256, 1, 1),
+         (k, v, k_cache, v_cache, cache_seqlens, bt,
+          i64(kn[0]), i64(kn[1]), i64(kn[2]), i64(vn[0]), i64(vn[1]), i64(vn[2]),
+          i64(kc[0]), i64(kc[1]), i64(kc[2]), i64(vc[0]), i64(vc[1]), i64(vc[2]), i64(bt_bs),
+          np.int32(prob.seqlen_new), np.int32(prob.nheads_k), np.int32(prob.headdim),
+          np.int32(prob.seqlen_cache), np.int32(max(prob.page_size, 1)),
+          np.int32(prob.num_pages)))
+
+
+def _launch_combine(o_part, lse_part, out, lse_out, num_parts, batch, seqlen, nheads, headdim):
+    """o_part/lse_part: float32 CuPy arrays (num_parts, batch, seqlen, nheads, headdim) /
+    (num_parts, batch, nheads, seqlen), any strides with the head dim contiguous."""
+    kern = jit.get_kernel(combine_kernel_spec(checks.dtype_name(out)))
+    rows = batch * seqlen * nheads
+    op, lp, o = _estrides(o_part), _estrides(lse_part), _estrides(out)
+    if lse_out is not None:
+        ls = _estrides(lse_out)
+        lse_bs, lse_hs = ls[0], ls[1]
+    else:
+        lse_bs = lse_hs = 0
+    i64 = np.int64
+    kern((-(-rows // 4), 1, 1), (128, 1, 1),
+         (o_part, lse_part, out, lse_out if lse_out is not None else _nullptr(),
+          i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
+          i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
+          i64(o[0]), i64(o[1]), i64(o[2]), i64(lse_bs), i64(lse_hs),
+          np.int32(num_parts), np.int32(batch), np.int32(seqlen), np.int32(nheads),
+          np.int32(headdim)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                            block_table=None, softmax_scale=None, causal=True, num_splits=0,
+                            return_lse=False, out=None, split_size=None, validate=True,
+                            workspace=None):
+    """Attention of new query tokens against a KV cache, split over the keys (Flash-Decoding).
+
+    Sequence ``b`` attends to its first ``L_b = cache_seqlens[b] + seqlen_new`` keys: the cached
+    tokens, then the new ``k[b]``/``v[b]``, which are first written into the cache at positions
+    ``cache_seqlens[b] ... L_b - 1`` (in place; ``cache_seqlens`` itself is not changed). Query
+    head ``h`` reads KV head ``h // (nheads // nheads_k)`` (GQA/MQA). Causal masking is aligned
+    bottom-right: query row ``i`` sees key ``j`` iff ``j <= L_b - seqlen_q + i``. Nothing at or
+    beyond ``L_b`` (cache tail, last page's tail, unused pages) is read into the result.
+
+    Algorithm: Flash-Decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"):
+    FlashAttention-2 (arXiv 2307.08691, Sec. 3.1) over ``num_splits`` key ranges per sequence,
+    in parallel, then an exact LSE-weighted merge in fp32 (:func:`merge_states`).
+
+    Parameters
+    ----------
+    q : CUDA array, shape (batch, seqlen_q, nheads, headdim), float16 or bfloat16
+        ``seqlen_q`` >= 1 (1 = decoding; up to 16 rows per KV head share one block, more rows
+        use more blocks); ``headdim`` a multiple of 8 up to 256.
+    k_cache, v_cache : CUDA arrays, same dtype as ``q``
+        Contiguous: (batch, seqlen_cache, nheads_k, headdim). Paged (``block_table`` given):
+        (num_pages, page_size, nheads_k, headdim), any ``page_size >= 1`` (powers of two are the
+        fast sizes; see the module notes). Rows must be 16-byte aligned (true for contiguous
+        caches). Modified in place when ``k``/``v`` are given.
+    k, v : CUDA arrays or None, shape (batch, seqlen_new, nheads_k, headdim)
+        New tokens to append before attending.
+    cache_seqlens : int32 CUDA array, shape (batch,), or None
+        Cached tokens per sequence before appending; None = the whole contiguous cache.
+    block_table : int32 CUDA array, shape (batch, max_pages_per_seq), or None
+        Page ids: token ``t`` of sequence ``b`` lives in page ``block_table[b, t // page_size]``
+        at row ``t % page_size``. Only the entries a sequence uses are read.
+    softmax_scale : float or None
+        Scale of ``q k^T``; None = ``1/sqrt(headdim)``.
+    causal : bool
+        Bottom-right causal mask (default True).
+    num_splits : int
+        0 = :func:`choose_num_splits` (from shapes and the device's SM count only); any value
+        >= 1 is honoured, including more splits than tiles (empty splits are harmless).
+    return_lse : bool
+        Also return the natural-log LSE, float32 (batch, nheads, seqlen_q); -inf for a row that
+        sees no key (its output is 0).
+    out : CUDA array or None
+        Output, same shape and dtype as ``q`` (allocated if None).
+    split_size : int or None
+        Fixed keys per split (rounded up to the tile size, 32-128 keys): split boundaries depend
+        only on the sequence, so a row's result is bitwise the same alone or in any batch.
+        Overrides ``num_splits``.
+    validate : bool
+        Read ``cache_seqlens`` and ``block_table`` on the host (a synchronisation) and raise on
+        lengths above the capacity and page ids outside ``[0, num_pages)``. With False nothing
+        is read on the host; the kernels still never access memory outside the cache (bad
+        lengths are clamped to the capacity and rows of bad pages are zero-filled: the result
+        of such a call is unspecified, not unsafe).
+    workspace : float32 CUDA array or None
+        Scratch for the fp32 partials, at least :func:`workspace_size` elements; allocated per
+        call if None. Pass it (with ``out`` and ``validate=False``) to capture in a CUDA graph.
+
+    Returns
+    -------
+    out : CUDA array, shape (batch, seqlen_q, nheads, headdim), dtype of ``q``
+    lse : float32 CUDA array, shape (batch, nheads, seqlen_q)
+        Only if ``return_lse``.
+
+    Raises
+    ------
+    TypeError
+        Host arrays (use :func:`cupyflash.reference.kvcache_attention_reference`), float32 or
+        float64 (no tensor-core decode path), other errors of
+        :func:`cupyflash.checks.check_kvcache`, a workspace that is not float32.
+    ValueError
+        From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
+        ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small.
+    """
+    prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                softmax_scale=softmax_scale, causal=causal,
+                                num_splits=num_splits, out=out, dtypes=DTYPES, validate=validate)
+    from .interop import is_device_array
+    if not is_device_array(q):
+        raise TypeError("q: flash_attn_with_kvcache runs on the GPU, got a host array "
+                        f"{type(q).__name__}; use cupyflash.reference.kvcache_attention_reference")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    dt = prob.dtype
+    q = _view(q, "q", dt)
+    k_cache = _view(k_cache, "k_cache", dt)
+    v_cache = _view(v_cache, "v_cache", dt)
+    k = None if k is None else _view(k, "k", dt)
+    v = None if v is None else _view(v, "v", dt)
+    out = None if out is None else _view(out, "out", dt)
+    cache_seqlens = None if cache_seqlens is None else _view(cache_seqlens, "cache_seqlens", "int32")
+    block_table = None if block_table is None else _view(block_table, "block_table", "int32")
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
+                    ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
+        if a is not None and a.device.id != q.device.id:
+            raise ValueError(f"{name}: on CUDA device {a.device.id}, but q is on device "
+                             f"{q.device.id}; pass all arrays on one device")
+    _check_cache_alignment(k_cache, "k_cache")
+    _check_cache_alignment(v_cache, "v_cache")
+    with q.device:
+        return _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
+                            return_lse, split_size, workspace)
+
+
+def _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, return_lse,
+                 split_size, workspace):
+    """Plan, allocate what the caller did not pass, launch append / split / combine."""
+    import cupy
+    plan = _resolve_plan(prob, split_size)  # also validates split_size
+    if cache_seqlens is not None and cache_seqlens.strides[0] != 4:
+        cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
+    out = cupy.empty(q.shape, q.dtype) if out is None else out
+    lse = cupy.empty((prob.batch, prob.nheads, prob.seqlen_q), cupy.float32) if return_lse \
+        else None
+    if plan.num_splits > 1:  # checked before anything is launched (the append writes in place)
+        need = plan.workspace_elems
+        if workspace is None:
+            workspace = cupy.empty(need, cupy.float32)
+        else:
+            workspace = _view(workspace, "workspace", checks.dtype_name(workspace))
+            if checks.dtype_name(workspace) != "float32":
+                raise TypeError(f"workspace: expected float32, got {checks.dtype_name(workspace)}")
+            if workspace.size < need or not workspace.flags.c_contiguous:
+                raise ValueError(f"workspace: expected a contiguous float32 array of at least "
+                                 f"{need} elements (workspace_size), got shape {workspace.shape}")
+    if prob.seqlen_new > 0 and prob.batch > 0:  # append first; same stream, so the split kernel
+        _launch_append(prob, k, v, k_cache, v_cache, cache_seqlens, block_table)  # sees it
+    if prob.batch == 0 or prob.seqlen_q == 0:  # no query rows: an empty grid is not launchable
+        return (out, lse) if return_lse else out
+
+    t = plan.template
+    kern = jit.get_kernel(split_kernel_spec(prob.dtype, t["headdim"], prob.paged,
+                                            stages=t["stages"]))
+    ns = plan.num_splits
+    rows = prob.batch * prob.seqlen_q * prob.nheads
+    if ns > 1:
+        o_part = workspace[:ns * rows * prob.headdim]
+        lse_part = workspace[ns * rows * prob.headdim:ns * rows * (prob.headdim + 1)]
+    else:
+        o_part = lse_part = None
+    qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
+    lse_bs, lse_hs = (_estrides(lse)[:2] if lse is not None else (0, 0))
+    bt_bs = _estrides(block_table)[0] if block_table is not None else 0
+    page_size = prob.page_size if prob.paged else 1
+    page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
+    nul = _nullptr()
+    i64, i32 = np.int64, np.int32
+    args = (q, k_cache, v_cache,
+            cache_seqlens if cache_seqlens is not None else nul,
+            block_table if block_table is not None else nul,
+            out if ns == 1 else nul,
+            lse if (lse is not None and ns == 1) else nul,
+            o_part if o_part is not None else nul,
+            lse_part if lse_part is not None else nul,
+            i64(qs[0]), i64(qs[1]), i64(qs[2]),
+            i64(ks[0]), i64(ks[1]), i64(ks[2]),
+            i64(vs[0]), i64(vs[1]), i64(vs[2]),
+            i64(os_[0]), i64(os_[1]), i64(os_[2]),
+            i64(lse_bs), i64(lse_hs), i64(bt_bs),
+            i32(prob.batch), i32(prob.nheads), i32(prob.nheads_k), i32(prob.seqlen_q),
+            i32(prob.headdim), i32(prob.seqlen_cache), i32(prob.seqlen_new), i32(page_size),
+            i32(page_shift), i32(prob.num_pages), i32(ns), i32(plan.split_tiles),
+            i32(plan.row_chunks), i32(1 if prob.causal else 0),
+            np.float32(prob.softmax_scale * math.log2(math.e)))
+    kern(plan.grid, plan.block, args, shared_mem=plan.smem_bytes)
+    if ns > 1:
+        o5 = o_part.reshape(ns, prob.batch, prob.seqlen_q, prob.nheads, prob.headdim)
+        l4 = lse_part.reshape(ns, prob.batch, prob.nheads, prob.seqlen_q)
+        _launch_combine(o5, l4, out, lse, ns, prob.batch, prob.seqlen_q, prob.nheads,
+                        prob.headdim)
+    return (out, lse) if return_lse else out
+
+
+def merge_states(o_parts, lse_parts):
+    """Exact merge of partial attention states on the GPU (Flash-Decoding's combine step; also
+    cascade and distributed attention).
+
+    With ``m = max_s lse_s`` and ``w_s = exp(lse_s - m)``: ``o = sum_s w_s o_s / sum_s w_s`` and
+    ``lse = m + log(sum_s w_s)``, in fp32. Parts with ``lse = -inf`` contribute nothing (their
+    ``o`` is never read, so it may hold NaN); a row whose parts are all empty gives 0 and -inf.
+    The NumPy twin is :func:`cupyflash.reference.merge_states`.
+
+    Parameters
+    ----------
+    o_parts : CUDA array, shape (num_parts, batch, seqlen, nheads, headdim)
+        Normalised partial outputs, float16, bfloat16 or float32 (converted to float32 first).
+    lse_parts : CUDA array, shape (num_parts, batch, nheads, seqlen)
+        Natural-log partial LSEs, float32 or float64 (converted to float32).
+
+    Returns
+    -------
+    o : CUDA array, shape (batch, seqlen, nheads, headdim), dtype of ``o_parts``
+    lse : float32 CUDA array, shape (batch, nheads, seqlen)
+
+    Raises
+    ------
+    TypeError
+        Host arrays (use :func:`cupyflash.reference.merge_states`), float64 ``o_parts``, and the
+        errors of :func:`cupyflash.checks.check_merge`.
+    ValueError
+        From :func:`cupyflash.checks.check_merge`.
+    """
+    num_parts, batch, seqlen, nheads, headdim = checks.check_merge(o_parts, lse_parts)
+    from .interop import is_device_array
+    if not is_device_array(o_parts):
+        raise TypeError("o_parts: merge_states runs on the GPU, got a host array "
+                        f"{type(o_parts).__name__}; use cupyflash.reference.merge_states")
+    dt = checks.dtype_name(o_parts)
+    if dt not in _CTYPE:
+        raise TypeError(f"o_parts: dtype {dt} is not supported on the GPU; supported: "
+                        f"{', '.join(_CTYPE)} (float64: cupyflash.reference.merge_states)")
+    import cupy
+    o_parts = _view(o_parts, "o_parts", dt)
+    lse_parts = _view(lse_parts, "lse_parts", checks.dtype_name(lse_parts))
+    with o_parts.device:
+        o32 = o_parts if dt == "float32" else o_parts.astype(cupy.float32)
+        l32 = lse_parts if lse_parts.dtype == cupy.float32 else lse_parts.astype(cupy.float32)
+        out = cupy.empty((batch, seqlen, nheads, headdim), o_parts.dtype)
+        lse = cupy.empty((batch, nheads, seqlen), cupy.float32)
+        if out.size:  # an empty grid is not launchable
+            _launch_combine(o32, l32, out, lse, num_parts, batch, seqlen, nheads, headdim)
+    return out, lse

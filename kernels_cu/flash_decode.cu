@@ -1,0 +1,468 @@
+// Split-KV decoding against a contiguous or paged KV cache (Flash-Decoding: Dao, Haziza, Massa,
+// Sizov, "Flash-Decoding for long-context inference", 2023; each split is the FlashAttention-2
+// forward pass of arXiv 2307.08691, Algorithm 1, over a range of keys).
+//
+// Three kernels:
+//   decode_split_kernel   grid (num_splits, batch, nheads_k * row_chunks). One CTA streams the
+//                         K/V tiles of one split of one sequence and one KV head through a
+//                         cp.async ring of STAGES shared-memory buffers, and computes every query
+//                         row that reads that KV head (GQA group x seqlen_q rows, up to GROUP = 16)
+//                         against each tile with tensor cores (mma.m16n8k16, fp32 accumulate), so
+//                         one read of the cache serves the whole group. It writes the normalised
+//                         partial output and its LSE in fp32 to the workspace, or the final output
+//                         directly when there is a single split.
+//   decode_combine_kernel merges the splits exactly (LSE-weighted, natural log) in fp32 and
+//                         writes the output in T and the LSE; also the public merge_states.
+//   decode_append_kernel  writes new k/v tokens at cache_seqlens[b] (contiguous or paged), in
+//                         place, before the split kernel runs.
+//
+// Work split inside a CTA: warp w owns keys [w * BLOCK_N / NWARPS, (w + 1) * BLOCK_N / NWARPS)
+// of every tile and keeps its own online-softmax state (m, l, acc) for the 16 rows; the NWARPS
+// states are merged once at the end (the same merge as between splits). No shared memory
+// traffic or barrier between warps inside the loop except the pipeline's one __syncthreads.
+//
+// Masking (common/mask.cuh, design.md semantics 1, 2, 5): a sequence's length is
+// len = cache_seqlens[b] + seqlen_new (clamped to the capacity); query row i sees key j iff
+// j < len and (not causal or j <= len - seqlen_q + i). Keys at or beyond len are never read:
+// their cp.async copies have src_size 0 (zero-fill, no global read) and their scores are set to
+// -inf before the max, so a NaN-filled cache tail cannot reach the result. Page ids outside
+// [0, num_pages) are never dereferenced either (their rows are zero-filled; the validation mode
+// of checks.check_kvcache raises before launch, so such a result is unspecified but memory-safe).
+#include "common/dtype.cuh"
+#include "common/params.cuh"
+#include "common/mask.cuh"
+#include "common/online_softmax.cuh"
+#include "common/mma.cuh"
+
+namespace cf {
+
+namespace decode_detail {
+// float -> T, round to nearest even (local names: dtype.cuh may grow its own helpers)
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+}  // namespace decode_detail
+
+// Compile-time shape of the split kernel; decode.py's smem formula mirrors kSmemBytes.
+template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES>
+struct DecodeTraits {
+    static_assert(sizeof(T) == 2, "tensor-core decode: fp16 / bf16 only");
+    static_assert(HEADDIM % 16 == 0 && HEADDIM <= 256, "HEADDIM: multiple of 16, <= 256");
+    static_assert(GROUP == 16, "GROUP is the mma M dimension (16 rows per CTA)");
+    static_assert(BLOCK_N % (16 * NWARPS) == 0, "each warp owns whole 16-key mma k-steps");
+    static_assert(STAGES >= 2, "pipeline needs at least double buffering");
+    static constexpr int kThreads = NWARPS * 32;
+    static constexpr int kVec = 16 / sizeof(T);               // elements per 16-byte copy
+    static constexpr int kChunksPerRow = HEADDIM / kVec;
+    static constexpr int kRowStride = HEADDIM + kVec;         // +16 B: conflict-free ldmatrix
+    static constexpr int kKeysPerWarp = BLOCK_N / NWARPS;
+    static constexpr int kKSteps = kKeysPerWarp / 16;         // 16-key blocks per warp per tile
+    static constexpr int kTileElems = BLOCK_N * kRowStride;   // one K (or V) tile
+    static constexpr int kStageElems = 2 * kTileElems;        // K tile then V tile
+    static constexpr int kQElems = GROUP * kRowStride;
+    static constexpr int kSmemBytes = (kQElems + STAGES * kStageElems) * (int)sizeof(T);
+    // Epilogue scratch (aliases the stage buffers once the pipeline has drained).
+    static constexpr int kOStride = HEADDIM + 4;
+    static constexpr int kEpilogueBytes = (NWARPS * GROUP * kOStride + 2 * NWARPS * GROUP) * 4;
+    static_assert(kEpilogueBytes <= STAGES * kStageElems * (int)sizeof(T), "epilogue fits");
+    static_assert((BLOCK_N * kChunksPerRow) % kThreads == 0, "whole copies per thread");
+    static constexpr int kCopiesPerThread = BLOCK_N * kChunksPerRow / kThreads;
+};
+
+// Length (tokens, after appending) of sequence b, clamped to [0, capacity] so that a bad
+// cache_seqlens with validate=False cannot make the kernels read outside the cache.
+__device__ __forceinline__ int sequence_length(const DecodeParams& p, int b) {
+    int len = p.cache_seqlens ? p.cache_seqlens[b] + p.seqlen_new : p.seqlen_cache;
+    return max(0, min(len, p.seqlen_cache));
+}
+
+// Element offset of (key j, kv head hk) in a cache, or -1 if its page id is outside the pool.
+template <bool PAGED>
+__device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, int b, int j, int hk,
+                                                int64_t batch_stride, int64_t row_stride,
+                                                int64_t head_stride) {
+    if constexpr (PAGED) {
+        const int slot = p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size);
+        const int in_page = j - slot * p.page_size;
+        const int page = __ldg(p.block_table + b * p.block_table_batch_stride + slot);
+        if (page < 0 || page >= p.num_pages) return -1;
+        return (int64_t)page * batch_stride + (int64_t)in_page * row_stride
+               + (int64_t)hk * head_stride;
+    } else {
+        return (int64_t)b * batch_stride + (int64_t)j * row_stride + (int64_t)hk * head_stride;
+    }
+}
+
+template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, bool PAGED>
+__device__ __forceinline__ void decode_split(const DecodeParams& p) {
+    using Tr = DecodeTraits<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes) __trap();  // launch bug, never silent
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sStages = sQ + Tr::kQElems;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane >> 2, t = lane & 3;  // mma groupID / threadID_in_group
+    const int split = blockIdx.x, b = blockIdx.y;
+    const int hk = blockIdx.z / p.num_row_chunks;
+    const int row_base = (blockIdx.z % p.num_row_chunks) * GROUP;
+    const int rows = p.h_per_kv * p.seqlen_q;  // query rows reading this KV head
+    // Row r of the CTA is query token qi = r / h_per_kv of head hk * h_per_kv + r % h_per_kv.
+
+    // ---- this split's tiles: [tile_begin, tile_end) of the sequence's ceil(len / BLOCK_N) ----
+    const int len = sequence_length(p, b);
+    const int n_tiles = (len + BLOCK_N - 1) / BLOCK_N;
+    const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles
+                                                  : (n_tiles + p.num_splits - 1) / p.num_splits;
+    const int tile_begin = min(split * tiles_per_split, n_tiles);
+    const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
+    const int n_iter = tile_end - tile_begin;
+
+    // ---- Q tile (16 rows, zero-padded rows and columns) into shared memory, raw 16-bit copy ----
+    {
+        const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
+        uint16_t* s = reinterpret_cast<uint16_t*>(sQ);
+        for (int e = tid; e < GROUP * HEADDIM; e += Tr::kThreads) {
+            const int r = e / HEADDIM, c = e % HEADDIM, rg = row_base + r;
+            uint16_t val = 0;  // +0.0 in fp16 and bf16
+            if (rg < rows && c < p.headdim) {
+                const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
+                val = q[b * p.q_batch_stride + qi * p.q_row_stride + h * p.q_head_stride + c];
+            }
+            s[r * Tr::kRowStride + c] = val;
+        }
+    }
+
+    // ---- K/V tile copy: 16-byte cp.async, zero-fill past len / headdim / for bad page ids ----
+    const T* kbase = reinterpret_cast<const T*>(p.k);
+    const T* vbase = reinterpret_cast<const T*>(p.v);
+    auto load_tile = [&](int stage, int tile) {
+        T* sK = sStages + stage * Tr::kStageElems;
+        T* sV = sK + Tr::kTileElems;
+#pragma unroll
+        for (int it = 0; it < Tr::kCopiesPerThread; ++it) {
+            const int i = tid + it * Tr::kThreads;
+            const int row = i / Tr::kChunksPerRow, col = (i % Tr::kChunksPerRow) * Tr::kVec;
+            const int j = tile * BLOCK_N + row;
+            bool valid = j < len && col < p.headdim;
+            int64_t koff = 0, voff = 0;
+            if (valid) {
+                koff = cache_offset<PAGED>(p, b, j, hk, p.k_batch_stride, p.k_row_stride,
+                                           p.k_head_stride);
+                voff = cache_offset<PAGED>(p, b, j, hk, p.v_batch_stride, p.v_row_stride,
+                                           p.v_head_stride);
+                valid = koff >= 0 && voff >= 0;
+            }
+            cp_async_16(smem_u32addr(sK + row * Tr::kRowStride + col),
+                        valid ? kbase + koff + col : kbase, valid);
+            cp_async_16(smem_u32addr(sV + row * Tr::kRowStride + col),
+                        valid ? vbase + voff + col : vbase, valid);
+        }
+    };
+
+    // ---- per-thread rows (g and g + 8) and their visible key ranges -------------------------
+    KeyRange range[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+        const int rg = row_base + g + 8 * rh;
+        range[rh] = rg < rows ? visible_keys(rg / p.h_per_kv, p.seqlen_q, len, p.causal != 0, -1, -1)
+                              : KeyRange{0, 0};  // padding row: sees nothing, never written
+    }
+
+    // ---- online-softmax state of this warp (FA-2: unscaled acc, normalised at the end) -------
+    float m_i[2] = {neg_inf<float>(), neg_inf<float>()};  // running max, log2 domain
+    float l_i[2] = {0.f, 0.f};                            // this thread's part of the row sum
+    float acc[HEADDIM / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HEADDIM / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
+
+    const uint32_t sQ_addr = smem_u32addr(sQ + (lane & 15) * Tr::kRowStride + (lane >> 4) * 8);
+    const int warp_key0 = warp * Tr::kKeysPerWarp;
+
+    // ---- pipeline prologue: STAGES - 1 tiles in flight ----------------------------------------
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_iter) load_tile(s, tile_begin + s);
+        cp_async_commit();
+    }
+
+    for (int it = 0; it < n_iter; ++it) {
+        cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
+        __syncthreads();              // everyone's have; everyone is done with stage it - 1
+        if (it + STAGES - 1 < n_iter)
+            load_tile((it + STAGES - 1) % STAGES, tile_begin + it + STAGES - 1);
+        cp_async_commit();            // (possibly empty) group keeps the wait count uniform
+
+        const T* sK = sStages + (it % STAGES) * Tr::kStageElems;
+        const T* sV = sK + Tr::kTileElems;
+        const int key0 = (tile_begin + it) * BLOCK_N + warp_key0;  // first key of this warp
+
+        // S = Q K^T for this warp's keys (16 rows x kKeysPerWarp keys), fp32
+        float s[Tr::kKSteps][2][4];
+#pragma unroll
+        for (int kw = 0; kw < Tr::kKSteps; ++kw)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[kw][nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < HEADDIM / 16; ++ks) {
+            uint32_t a[4];
+            ldmatrix_x4(a, sQ_addr + ks * 16 * (int)sizeof(T));
+#pragma unroll
+            for (int kw = 0; kw < Tr::kKSteps; ++kw) {
+                // matrices: (keys 0-7, dims lo), (keys 0-7, dims hi), (keys 8-15, lo), (8-15, hi)
+                const int krow = warp_key0 + kw * 16 + (lane >> 4) * 8 + (lane & 7);
+                const int kcol = ks * 16 + ((lane >> 3) & 1) * 8;
+                uint32_t bk[4];
+                ldmatrix_x4(bk, smem_u32addr(sK + krow * Tr::kRowStride + kcol));
+                mma_m16n8k16<T>(s[kw][0], a, bk[0], bk[1]);
+                mma_m16n8k16<T>(s[kw][1], a, bk[2], bk[3]);
+            }
+        }
+
+        // scale to the log2 domain and mask: -inf outside the row's visible range (incl. j >= len)
+        float mx[2] = {neg_inf<float>(), neg_inf<float>()};
+#pragma unroll
+        for (int kw = 0; kw < Tr::kKSteps; ++kw)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int rh = e >> 1;
+                    const int j = key0 + kw * 16 + nt * 8 + 2 * t + (e & 1);
+                    float x = s[kw][nt][e] * p.scale_log2;
+                    if (!key_visible(range[rh], j)) x = neg_inf<float>();
+                    s[kw][nt][e] = x;
+                    mx[rh] = fmaxf(mx[rh], x);
+                }
+        // row max over the quad (the 4 threads holding one row), then rescale the old state
+        float corr[2];
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+            mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
+            mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
+            const float m_new = fmaxf(m_i[rh], mx[rh]);
+            corr[rh] = rescale_factor(m_i[rh], m_new);
+            m_i[rh] = m_new;
+            l_i[rh] *= corr[rh];
+        }
+#pragma unroll
+        for (int dt = 0; dt < HEADDIM / 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[dt][e] *= corr[e >> 1];
+
+        // P = exp2(S - m), row sums, and O += P V (P stays in registers as the A fragment)
+#pragma unroll
+        for (int kw = 0; kw < Tr::kKSteps; ++kw) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float pr = prob(s[kw][nt][e], m_i[e >> 1]);
+                    s[kw][nt][e] = pr;
+                    l_i[e >> 1] += pr;
+                }
+            uint32_t pa[4];
+            pa[0] = pack2<T>(s[kw][0][0], s[kw][0][1]);
+            pa[1] = pack2<T>(s[kw][0][2], s[kw][0][3]);
+            pa[2] = pack2<T>(s[kw][1][0], s[kw][1][1]);
+            pa[3] = pack2<T>(s[kw][1][2], s[kw][1][3]);
+            // matrices (transposed): (keys 0-7, dims lo), (keys 8-15, lo), (0-7, hi), (8-15, hi)
+            const int vrow = warp_key0 + kw * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+            for (int dn = 0; dn < HEADDIM / 16; ++dn) {
+                const int vcol = dn * 16 + (lane >> 4) * 8;
+                uint32_t bv[4];
+                ldmatrix_x4_trans(bv, smem_u32addr(sV + vrow * Tr::kRowStride + vcol));
+                mma_m16n8k16<T>(acc[2 * dn], pa, bv[0], bv[1]);
+                mma_m16n8k16<T>(acc[2 * dn + 1], pa, bv[2], bv[3]);
+            }
+        }
+    }
+
+    // ---- epilogue: merge the NWARPS warp states, normalise, write --------------------------
+    cp_async_wait<0>();
+    __syncthreads();  // stage buffers are free: reuse them as fp32 scratch
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+        l_i[rh] += __shfl_xor_sync(0xffffffffu, l_i[rh], 1);
+        l_i[rh] += __shfl_xor_sync(0xffffffffu, l_i[rh], 2);
+    }
+    float* sO = reinterpret_cast<float*>(sStages);               // [NWARPS][GROUP][kOStride]
+    float* sM = sO + NWARPS * GROUP * Tr::kOStride;              // [NWARPS][GROUP]
+    float* sL = sM + NWARPS * GROUP;                             // [NWARPS][GROUP]
+#pragma unroll
+    for (int dt = 0; dt < HEADDIM / 8; ++dt)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+            float* dst = sO + (warp * GROUP + g + 8 * rh) * Tr::kOStride + dt * 8 + 2 * t;
+            dst[0] = acc[dt][2 * rh];
+            dst[1] = acc[dt][2 * rh + 1];
+        }
+    if (t == 0) {
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+            sM[warp * GROUP + g + 8 * rh] = m_i[rh];
+            sL[warp * GROUP + g + 8 * rh] = l_i[rh];
+        }
+    }
+    __syncthreads();
+
+    const bool direct = p.num_splits == 1;  // single split: write the final output in T
+    for (int e = tid; e < GROUP * HEADDIM; e += Tr::kThreads) {
+        const int r = e / HEADDIM, c = e % HEADDIM, rg = row_base + r;
+        if (rg >= rows || c >= p.headdim) continue;
+        float m_tot = neg_inf<float>();
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) m_tot = fmaxf(m_tot, sM[w * GROUP + r]);
+        float l_tot = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float f = rescale_factor(sM[w * GROUP + r], m_tot);
+            l_tot += sL[w * GROUP + r] * f;
+            o += sO[(w * GROUP + r) * Tr::kOStride + c] * f;
+        }
+        o *= inv_normaliser(l_tot);
+        const float lse = lse_from(m_tot, l_tot);
+        const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
+        if (direct) {
+            T* out = reinterpret_cast<T*>(p.o);
+            out[b * p.o_batch_stride + qi * p.o_row_stride + h * p.o_head_stride + c] =
+                decode_detail::from_float<T>(o);
+            if (c == 0 && p.lse != nullptr)
+                p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + qi] = lse;
+        } else {
+            const int64_t prow = ((int64_t)split * p.batch + b) * p.seqlen_q + qi;
+            p.o_part[(prow * p.nheads + h) * p.headdim + c] = o;
+            if (c == 0)
+                p.lse_part[(((int64_t)split * p.batch + b) * p.nheads + h) * p.seqlen_q + qi] = lse;
+        }
+    }
+}
+
+// Entry point: plain arguments (CuPy passes pointers and NumPy scalars), packed into DecodeParams.
+// decode.py's `_split_args` builds them in this order.
+template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, bool PAGED>
+__global__ void __launch_bounds__(NWARPS * 32)
+decode_split_kernel(const void* q, const void* k, const void* v, const int* cache_seqlens,
+                    const int* block_table, void* o, float* lse, float* o_part, float* lse_part,
+                    long long q_bs, long long q_rs, long long q_hs,
+                    long long k_bs, long long k_rs, long long k_hs,
+                    long long v_bs, long long v_rs, long long v_hs,
+                    long long o_bs, long long o_rs, long long o_hs,
+                    long long lse_bs, long long lse_hs, long long bt_bs,
+                    int batch, int nheads, int nheads_k, int seqlen_q, int headdim,
+                    int seqlen_cache, int seqlen_new, int page_size, int page_shift,
+                    int num_pages, int num_splits, int split_tiles, int num_row_chunks,
+                    int causal, float scale_log2) {
+    DecodeParams p;
+    p.q = q; p.k = k; p.v = v; p.cache_seqlens = cache_seqlens; p.block_table = block_table;
+    p.o = o; p.lse = lse; p.o_part = o_part; p.lse_part = lse_part;
+    p.q_batch_stride = q_bs; p.q_row_stride = q_rs; p.q_head_stride = q_hs;
+    p.k_batch_stride = k_bs; p.k_row_stride = k_rs; p.k_head_stride = k_hs;
+    p.v_batch_stride = v_bs; p.v_row_stride = v_rs; p.v_head_stride = v_hs;
+    p.o_batch_stride = o_bs; p.o_row_stride = o_rs; p.o_head_stride = o_hs;
+    p.lse_batch_stride = lse_bs; p.lse_head_stride = lse_hs; p.block_table_batch_stride = bt_bs;
+    p.batch = batch; p.nheads = nheads; p.nheads_k = nheads_k; p.h_per_kv = nheads / nheads_k;
+    p.seqlen_q = seqlen_q; p.headdim = headdim; p.seqlen_cache = seqlen_cache;
+    p.seqlen_new = seqlen_new; p.page_size = page_size; p.page_shift = page_shift;
+    p.num_pages = num_pages; p.num_splits = num_splits; p.split_tiles = split_tiles;
+    p.num_row_chunks = num_row_chunks; p.causal = causal; p.scale_log2 = scale_log2;
+    decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, PAGED>(p);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Combine: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s), LSE = max + log(sum w)
+// (natural log; merge(x, (0, -inf)) = x: empty parts are skipped, so their o is never read).
+// One warp per output row (b, i, h); lanes stride over the head dim. Strides in elements:
+// o_part (part, batch, row, head) with the head dim contiguous, lse_part (part, batch, head, row).
+// ------------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(128)
+decode_combine_kernel(const float* o_part, const float* lse_part, T* out, float* lse_out,
+                      long long op_ps, long long op_bs, long long op_rs, long long op_hs,
+                      long long lp_ps, long long lp_bs, long long lp_hs, long long lp_rs,
+                      long long o_bs, long long o_rs, long long o_hs,
+                      long long lse_bs, long long lse_hs,
+                      int num_parts, int batch, int seqlen, int nheads, int headdim) {
+    const int lane = threadIdx.x % 32;
+    const long long rid = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (rid >= (long long)batch * seqlen * nheads) return;
+    const int h = (int)(rid % nheads);
+    const int i = (int)((rid / nheads) % seqlen);
+    const int b = (int)(rid / ((long long)nheads * seqlen));
+    const float* lp = lse_part + b * lp_bs + h * lp_hs + i * lp_rs;
+    const float* op = o_part + b * op_bs + i * op_rs + h * op_hs;
+
+    float lse_max = neg_inf<float>();
+    for (int s = 0; s < num_parts; ++s) lse_max = fmaxf(lse_max, lp[s * lp_ps]);
+    float wsum = 0.f;
+    for (int s = 0; s < num_parts; ++s) wsum += merge_weight(lp[s * lp_ps], lse_max);
+    const float inv = inv_normaliser(wsum);  // all parts empty: output 0
+    T* orow = out + b * o_bs + i * o_rs + h * o_hs;
+    for (int c = lane; c < headdim; c += 32) {
+        float o = 0.f;
+        for (int s = 0; s < num_parts; ++s) {
+            const float ls = lp[s * lp_ps];
+            if (ls == neg_inf<float>()) continue;  // empty part: its o is not read
+            o += merge_weight(ls, lse_max) * op[s * op_ps + c];
+        }
+        orow[c] = decode_detail::from_float<T>(o * inv);
+    }
+    if (lane == 0 && lse_out != nullptr)
+        lse_out[b * lse_bs + h * lse_hs + i] =
+            wsum == 0.f ? neg_inf<float>() : lse_max + logf(wsum);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Append: cache[b, cache_seqlens[b] + i, h, :] = new[b, i, h, :] (paged: through block_table).
+// Raw element copy (E = uint16_t for fp16/bf16). Positions past the capacity and page ids
+// outside the pool are skipped (checks.check_kvcache rejects them when validate=True).
+// grid (ceil(seqlen_new * nheads_k * headdim / 256), batch), block 256.
+// ------------------------------------------------------------------------------------------------
+template <typename E, bool PAGED>
+__global__ void __launch_bounds__(256)
+decode_append_kernel(const E* k_new, const E* v_new, E* k_cache, E* v_cache,
+                     const int* cache_seqlens, const int* block_table,
+                     long long kn_bs, long long kn_rs, long long kn_hs,
+                     long long vn_bs, long long vn_rs, long long vn_hs,
+                     long long k_bs, long long k_rs, long long k_hs,
+                     long long v_bs, long long v_rs, long long v_hs, long long bt_bs,
+                     int seqlen_new, int nheads_k, int headdim, int seqlen_cache,
+                     int page_size, int num_pages) {
+    const int b = blockIdx.y;
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (long long)seqlen_new * nheads_k * headdim) return;
+    const int c = (int)(e % headdim);
+    const int h = (int)((e / headdim) % nheads_k);
+    const int i = (int)(e / ((long long)headdim * nheads_k));
+    const int pos = cache_seqlens[b] + i;
+    if (pos < 0 || pos >= seqlen_cache) return;
+    long long kdst, vdst;
+    if constexpr (PAGED) {
+        const int page = block_table[b * bt_bs + pos / page_size];
+        if (page < 0 || page >= num_pages) return;
+        const int in_page = pos % page_size;
+        kdst = page * k_bs + in_page * k_rs + h * k_hs + c;
+        vdst = page * v_bs + in_page * v_rs + h * v_hs + c;
+    } else {
+        kdst = b * k_bs + (long long)pos * k_rs + h * k_hs + c;
+        vdst = b * v_bs + (long long)pos * v_rs + h * v_hs + c;
+    }
+    k_cache[kdst] = k_new[b * kn_bs + i * kn_rs + h * kn_hs + c];
+    v_cache[vdst] = v_new[b * vn_bs + i * vn_rs + h * vn_hs + c];
+}
+
+}  // namespace cf

@@ -1,0 +1,371 @@
+"""GPU: split-KV decoding (flash_attn_with_kvcache), the KV append, and merge_states against the
+float64 reference, on NaN-poisoned caches, pages and workspaces.
+
+Accuracy rule (as FlashAttention's tests): the kernel's normwise relative error against the
+float64 reference is at most twice that of a straightforward same-precision implementation
+(scores in float64, unnormalised probabilities rounded to the dtype before P V, output rounded to
+the dtype: what any fp16/bf16 tensor-core attention does) plus a quarter of the dtype's epsilon.
+LSE (fp32 throughout): absolute error <= 1e-4 * (1 + |lse|); -inf exactly where the reference has it.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+cupy = pytest.importorskip("cupy")
+try:
+    _HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no driver / no device
+    _HAS_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="needs a CUDA GPU")]
+
+import ml_dtypes  # noqa: E402
+
+from cupyflash import checks, decode, reference, testing  # noqa: E402
+from cupyflash.decode import flash_attn_with_kvcache, merge_states  # noqa: E402
+
+NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23}
+
+
+def _dev(x):
+    if x is None:
+        return None
+    x = np.ascontiguousarray(x)
+    if x.dtype.itemsize == 2 and x.dtype != np.int16:  # fp16/bf16 bits, NaN payloads kept
+        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
+    return cupy.asarray(x)
+
+
+def _host(x):
+    if x.dtype.itemsize == 2:
+        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
+    return cupy.asnumpy(x)
+
+
+_NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+def _nan_like(x):
+    """A CuPy array shaped like ``x`` (CuPy, 16-bit float) filled with NaN bits."""
+    y = cupy.empty(x.shape, x.dtype)
+    y.view(cupy.uint16).fill(_NAN_BITS[checks.dtype_name(x)])
+    return y
+
+
+def _gathered(case):
+    """Per sequence: float64 K, V (L_b, nheads_k, d) of its first L_b = cache + new tokens."""
+    f = np.float64
+    res = []
+    for b in range(case.q.shape[0]):
+        c = int(case.cache_seqlens[b])
+        kb = case.k_cache_contiguous[b, :c].astype(f)
+        vb = case.v_cache_contiguous[b, :c].astype(f)
+        if case.k is not None:
+            kb = np.concatenate([kb, case.k[b].astype(f)])
+            vb = np.concatenate([vb, case.v[b].astype(f)])
+        res.append((kb, vb))
+    return res
+
+
+def _same_precision(case, dtype):
+    """The straightforward same-precision implementation (see the module docstring)."""
+    q = case.q.astype(np.float64)
+    batch, sq, nh, d = q.shape
+    hpk = nh // case.k_cache.shape[2]
+    scale = checks.resolve_softmax_scale(case.softmax_scale, d)
+    out = np.zeros(q.shape)
+    for b, (kb, vb) in enumerate(_gathered(case)):
+        L = kb.shape[0]
+        j = np.arange(L)[None, :]
+        i = np.arange(sq)[:, None]
+        vis = (j <= i + L - sq) if case.causal else np.ones((sq, L), bool)
+        for h in range(nh):
+            s = np.where(vis, q[b, :, h] @ kb[:, h // hpk].T * scale, -np.inf)
+            m = s.max(axis=1, initial=-np.inf)
+            p = np.exp(s - np.where(np.isfinite(m), m, 0.0)[:, None])
+            l = p.sum(axis=1)
+            pr = p.astype(NP[dtype]).astype(np.float64)
+            o = (pr @ vb[:, h // hpk]) / np.where(l == 0, 1.0, l)[:, None]
+            out[b, :, h] = o.astype(NP[dtype]).astype(np.float64)
+    return out
+
+
+def _check_against_reference(case, out, lse, dtype):
+    ref = reference.kvcache_attention_reference(*case.args(), **case.kwargs())
+    out_h = _host(out).astype(np.float64)
+    lse_h = cupy.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(out_h).any(), "NaN in out"
+    assert not np.isnan(lse_h).any(), "NaN in lse"
+    err = testing.rel_error(out_h, ref.out)
+    base = testing.rel_error(_same_precision(case, dtype), ref.out)
+    assert err <= 2 * base + 0.25 * EPS[dtype], (err, base)
+    assert np.array_equal(np.isneginf(lse_h), np.isneginf(ref.lse))
+    fin = np.isfinite(ref.lse)
+    assert np.all(np.abs(lse_h[fin] - ref.lse[fin]) <= 1e-4 * (1 + np.abs(ref.lse[fin])))
+    return ref
+
+
+def _run(case, dtype, **kw):
+    q, kc, vc, k, v, cs, bt = (_dev(x) for x in case.args())
+    out = _nan_like(q)
+    res = flash_attn_with_kvcache(q, kc, vc, k, v, cs, bt, softmax_scale=case.softmax_scale,
+                                  causal=case.causal, return_lse=True, out=out, **kw)
+    return res, (q, kc, vc, k, v, cs, bt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the reference
+# ----------------------------------------------------------------------------------------------
+@st.composite
+def split_options(draw):
+    mode = draw(st.sampled_from(["heuristic", "explicit", "fixed"]))
+    if mode == "heuristic":
+        return dict(num_splits=0)
+    if mode == "explicit":
+        return dict(num_splits=draw(st.sampled_from([1, 2, 3, 5, 100])))
+    return dict(split_size=draw(st.sampled_from([1, 64, 100, 300])))
+
+
+@given(case=testing.kvcache_cases(dtypes=("float16", "bfloat16"), max_batch=3, max_seqlen_q=16,
+                                  max_seqlen_new=4, max_pages_per_seq=64, max_seqlen_cache=600,
+                                  max_headdim=256, max_nheads_k=2, max_group=8),
+       opts=split_options(), poison_ws=st.booleans())
+def test_kvcache_matches_reference(case, opts, poison_ws):
+    dtype = checks.dtype_name(case.q)
+    q, kc, vc, k, v, cs, bt = (_dev(x) for x in case.args())
+    ws = None
+    if poison_ws:
+        n = decode.workspace_size(q, kc, vc, k, v, cs, bt, **opts)
+        ws = cupy.full(max(n, 1), np.nan, dtype=cupy.float32)
+    out = _nan_like(q)
+    o, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cs, bt, softmax_scale=case.softmax_scale,
+                                     causal=case.causal, return_lse=True, out=out, workspace=ws,
+                                     **opts)
+    assert o is out and o.dtype == q.dtype and lse.dtype == cupy.float32
+    ref = _check_against_reference(case, o, lse, dtype)
+    if case.k is not None:  # append wrote exactly the reference's updated cache (NaN elsewhere)
+        for got, want in ((kc, ref.k_cache), (vc, ref.v_cache)):
+            g = _host(got)
+            assert np.array_equal(np.isnan(g.astype(np.float64)), np.isnan(want.astype(np.float64)))
+            assert np.array_equal(g.view(np.uint16)[~np.isnan(want.astype(np.float64))],
+                                  want.view(np.uint16)[~np.isnan(want.astype(np.float64))])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_llama_shape_long_cache(dtype, paged):
+    """Llama-3-8B heads (32 / 8, hd128), ragged long caches, many tiles and splits."""
+    rng = np.random.default_rng(7)
+    batch, cap, hk, h, d = 3, 4096, 8, 32, 128
+    cs = np.array([4000, 1, 2500], np.int32)
+    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    tail = np.arange(cap)[None, :] >= cs[:, None]
+    kc[tail] = np.nan
+    vc[tail] = np.nan
+    q = testing.random_normal(rng, (batch, 1, h, d), dtype)
+    bt = None
+    kpool, vpool = kc, vc
+    if paged:
+        kpool, bt = testing.contiguous_to_paged(kc, 16, np.random.default_rng(1), 3)
+        vpool, _ = testing.contiguous_to_paged(vc, 16, np.random.default_rng(1), 3)
+    case = testing.KVCacheCase(q=q, k_cache=kpool, v_cache=vpool, k=None, v=None,
+                               cache_seqlens=cs, block_table=bt, softmax_scale=None, causal=True,
+                               page_size=16 if paged else 0, seed=7, k_cache_contiguous=kc,
+                               v_cache_contiguous=vc)
+    for opts in (dict(num_splits=0), dict(num_splits=1), dict(num_splits=7)):
+        (o, lse), _ = _run(case, dtype, **opts)
+        _check_against_reference(case, o, lse, dtype)
+
+
+def test_edge_cases_empty_and_masked_rows():
+    """cache_seqlens == 0 -> (0, -inf); seqlen_q > L (causal) -> leading rows empty; more splits
+    than tiles."""
+    rng = np.random.default_rng(3)
+    dtype = "bfloat16"
+    batch, cap, hk, h, d, sq = 3, 80, 2, 4, 64, 5
+    cs = np.array([0, 2, 80], np.int32)
+    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    kc[np.arange(cap)[None, :] >= cs[:, None]] = np.nan
+    vc[np.arange(cap)[None, :] >= cs[:, None]] = np.nan
+    q = testing.random_normal(rng, (batch, sq, h, d), dtype)
+    case = testing.KVCacheCase(q=q, k_cache=kc, v_cache=vc, k=None, v=None, cache_seqlens=cs,
+                               block_table=None, softmax_scale=None, causal=True, page_size=0,
+                               seed=3, k_cache_contiguous=kc, v_cache_contiguous=vc)
+    for ns in (1, 2, 50):
+        (o, lse), _ = _run(case, dtype, num_splits=ns)
+        _check_against_reference(case, o, lse, dtype)
+        oh, lh = _host(o).astype(np.float64), cupy.asnumpy(lse)
+        assert np.all(oh[0] == 0) and np.all(np.isneginf(lh[0]))
+        assert np.all(oh[1, :3] == 0) and np.all(np.isneginf(lh[1, :, :3]))  # 2 keys, 5 rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Determinism, batch independence, append-then-attend
+# ----------------------------------------------------------------------------------------------
+@settings(max_examples=10)
+@given(case=testing.kvcache_cases(dtypes=("bfloat16",), append=False, max_batch=3,
+                                  max_pages_per_seq=32, max_seqlen_cache=500, max_headdim=128,
+                                  max_group=4),
+       ns=st.sampled_from([0, 1, 4]))
+def test_bitwise_repeatable(case, ns):
+    (o1, l1), _ = _run(case, "bfloat16", num_splits=ns)
+    (o2, l2), _ = _run(case, "bfloat16", num_splits=ns)
+    assert np.array_equal(_host(o1).view(np.uint16), _host(o2).view(np.uint16))
+    assert np.array_equal(cupy.asnumpy(l1).view(np.uint32), cupy.asnumpy(l2).view(np.uint32))
+
+
+@settings(max_examples=10)
+@given(case=testing.kvcache_cases(dtypes=("float16",), append=False, max_batch=4,
+                                  max_pages_per_seq=32, max_seqlen_cache=500, max_headdim=128,
+                                  max_group=4),
+       opts=st.sampled_from([dict(split_size=64), dict(split_size=200), dict(num_splits=3)]))
+def test_row_result_independent_of_batch(case, opts):
+    """split_size (and any explicit num_splits) make a row's result bitwise the same alone and
+    inside the batch."""
+    (o_all, l_all), (q, kc, vc, _, _, cs, bt) = _run(case, "float16", **opts)
+    o_all, l_all = _host(o_all), cupy.asnumpy(l_all)
+    for b in range(q.shape[0]):
+        kcb = kc if bt is not None else kc[b:b + 1]
+        vcb = vc if bt is not None else vc[b:b + 1]
+        btb = None if bt is None else bt[b:b + 1]
+        o1, l1 = flash_attn_with_kvcache(q[b:b + 1], kcb, vcb, cache_seqlens=cs[b:b + 1],
+                                         block_table=btb, softmax_scale=case.softmax_scale,
+                                         causal=case.causal, return_lse=True, **opts)
+        assert np.array_equal(_host(o1)[0].view(np.uint16), o_all[b].view(np.uint16))
+        assert np.array_equal(cupy.asnumpy(l1)[0].view(np.uint32), l_all[b].view(np.uint32))
+
+
+def test_append_then_attend_equals_attend_over_appended_cache():
+    rng = np.random.default_rng(11)
+    dtype = "float16"
+    for paged in (False, True):
+        batch, cap, hk, h, d, sn = 2, 96, 2, 8, 128, 3
+        cs = np.array([10, 70], np.int32)
+        kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+        vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+        k = testing.random_normal(rng, (batch, sn, hk, d), dtype)
+        v = testing.random_normal(rng, (batch, sn, hk, d), dtype)
+        q = testing.random_normal(rng, (batch, sn, h, d), dtype)
+        bt = None
+        if paged:
+            kc, bt = testing.contiguous_to_paged(kc, 16, np.random.default_rng(2), 2)
+            vc, _ = testing.contiguous_to_paged(vc, 16, np.random.default_rng(2), 2)
+        qd, kcd, vcd, kd, vd, csd = (_dev(x) for x in (q, kc, vc, k, v, cs))
+        btd = _dev(bt)
+        o1 = flash_attn_with_kvcache(qd, kcd, vcd, kd, vd, csd, btd, num_splits=2)
+        o2 = flash_attn_with_kvcache(qd, kcd, vcd, cache_seqlens=csd + sn, block_table=btd,
+                                     num_splits=2)
+        assert np.array_equal(_host(o1).view(np.uint16), _host(o2).view(np.uint16))
+
+
+# ----------------------------------------------------------------------------------------------
+# merge_states on the GPU
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("odt", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("ldt", [np.float32, np.float64])
+def test_merge_states_matches_reference(odt, ldt):
+    rng = np.random.default_rng(5)
+    parts, b, s, h, d = 6, 2, 3, 4, 72
+    o = rng.standard_normal((parts, b, s, h, d)).astype(NP[odt])
+    lse = (3 * rng.standard_normal((parts, b, h, s))).astype(ldt)
+    lse[2] = -np.inf          # an empty part: its o is never read
+    o[2] = np.nan
+    lse[:, 1, 3, 2] = -np.inf  # a row with no part at all -> (0, -inf)
+    ref_o, ref_l = reference.merge_states(o, lse)
+    got_o, got_l = merge_states(_dev(o), _dev(lse))
+    go = _host(got_o).astype(np.float64)
+    gl = cupy.asnumpy(got_l).astype(np.float64)
+    assert got_o.dtype == o.dtype and got_l.dtype == cupy.float32
+    assert not np.isnan(go).any() and not np.isnan(gl).any()
+    assert testing.rel_error(go, ref_o) <= 2 * EPS[odt]
+    assert np.all(go[1, 2, 3] == 0) and np.isneginf(gl[1, 3, 2])
+    fin = np.isfinite(ref_l)
+    assert np.array_equal(fin, np.isfinite(gl))
+    assert np.all(np.abs(gl[fin] - ref_l[fin]) <= 1e-5 * (1 + np.abs(ref_l[fin])))
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graph capture, bad page ids without validation, unsupported dtype
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("paged,ns", [(False, 5), (True, 0), (False, 1)])
+def test_cuda_graph_capture_and_replay(paged, ns):
+    rng = np.random.default_rng(13)
+    dtype = "bfloat16"
+    batch, cap, hk, h, d = 2, 512, 2, 8, 128
+    cs = np.array([300, 511], np.int32)
+    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    q = testing.random_normal(rng, (batch, 1, h, d), dtype)
+    bt = None
+    if paged:
+        kc, bt = testing.contiguous_to_paged(kc, 64, np.random.default_rng(4), 1)
+        vc, _ = testing.contiguous_to_paged(vc, 64, np.random.default_rng(4), 1)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        qd, kcd, vcd, csd, btd = (_dev(x) for x in (q, kc, vc, cs, bt))
+        ws = decode.alloc_workspace(qd, kcd, vcd, cache_seqlens=csd, block_table=btd,
+                                    num_splits=ns)
+        out = cupy.empty(qd.shape, qd.dtype)
+        call = dict(cache_seqlens=csd, block_table=btd, num_splits=ns, out=out, validate=False,
+                    workspace=ws)
+        flash_attn_with_kvcache(qd, kcd, vcd, **call)  # warm-up: compile and load outside
+        stream.synchronize()
+        eager = _host(out).copy()
+        out.view(cupy.uint16).fill(_NAN_BITS[dtype])
+        stream.begin_capture()
+        flash_attn_with_kvcache(qd, kcd, vcd, **call)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(_host(out).view(np.uint16), eager.view(np.uint16))
+        # new query values in place: the replay computes the new answer
+        q2 = testing.random_normal(rng, q.shape, dtype)
+        qd.view(cupy.uint16)[...] = _dev(q2).view(cupy.uint16)
+        graph.launch(stream)
+        stream.synchronize()
+        replay = _host(out).copy()
+        fresh = flash_attn_with_kvcache(qd, kcd, vcd, cache_seqlens=csd, block_table=btd,
+                                        num_splits=ns)
+        stream.synchronize()
+        assert np.array_equal(replay.view(np.uint16), _host(fresh).view(np.uint16))
+
+
+def test_bad_page_id_without_validation_is_memory_safe():
+    """validate=False with a page id outside the pool: the kernels skip it (no out-of-bounds
+    access; run under compute-sanitizer memcheck in the suite); other sequences are exact."""
+    rng = np.random.default_rng(17)
+    dtype = "float16"
+    batch, cap, hk, h, d = 2, 64, 1, 2, 64
+    cs = np.array([40, 40], np.int32)
+    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    q = testing.random_normal(rng, (batch, 1, h, d), dtype)
+    kp, bt = testing.contiguous_to_paged(kc, 16, np.random.default_rng(0), 0)
+    vp, _ = testing.contiguous_to_paged(vc, 16, np.random.default_rng(0), 0)
+    good = flash_attn_with_kvcache(_dev(q), _dev(kp), _dev(vp), cache_seqlens=_dev(cs),
+                                   block_table=_dev(bt))
+    bad_bt = bt.copy()
+    bad_bt[1, 1] = 10 ** 6
+    bad_bt[1, 2] = -5
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(_dev(q), _dev(kp), _dev(vp), cache_seqlens=_dev(cs),
+                                block_table=_dev(bad_bt))
+    k_new = testing.random_normal(rng, (batch, 2, hk, d), dtype)
+    out = flash_attn_with_kvcache(_dev(q), _dev(kp), _dev(vp), cache_seqlens=_dev(cs),
+                                  block_table=_dev(bad_bt), validate=False, num_splits=3)
+    cupy.cuda.Device().synchronize()
+    assert np.array_equal(_host(out)[0].view(np.uint16), _host(good)[0].view(np.uint16))
+    # append with a bad page id and a length over the capacity: skipped, no crash
+    flash_attn_with_kvcache(_dev(q), _dev(kp), _dev(vp), _dev(k_new), _dev(k_new),
+                            cache_seqlens=_dev(np.array([62, 63], np.int32)),
+                            block_table=_dev(bad_bt), validate=False)
+    cupy.cuda.Device().synchronize()
+
+
+def test_float32_is_rejected_on_gpu():
+    q = cupy.zeros((1, 1, 2, 64), cupy.float32)
+    kc = cupy.zeros((1, 8, 2, 64), cupy.float32)
+    with pytest.raises(TypeError, match="float32"):
+        flash_attn_with_kvcache(q, kc, kc)

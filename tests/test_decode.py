@@ -1,0 +1,540 @@
+"""CPU tests of the split-KV decode path (no GPU needed).
+
+* the ``num_splits`` heuristic: range, monotonicity, documented examples;
+* specialisation names and the supported-set table;
+* every decode specialisation compiles with NVRTC for sm_80 and sm_90a with zero spills;
+* a NumPy emulation of the split kernel's index arithmetic (split ranges per sequence, tiles,
+  warp key ownership, page lookups with shift/division, zero-fill, row chunks of GQA heads x
+  query tokens, per-row bottom-right masks, warp and split merges, the append) against the
+  float64 reference, on NaN-poisoned caches;
+* bad inputs raise before any kernel is requested.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cupyflash import checks, decode, jit, reference, testing
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristic
+# ----------------------------------------------------------------------------------------------
+def test_heuristic_documented_examples():
+    # Llama-3-8B heads (8 KV heads), hd128 tiles of 64 keys, 132 SMs x 2 blocks
+    assert decode.choose_num_splits(1, 8, 131072) == 33
+    assert decode.choose_num_splits(16, 8, 16384) == 2
+    assert decode.choose_num_splits(17, 8, 16384) == 1
+    assert decode.choose_num_splits(64, 8, 16384) == 1
+    # short caches: at least MIN_TILES_PER_SPLIT tiles per split
+    assert decode.choose_num_splits(1, 8, 1024) == 16 // decode.MIN_TILES_PER_SPLIT
+    assert decode.choose_num_splits(1, 1, 0) == 1
+    assert decode.choose_num_splits(1, 1, 64) == 1
+
+
+@given(batch=st.integers(1, 300), hk=st.integers(1, 64), seqlen=st.integers(0, 300000),
+       sms=st.integers(1, 200), chunks=st.integers(1, 8), block_n=st.sampled_from([32, 64, 128]),
+       cps=st.integers(1, 4))
+def test_heuristic_range_and_monotonicity(batch, hk, seqlen, sms, chunks, block_n, cps):
+    f = lambda **kw: decode.choose_num_splits(  # noqa: E731
+        kw.get("batch", batch), kw.get("hk", hk), kw.get("seqlen", seqlen),
+        kw.get("sms", sms), row_chunks=kw.get("chunks", chunks), block_n=block_n,
+        ctas_per_sm=cps)
+    s = f()
+    tiles = -(-seqlen // block_n)
+    assert 1 <= s <= max(1, min(decode.MAX_SPLITS, tiles))
+    assert f(batch=batch + 1) <= s
+    assert f(hk=hk + 1) <= s
+    assert f(chunks=chunks + 1) <= s
+    assert f(seqlen=seqlen + 1) >= s
+    assert f(seqlen=2 * seqlen) >= s
+    assert f(sms=sms + 1) >= s
+    # never more blocks than one wave unless unsplit
+    if s > 1:
+        assert batch * hk * chunks * s <= sms * cps
+
+
+def test_heuristic_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="batch"):
+        decode.choose_num_splits(0, 8, 100)
+    with pytest.raises(ValueError, match="seqlen_k"):
+        decode.choose_num_splits(1, 8, -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Specs
+# ----------------------------------------------------------------------------------------------
+def test_spec_names_and_table():
+    s = decode.split_kernel_spec("bfloat16", 128, True)
+    assert s.name == "decode_split_bf16_hd128_n64_w4_g16_s3_paged"
+    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, true>"
+    assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 136) * 2
+    assert decode.split_kernel_spec("float16", 64, False).name == \
+        "decode_split_fp16_hd64_n128_w4_g16_s3"
+    assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
+    assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
+    specs = decode.all_specs()
+    names = [x.name for x in specs]
+    assert len(names) == len(set(names)) == 12 + 3 + 2
+    for x in specs:  # two blocks per H200 SM, within the per-block opt-in limit
+        assert x.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
+        if x.name.startswith("decode_split"):
+            assert 2 * (x.smem_bytes + 1024) <= decode.H200_SMEM_PER_SM
+    with pytest.raises(TypeError, match="dtype"):
+        decode.split_kernel_spec("float32", 128, False)
+    with pytest.raises(ValueError, match="headdim"):
+        decode.split_kernel_spec("float16", 96, False)
+
+
+@pytest.mark.parametrize("d,hd", [(8, 64), (64, 64), (72, 128), (128, 128), (136, 256),
+                                  (256, 256)])
+def test_padded_headdim(d, hd):
+    assert decode.padded_headdim(d) == hd
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return {(spec.name, arch): jit.compile_report(spec, arch)
+            for spec in decode.all_specs() for arch in ("sm_90a", "sm_80")}
+
+
+def test_every_spec_compiles_without_spills(compiled):
+    for (name, arch), r in compiled.items():
+        assert r.ptxas.spill_bytes == 0, (name, arch, r.ptxas)
+        assert r.ptxas.stack_bytes == 0, (name, arch, r.ptxas)
+        assert r.ptxas.registers <= 255, (name, arch, r.ptxas)
+        assert r.ptxas.shared_bytes == 0, (name, arch)  # all shared memory is dynamic
+
+
+def test_ptxas_table(compiled, capsys):
+    """Prints the register table (pytest -s) that the report quotes."""
+    with capsys.disabled():
+        for (name, arch), r in sorted(compiled.items()):
+            if arch == "sm_90a":
+                spec = next(s for s in decode.all_specs() if s.name == name)
+                print(f"{name:48s} regs {r.ptxas.registers:3d} smem {spec.smem_bytes:6d} "
+                      f"spill {r.ptxas.spill_bytes}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Split layout vs the reference's split boundaries
+# ----------------------------------------------------------------------------------------------
+@given(seqlen=st.integers(0, 2000), ns=st.integers(1, 40), bn=st.sampled_from([16, 32, 64, 128]))
+def test_split_layout_matches_reference(seqlen, ns, bn):
+    assert decode.split_layout(seqlen, ns, bn) == reference.split_boundaries(seqlen, ns, bn)
+
+
+@given(seqlen=st.integers(0, 2000), tiles=st.integers(1, 10), bn=st.sampled_from([32, 64]),
+       cap_extra=st.integers(0, 500))
+def test_split_layout_fixed_size_covers_and_is_batch_independent(seqlen, tiles, bn, cap_extra):
+    cap = seqlen + cap_extra
+    ns = max(1, -(-(-(-cap // bn)) // tiles))  # as launch_config: ceil(capacity tiles / tiles)
+    lay = decode.split_layout(seqlen, ns, bn, tiles)
+    # contiguous cover of [0, seqlen)
+    assert lay[0][0] == 0 and lay[-1][1] == seqlen
+    assert all(a[1] == b[0] for a, b in zip(lay, lay[1:]))
+    # boundaries depend on seqlen only: the same with a larger grid (bigger capacity elsewhere)
+    lay2 = decode.split_layout(seqlen, ns + 5, bn, tiles)
+    assert lay2[:ns] == lay and all(a == b for a, b in lay2[ns:])
+
+
+# ----------------------------------------------------------------------------------------------
+# NumPy emulation of the kernels' index arithmetic
+# ----------------------------------------------------------------------------------------------
+def _cache_offset(b, j, hk, cap_shape, bt, page_size, num_pages, paged):
+    """(index tuple into the cache) or None, as cf::cache_offset (shift for powers of two)."""
+    if paged:
+        shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
+        slot = (j >> shift) if shift >= 0 else j // page_size
+        in_page = j - slot * page_size
+        page = int(bt[b, slot])
+        if page < 0 or page >= num_pages:
+            return None
+        return (page, in_page, hk)
+    return (b, j, hk)
+
+
+def emulate_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, scale, causal,
+                   num_splits, split_tiles, block_n, nwarps, group):
+    """float64 mirror of decode_append_kernel + decode_split_kernel + decode_combine_kernel.
+
+    Returns (out, lse, o_part, lse_part, k_cache, v_cache) (caches updated in copies)."""
+    batch, sq, nh, d = q.shape
+    nhk = k_cache.shape[2]
+    hpk = nh // nhk
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 0
+    num_pages = k_cache.shape[0] if paged else 0
+    cap = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    snew = 0 if k is None else k.shape[1]
+    kc, vc = k_cache.copy(), v_cache.copy()
+    # ---- append kernel
+    for b in range(batch):
+        for i in range(snew):
+            pos = int(cache_seqlens[b]) + i
+            if pos < 0 or pos >= cap:
+                continue
+            for h in range(nhk):
+                off = _cache_offset(b, pos, h, None, block_table, page_size, num_pages, paged)
+                if off is None:
+                    continue
+                kc[off] = k[b, i, h]
+                vc[off] = v[b, i, h]
+    # ---- split kernel
+    rows = hpk * sq
+    row_chunks = -(-rows // group)
+    kpw = block_n // nwarps
+    scale_log2 = scale * LOG2E
+    o_part = np.full((num_splits, batch, sq, nh, d), np.nan)
+    lse_part = np.full((num_splits, batch, nh, sq), np.nan)
+    out = np.full((batch, sq, nh, d), np.nan)
+    lse_out = np.full((batch, nh, sq), np.nan)
+    for split in range(num_splits):
+        for b in range(batch):
+            for z in range(nhk * row_chunks):
+                hk, row_base = z // row_chunks, (z % row_chunks) * group
+                ln = int(cache_seqlens[b]) + snew if cache_seqlens is not None else cap
+                ln = max(0, min(ln, cap))
+                n_tiles = -(-ln // block_n)
+                tps = split_tiles if split_tiles > 0 else -(-n_tiles // num_splits)
+                t0 = min(split * tps, n_tiles)
+                t1 = min(t0 + tps, n_tiles)
+                Q = np.zeros((group, d))
+                lo = np.zeros(group, np.int64)
+                hi = np.zeros(group, np.int64)
+                for r in range(group):
+                    rg = row_base + r
+                    if rg < rows:
+                        qi, h = rg // hpk, hk * hpk + rg % hpk
+                        Q[r] = q[b, qi, h]
+                        diag = qi + ln - sq  # mask.cuh visible_keys, window (-1, causal ? 0 : -1)
+                        lo[r], hi[r] = 0, (min(ln, diag + 1) if causal else ln)
+                m = np.full((nwarps, group), -np.inf)
+                l = np.zeros((nwarps, group))
+                acc = np.zeros((nwarps, group, d))
+                for tile in range(t0, t1):
+                    for w in range(nwarps):
+                        js = tile * block_n + w * kpw + np.arange(kpw)
+                        K = np.zeros((kpw, d))  # zero-fill: rows past len / bad pages
+                        V = np.zeros((kpw, d))
+                        for x, j in enumerate(js):
+                            if j < ln:
+                                off = _cache_offset(b, int(j), hk, None, block_table, page_size,
+                                                    num_pages, paged)
+                                if off is not None:
+                                    K[x], V[x] = kc[off], vc[off]
+                        s = (Q @ K.T) * scale_log2
+                        vis = (js[None, :] >= lo[:, None]) & (js[None, :] < hi[:, None])
+                        s = np.where(vis, s, -np.inf)
+                        m_new = np.maximum(m[w], s.max(axis=1))
+                        ref = np.where(m_new == -np.inf, 0.0, m_new)
+                        corr = np.exp2(m[w] - ref)
+                        p = np.exp2(s - ref[:, None])
+                        l[w] = l[w] * corr + p.sum(axis=1)
+                        acc[w] = acc[w] * corr[:, None] + p @ V
+                        m[w] = m_new
+                m_tot = m.max(axis=0)
+                f = np.exp2(m - np.where(m_tot == -np.inf, 0.0, m_tot)[None, :])
+                l_tot = (l * f).sum(axis=0)
+                o = (acc * f[:, :, None]).sum(axis=0)
+                with np.errstate(divide="ignore"):
+                    o = o * np.where(l_tot == 0, 0.0, 1.0 / np.where(l_tot == 0, 1.0, l_tot))[:, None]
+                    lse = np.where(l_tot == 0, -np.inf, m_tot * LN2 + np.log(l_tot))
+                for r in range(group):
+                    rg = row_base + r
+                    if rg >= rows:
+                        continue
+                    qi, h = rg // hpk, hk * hpk + rg % hpk
+                    if num_splits == 1:
+                        out[b, qi, h], lse_out[b, h, qi] = o[r], lse[r]
+                    else:
+                        o_part[split, b, qi, h], lse_part[split, b, h, qi] = o[r], lse[r]
+    # ---- combine kernel
+    if num_splits > 1:
+        for b in range(batch):
+            for i in range(sq):
+                for h in range(nh):
+                    ls = lse_part[:, b, h, i]
+                    mx = ls.max()
+                    with np.errstate(invalid="ignore"):
+                        w = np.where(ls == -np.inf, 0.0, np.exp(ls - mx))
+                    ws = w.sum()
+                    acc = np.zeros(d)
+                    for s_ in range(num_splits):
+                        if ls[s_] != -np.inf:
+                            acc += w[s_] * o_part[s_, b, i, h]
+                    out[b, i, h] = acc * (0.0 if ws == 0 else 1.0 / ws)
+                    lse_out[b, h, i] = -np.inf if ws == 0 else mx + np.log(ws)
+    return out, lse_out, o_part, lse_part, kc, vc
+
+
+@st.composite
+def emulation_configs(draw):
+    nwarps = draw(st.sampled_from([1, 2, 4]))
+    block_n = nwarps * draw(st.sampled_from([2, 4, 8]))
+    fixed = draw(st.booleans())
+    split_tiles = draw(st.integers(1, 4)) if fixed else 0
+    num_splits = draw(st.sampled_from([1, 2, 3, 7, 40]))
+    group = draw(st.sampled_from([1, 3, 16]))
+    return dict(block_n=block_n, nwarps=nwarps, split_tiles=split_tiles, num_splits=num_splits,
+                group=group)
+
+
+@settings(max_examples=30)
+@given(case=testing.kvcache_cases(dtypes=("float64",), max_headdim=16, max_seqlen_cache=64,
+                                  max_batch=3, max_seqlen_q=6),
+       cfg=emulation_configs())
+def test_emulated_kernel_index_math_matches_reference(case, cfg):
+    ref = reference.kvcache_attention_reference(*case.args(), **case.kwargs())
+    scale = checks.resolve_softmax_scale(case.softmax_scale, case.q.shape[-1])
+    ns = cfg["num_splits"]
+    if cfg["split_tiles"]:  # fixed split size: the grid covers the capacity
+        cap = (case.block_table.shape[1] * case.k_cache.shape[1] if case.paged
+               else case.k_cache.shape[1])
+        ns = max(1, -(-(-(-cap // cfg["block_n"])) // cfg["split_tiles"]))
+    out, lse, o_part, lse_part, kc, vc = emulate_decode(
+        case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens,
+        case.block_table, scale=scale, causal=case.causal, num_splits=ns,
+        split_tiles=cfg["split_tiles"], block_n=cfg["block_n"], nwarps=cfg["nwarps"],
+        group=cfg["group"])
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    if ns > 1:  # every split wrote every row of the workspace (NaN-poisoned before)
+        assert not np.isnan(lse_part).any() and not np.isnan(o_part).any()
+    assert testing.rel_error(out, ref.out if hasattr(ref, "out") else ref[0]) <= 1e-12
+    ref_lse = ref.lse if hasattr(ref, "lse") else ref[1]
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    assert np.allclose(lse[fin], ref_lse[fin], rtol=0, atol=1e-12)
+    if case.k is not None:  # the append wrote exactly where the reference did
+        ref_kc = ref[2]
+        both = ~np.isnan(ref_kc)
+        assert np.array_equal(np.isnan(kc), np.isnan(ref_kc))
+        assert np.array_equal(kc[both], ref_kc[both])
+
+
+def test_emulation_merge_of_partials_equals_reference_merge():
+    """The combine formula (skip -inf parts) equals reference.merge_states, NaN in empty parts."""
+    rng = np.random.default_rng(0)
+    o = rng.standard_normal((5, 2, 3, 4, 8))
+    lse = rng.standard_normal((5, 2, 4, 3))
+    lse[1] = -np.inf
+    o[1] = np.nan
+    lse[:, 1, 2, 0] = -np.inf
+    ref_o, ref_l = reference.merge_states(o, lse)
+    mx = lse.max(axis=0)
+    w = np.where(lse == -np.inf, 0.0, np.exp(lse - np.where(mx == -np.inf, 0, mx)))
+    ws = w.sum(axis=0)
+    acc = np.einsum("pbhs,pbshd->bshd", w, np.where(np.isnan(o), 0.0, o))
+    got = acc / np.where(ws == 0, 1, ws).transpose(0, 2, 1)[..., None]
+    assert np.allclose(got, ref_o, atol=1e-14)
+    assert np.isinf(ref_l[1, 2, 0]) and np.all(ref_o[1, 0, 2] == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plan
+# ----------------------------------------------------------------------------------------------
+def _problem(**kw):
+    base = dict(batch=1, seqlen_q=1, nheads=32, nheads_k=8, headdim=128, dtype="bfloat16",
+                softmax_scale=128 ** -0.5, causal=True, paged=False, seqlen_cache=131072,
+                page_size=0, num_pages=0, max_pages_per_seq=0, seqlen_new=0, num_splits=0)
+    base.update(kw)
+    return checks.DecodeProblem(**base)
+
+
+def test_plan_llama_decode():
+    p = decode.launch_config(_problem())
+    assert p.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3"
+    assert p.grid == (33, 1, 8) and p.block == (128, 1, 1)
+    assert p.num_splits == 33 and p.combine == "decode_combine_bf16" and p.append is None
+    assert p.workspace_elems == 33 * 1 * 1 * 32 * 129
+    assert any("heuristic" in r for r in p.reasons)
+    p1 = decode.launch_config(_problem(batch=64, seqlen_cache=4096))
+    assert p1.num_splits == 1 and p1.combine is None and p1.workspace_elems == 0
+
+
+def test_plan_row_chunks_padding_split_size_and_small_smem():
+    p = decode.launch_config(_problem(nheads=64, nheads_k=8, seqlen_q=4, headdim=96,
+                                    paged=True, page_size=3, seqlen_cache=300,
+                                    num_pages=200, max_pages_per_seq=100, seqlen_new=2))
+    assert p.row_chunks == 2 and p.grid[2] == 16 and p.template["headdim"] == 128
+    assert p.kernel.endswith("_paged") and p.append == "decode_append_b16_paged"
+    q = decode.launch_config(_problem(seqlen_cache=1000), split_size=100)
+    assert q.split_tiles == 2 and q.num_splits == 8  # ceil(1000/64)=16 tiles / 2
+    # an sm_86-like device (99 KB per block) gets two stages
+    r = decode.launch_config(_problem(), max_smem_per_block=101376, smem_per_sm=102400)
+    assert r.template["stages"] == 2 and r.smem_bytes <= 101376
+    with pytest.raises(ValueError, match="split_size"):
+        decode.launch_config(_problem(), split_size=0)
+
+
+def test_explain_kvcache_on_host_arrays():
+    q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
+    plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
+    assert plan.name == "decode_split_fp16_hd128_n64_w4_g16_s3_paged"
+    assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
+    assert [e.name for e in plan.extra_kernels] == ["decode_combine_fp16"]
+    names = [r[0] for r in plan.rejected]
+    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged" in names and "num_splits" in names
+    assert "decode_split_fp16_hd128_n64_w4_g16_s3" in names
+    str(plan), plan.as_dict()  # printable and JSON-ready
+
+
+def test_plan_decode_is_a_dispatch_plan_with_ptxas_report():
+    from cupyflash import dispatch
+    p = decode.plan_decode(_problem(seqlen_new=2), arch="sm_90a")
+    assert isinstance(p, dispatch.Plan) and p.num_splits == 33 and p.num_sms == 132
+    assert p.spill_bytes == 0 and 0 < p.registers <= 255 and p.kernel.arch == "sm_90a"
+    assert [e.name for e in p.extra_kernels] == ["decode_append_b16", "decode_combine_bf16"]
+    assert p.hbm_bytes > 2 * 131072 * 8 * 128 * 2 and p.flops > 0
+    with pytest.raises(TypeError, match="problem"):
+        decode.plan_decode(object())
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs raise before any kernel is requested
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_launch(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a kernel was requested for an invalid call")
+    monkeypatch.setattr(jit, "get_kernel", boom)
+
+
+def _arrays(dtype=np.float16, d=64, paged=False):
+    q = np.zeros((2, 1, 4, d), dtype)
+    if paged:
+        kc = np.zeros((6, 16, 2, d), dtype)
+        bt = np.arange(6, dtype=np.int32).reshape(2, 3)
+    else:
+        kc = np.zeros((2, 48, 2, d), dtype)
+        bt = None
+    return q, kc, kc.copy(), np.array([3, 5], np.int32), bt
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: a.update(q=a["q"].astype(np.float32), k_cache=a["k_cache"].astype(np.float32),
+                        v_cache=a["v_cache"].astype(np.float32)), TypeError, "q: dtype float32"),
+    (lambda a: a.update(q=np.zeros((2, 1, 3, 64), np.float16)), ValueError, "nheads_k"),
+    (lambda a: a.update(cache_seqlens=np.array([3, 49], np.int32)), ValueError, "cache_seqlens"),
+    (lambda a: a.update(cache_seqlens=np.array([3, 5], np.int64)), TypeError, "cache_seqlens"),
+    (lambda a: a.update(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    (lambda a: a.update(num_splits=-1), ValueError, "num_splits"),
+    (lambda a: None, TypeError, "q: flash_attn_with_kvcache runs on the GPU"),
+])
+def test_bad_inputs_raise_before_launch(no_launch, mutate, exc, match):
+    q, kc, vc, cs, _ = _arrays()
+    a = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=cs)
+    mutate(a)
+    with pytest.raises(exc, match=match):
+        decode.flash_attn_with_kvcache(**a)
+
+
+def test_bad_page_id_raises_in_validate_mode(no_launch):
+    q, kc, vc, cs, bt = _arrays(paged=True)
+    bt[1, 0] = 6  # outside the pool of 6 pages, used by sequence 1
+    with pytest.raises(ValueError, match=r"block_table: page id block_table\[1, 0\]=6"):
+        decode.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt)
+
+
+def test_merge_states_host_arrays_raise(no_launch):
+    o = np.zeros((2, 1, 1, 1, 8), np.float32)
+    lse = np.zeros((2, 1, 1, 1), np.float32)
+    with pytest.raises(TypeError, match="reference.merge_states"):
+        decode.merge_states(o, lse)
+    with pytest.raises(ValueError, match="lse_parts"):
+        decode.merge_states(o, np.zeros((2, 1, 1, 2), np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Lane-level emulation of the split kernel's ldmatrix / mma fragment addressing
+# ----------------------------------------------------------------------------------------------
+def _ldmatrix_x4(smem, addr_of_lane, trans):
+    """regs[lane][i] = (lo, hi) of matrix i, as PTX ldmatrix.m8n8.x4(.trans) defines them:
+    lanes 8i..8i+7 give the (row, col) start of matrix i's 8 rows (8 consecutive elements)."""
+    mats = []
+    for i in range(4):
+        rows = [addr_of_lane(8 * i + r) for r in range(8)]
+        mats.append(np.array([smem[r, c:c + 8] for r, c in rows]))  # 8 x 8
+    regs = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        regs.append([(m[2 * t, g], m[2 * t + 1, g]) if trans else (m[g, 2 * t], m[g, 2 * t + 1])
+                     for m in mats])
+    return regs
+
+
+def _mma(acc, a, b0, b1):
+    """acc[lane][4] += A (16x16 from a[lane][4]) @ B (16x8 from b0/b1[lane]) in fragment layout."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        A[g, 2 * t:2 * t + 2] = a[lane][0]
+        A[g + 8, 2 * t:2 * t + 2] = a[lane][1]
+        A[g, 2 * t + 8:2 * t + 10] = a[lane][2]
+        A[g + 8, 2 * t + 8:2 * t + 10] = a[lane][3]
+        B[2 * t:2 * t + 2, g] = b0[lane]
+        B[2 * t + 8:2 * t + 10, g] = b1[lane]
+    C = A @ B
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        acc[lane] += np.array([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
+
+
+@pytest.mark.parametrize("headdim,block_n,nwarps", [(64, 128, 4), (128, 64, 4), (256, 32, 2)])
+def test_fragment_addressing_computes_qk_and_pv(headdim, block_n, nwarps):
+    """The kernel's ldmatrix addresses (sQ_addr, krow/kcol, vrow/vcol) and the P -> A-fragment
+    repacking, emulated lane by lane, give S = Q K^T and O = P V for every warp's keys."""
+    rng = np.random.default_rng(headdim)
+    rs = headdim + 8  # kRowStride
+    sQ = rng.standard_normal((16, rs))
+    sK = rng.standard_normal((block_n, rs))
+    sV = rng.standard_normal((block_n, rs))
+    kpw = block_n // nwarps
+    for warp in range(nwarps):
+        warp_key0 = warp * kpw
+        ksteps = kpw // 16
+        s = [[np.zeros((32, 4)) for _ in range(2)] for _ in range(ksteps)]
+        for ks in range(headdim // 16):
+            a = _ldmatrix_x4(sQ, lambda l: (l & 15, (l >> 4) * 8 + ks * 16), False)
+            for kw in range(ksteps):
+                bk = _ldmatrix_x4(sK, lambda l: (warp_key0 + kw * 16 + (l >> 4) * 8 + (l & 7),
+                                                 ks * 16 + ((l >> 3) & 1) * 8), False)
+                _mma(s[kw][0], a, [r[0] for r in bk], [r[1] for r in bk])
+                _mma(s[kw][1], a, [r[2] for r in bk], [r[3] for r in bk])
+        # S fragments: c[e] = S[g + 8 * (e >> 1)][key0 + kw * 16 + nt * 8 + 2t + (e & 1)]
+        S_ref = sQ[:, :headdim] @ sK[:, :headdim].T
+        acc = [np.zeros((32, 4)) for _ in range(headdim // 8)]
+        P = rng.standard_normal((16, block_n))  # stand-in probabilities for this warp's keys
+        for kw in range(ksteps):
+            for nt in range(2):
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    for e in range(4):
+                        j = warp_key0 + kw * 16 + nt * 8 + 2 * t + (e & 1)
+                        assert np.isclose(s[kw][nt][lane, e], S_ref[g + 8 * (e >> 1), j])
+            pa = []
+            for lane in range(32):  # pa[0..3] = pack(s[kw][0][0..1]), (s[kw][0][2..3]), ...
+                g, t = lane >> 2, lane & 3
+                row = lambda e: g + 8 * (e >> 1)  # noqa: E731
+                col = lambda nt, e: warp_key0 + kw * 16 + nt * 8 + 2 * t + (e & 1)  # noqa: E731
+                frag = [[P[row(e), col(nt, e)] for e in range(4)] for nt in range(2)]
+                pa.append([(frag[0][0], frag[0][1]), (frag[0][2], frag[0][3]),
+                           (frag[1][0], frag[1][1]), (frag[1][2], frag[1][3])])
+            for dn in range(headdim // 16):
+                bv = _ldmatrix_x4(sV, lambda l: (warp_key0 + kw * 16 + ((l >> 3) & 1) * 8 + (l & 7),
+                                                 dn * 16 + (l >> 4) * 8), True)
+                _mma(acc[2 * dn], pa, [r[0] for r in bv], [r[1] for r in bv])
+                _mma(acc[2 * dn + 1], pa, [r[2] for r in bv], [r[3] for r in bv])
+        keys = slice(warp_key0, warp_key0 + kpw)
+        O_ref = P[:, keys] @ sV[keys, :headdim]
+        for dt in range(headdim // 8):  # epilogue: sO[g + 8rh][dt * 8 + 2t + {0,1}] = acc[dt][2rh + {0,1}]
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for rh in range(2):
+                    for x in range(2):
+                        assert np.isclose(acc[dt][lane, 2 * rh + x], O_ref[g + 8 * rh, dt * 8 + 2 * t + x])
