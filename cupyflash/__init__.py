@@ -15,9 +15,11 @@ __version__ = "0.1.0"
 import importlib
 
 _LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "api",
-         "flash_attn_with_kvcache": "decode", "merge_states": "decode",
+         "explain_varlen": "api",
+         "flash_attn_with_kvcache": "decode", "merge_states": "decode", "explain_kvcache": "decode",
          "attention_baseline": "baseline",
-         "reference": None, "checks": None, "testing": None, "io_model": None, "jit": None}
+         "reference": None, "checks": None, "testing": None, "dispatch": None, "heuristics": None, "prefill": None,
+         "decode": None, "baseline": None, "io_model": None, "jit": None}
 
 
 def __getattr__(name):  # PEP 562: submodules load on first use
@@ -29,4 +31,4 @@ def __getattr__(name):  # PEP 562: submodules load on first use
     raise AttributeError(f"module 'cupyflash' has no attribute {name!r}")
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_states",
-           "explain", "attention_baseline", "reference", "checks", "testing", "__version__"]
+           "explain", "explain_varlen", "explain_kvcache", "attention_baseline", "reference", "checks", "testing", "__version__"]

@@ -29,10 +29,12 @@ def as_cupy(x, name: str):
     import cupy
     if isinstance(x, cupy.ndarray):
         return x
+    # DLPack first: it carries bfloat16 as a real dtype, whereas torch describes bf16 in
+    # __cuda_array_interface__ as raw '<V2' bytes. Both paths are zero-copy.
+    if is_device_array(x) and hasattr(x, "__dlpack__"):
+        return cupy.from_dlpack(x)
     if hasattr(x, "__cuda_array_interface__"):
         return cupy.asarray(x)  # zero-copy: wraps the pointer
-    if is_device_array(x):
-        return cupy.from_dlpack(x)
     raise TypeError(f"{name}: expected a CUDA array (cupy.ndarray, or an object with "
                     f"__cuda_array_interface__ / DLPack on a CUDA device), got {type(x).__name__}")
 

@@ -61,7 +61,8 @@ def _git(*args) -> str:
 def provenance() -> dict:
     """Where a result came from: commit (``$CUPYFLASH_COMMIT`` when the tree has no .git), whether
     the package or kernels were modified, date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
-    info = {"commit": _git("rev-parse", "HEAD") or os.environ.get("CUPYFLASH_COMMIT", "unknown"),
+    info = {"commit": os.environ.get("CUPYFLASH_COMMIT") or _git("rev-parse", "--verify", "-q", "HEAD")
+            or "unknown",
             "dirty": bool(_git("status", "--porcelain", "--", "kernels_cu", "cupyflash",
                                "experiments")),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -70,8 +70,9 @@ def provenance() -> dict:
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         except Exception:
             return ""
-    info = {"commit": git("rev-parse", "HEAD") or os.environ.get("CUPYFLASH_COMMIT", "unknown"),
-            "dirty": bool(git("status", "--porcelain", "--", "kernels_cu", "cupyflash")),
+    # The device machine gets a copy of the tree without .git: the caller passes the commit.
+    commit = os.environ.get("CUPYFLASH_COMMIT") or git("rev-parse", "--verify", "-q", "HEAD") or "unknown"
+    info = {"commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         import cupy

@@ -1,0 +1,337 @@
+"""Public entry points: FlashAttention's function names and (batch, seqlen, nheads, headdim) layout.
+
+``flash_attn_func`` / ``flash_attn_varlen_func`` compute exact softmax attention with the tiled
+forward pass of FlashAttention-2 (Dao, arXiv 2307.08691, Sec. 3.1, Algorithm 1): the
+``seqlen_q x seqlen_k`` score matrix never reaches device memory. ``explain`` returns what such a
+call would launch (:class:`cupyflash.dispatch.Plan`) without launching anything; it also works on
+NumPy arrays, on a machine without a GPU.
+
+Every call does its work in this order, so bad input never reaches a kernel:
+
+1. every array argument must live on a CUDA device (``TypeError`` naming the argument);
+2. :mod:`cupyflash.checks` validates shapes, dtypes, heads, ``softmax_scale``, ``window_size``,
+   ``out`` (``TypeError`` / ``ValueError`` naming the argument);
+3. :func:`cupyflash.dispatch.plan_prefill` picks the specialisation (``ValueError`` listing why
+   each candidate was rejected when none fits);
+4. the arrays are viewed as CuPy arrays without copying (:func:`cupyflash.interop.as_cupy`), the
+   output (unless given) and the float32 LSE are allocated, and the kernel is launched on the
+   caller's current CuPy stream of the device holding ``q``.
+
+The only device memory a call allocates besides its output is the LSE,
+``batch * nheads * seqlen_q * 4`` bytes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import checks, dispatch
+from .interop import as_cupy, current_stream, is_device_array
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "explain_varlen"]
+
+_NUMPY_HINT = {
+    "dense": "; for NumPy arrays use cupyflash.reference.attention_reference",
+    "varlen": "; for NumPy arrays use cupyflash.reference.varlen_attention_reference",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument plumbing (validation itself lives in cupyflash.checks)
+# ----------------------------------------------------------------------------------------------
+def _require_device(named: dict, hint: str) -> None:
+    """TypeError naming the first argument that is not a CUDA array (NumPy, lists, CPU tensors)."""
+    for name, x in named.items():
+        if x is not None and not is_device_array(x):
+            raise TypeError(f"{name}: expected a CUDA array (cupy.ndarray, or an object exposing "
+                            f"__cuda_array_interface__ or DLPack on a CUDA device), got "
+                            f"{type(x).__module__}.{type(x).__name__}{hint}")
+
+
+def _require_bool(x, name: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes  # CuPy's bfloat16 is ml_dtypes'
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _wrap_cai(x, dtype: str):
+    """Zero-copy ``cupy.ndarray`` of ``dtype`` over the memory ``x.__cuda_array_interface__``
+    describes (shape, byte strides, pointer); ``x`` is kept alive as the memory's owner."""
+    import cupy
+    cai = x.__cuda_array_interface__
+    dt = _np_dtype(dtype)
+    shape = tuple(int(n) for n in cai["shape"])
+    strides = cai.get("strides")
+    if strides is None:  # C-contiguous
+        strides, acc = [], dt.itemsize
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= max(n, 1)
+    strides = tuple(int(s) for s in strides)
+    size = 0 if 0 in shape else dt.itemsize + sum((n - 1) * s for n, s in zip(shape, strides))
+    mem = cupy.cuda.UnownedMemory(int(cai["data"][0]), size, x)
+    return cupy.ndarray(shape, dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+
+
+def _view(x, name: str, dtype: str):
+    """Zero-copy CuPy view of a validated device array with the element type the checks saw.
+
+    bfloat16 from other libraries: a torch bfloat16 tensor's ``__cuda_array_interface__`` says
+    ``typestr '<V2'`` (raw 2-byte records), which does not name the type, so such arrays go
+    through DLPack (which does) or, failing that, are wrapped from their pointer and strides.
+    """
+    import cupy
+    if isinstance(x, cupy.ndarray) or dtype != "bfloat16":
+        c = as_cupy(x, name)
+    else:
+        c = None
+        if hasattr(x, "__dlpack__"):
+            try:
+                c = cupy.from_dlpack(x)
+            except Exception:  # an older CuPy without DLPack bfloat16: use the pointer
+                c = None
+        if c is None or checks.dtype_name(c) != dtype:
+            c = _wrap_cai(x, dtype) if hasattr(x, "__cuda_array_interface__") else c
+        if c is None:
+            c = as_cupy(x, name)
+    if checks.dtype_name(c) != dtype:
+        want = _np_dtype(dtype)
+        if c.dtype.itemsize != want.itemsize:  # pragma: no cover - checks rejected this already
+            raise TypeError(f"{name}: CuPy sees dtype {c.dtype}, expected {dtype}")
+        c = c.view(want)
+    return c
+
+
+def _same_device(arrays: dict) -> None:
+    """ValueError unless every CuPy array lives on the device of the first (``q``)."""
+    items = [(n, a) for n, a in arrays.items() if a is not None]
+    first_name, first = items[0]
+    for n, a in items[1:]:
+        if a.device.id != first.device.id:
+            raise ValueError(f"{n}: on CUDA device {a.device.id}, but {first_name} is on device "
+                             f"{first.device.id}; pass all arrays on one device")
+
+
+def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None):
+    """Plan, allocate, launch (inputs already validated). Returns ``(out, lse)`` CuPy arrays."""
+    import cupy
+    from . import prefill
+
+    named = {"q": q, "k": k, "v": v, "out": out,
+             "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    views = {n: (_view(a, n, problem.dtype if n in ("q", "k", "v", "out") else "int32")
+                 if a is not None else None) for n, a in named.items()}
+    _same_device(views)
+    qc = views["q"]
+    with qc.device:  # the device of q: its current stream, its SM count
+        plan = dispatch.launch_plan(problem)  # cached per problem: no compile report / I/O model
+        if views["out"] is None:
+            views["out"] = cupy.empty(qc.shape, dtype=qc.dtype)
+        if problem.varlen:
+            lse = cupy.empty((problem.nheads, problem.total_q), dtype=cupy.float32)
+        else:
+            lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
+        no_keys = problem.total_k == 0 if problem.varlen else problem.seqlen_k == 0
+        if lse.size and no_keys:  # every row sees no key: 0 and -inf (Semantics 2), no launch
+            o = views["out"]
+            o.view({2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[o.dtype.itemsize]).fill(0)
+            lse.fill(-np.inf)
+        elif lse.size:  # (no query rows, batch or heads: nothing to compute, no empty grid)
+            prefill.launch(plan.kernel.spec, qc, views["k"], views["v"], views["out"], lse,
+                           problem=problem, cu_seqlens_q=views["cu_seqlens_q"],
+                           cu_seqlens_k=views["cu_seqlens_k"], stream=current_stream())
+    return views["out"], lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    return_lse=False, out=None):
+    """Exact softmax attention, tiled on chip (FlashAttention-2 forward).
+
+    ``out[b, i, h] = sum_j softmax_j(softmax_scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]``
+    over the keys ``j`` that query row ``i`` may see, with ``g = nheads // nheads_k`` (GQA/MQA).
+    FlashAttention-2, arXiv 2307.08691, Sec. 3.1 (online softmax, unscaled accumulator normalised
+    once at the end) and Algorithm 1.
+
+    Parameters
+    ----------
+    q : CUDA array, shape (batch, seqlen_q, nheads, headdim)
+        float16, bfloat16, float32 or float64. A ``cupy.ndarray`` or anything exposing
+        ``__cuda_array_interface__`` or DLPack on a CUDA device (e.g. a PyTorch CUDA tensor),
+        used in place (no copy). Any strides, but the last dimension must be contiguous.
+    k, v : CUDA array, shape (batch, seqlen_k, nheads_k, headdim)
+        Same dtype and device as ``q``; ``nheads % nheads_k == 0``.
+    softmax_scale : float, optional
+        Multiplies ``q k^T``; default ``1 / sqrt(headdim)``. Must be finite and positive.
+    causal : bool
+        Causal mask aligned bottom-right: row ``i`` sees key ``j`` iff
+        ``j <= i + seqlen_k - seqlen_q``. Same as ``window_size=(left, 0)``.
+    window_size : tuple of 2 int
+        Sliding window ``(left, right)`` in keys, -1 = unbounded, aligned bottom-right like
+        ``causal``: row ``i`` sees ``i + seqlen_k - seqlen_q - left <= j <=
+        i + seqlen_k - seqlen_q + right``.
+    return_lse : bool
+        Also return the log-sum-exp of each row.
+    out : CUDA array, optional
+        Output buffer, same shape, dtype and device as ``q``; written in place and returned
+        (as a CuPy view of the same memory). Allocated when None.
+
+    Returns
+    -------
+    out : cupy.ndarray, shape (batch, seqlen_q, nheads, headdim), dtype of ``q``
+        Rows with no visible key are 0.
+    lse : cupy.ndarray, shape (batch, nheads, seqlen_q), float32
+        Only if ``return_lse``: natural log of each row's softmax denominator of the scaled
+        scores (``-inf`` for a row with no visible key). Always computed (the kernel writes it).
+
+    Raises
+    ------
+    TypeError
+        An array argument not on a CUDA device (NumPy arrays: use
+        :func:`cupyflash.reference.attention_reference`), unsupported or mismatched dtypes,
+        non-bool ``causal`` / ``return_lse``, bad ``window_size`` or ``softmax_scale`` type.
+    ValueError
+        Wrong shapes, ``headdim`` not a multiple of 8 up to 256, ``nheads % nheads_k != 0``,
+        non-contiguous last dimension, arrays on different devices, a NaN/Inf/non-positive
+        ``softmax_scale``, or no kernel specialisation for the problem (the message lists why
+        each was rejected; see :func:`explain`).
+
+    Notes
+    -----
+    Runs on CuPy's current stream of the device holding ``q`` (``with cupy.cuda.Stream(): ...``);
+    when mixing with PyTorch, make both libraries use the same stream or synchronise.
+    """
+    _require_bool(return_lse, "return_lse")
+    _require_device({"q": q, "k": k, "v": v, "out": out}, _NUMPY_HINT["dense"])
+    problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, out=out)
+    o, lse = _run(problem, q, k, v, out)
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=False, window_size=(-1, -1),
+                           return_lse=False, out=None, validate=True):
+    """Exact attention over a packed batch of variable-length sequences (FlashAttention-2 forward).
+
+    Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; each is attended on its own, with the causal / window
+    masks aligned bottom-right against that sequence's own lengths. FlashAttention-2,
+    arXiv 2307.08691, Sec. 3.1 and Algorithm 1, per sequence.
+
+    Parameters
+    ----------
+    q : CUDA array, shape (total_q, nheads, headdim)
+    k, v : CUDA array, shape (total_k, nheads_k, headdim)
+        Dtypes, strides and devices as in :func:`flash_attn_func`.
+    cu_seqlens_q, cu_seqlens_k : CUDA int32 array, shape (batch + 1,)
+        Sequence starts: ``0 = cu[0] <= cu[1] <= ... <= cu[batch] = total``. Zero-length
+        sequences are allowed (a query with no keys gives 0 and LSE -inf).
+    max_seqlen_q, max_seqlen_k : int
+        At least the longest query / key sequence; ``max_seqlen_q`` sizes the launch grid.
+    softmax_scale, causal, window_size, return_lse, out
+        As in :func:`flash_attn_func` (``out`` has the shape of ``q``).
+    validate : bool
+        When True (default) the ``cu_seqlens`` values are copied to the host and checked (this
+        synchronises with the device); False checks shapes and dtypes only, and the caller
+        guarantees the values (wrong values then read out of bounds).
+
+    Returns
+    -------
+    out : cupy.ndarray, shape (total_q, nheads, headdim), dtype of ``q``
+    lse : cupy.ndarray, shape (nheads, total_q), float32
+        Only if ``return_lse``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As in :func:`flash_attn_func`, plus non-int32 or host ``cu_seqlens``, and (with
+        ``validate``) ``cu_seqlens`` not starting at 0, decreasing, not ending at the packed
+        length, or longer than ``max_seqlen``.
+    """
+    _require_bool(return_lse, "return_lse")
+    _require_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+                     "cu_seqlens_k": cu_seqlens_k, "out": out}, _NUMPY_HINT["varlen"])
+    problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, out=out, validate=validate)
+    o, lse = _run(problem, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+    return (o, lse) if return_lse else o
+
+
+def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
+            out=None, *, arch=None):
+    """The plan :func:`flash_attn_func` would execute for these arguments, as data; launches nothing.
+
+    Accepts the same arguments as :func:`flash_attn_func`, and arrays of any kind (NumPy arrays
+    too: only shapes and dtypes are read), so it runs on a machine without a GPU.
+
+    Parameters
+    ----------
+    q, k, v, softmax_scale, causal, window_size, return_lse, out
+        As in :func:`flash_attn_func` (``return_lse`` does not change the plan).
+    arch : str, optional
+        Architecture of the ptxas report (``"sm_80"``, ``"sm_90a"``, ...); default the current
+        device's, or ``"sm_90a"`` without a GPU.
+
+    Returns
+    -------
+    cupyflash.dispatch.Plan
+        Kernel specialisation name and template values, grid, block, dynamic shared memory
+        (bytes), registers per thread and spill bytes (ptxas report of an NVRTC compile),
+        ``num_splits`` (None for prefill), predicted FLOPs and HBM bytes, and the reasons every
+        other specialisation was not chosen.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Exactly those :func:`flash_attn_func` raises for invalid or unsupported input (except the
+        CUDA-array requirement).
+    """
+    _require_bool(return_lse, "return_lse")
+    problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, out=out)
+    return dispatch.plan_prefill(problem, arch=arch)
+
+
+def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
+                   out=None, validate=True, *, arch=None):
+    """The plan :func:`flash_attn_varlen_func` would execute, as data; launches nothing.
+
+    Same arguments as :func:`flash_attn_varlen_func`; arrays of any kind (NumPy included). FLOPs
+    are counted exactly per sequence when ``validate`` (the ``cu_seqlens`` are read), else None.
+
+    Returns
+    -------
+    cupyflash.dispatch.Plan
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`flash_attn_varlen_func` (except the CUDA-array requirement).
+    """
+    _require_bool(return_lse, "return_lse")
+    problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, out=out, validate=validate)
+    lengths = None
+    if validate:
+        lengths = (np.diff(checks.to_host(cu_seqlens_q).astype(np.int64)),
+                   np.diff(checks.to_host(cu_seqlens_k).astype(np.int64)))
+    return dispatch.plan_prefill(problem, arch=arch, lengths=lengths)
+
+
+# ==============================================================================================
+# Decode (split-KV, Flash-Decoding): H4 appends flash_attn_with_kvcache and friends below this
+# line. Keep the order of work above: device check -> checks.check_kvcache -> dispatch plan ->
+# launch on interop.current_stream().
+# ==============================================================================================

@@ -1,0 +1,401 @@
+"""Problem -> kernel specialisation, as data.
+
+:func:`plan_prefill` turns a validated :class:`cupyflash.checks.AttnProblem` into a :class:`Plan`:
+the chosen specialisation (name, template values), its launch geometry, its register and spill
+counts from the ptxas report of an NVRTC compile (no GPU needed), the predicted FLOPs and HBM
+bytes (:mod:`cupyflash.io_model`), and, for every other specialisation of the supported table
+(:data:`cupyflash.prefill.SUPPORTED`), the reason it was not chosen. ``explain()`` returns this
+plan; the launch path uses :func:`launch_plan` (the same decision, cached per problem and device,
+without the compile report and the I/O model).
+
+There is no silent fallback: when no specialisation fits, :func:`plan_prefill` raises
+``ValueError`` with every candidate's rejection reason.
+
+Decode plans (split-KV, Flash-Decoding) are appended below by the decode work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from . import checks, heuristics, jit
+
+__all__ = ["KernelChoice", "Plan", "plan_prefill", "launch_plan", "default_arch",
+           "max_smem_bytes_for_arch"]
+
+#: Opt-in dynamic shared memory per block (bytes) by architecture (CUDA C Programming Guide,
+#: "Compute Capabilities" table). Used when no device is visible; on a GPU the device is asked.
+_SMEM_BY_ARCH = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_87": 163 * 1024,
+                 "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024,
+                 "sm_100": 227 * 1024, "sm_100a": 227 * 1024, "sm_120": 99 * 1024}
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan, as data
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """One kernel launch of a plan.
+
+    Attributes
+    ----------
+    name : str
+        Specialisation name, e.g. ``fwd_bf16_hd128_m128_n64_w8_causal`` (also the cache key and
+        the profiler label).
+    entry : str
+        C++ name expression of the ``__global__`` function.
+    template : dict
+        Template values: ``dtype``, ``headdim`` (the compiled, padded one), ``block_m``,
+        ``block_n``, ``nwarps``, ``causal``.
+    grid, block : tuple of 3 int
+        Launch geometry (CTAs; threads per CTA).
+    smem_bytes : int
+        Dynamic shared memory per CTA, bytes.
+    registers : int or None
+        Registers per thread from the ptxas report (None when not compiled for the plan).
+    spill_bytes : int or None
+        Spill stores + spill loads, bytes, from the same report.
+    arch : str or None
+        Architecture of the ptxas report (``"sm_90a"``, ...).
+    spec : cupyflash.jit.KernelSpec
+        What :func:`cupyflash.jit.get_kernel` compiles.
+    """
+    name: str
+    entry: str
+    template: dict
+    grid: tuple
+    block: tuple
+    smem_bytes: int
+    registers: int | None
+    spill_bytes: int | None
+    arch: str | None
+    spec: jit.KernelSpec = dataclasses.field(repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a call launches and why (the record ``explain()`` returns).
+
+    Attributes
+    ----------
+    problem : cupyflash.checks.AttnProblem
+        The validated problem.
+    kernel : KernelChoice
+        The (main) kernel.
+    num_splits : int or None
+        Split-KV factor (Flash-Decoding); None for prefill.
+    flops : int or None
+        ``4 * batch * nheads * visible (query, key) pairs * headdim``, causal and windows counted
+        exactly (:func:`cupyflash.io_model.prefill_flops`); None for a varlen plan made without
+        the sequence lengths.
+    hbm_bytes : int or None
+        Predicted device-memory traffic, bytes (:func:`cupyflash.io_model.prefill_hbm_bytes` with
+        the chosen tile: Q read once, each CTA's visible K/V tiles read from HBM, O and the float32
+        LSE written once: an upper bound on DRAM bytes, since L2 may serve repeated K/V reads).
+    rejected : list of (str, str)
+        ``(specialisation name, reason)`` for every other specialisation, nearest first (empty
+        in the cached plans of the launch path, :func:`launch_plan`).
+    extra_kernels : tuple of KernelChoice
+        Further launches (decode's combine kernel); empty for prefill.
+    num_sms : int
+        Streaming multiprocessors the heuristic assumed.
+    """
+    problem: object
+    kernel: KernelChoice
+    num_splits: int | None
+    flops: int | None
+    hbm_bytes: int | None
+    rejected: list
+    extra_kernels: tuple = ()
+    num_sms: int = heuristics.H200_SMS
+
+    # Shortcuts to the main kernel's fields.
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def template(self) -> dict:
+        return self.kernel.template
+
+    @property
+    def grid(self) -> tuple:
+        return self.kernel.grid
+
+    @property
+    def block(self) -> tuple:
+        return self.kernel.block
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.kernel.smem_bytes
+
+    @property
+    def registers(self) -> int | None:
+        return self.kernel.registers
+
+    @property
+    def spill_bytes(self) -> int | None:
+        return self.kernel.spill_bytes
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict (experiments store it as provenance)."""
+        def kc(k: KernelChoice) -> dict:
+            d = {f.name: getattr(k, f.name) for f in dataclasses.fields(k) if f.name != "spec"}
+            d["grid"], d["block"] = list(k.grid), list(k.block)
+            d["source"] = k.spec.source
+            return d
+        prob = dataclasses.asdict(self.problem) if dataclasses.is_dataclass(self.problem) else {}
+        return {"problem": prob, "kernel": kc(self.kernel),
+                "extra_kernels": [kc(k) for k in self.extra_kernels],
+                "num_splits": self.num_splits, "flops": self.flops, "hbm_bytes": self.hbm_bytes,
+                "num_sms": self.num_sms, "rejected": [list(r) for r in self.rejected]}
+
+    def __str__(self) -> str:
+        k = self.kernel
+        regs = "?" if k.registers is None else k.registers
+        spill = "?" if k.spill_bytes is None else k.spill_bytes
+        lines = [f"{k.name}  ({k.entry})",
+                 "  template: " + " ".join(f"{a}={b}" for a, b in k.template.items()),
+                 f"  grid={k.grid} block={k.block} smem={k.smem_bytes} B  registers={regs} "
+                 f"spill={spill} B ({k.arch or 'not compiled'})",
+                 f"  num_splits={self.num_splits} flops={self.flops} hbm_bytes={self.hbm_bytes} "
+                 f"num_sms={self.num_sms}"]
+        for e in self.extra_kernels:
+            lines.append(f"  + {e.name} grid={e.grid} block={e.block} smem={e.smem_bytes} B")
+        lines.append(f"  rejected ({len(self.rejected)}):")
+        lines += [f"    {n}: {r}" for n, r in self.rejected[:8]]
+        if len(self.rejected) > 8:
+            lines.append(f"    ... {len(self.rejected) - 8} more (Plan.rejected)")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device facts (CuPy imported only when asked; explain() works without a GPU)
+# ----------------------------------------------------------------------------------------------
+def _device_id():
+    """The current CUDA device id, or None when CuPy or a device is missing."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        return cupy.cuda.runtime.getDevice()
+    except Exception:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(dev: int) -> tuple:
+    """``(arch, num_sms, max opt-in shared memory per block)`` of device ``dev``."""
+    import cupy
+    d = cupy.cuda.Device(dev)
+    cc = d.compute_capability  # e.g. '90'
+    arch = "sm_90a" if cc == "90" else f"sm_{cc}"  # Hopper: the 'a' target of CPU compile tests
+    attrs = d.attributes
+    return arch, int(attrs["MultiProcessorCount"]), int(attrs["MaxSharedMemoryPerBlockOptin"])
+
+
+def default_arch() -> str:
+    """``"sm_<cc>"`` of the current device (``"sm_90a"`` for compute capability 9.0), or
+    ``"sm_90a"`` when no device is visible."""
+    dev = _device_id()
+    return _device_info(dev)[0] if dev is not None else "sm_90a"
+
+
+def max_smem_bytes_for_arch(arch: str) -> int:
+    """Opt-in dynamic shared memory per block of ``arch`` (bytes); 227 KiB if unknown."""
+    return _SMEM_BY_ARCH.get(arch, 227 * 1024)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill
+# ----------------------------------------------------------------------------------------------
+def _io_prediction(problem, block_m: int, block_n: int, lengths) -> tuple:
+    """``(flops, hbm_bytes)`` from cupyflash.io_model; per sequence for varlen (None, None when
+    the lengths are unknown)."""
+    from . import io_model
+    p = problem
+    left_right = tuple(p.window_size)
+    if p.varlen:
+        if lengths is None:
+            return None, None
+        flops = hbm = 0
+        for lq, lk in zip(*lengths):
+            lq, lk = int(lq), int(lk)
+            flops += io_model.prefill_flops(1, p.nheads, lq, lk, p.headdim, p.causal, left_right)
+            hbm += io_model.prefill_hbm_bytes(1, p.nheads, p.nheads_k, lq, lk, p.headdim,
+                                              p.dtype, p.causal, left_right, block_m, block_n)
+        return flops, hbm
+    flops = io_model.prefill_flops(p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.headdim,
+                                   p.causal, left_right)
+    hbm = io_model.prefill_hbm_bytes(p.batch, p.nheads, p.nheads_k, p.seqlen_q, p.seqlen_k,
+                                     p.headdim, p.dtype, p.causal, left_right, block_m, block_n)
+    return flops, hbm
+
+
+def plan_prefill(problem, *, arch: str | None = None, report: bool = True,
+                 predict: bool = True, num_sms: int | None = None,
+                 max_smem_bytes: int | None = None, lengths=None) -> Plan:
+    """Choose the prefill specialisation for ``problem`` and describe the launch.
+
+    FlashAttention-2 (arXiv 2307.08691) Sec. 3.1 / Algorithm 1 kernels; the tile comes from
+    :func:`cupyflash.heuristics.choose_prefill_tile`.
+
+    Parameters
+    ----------
+    problem : cupyflash.checks.AttnProblem
+        A validated dense or varlen problem.
+    arch : str, optional
+        Architecture for the ptxas report and the shared-memory limit; default
+        :func:`default_arch` (the current device's, else ``"sm_90a"``).
+    report : bool
+        Compile the chosen specialisation with NVRTC (cached per process) and fill
+        ``registers`` / ``spill_bytes``; False leaves them None.
+    predict : bool
+        Fill ``flops`` / ``hbm_bytes`` from :mod:`cupyflash.io_model`; False leaves them None.
+    num_sms : int, optional
+        SMs for the heuristic; default the current device's, else 132.
+    max_smem_bytes : int, optional
+        Shared-memory limit per block (bytes); default the current device's opt-in limit, else
+        that of ``arch``.
+    lengths : (array, array), optional
+        Varlen only: per-sequence query and key lengths, for exact FLOPs / bytes.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    TypeError
+        ``problem`` is not an ``AttnProblem``.
+    ValueError
+        No specialisation fits; the message lists every candidate and why it was rejected.
+    cupyflash.jit.KernelSourceError
+        With ``report``: the chosen specialisation does not compile.
+    """
+    if not isinstance(problem, checks.AttnProblem):
+        raise TypeError(f"problem: expected cupyflash.checks.AttnProblem, got "
+                        f"{type(problem).__name__}")
+    dev = _device_id() if (arch is None or num_sms is None or max_smem_bytes is None) else None
+    info = _device_info(dev) if dev is not None else None
+    if arch is None:
+        arch = info[0] if info else "sm_90a"
+    if num_sms is None:
+        num_sms = info[1] if info else heuristics.H200_SMS
+    if max_smem_bytes is None:
+        max_smem_bytes = info[2] if info else max_smem_bytes_for_arch(arch)
+    return _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes,
+                         None if lengths is None else tuple(tuple(int(x) for x in a)
+                                                            for a in lengths))
+
+
+def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengths,
+                  reasons: bool = True) -> Plan:
+    """The decision. ``reasons=False`` (the launch path) skips writing the rejection list,
+    unless nothing fits, where the full error is raised all the same."""
+    from . import prefill
+    p = problem
+    try:
+        hd = prefill.padded_headdim(p.headdim)
+    except ValueError:
+        hd = None
+    causal = bool(p.causal)
+
+    if not reasons:
+        feasible = [c for c in prefill.SUPPORTED if c.dtype == p.dtype and c.headdim == hd
+                    and c.smem_bytes <= max_smem_bytes]
+        if not feasible:  # raises, listing every candidate's reason
+            return _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes,
+                                 lengths, True)
+        rejected = []
+    else:
+        feasible, rejected = _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes)
+    tiles = tuple((c.block_m, c.block_n, c.nwarps) for c in feasible)
+    tile = heuristics.choose_prefill_tile(p.dtype, p.headdim, p.seqlen_q, p.seqlen_k, causal,
+                                          num_sms, batch_nheads=p.batch * p.nheads, tiles=tiles)
+    if reasons:
+        for cfg in feasible:
+            if (cfg.block_m, cfg.block_n, cfg.nwarps) != tile:
+                name = prefill.kernel_spec(cfg.dtype, cfg.headdim, cfg.block_m, cfg.block_n,
+                                           cfg.nwarps, causal).name
+                rejected.append((0, name, (
+                    f"tile m{cfg.block_m} n{cfg.block_n} w{cfg.nwarps}: the heuristic chose "
+                    f"m{tile[0]} n{tile[1]} w{tile[2]} for seqlen_q={p.seqlen_q}, "
+                    f"seqlen_k={p.seqlen_k}, batch*nheads={p.batch * p.nheads}, "
+                    f"num_sms={num_sms} (cupyflash.heuristics.choose_prefill_tile)")))
+        rejected.sort(key=lambda r: r[0])  # stable: nearest candidates first, table order within
+
+    spec = prefill.kernel_spec(p.dtype, hd, *tile, causal)
+    grid, block, smem = prefill.launch_config(spec, p)
+    registers = spill = None
+    rep_arch = None
+    if report:
+        rep = jit.compile_report(spec, arch).ptxas
+        registers, spill, rep_arch = rep.registers, rep.spill_bytes, arch
+    flops = hbm = None
+    if predict:
+        flops, hbm = _io_prediction(p, tile[0], tile[1], lengths)
+    template = {"dtype": p.dtype, "headdim": hd, "block_m": tile[0], "block_n": tile[1],
+                "nwarps": tile[2], "causal": causal}
+    choice = KernelChoice(name=spec.name, entry=spec.entry, template=template,
+                          grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block),
+                          smem_bytes=int(smem), registers=registers, spill_bytes=spill,
+                          arch=rep_arch, spec=spec)
+    return Plan(problem=p, kernel=choice, num_splits=None, flops=flops, hbm_bytes=hbm,
+                rejected=[(n, w) for _, n, w in rejected], num_sms=int(num_sms))
+
+
+def _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes) -> tuple:
+    """Table rows that can run problem ``p`` at all, and ``(rank, name, reason)`` for the other
+    specialisations; raises ValueError with every reason when no row is feasible."""
+    from . import prefill
+    feasible, rejected = [], []
+    for cfg in prefill.SUPPORTED:
+        for c in (False, True):
+            name = prefill.kernel_spec(cfg.dtype, cfg.headdim, cfg.block_m, cfg.block_n,
+                                       cfg.nwarps, c).name
+            # rank: how near the candidate is to the problem (listed nearest first)
+            if cfg.dtype != p.dtype:
+                rank, why = 4, f"dtype {cfg.dtype}; the problem is {p.dtype}"
+            elif hd is None:
+                rank, why = 3, (f"headdim {p.headdim} is not compiled (compiled: "
+                                f"{', '.join(map(str, prefill.HEADDIMS))}; multiples of 8 up to "
+                                f"256 run padded to the next one)")
+            elif cfg.headdim != hd:
+                rank, why = 3, (f"compiled for headdim {cfg.headdim}; the problem needs {hd}"
+                                + (f" (headdim {p.headdim}, padded)" if hd != p.headdim else ""))
+            elif c and not causal:
+                rank, why = 2, (f"causal specialisation; the problem is not causal (window_size "
+                                f"{p.window_size}: right != 0)")
+            elif not c and causal:
+                rank, why = 2, ("non-causal specialisation; the problem is causal (window "
+                                "right == 0): the causal one serves it (mask known at compile "
+                                "time)")
+            elif cfg.smem_bytes > max_smem_bytes:
+                rank, why = 1, (f"needs {cfg.smem_bytes} B of shared memory; {arch} allows "
+                                f"{max_smem_bytes} B per block")
+            else:
+                feasible.append(cfg)
+                continue
+            rejected.append((rank, name, why))
+    if not feasible:
+        rejected.sort(key=lambda r: r[0])
+        raise ValueError(
+            f"problem: no prefill kernel for dtype={p.dtype}, headdim={p.headdim}, "
+            f"causal={causal}, window_size={p.window_size}; every candidate was rejected:\n"
+            + "\n".join(f"  {n}: {w}" for _, n, w in rejected))
+    return feasible, rejected
+
+
+def launch_plan(problem) -> Plan:
+    """The plan the launch path uses: :func:`plan_prefill` for the current device without the
+    compile report and the I/O model, cached per (problem, device). Needs a visible device."""
+    import cupy
+    return _launch_plan_cached(problem, cupy.cuda.runtime.getDevice())
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_plan_cached(problem, dev: int) -> Plan:
+    arch, sms, smem = _device_info(dev)
+    return _plan_prefill(problem, arch, False, False, sms, smem, None, reasons=False)

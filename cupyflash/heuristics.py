@@ -1,0 +1,214 @@
+"""Launch heuristics: pure functions of the problem's sizes (no GPU, no CuPy, no state).
+
+Every threshold carries, next to it, the measurement that justifies it. Thresholds marked
+"provisional" have not been measured yet; ``experiments/bench_tiles.py`` times every tile of the
+supported table (``cupyflash.prefill.SUPPORTED``) over the shapes below, and the lead replaces
+each "provisional" note with the measured numbers (GPU, run, speed-up) when they exist.
+
+Prefill (FlashAttention-2, arXiv 2307.08691, Sec. 3.2-3.3): one CTA per (``block_m`` query rows,
+head, batch). A larger ``block_m`` reuses every K/V tile for more query rows (fewer bytes per FLOP)
+but makes fewer CTAs, and a tile taller than the sequence computes padding rows.
+
+Decode: ``choose_num_splits`` (Flash-Decoding) is appended below by the decode work (H4).
+"""
+from __future__ import annotations
+
+__all__ = ["H200_SMS", "prefill_tiles", "choose_prefill_tile"]
+
+#: Streaming multiprocessors of an H100/H200 SXM: the default when no device is visible.
+H200_SMS = 132
+
+
+def prefill_tiles(dtype: str, headdim: int) -> tuple:
+    """The compiled ``(block_m, block_n, nwarps)`` tiles for ``dtype`` and ``headdim``, default first.
+
+    Parameters
+    ----------
+    dtype : str
+        ``'float16'``, ``'bfloat16'``, ``'float32'`` or ``'float64'``.
+    headdim : int
+        Actual head dim (a multiple of 8 up to 256); padded with
+        :func:`cupyflash.prefill.padded_headdim`.
+
+    Returns
+    -------
+    tuple of (int, int, int)
+        In the order of ``cupyflash.prefill.SUPPORTED`` (its first row per (dtype, headdim) is the
+        suggested default); empty when nothing is compiled for the pair.
+
+    Raises
+    ------
+    ValueError
+        ``headdim`` not a multiple of 8 in [8, 256].
+    """
+    from . import prefill  # pure Python; no CuPy
+    hd = prefill.padded_headdim(headdim)
+    return tuple((c.block_m, c.block_n, c.nwarps) for c in prefill.SUPPORTED
+                 if c.dtype == dtype and c.headdim == hd)
+
+
+def _first_with_block_m(tiles, block_m):
+    return next(t for t in tiles if t[0] == block_m)
+
+
+def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, causal: bool,
+                        num_sms: int = H200_SMS, *, batch_nheads: int = 1,
+                        tiles: tuple | None = None) -> tuple:
+    """Tile ``(block_m, block_n, nwarps)`` of the prefill kernel for one problem.
+
+    Rules, in order (each one's evidence is in the comment beside it in the code):
+
+    1. Start from the table's default tile for (dtype, padded headdim).
+    2. Short queries: ``seqlen_q`` no longer than the smallest compiled ``block_m`` -> the first
+       tile with that smallest ``block_m``.
+    3. Under-filled GPU: if the default makes fewer CTAs (``batch_nheads * ceil(seqlen_q /
+       block_m)``) than ``num_sms``, step down to the next smaller compiled ``block_m``.
+    4. Short keys: ``seqlen_k`` no longer than a smaller compiled ``block_n`` of the chosen
+       ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` if compiled).
+
+    ``causal`` does not change the choice (causal launches skip whole tiles above the diagonal
+    with any tile shape; the heaviest m-blocks run first).
+
+    Parameters
+    ----------
+    dtype : str
+        Element type name.
+    headdim : int
+        Actual head dim (padded internally).
+    seqlen_q, seqlen_k : int
+        Query / key lengths (``max_seqlen_*`` for varlen), >= 0.
+    causal : bool
+        Causal mask (bottom-right).
+    num_sms : int
+        Streaming multiprocessors of the device (132 on an H100/H200 SXM).
+    batch_nheads : int
+        ``batch * nheads``: the CTAs per m-block row of the grid.
+    tiles : tuple of (int, int, int), optional
+        The candidates, default first; default :func:`prefill_tiles` ``(dtype, headdim)``. The
+        dispatcher passes the subset whose shared memory fits the device.
+
+    Returns
+    -------
+    tuple of (int, int, int)
+        ``(block_m, block_n, nwarps)``, a row of ``cupyflash.prefill.SUPPORTED``.
+
+    Raises
+    ------
+    ValueError
+        No tile compiled for ``(dtype, headdim)``, or negative sizes.
+    """
+    if seqlen_q < 0 or seqlen_k < 0 or num_sms < 1 or batch_nheads < 0:
+        raise ValueError(f"sizes: expected seqlen_q, seqlen_k, batch_nheads >= 0 and num_sms >= 1, "
+                         f"got {seqlen_q}, {seqlen_k}, {batch_nheads}, {num_sms}")
+    tiles = prefill_tiles(dtype, headdim) if tiles is None else tuple(tiles)
+    if not tiles:
+        raise ValueError(f"dtype: no prefill tile available for dtype {dtype!r} and headdim "
+                         f"{headdim}")
+    tile = tiles[0]                                              # rule 1
+    block_ms = sorted({t[0] for t in tiles})
+
+    # Rule 2. Provisional: to be measured by experiments/bench_tiles.py (seqlen_q in 1..128,
+    # every block_m). Expected: a tile taller than the sequence spends (block_m - seqlen_q) /
+    # block_m of its QK^T and PV tensor-core work on zero rows; the smallest tile wastes least.
+    if seqlen_q <= block_ms[0]:
+        tile = _first_with_block_m(tiles, block_ms[0])
+    else:
+        # Rule 3. Provisional: to be measured by experiments/bench_tiles.py (batch * nheads * m-
+        # blocks below, at and above num_sms). Expected: with fewer CTAs than SMs the idle SMs
+        # cost more than the extra K/V traffic of halving block_m (FlashAttention-2 Sec. 3.2
+        # parallelises over the sequence for exactly this reason).
+        smaller = [m for m in block_ms if m < tile[0]]
+        if smaller and batch_nheads * -(-seqlen_q // tile[0]) < num_sms:
+            tile = _first_with_block_m(tiles, smaller[-1])
+
+    # Rule 4. Provisional: to be measured by experiments/bench_tiles.py (seqlen_k <= 64).
+    # Expected: when every key fits in a narrower tile, the wider one computes masked columns.
+    narrower = [t for t in tiles if t[0] == tile[0] and t[1] < tile[1] and seqlen_k <= t[1]]
+    if narrower:
+        same_warps = [t for t in narrower if t[2] == tile[2]]
+        tile = min(same_warps or narrower, key=lambda t: t[1])
+    return tile
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode (Flash-Decoding): number of KV splits. Appended by the decode work (H4); the launch code
+# and the split kernel live in cupyflash/decode.py and kernels_cu/flash_decode.cu.
+# ----------------------------------------------------------------------------------------------
+__all__ += ["MIN_TILES_PER_SPLIT", "MAX_SPLITS", "choose_num_splits"]
+
+#: A split should have at least this many tiles: a block spends roughly one tile's time on its
+#: prologue (the first copies' latency) and each extra split adds fp32 partials to write and
+#: merge, so very short splits cost more than the parallelism they add.
+MIN_TILES_PER_SPLIT = 4
+#: Upper bound on splits (workspace size; beyond ~2 blocks per SM more splits only add waves).
+MAX_SPLITS = 128
+
+
+def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H200_SMS, *,
+                      row_chunks: int = 1, block_n: int = 64, ctas_per_sm: int = 2,
+                      max_splits: int = MAX_SPLITS,
+                      min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> int:
+    """Number of KV splits for a decode step (pure; Flash-Decoding's occupancy argument).
+
+    The split kernel is bandwidth-bound and every block of one launch does the same amount of
+    work, so the best launch is one full wave of resident blocks: ``slots = num_sms *
+    ctas_per_sm`` blocks run at once, and ``ctas = batch * nheads_k * row_chunks`` blocks exist
+    without splitting. Rule::
+
+        splits = floor(slots / ctas)                        # fill one wave, never start a 2nd
+        splits = min(splits, ceil(tiles / min_tiles_per_split), max_splits)
+        splits = max(splits, 1)
+
+    with ``tiles = ceil(seqlen_k / block_n)``. ``floor`` rather than ``ceil``: with equal blocks,
+    ``ceil`` would start a second, mostly empty wave (e.g. 128 blocks on 264 slots: 2 splits run
+    in one wave, 3 splits in two waves of a third of the work each, 33% slower).
+
+    Examples (H200, Llama-3-8B heads: nheads_k = 8, hd128, ``block_n = 64``, 2 blocks/SM):
+    batch 1 -> 33 splits (264 blocks); batch 16 -> 2 (256 blocks); batch >= 17 -> 1.
+
+    Properties (tested): ``1 <= splits <= max(1, min(max_splits, tiles))``; non-increasing in
+    ``batch``, ``nheads_k`` and ``row_chunks``; non-decreasing in ``seqlen_k`` and ``num_sms``.
+
+    Parameters
+    ----------
+    batch, nheads_k : int
+        Sequences and KV heads (>= 1).
+    seqlen_k : int
+        Keys per sequence: the cache capacity (an upper bound; the split kernel divides each
+        sequence's own length into ``splits`` parts).
+    num_sms : int
+        Streaming multiprocessors (132 on an H200 SXM).
+    row_chunks : int
+        ``ceil(nheads // nheads_k * seqlen_q / GROUP)`` blocks per KV head.
+    block_n : int
+        Keys per tile of the split kernel.
+    ctas_per_sm : int
+        Resident split blocks per SM (shared memory bound: 2 on an H200, 1 on an A100).
+    max_splits, min_tiles_per_split : int
+        Caps (see :data:`MAX_SPLITS`, :data:`MIN_TILES_PER_SPLIT`).
+
+    Returns
+    -------
+    int
+        ``>= 1``.
+
+    Notes
+    -----
+    The thresholds are first estimates from the occupancy argument (two resident blocks of
+    ~108 KB on 228 KB SMs); ``experiments/bench_decode`` measures them against explicit
+    ``num_splits`` sweeps.
+    """
+    for name, val in (("batch", batch), ("nheads_k", nheads_k), ("num_sms", num_sms),
+                      ("row_chunks", row_chunks), ("block_n", block_n),
+                      ("ctas_per_sm", ctas_per_sm), ("max_splits", max_splits),
+                      ("min_tiles_per_split", min_tiles_per_split)):
+        if int(val) < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {val}")
+    if seqlen_k < 0:
+        raise ValueError(f"seqlen_k: expected an int >= 0, got {seqlen_k}")
+    tiles = -(-seqlen_k // block_n)
+    ctas = batch * nheads_k * row_chunks
+    slots = num_sms * ctas_per_sm
+    splits = slots // ctas
+    splits = min(splits, -(-tiles // min_tiles_per_split), max_splits)
+    return max(splits, 1)

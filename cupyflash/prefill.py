@@ -1,0 +1,331 @@
+"""Tiled prefill forward kernels: the supported table, specialisation names, launch geometry and
+the launch itself.
+
+The kernels (``kernels_cu/flash_fwd.cu`` on tensor cores for float16/bfloat16,
+``kernels_cu/flash_fwd_simt.cu`` on CUDA cores for float32/float64) implement FlashAttention-2
+(Dao, arXiv 2307.08691), Algorithm 1 with the work partitioning of Sec. 3.2-3.3: one CTA per
+(``block_m`` query rows, head, batch), K/V tiles of ``block_n`` keys streamed through shared memory.
+
+Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU):
+
+* :data:`SUPPORTED` is the table of compiled configurations (a tuple of :class:`PrefillConfig`);
+  within one (dtype, headdim) the first row is the suggested default.
+* :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one.
+* :func:`kernel_spec` names a specialisation (``fwd_bf16_hd128_m128_n64_w8_causal``,
+  ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.jit.KernelSpec`.
+* :func:`launch_config` gives (grid, block, dynamic shared memory) for a spec and a problem.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import jit
+
+__all__ = [
+    "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
+    "padded_headdim", "smem_bytes", "kernel_spec", "all_specs", "config_of", "launch_config",
+    "kernel_args", "launch",
+]
+
+#: Compiled (padded) head dims; every multiple of 8 up to 256 maps to the next one of these.
+HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+#: Tensor-core dtypes (mma.sync m16n8k16, fp32 accumulation) and CUDA-core dtypes (accumulate in T).
+TC_DTYPES = ("float16", "bfloat16")
+SIMT_DTYPES = ("float32", "float64")
+#: Largest dynamic shared memory per block (opt-in) on sm_90 (H100/H200): 227 KiB.
+#: (A100 allows 163 KiB, sm_86/89 99 KiB: dispatch must compare with the device's limit.)
+MAX_SMEM_BYTES = 227 * 1024
+
+TC_SOURCE = "flash_fwd.cu"
+SIMT_SOURCE = "flash_fwd_simt.cu"
+SIMT_THREADS = 128
+
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_LOG2E = 1.4426950408889634073599246810019
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """One compiled tile configuration (both causal and non-causal are instantiated).
+
+    dtype : ``'float16'``, ``'bfloat16'`` (tensor cores) or ``'float32'``, ``'float64'`` (CUDA cores).
+    headdim : compiled (padded) head dim, one of :data:`HEADDIMS`.
+    block_m, block_n : query rows per CTA (``BLOCK_M``) and keys per K/V tile (``BLOCK_N``).
+    nwarps : warps per CTA (tensor cores: each warp owns ``block_m / nwarps`` query rows;
+        CUDA cores: always 4, i.e. 128 threads).
+    smem_bytes : dynamic shared memory per CTA, bytes (same formula as the kernel's traits).
+    source : kernel file under ``kernels_cu/``.
+    """
+    dtype: str
+    headdim: int
+    block_m: int
+    block_n: int
+    nwarps: int
+    smem_bytes: int
+    source: str
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.nwarps
+
+
+def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int) -> int:
+    """Dynamic shared memory of a configuration, bytes.
+
+    Tensor cores: Q tile + 2 stages of K and V tiles, rows padded by 16 bytes
+    (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles and the P tile, rows padded by 16 bytes
+    (``SimtTraits::kSmemBytes``).
+    """
+    isz = _ITEMSIZE[dtype]
+    pad = 16 // isz
+    row = headdim + pad
+    if dtype in TC_DTYPES:
+        return (block_m + 2 * 2 * block_n) * row * isz
+    return (block_m * row + 2 * block_n * row + block_m * (block_n + pad)) * isz
+
+
+# Tile shapes per compiled head dim, suggested default first. Tensor cores: (block_m, block_n,
+# nwarps), every one compiles with zero spills for sm_80 and sm_90a (tests/test_compile_prefill.py).
+# block_m / nwarps = 16 or 32 rows per warp; 32 rows per warp (two m16 tiles) halves the smem
+# traffic for K and V per FLOP but needs ~2x the accumulator registers, so it only fits with
+# smaller key tiles (128x64x4w at hd128 spills, unlike FlashAttention-2's CuTe build of it).
+_TC_TILES = {
+    32: ((128, 128, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)),
+    64: ((128, 64, 4), (128, 128, 8), (64, 64, 4), (64, 128, 4)),
+    96: ((128, 64, 8), (128, 32, 4), (64, 64, 4), (128, 128, 8)),
+    128: ((128, 64, 8), (128, 32, 4), (64, 64, 4), (128, 128, 8)),
+    160: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
+    192: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
+    224: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
+    256: ((128, 64, 8), (128, 32, 8), (64, 32, 4)),  # 64x64x4w spills on sm_80
+}
+# CUDA cores (128 threads): (block_m, block_n). Rows per thread = block_m / 16.
+_SIMT_TILES = {
+    "float32": {hd: ((64, 32), (32, 32)) if hd <= 128 else ((32, 32), (16, 32)) for hd in HEADDIMS},
+    "float64": {hd: ((32, 32), (16, 32)) if hd <= 128 else ((16, 32), (32, 32)) for hd in HEADDIMS},
+}
+_SIMT_TILES["float64"][256] = ((16, 32), (16, 16))  # 32x32 needs > 255 registers (spills)
+
+
+def _build_table() -> tuple:
+    rows = []
+    for dtype in TC_DTYPES:
+        for hd in HEADDIMS:
+            for bm, bn, nw in _TC_TILES[hd]:
+                rows.append(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn), TC_SOURCE))
+    for dtype in SIMT_DTYPES:
+        for hd in HEADDIMS:
+            for bm, bn in _SIMT_TILES[dtype][hd]:
+                rows.append(PrefillConfig(dtype, hd, bm, bn, SIMT_THREADS // 32,
+                                          smem_bytes(dtype, hd, bm, bn), SIMT_SOURCE))
+    return tuple(rows)
+
+
+#: The supported table: every compiled configuration.
+SUPPORTED: tuple = _build_table()
+
+
+def padded_headdim(d: int) -> int:
+    """The compiled head dim for an actual head dim ``d`` (a multiple of 8 in [8, 256]).
+
+    Raises
+    ------
+    ValueError
+        If ``d`` is not a multiple of 8 in [8, 256].
+    """
+    if isinstance(d, bool) or not isinstance(d, int) or d < 8 or d > 256 or d % 8:
+        raise ValueError(f"headdim: got {d!r}; supported: multiples of 8 from 8 to 256 "
+                         f"(compiled as {', '.join(map(str, HEADDIMS))})")
+    return next(h for h in HEADDIMS if h >= d)
+
+
+def _name(cfg: PrefillConfig, causal: bool) -> str:
+    suffix = "_causal" if causal else ""
+    if cfg.dtype in TC_DTYPES:
+        return (f"fwd_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
+                f"_w{cfg.nwarps}{suffix}")
+    return f"fwdsimt_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
+
+
+def _entry(cfg: PrefillConfig, causal: bool) -> str:
+    c = "true" if causal else "false"
+    if cfg.dtype in TC_DTYPES:
+        return (f"cf::flash_fwd_kernel<{_CTYPE[cfg.dtype]}, {cfg.headdim}, {cfg.block_m}, "
+                f"{cfg.block_n}, {cfg.nwarps}, {c}>")
+    return (f"cf::flash_fwd_simt_kernel<{_CTYPE[cfg.dtype]}, {cfg.headdim}, {cfg.block_m}, "
+            f"{cfg.block_n}, {c}>")
+
+
+_BY_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps): c for c in SUPPORTED}
+_BY_NAME: dict = {}
+for _c in SUPPORTED:
+    for _causal in (False, True):
+        _BY_NAME[_name(_c, _causal)] = (_c, _causal)
+del _c, _causal
+
+
+def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: int,
+                causal: bool) -> jit.KernelSpec:
+    """The :class:`~cupyflash.jit.KernelSpec` of one specialisation in :data:`SUPPORTED`.
+
+    Raises
+    ------
+    ValueError
+        If the combination is not in the table (the message lists the tiles that are).
+    """
+    cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps))
+    if cfg is None:
+        have = [f"m{c.block_m}_n{c.block_n}_w{c.nwarps}" for c in SUPPORTED
+                if c.dtype == dtype and c.headdim == hd_padded]
+        raise ValueError(f"prefill tile: ({dtype}, hd{hd_padded}, m{block_m}, n{block_n}, w{nwarps}) "
+                         f"is not compiled; supported for this dtype/headdim: {have or 'none'}")
+    return jit.KernelSpec(name=_name(cfg, bool(causal)), source=cfg.source,
+                          entry=_entry(cfg, bool(causal)), smem_bytes=cfg.smem_bytes)
+
+
+def all_specs() -> tuple:
+    """Every specialisation in :data:`SUPPORTED` (each configuration, non-causal and causal)."""
+    return tuple(kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, causal)
+                 for c in SUPPORTED for causal in (False, True))
+
+
+def config_of(spec: jit.KernelSpec) -> tuple:
+    """``(PrefillConfig, causal)`` of a prefill spec (looked up by its name)."""
+    try:
+        return _BY_NAME[spec.name]
+    except KeyError:
+        raise ValueError(f"spec: {spec.name!r} is not a prefill specialisation") from None
+
+
+def launch_config(spec: jit.KernelSpec, problem) -> tuple:
+    """Launch geometry ``(grid, block, smem_bytes)`` of ``spec`` for ``problem`` (pure function).
+
+    grid = (ceil(seqlen_q / block_m), nheads, batch): one CTA per (m-block, head, batch);
+    for varlen problems ``seqlen_q`` is max_seqlen_q and ``batch`` the number of sequences (CTAs
+    past a sequence's end return at once). Causal kernels visit the m-blocks in reverse order
+    (heaviest first) inside the kernel; the grid is the same.
+
+    Parameters
+    ----------
+    spec : cupyflash.jit.KernelSpec from :func:`kernel_spec`.
+    problem : cupyflash.checks.AttnProblem (uses batch, seqlen_q, nheads).
+    """
+    cfg, _ = config_of(spec)
+    grid = (max(0, -(-problem.seqlen_q // cfg.block_m)), problem.nheads, problem.batch)
+    return grid, (cfg.threads, 1, 1), cfg.smem_bytes
+
+
+def _strides(x, name: str, ndim: int) -> tuple:
+    isz = x.dtype.itemsize
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
+    st = [s // isz for s in x.strides]
+    if any(s * isz != b for s, b in zip(st, x.strides)):
+        raise ValueError(f"{name}: strides {x.strides} are not multiples of the item size {isz}")
+    return tuple(st)
+
+
+def kernel_args(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=None,
+                cu_seqlens_k=None) -> tuple:
+    """The kernel's argument tuple, in the order of ``cf::flash_fwd_kernel`` /
+    ``cf::flash_fwd_simt_kernel`` (the one place on the host that knows it).
+
+    Layouts: q/out (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim),
+    lse (batch, nheads, seqlen_q) float32; varlen: q/out (total_q, nheads, headdim), k/v
+    (total_k, nheads_k, headdim), lse (nheads, total_q). Strides in elements (64-bit); the last
+    dim of q/k/v/out and of lse must be contiguous.
+    """
+    import numpy as np
+    cfg, causal = config_of(spec)
+    varlen = cu_seqlens_q is not None
+    if (cu_seqlens_k is not None) != varlen:
+        raise ValueError("cu_seqlens_q, cu_seqlens_k: give both or neither")
+    nd = 3 if varlen else 4
+    qs, ks, vs, os_ = (_strides(x, n, nd) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
+    ls = _strides(lse, "lse", 2 if varlen else 3)
+    for n, st in (("q", qs), ("k", ks), ("v", vs), ("out", os_), ("lse", ls)):
+        if st[-1] != 1:
+            raise ValueError(f"{n}: the last dimension must be contiguous (stride 1), got strides {st}")
+    if bool(problem.causal) != causal:
+        raise ValueError(f"spec: {spec.name} is {'causal' if causal else 'non-causal'} but the "
+                         f"problem has causal={problem.causal}")
+    if problem.headdim > cfg.headdim:
+        raise ValueError(f"spec: {spec.name} is compiled for headdim <= {cfg.headdim}, "
+                         f"got {problem.headdim}")
+    if np.dtype(q.dtype).name != cfg.dtype:
+        raise ValueError(f"q: dtype {np.dtype(q.dtype).name} does not match spec {spec.name}")
+    if cfg.dtype in TC_DTYPES:
+        # 16-byte cp.async loads and 4-byte paired stores: 16-byte aligned bases and rows.
+        for n, x, st in (("q", q, qs), ("k", k, ks), ("v", v, vs), ("out", out, os_)):
+            if x.data.ptr % 16 or any(s % 8 for s in st[:-1]):
+                raise ValueError(f"{n}: the tensor-core kernel needs a 16-byte aligned base and "
+                                 f"strides that are multiples of 8 elements; got pointer "
+                                 f"{x.data.ptr:#x} and strides {st}")
+    i64 = np.int64
+    if varlen:
+        q_b = k_b = v_b = o_b = lse_b = 0
+        q_r, q_h = qs[0], qs[1]
+        k_r, k_h = ks[0], ks[1]
+        v_r, v_h = vs[0], vs[1]
+        o_r, o_h = os_[0], os_[1]
+        lse_h = ls[0]
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+    else:
+        q_b, q_r, q_h = qs[:3]
+        k_b, k_r, k_h = ks[:3]
+        v_b, v_r, v_h = vs[:3]
+        o_b, o_r, o_h = os_[:3]
+        lse_b, lse_h = ls[0], ls[1]
+        cu_q = cu_k = np.uint64(0)  # NULL pointers (CuPy would pass None as a NULL *argument*)
+    left, right = problem.window_size
+    scale = float(problem.softmax_scale)
+    return (
+        q, k, v, out, lse,
+        i64(q_b), i64(q_r), i64(q_h),
+        i64(k_b), i64(k_r), i64(k_h),
+        i64(v_b), i64(v_r), i64(v_h),
+        i64(o_b), i64(o_r), i64(o_h),
+        i64(lse_b), i64(lse_h),
+        cu_q, cu_k,
+        np.int32(problem.batch), np.int32(problem.nheads), np.int32(problem.nheads_k),
+        np.int32(problem.nheads // problem.nheads_k),
+        np.int32(problem.seqlen_q), np.int32(problem.seqlen_k), np.int32(problem.headdim),
+        np.float32(scale * _LOG2E), np.float64(scale),
+        np.int32(left), np.int32(right),
+    )
+
+
+def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=None,
+           cu_seqlens_k=None, stream=None) -> None:
+    """Launch one prefill specialisation (FlashAttention-2 forward, arXiv 2307.08691 Alg. 1).
+
+    Writes ``out`` (same layout and dtype as q) and ``lse`` (float32, natural log; -inf for a
+    row that sees no key, whose output is 0). Inputs are validated by cupyflash.checks before
+    this is called; here only what the kernel itself relies on is checked (layouts, alignment,
+    spec/problem agreement).
+
+    Parameters
+    ----------
+    spec : KernelSpec from :func:`kernel_spec` (its causal flag must equal ``problem.causal``).
+    q, k, v, out, lse : cupy.ndarray; see :func:`kernel_args` for the layouts.
+    problem : cupyflash.checks.AttnProblem.
+    cu_seqlens_q, cu_seqlens_k : int32 cupy.ndarray (batch + 1,) for varlen, else None.
+    stream : cupy.cuda.Stream or None (the current stream).
+
+    Raises
+    ------
+    ValueError
+        On a layout / alignment / spec mismatch, or a grid larger than CUDA allows.
+    """
+    grid, block, smem = launch_config(spec, problem)
+    if grid[0] == 0 or grid[1] == 0 or grid[2] == 0:
+        return  # nothing to compute (no query rows, heads or sequences)
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"problem: nheads ({grid[1]}) and batch ({grid[2]}) must be <= 65535")
+    args = kernel_args(spec, q, k, v, out, lse, problem=problem, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k)
+    kern = jit.get_kernel(spec)
+    kern(grid, block, args, shared_mem=smem, stream=stream)

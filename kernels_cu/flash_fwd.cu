@@ -1,0 +1,374 @@
+// Tiled prefill forward on tensor cores (fp16 / bf16 inputs, fp32 accumulation).
+//
+// FlashAttention-2 (Dao, arXiv 2307.08691), Algorithm 1 with the work partitioning of Sec. 3.2-3.3:
+// one CTA per (BLOCK_M query rows, head, batch); each warp owns 16 * kMTiles of those rows, so the
+// row statistics (m_i, l_i) never need a cross-warp reduction. K_j / V_j tiles of BLOCK_N keys
+// stream through shared memory with cp.async, double-buffered (tile j+1 is in flight while tile j
+// is consumed). S = Q K_j^T and acc += P V_j run on mma.sync.m16n8k16 with fp32 accumulation; the
+// online softmax (Sec. 3.1: unscaled acc, normalised once at the end, exp2 with softmax_scale *
+// log2(e) folded into one FFMA) stays in registers, and P is re-used straight from the S
+// accumulator registers as the A operand of P V (see common/mma.cuh for why that is exact).
+// Causal / sliding-window: key tiles outside every row's range are skipped by the loop bounds;
+// only tiles that straddle a boundary evaluate the mask (common/mask.cuh).
+//
+// Shared memory rows are padded by 16 bytes (HEADDIM + 8 elements): the row pitch is then an odd
+// number of 16-byte chunks, so the 8 row addresses of every ldmatrix phase fall in 8 distinct
+// bank groups for every compiled head dim (96, 160 and 224 included, where an 8-chunk XOR swizzle
+// does not tile the row), and cp.async writes stay 16-byte aligned.
+#include "common/dtype.cuh"
+#include "common/params.cuh"
+#include "common/mask.cuh"
+#include "common/online_softmax.cuh"
+#include "common/mma.cuh"
+
+namespace cf {
+
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS>
+struct FwdTraits {
+    static constexpr int kThreads = NWARPS * 32;
+    static constexpr int kMTiles = BLOCK_M / (16 * NWARPS);  // m16 row tiles per warp
+    static constexpr int kNTiles = BLOCK_N / 8;              // n8 tiles of S per row tile
+    static constexpr int kDTiles = HEADDIM / 8;              // n8 tiles of acc per row tile
+    static constexpr int kKSteps = HEADDIM / 16;             // k16 steps of Q K^T
+    static constexpr int kPSteps = BLOCK_N / 16;             // k16 steps of P V
+    static constexpr int kChunks = HEADDIM / 8;              // 16-byte chunks per row
+    static constexpr int kRow = HEADDIM + 8;                 // padded smem row, elements
+    static constexpr int kQElems = BLOCK_M * kRow;
+    static constexpr int kKVElems = BLOCK_N * kRow;
+    static constexpr int kStages = 2;
+    // Bytes of dynamic shared memory; cupyflash/prefill.py computes the same number.
+    static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * (int)sizeof(T);
+    // Q as A fragments held in registers for the whole kernel when the register budget allows
+    // (acc + S + Q fragments); otherwise re-read from smem with ldmatrix at every k-step, which is
+    // what FlashAttention-2 itself does for these tile shapes.
+    static constexpr int kRegEstimate = kMTiles * (HEADDIM / 2 + BLOCK_N / 2 + HEADDIM / 4);
+    static constexpr bool kQInRegs = kRegEstimate <= 160;
+
+    static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
+    static_assert(HEADDIM % 32 == 0 && HEADDIM <= 256, "padded head dim");
+    static_assert(BLOCK_M % (16 * NWARPS) == 0 && kMTiles >= 1, "BLOCK_M = 16 * NWARPS * kMTiles");
+    static_assert(BLOCK_N % 16 == 0, "BLOCK_N multiple of 16");
+    static_assert((kRow * 2 / 16) % 2 == 1, "odd pitch in 16-byte chunks: conflict-free ldmatrix");
+};
+
+// Global -> shared copy of one [ROWS x HEADDIM] tile with 16-byte cp.async. Thread layout: kTPR
+// threads per row (consecutive lanes take consecutive 16-byte chunks: coalesced), kRowsPerPass
+// rows per pass. Each thread keeps one 64-bit offset (its row and chunk inside the tile); the
+// per-pass row offsets are warp-uniform. Rows >= rows_valid and columns >= the actual head dim are
+// zero-filled without reading global memory.
+template <typename Tr, int ROWS>
+struct TileLoader {
+    static constexpr int kChunks = Tr::kChunks;
+    static constexpr int kTPR = kChunks % 32 == 0 ? 32 : kChunks % 16 == 0 ? 16 : kChunks % 8 == 0 ? 8 : 4;
+    static constexpr int kRowsPerPass = Tr::kThreads / kTPR;
+    static constexpr int kPasses = (ROWS + kRowsPerPass - 1) / kRowsPerPass;
+    static constexpr int kChunkIters = kChunks / kTPR;
+    static_assert(kChunks % kTPR == 0 && Tr::kThreads % kTPR == 0, "loader layout");
+
+    int r0, c0;           // this thread's row (within a pass) and first chunk
+    uint32_t s_off;       // byte offset of (r0, c0) inside a smem tile
+
+    __device__ __forceinline__ explicit TileLoader(int tid)
+        : r0(tid / kTPR), c0(tid % kTPR),
+          s_off((uint32_t)((tid / kTPR) * Tr::kRow + (tid % kTPR) * 8) * 2u) {}
+
+    template <typename T>
+    __device__ __forceinline__ void load(uint32_t s_tile, const T* g_tile, int64_t row_stride,
+                                         int rows_valid, int chunks_valid, const T* g_safe) const {
+        // Opaque copy: keeps the compiler from hoisting one 64-bit address per pass out of the
+        // KV loop (that costs 2 registers each and made the 4-warp 128x64 tile spill).
+        int64_t thread_off = (int64_t)r0 * row_stride + c0 * 8;
+        asm volatile("" : "+l"(thread_off));
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+            const int r = r0 + pass * kRowsPerPass;
+            if (ROWS % kRowsPerPass == 0 || r < ROWS) {
+                const T* g_row = g_tile + (int64_t)(pass * kRowsPerPass) * row_stride + thread_off;
+#pragma unroll
+                for (int ci = 0; ci < kChunkIters; ++ci) {
+                    const bool ok = r < rows_valid && c0 + ci * kTPR < chunks_valid;
+                    const T* src = ok ? g_row + ci * kTPR * 8 : g_safe;
+                    cp_async_16(s_tile + s_off + (uint32_t)((pass * kRowsPerPass * Tr::kRow + ci * kTPR * 8) * 2),
+                                src, ok);
+                }
+            }
+        }
+    }
+};
+
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL>
+__device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
+    using Tr = FwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS>;
+    constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + Tr::kQElems;                      // [kStages][BLOCK_N][kRow]
+    T* sV = sK + Tr::kStages * Tr::kKVElems;       // [kStages][BLOCK_N][kRow]
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;         // mma groupID, threadID_in_group
+
+    // ---- which (m-block, head, batch) this CTA computes; causal runs the heavy blocks first ----
+    const int m_block = CAUSAL ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const FwdSeq seq = fwd_seq(p, b, h);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const int m0 = m_block * BLOCK_M;
+    if (m0 >= seqlen_q) return;
+    const T* q_base = static_cast<const T*>(p.q) + seq.q_off;
+    const T* k_base = static_cast<const T*>(p.k) + seq.k_off;
+    const T* v_base = static_cast<const T*>(p.v) + seq.v_off;
+    T* o_base = static_cast<T*>(p.o) + seq.o_off;
+    float* lse_base = p.lse + seq.lse_off;
+    const int chunks_valid = p.headdim / 8;
+
+    // ---- key tiles this block visits: [n_block_min, n_block_max) (common/mask.cuh) ----
+    const KeyTiles<BLOCK_N> tiles(m0, min(m0 + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, CAUSAL,
+                                  p.window_left, p.window_right);
+    const int n_block_min = tiles.n_block_min, n_block_max = tiles.n_block_max;
+
+    // ---- prologue: Q tile (group 0), K_0 (group 1), V_0 (group 2) ----
+    const TileLoader<Tr, BLOCK_M> q_loader(tid);
+    const TileLoader<Tr, BLOCK_N> kv_loader(tid);
+    const uint32_t sQ_base = smem_u32addr(sQ), sK_base = smem_u32addr(sK), sV_base = smem_u32addr(sV);
+    constexpr uint32_t kKVStageBytes = Tr::kKVElems * sizeof(T);
+    q_loader.load(sQ_base, q_base + (int64_t)m0 * p.q_row_stride, p.q_row_stride, seqlen_q - m0,
+                  chunks_valid, q_base);
+    cp_async_commit();
+    if (n_block_min < n_block_max) {
+        const int n0 = n_block_min * BLOCK_N;
+        kv_loader.load(sK_base, k_base + (int64_t)n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0,
+                       chunks_valid, k_base);
+        cp_async_commit();
+        kv_loader.load(sV_base, v_base + (int64_t)n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0,
+                       chunks_valid, v_base);
+        cp_async_commit();
+    } else {
+        cp_async_commit();
+        cp_async_commit();
+    }
+
+    const int warp_row0 = warp * 16 * MT;          // first row of this warp inside the tile
+    // ldmatrix row addresses (see common/mma.cuh): A operand rows (lane & 15), column half (lane >> 4);
+    // K (non-transposed B): key row (lane & 7) + 8 * (lane >> 4), column half ((lane >> 3) & 1);
+    // V (transposed B): key row (lane & 7) + 8 * ((lane >> 3) & 1), column half (lane >> 4).
+    const uint32_t sQ_addr = smem_u32addr(sQ + (warp_row0 + (lane & 15)) * Tr::kRow + (lane >> 4) * 8);
+    const int k_lane_off = ((lane & 7) + ((lane >> 4) << 3)) * Tr::kRow + ((lane >> 3) & 1) * 8;
+    const int v_lane_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * Tr::kRow + (lane >> 4) * 8;
+
+    uint32_t q_frag[Tr::kQInRegs ? MT : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
+    if constexpr (Tr::kQInRegs) {
+        cp_async_wait<2>();                        // this thread's Q copies have landed
+        __syncthreads();                           // ... and everyone else's
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int ks = 0; ks < Tr::kKSteps; ++ks)
+                ldmatrix_x4(q_frag[mt][ks], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks * 16) * 2));
+    }
+
+    // acc (unnormalised output), m_i (running max, log2 domain), l_i (this thread's partial sum
+    // of the row normaliser; the quad reduction happens once, in the epilogue).
+    float acc[MT][DT][4];
+    float m_i[MT][2], l_i[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
+        m_i[mt][0] = m_i[mt][1] = -INFINITY;
+        l_i[mt][0] = l_i[mt][1] = 0.f;
+    }
+    const float scale_log2 = p.scale_log2;
+
+    for (int nb = n_block_min; nb < n_block_max; ++nb) {
+        const int stage = (nb - n_block_min) & 1;
+        const int n0 = nb * BLOCK_N;
+        const T* sKs = sK + stage * Tr::kKVElems;
+        const T* sVs = sV + stage * Tr::kKVElems;
+
+        // K_j has landed (V_j may still be in flight); every warp is done with tile j-1.
+        cp_async_wait<1>();
+        __syncthreads();
+
+        // Prefetch K_{j+1}, V_{j+1} into the other stage (the one tile j-1 used).
+        if (nb + 1 < n_block_max) {
+            const int n1 = n0 + BLOCK_N;
+            const uint32_t next = (uint32_t)(stage ^ 1) * kKVStageBytes;
+            kv_loader.load(sK_base + next, k_base + (int64_t)n1 * p.k_row_stride, p.k_row_stride,
+                           seqlen_k - n1, chunks_valid, k_base);
+            cp_async_commit();
+            kv_loader.load(sV_base + next, v_base + (int64_t)n1 * p.v_row_stride, p.v_row_stride,
+                           seqlen_k - n1, chunks_valid, v_base);
+            cp_async_commit();
+        } else {
+            cp_async_commit();                     // empty groups keep the wait counts uniform
+            cp_async_commit();
+        }
+
+        // S = Q K_j^T  (BLOCK_M x BLOCK_N scores of this tile, raw: not yet scaled)
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        const uint32_t sK_addr = smem_u32addr(sKs + k_lane_off);
+#pragma unroll
+        for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Tr::kQInRegs) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
+                } else {
+                    ldmatrix_x4(a[mt], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks * 16) * 2));
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                uint32_t bk[4];  // b-fragments of key tiles 2np (bk[0], bk[1]) and 2np+1 (bk[2], bk[3])
+                ldmatrix_x4(bk, sK_addr + (uint32_t)((np * 16 * Tr::kRow + ks * 16) * 2));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_m16n8k16<T>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                    mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
+
+        // Mask (only tiles that straddle a causal / window / sequence-end boundary): -inf.
+        if (tiles.needs_mask(nb)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int row = m0 + warp_row0 + mt * 16 + g + hh * 8;
+                    const KeyRange r = visible_keys(row, seqlen_q, seqlen_k, CAUSAL, p.window_left,
+                                                    p.window_right);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int key = n0 + nt * 8 + 2 * t + e;
+                            if (!key_visible(r, key)) s[mt][nt][2 * hh + e] = -INFINITY;
+                        }
+                }
+        }
+
+        // Online softmax: m_i <- max(m_i, rowmax(S) * scale_log2); P = exp2(S * scale_log2 - m_i);
+        // l_i <- l_i * exp2(m_old - m_i) + rowsum(P); acc <- acc * exp2(m_old - m_i).
+        uint32_t p_frag[MT][Tr::kPSteps][4];  // P rounded to T, already in A-fragment order
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the 4 threads of a quad
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));   // hold one row
+                const float m_new = fmaxf(m_i[mt][hh], mx * scale_log2);
+                const float alpha = rescale_factor(m_i[mt][hh], m_new);
+                const float m_ref = safe_max(m_new);
+                float rowsum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const float p0 = prob_fma(s[mt][nt][2 * hh], scale_log2, m_ref);
+                    const float p1 = prob_fma(s[mt][nt][2 * hh + 1], scale_log2, m_ref);
+                    rowsum += p0;
+                    rowsum += p1;
+                    // C fragment (row g + 8 hh, keys nt*8 + 2t, +1) -> A fragment register
+                    // (nt & 1) * 2 + hh of k16 step nt / 2 (common/mma.cuh).
+                    p_frag[mt][nt >> 1][(nt & 1) * 2 + hh] = pack2<T>(p0, p1);
+                }
+                l_i[mt][hh] = l_i[mt][hh] * alpha + rowsum;
+                m_i[mt][hh] = m_new;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    acc[mt][dt][2 * hh] *= alpha;
+                    acc[mt][dt][2 * hh + 1] *= alpha;
+                }
+            }
+
+        // V_j has landed for every thread.
+        cp_async_wait<2>();
+        __syncthreads();
+
+        // acc += P V_j, with P taken straight from registers as the A operand.
+        const uint32_t sV_addr = smem_u32addr(sVs + v_lane_off);
+#pragma unroll
+        for (int kc = 0; kc < Tr::kPSteps; ++kc) {
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                uint32_t bv[4];  // b-fragments of head-dim tiles 2dp (bv[0], bv[1]) and 2dp+1 (bv[2], bv[3])
+                ldmatrix_x4_trans(bv, sV_addr + (uint32_t)((kc * 16 * Tr::kRow + dp * 16) * 2));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_m16n8k16<T>(acc[mt][2 * dp], p_frag[mt][kc], bv[0], bv[1]);
+                    mma_m16n8k16<T>(acc[mt][2 * dp + 1], p_frag[mt][kc], bv[2], bv[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();  // nothing may still be writing to smem when the CTA retires
+
+    // Epilogue: l_i summed over the quad; out = acc / l_i (0 for an empty row); LSE = m_i ln 2 + ln l_i.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float l = l_i[mt][hh];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = inv_normaliser(l);
+            const int row = m0 + warp_row0 + mt * 16 + g + hh * 8;
+            if (row < seqlen_q) {
+                T* o_row = o_base + (int64_t)row * p.o_row_stride;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    const int col = dt * 8 + 2 * t;
+                    if (col < p.headdim)
+                        *reinterpret_cast<uint32_t*>(o_row + col) =
+                            pack2<T>(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
+                }
+                if (t == 0) lse_base[row] = lse_from(m_i[mt][hh], l);
+            }
+        }
+}
+
+// Kernel entry: plain scalar / pointer arguments (their order is fixed by
+// cupyflash/prefill.py: kernel_args), packed into FwdParams here.
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+flash_fwd_kernel(const T* q, const T* k, const T* v, T* o, float* lse,
+                 int64_t q_batch_stride, int64_t q_row_stride, int64_t q_head_stride,
+                 int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,
+                 int64_t v_batch_stride, int64_t v_row_stride, int64_t v_head_stride,
+                 int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
+                 int64_t lse_batch_stride, int64_t lse_head_stride,
+                 const int* cu_seqlens_q, const int* cu_seqlens_k,
+                 int batch, int nheads, int nheads_k, int h_per_kv, int seqlen_q, int seqlen_k,
+                 int headdim, float scale_log2, double softmax_scale_d, int window_left,
+                 int window_right) {
+    FwdParams p;
+    p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse;
+    p.q_batch_stride = q_batch_stride; p.q_row_stride = q_row_stride; p.q_head_stride = q_head_stride;
+    p.k_batch_stride = k_batch_stride; p.k_row_stride = k_row_stride; p.k_head_stride = k_head_stride;
+    p.v_batch_stride = v_batch_stride; p.v_row_stride = v_row_stride; p.v_head_stride = v_head_stride;
+    p.o_batch_stride = o_batch_stride; p.o_row_stride = o_row_stride; p.o_head_stride = o_head_stride;
+    p.lse_batch_stride = lse_batch_stride; p.lse_head_stride = lse_head_stride;
+    p.cu_seqlens_q = cu_seqlens_q; p.cu_seqlens_k = cu_seqlens_k;
+    p.batch = batch; p.nheads = nheads; p.nheads_k = nheads_k; p.h_per_kv = h_per_kv;
+    p.seqlen_q = seqlen_q; p.seqlen_k = seqlen_k; p.headdim = headdim;
+    p.scale_log2 = scale_log2; p.softmax_scale_d = softmax_scale_d;
+    p.window_left = window_left; p.window_right = window_right;
+    flash_fwd_block<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL>(p);
+}
+
+}  // namespace cf

@@ -1,0 +1,259 @@
+// Tiled prefill forward on CUDA cores for float32 and float64: the exactness paths.
+//
+// Same algorithm and tiling as flash_fwd.cu: FlashAttention-2 (Dao, arXiv 2307.08691),
+// Algorithm 1 with the partitioning of Sec. 3.2-3.3 (one CTA per BLOCK_M query rows, K_j / V_j
+// tiles of BLOCK_N keys streamed through shared memory, online softmax of Sec. 3.1 with an
+// unscaled accumulator normalised once at the end), but every product and sum is computed in T
+// itself, so the float64 specialisation matches a float64 one-shot softmax to rounding error.
+// Same params, masks (common/mask.cuh) and online-softmax update (common/online_softmax.cuh).
+//
+// Thread layout (128 threads): tr = tid / 8 (16 row groups), tc = tid % 8 (8 lanes per row group,
+// all in one warp). Thread (tr, tc) owns query rows tr + 16 i (i < BLOCK_M / 16), score columns
+// tc + 8 j (j < BLOCK_N / 8) of S, and 16-byte column chunks tc + 8 c of acc, so each row's max and
+// sum are reductions over 8 lanes (__shfl_xor 1, 2, 4). Shared-memory rows are padded by 16 bytes:
+// the 8 lanes of a quarter-warp read 8 different rows of K with 16-byte loads from 8 different
+// bank groups. P goes through shared memory (rows written and read by the same warp: __syncwarp).
+#include "common/dtype.cuh"
+#include "common/params.cuh"
+#include "common/mask.cuh"
+#include "common/online_softmax.cuh"
+
+namespace cf {
+
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N>
+struct SimtTraits {
+    static constexpr int kThreads = 128;
+    static constexpr int kTR = 16, kTC = 8;                 // row groups x lanes per row group
+    static constexpr int kRM = BLOCK_M / kTR;               // rows per thread
+    static constexpr int kCN = BLOCK_N / kTC;               // S columns per thread
+    static constexpr int kVec = 16 / (int)sizeof(T);        // elements per 16-byte smem access
+    static constexpr int kDV = HEADDIM / (kTC * kVec);      // 16-byte acc chunks per row per thread
+    static constexpr int kRow = HEADDIM + kVec;             // padded Q/K/V smem row
+    static constexpr int kPRow = BLOCK_N + kVec;            // padded P smem row
+    // Bytes of dynamic shared memory; cupyflash/prefill.py computes the same number.
+    static constexpr int kSmemBytes = (BLOCK_M * kRow + 2 * BLOCK_N * kRow + BLOCK_M * kPRow) * (int)sizeof(T);
+
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "float or double");
+    static_assert(BLOCK_M % kTR == 0 && BLOCK_N % kTC == 0 && BLOCK_N % kVec == 0, "tile shape");
+    static_assert(HEADDIM % (kTC * kVec) == 0 && HEADDIM % 32 == 0, "padded head dim");
+};
+
+template <typename T, int N>
+struct __align__(16) VecN { T v[N]; };
+
+// Plain coalesced copy of a [ROWS x HEADDIM] tile into smem: one warp per row, lanes along the
+// head dim; rows >= rows_valid and columns >= cols_valid are written as zeros (never read).
+template <typename Tr, typename T, int ROWS, int HEADDIM>
+__device__ __forceinline__ void load_tile_simt(T* s_tile, const T* g_tile, int64_t row_stride,
+                                               int rows_valid, int cols_valid, int warp, int lane) {
+    constexpr int kWarps = Tr::kThreads / 32;
+#pragma unroll 4
+    for (int r = warp; r < ROWS; r += kWarps) {
+        const T* g_row = g_tile + (int64_t)r * row_stride;
+#pragma unroll
+        for (int c0 = 0; c0 < HEADDIM; c0 += 32) {
+            const int c = c0 + lane;
+            s_tile[r * Tr::kRow + c] = (r < rows_valid && c < cols_valid) ? g_row[c] : T(0);
+        }
+    }
+}
+
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL>
+__device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
+    using Tr = SimtTraits<T, HEADDIM, BLOCK_M, BLOCK_N>;
+    constexpr int RM = Tr::kRM, CN = Tr::kCN, VEC = Tr::kVec, DV = Tr::kDV;
+    constexpr int TR = Tr::kTR, TC = Tr::kTC;
+    using Vec = VecN<T, VEC>;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);                 // [BLOCK_M][kRow]
+    T* sK = sQ + BLOCK_M * Tr::kRow;                        // [BLOCK_N][kRow]
+    T* sV = sK + BLOCK_N * Tr::kRow;                        // [BLOCK_N][kRow]
+    T* sP = sV + BLOCK_N * Tr::kRow;                        // [BLOCK_M][kPRow]
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tr = tid / TC, tc = tid % TC;
+
+    const int m_block = CAUSAL ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const FwdSeq seq = fwd_seq(p, b, h);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const int m0 = m_block * BLOCK_M;
+    if (m0 >= seqlen_q) return;
+    const T* q_base = static_cast<const T*>(p.q) + seq.q_off;
+    const T* k_base = static_cast<const T*>(p.k) + seq.k_off;
+    const T* v_base = static_cast<const T*>(p.v) + seq.v_off;
+    T* o_base = static_cast<T*>(p.o) + seq.o_off;
+    float* lse_base = p.lse + seq.lse_off;
+
+    const KeyTiles<BLOCK_N> tiles(m0, min(m0 + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, CAUSAL,
+                                  p.window_left, p.window_right);
+    // scale * log2(e), in T: the float64 path takes it from the float64 softmax_scale.
+    const T scale_log2 = sizeof(T) == 8 ? T(p.softmax_scale_d * 1.4426950408889634073599246810019)
+                                        : T(p.scale_log2);
+
+    // Q tile (loaded once; the first __syncthreads of the loop publishes it).
+    load_tile_simt<Tr, T, BLOCK_M, HEADDIM>(sQ, q_base + (int64_t)m0 * p.q_row_stride, p.q_row_stride,
+                                            seqlen_q - m0, p.headdim, warp, lane);
+
+    T acc[RM][DV][VEC];
+    T m_i[RM], l_i[RM];  // running max (log2 domain) and this thread's partial normaliser
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+#pragma unroll
+        for (int c = 0; c < DV; ++c)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[i][c][e] = T(0);
+        m_i[i] = neg_inf<T>();
+        l_i[i] = T(0);
+    }
+
+    for (int nb = tiles.n_block_min; nb < tiles.n_block_max; ++nb) {
+        const int n0 = nb * BLOCK_N;
+        // Load K_j, V_j (single-buffered: everyone is done with tile j-1 first).
+        __syncthreads();
+        load_tile_simt<Tr, T, BLOCK_N, HEADDIM>(sK, k_base + (int64_t)n0 * p.k_row_stride, p.k_row_stride,
+                                                seqlen_k - n0, p.headdim, warp, lane);
+        load_tile_simt<Tr, T, BLOCK_N, HEADDIM>(sV, v_base + (int64_t)n0 * p.v_row_stride, p.v_row_stride,
+                                                seqlen_k - n0, p.headdim, warp, lane);
+        __syncthreads();
+
+        // S = Q K_j^T for this thread's RM x CN scores (raw, unscaled), 16-byte smem loads.
+        T s[RM][CN];
+#pragma unroll
+        for (int i = 0; i < RM; ++i)
+#pragma unroll
+            for (int j = 0; j < CN; ++j) s[i][j] = T(0);
+#pragma unroll 2
+        for (int d = 0; d < HEADDIM; d += VEC) {
+            Vec qv[RM];
+#pragma unroll
+            for (int i = 0; i < RM; ++i)
+                qv[i] = *reinterpret_cast<const Vec*>(sQ + (tr + TR * i) * Tr::kRow + d);
+#pragma unroll
+            for (int j = 0; j < CN; ++j) {
+                const Vec kv = *reinterpret_cast<const Vec*>(sK + (tc + TC * j) * Tr::kRow + d);
+#pragma unroll
+                for (int i = 0; i < RM; ++i)
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) s[i][j] = fma_<T>(qv[i].v[e], kv.v[e], s[i][j]);
+            }
+        }
+
+        // Mask (only tiles that straddle a causal / window / sequence-end boundary): -inf.
+        if (tiles.needs_mask(nb)) {
+#pragma unroll
+            for (int i = 0; i < RM; ++i) {
+                const KeyRange r = visible_keys(m0 + tr + TR * i, seqlen_q, seqlen_k, CAUSAL,
+                                                p.window_left, p.window_right);
+#pragma unroll
+                for (int j = 0; j < CN; ++j)
+                    if (!key_visible(r, n0 + tc + TC * j)) s[i][j] = neg_inf<T>();
+            }
+        }
+
+        // Online softmax: m_i <- max(m_i, rowmax(S) scale_log2); P = exp2(S scale_log2 - m_i);
+        // l_i <- l_i exp2(m_old - m_i) + rowsum(P); acc <- acc exp2(m_old - m_i). P -> smem.
+#pragma unroll
+        for (int i = 0; i < RM; ++i) {
+            T mx = s[i][0];
+#pragma unroll
+            for (int j = 1; j < CN; ++j) mx = s[i][j] > mx ? s[i][j] : mx;
+#pragma unroll
+            for (int off = 1; off < TC; off <<= 1) {
+                const T o = __shfl_xor_sync(0xffffffffu, mx, off);
+                mx = o > mx ? o : mx;
+            }
+            const T m_new = max(m_i[i], mx * scale_log2);
+            const T alpha = rescale_factor(m_i[i], m_new);
+            const T m_ref = safe_max(m_new);
+            T rowsum = T(0);
+            T* p_row = sP + (tr + TR * i) * Tr::kPRow;
+#pragma unroll
+            for (int j = 0; j < CN; ++j) {
+                const T pr = prob_fma(s[i][j], scale_log2, m_ref);
+                p_row[tc + TC * j] = pr;
+                rowsum += pr;
+            }
+            l_i[i] = l_i[i] * alpha + rowsum;
+            m_i[i] = m_new;
+#pragma unroll
+            for (int c = 0; c < DV; ++c)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[i][c][e] *= alpha;
+        }
+        __syncwarp();  // P rows of this warp are written by and read by this warp only
+
+        // acc += P V_j (keys past seqlen_k have P = 0 and zero-filled V rows).
+#pragma unroll 1
+        for (int n = 0; n < BLOCK_N; n += VEC) {
+            Vec pv[RM];
+#pragma unroll
+            for (int i = 0; i < RM; ++i)
+                pv[i] = *reinterpret_cast<const Vec*>(sP + (tr + TR * i) * Tr::kPRow + n);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+#pragma unroll
+                for (int c = 0; c < DV; ++c) {
+                    const Vec vv = *reinterpret_cast<const Vec*>(sV + (n + e) * Tr::kRow + (tc + TC * c) * VEC);
+#pragma unroll
+                    for (int i = 0; i < RM; ++i)
+#pragma unroll
+                        for (int x = 0; x < VEC; ++x)
+                            acc[i][c][x] = fma_<T>(pv[i].v[e], vv.v[x], acc[i][c][x]);
+                }
+        }
+    }
+
+    // Epilogue: l_i summed over the 8 lanes of the row; out = acc / l_i; LSE = m_i ln 2 + ln l_i.
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+        T l = l_i[i];
+#pragma unroll
+        for (int off = 1; off < TC; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+        const T inv = inv_normaliser(l);
+        const int row = m0 + tr + TR * i;
+        if (row < seqlen_q) {
+            T* o_row = o_base + (int64_t)row * p.o_row_stride;
+#pragma unroll
+            for (int c = 0; c < DV; ++c)
+#pragma unroll
+                for (int x = 0; x < VEC; ++x) {
+                    const int col = (tc + TC * c) * VEC + x;
+                    if (col < p.headdim) o_row[col] = acc[i][c][x] * inv;
+                }
+            if (tc == 0) lse_base[row] = (float)lse_from(m_i[i], l);
+        }
+    }
+}
+
+// Kernel entry: the same plain arguments, in the same order, as cf::flash_fwd_kernel
+// (cupyflash/prefill.py: kernel_args).
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL>
+__global__ void __launch_bounds__(128, 1)
+flash_fwd_simt_kernel(const T* q, const T* k, const T* v, T* o, float* lse,
+                      int64_t q_batch_stride, int64_t q_row_stride, int64_t q_head_stride,
+                      int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,
+                      int64_t v_batch_stride, int64_t v_row_stride, int64_t v_head_stride,
+                      int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
+                      int64_t lse_batch_stride, int64_t lse_head_stride,
+                      const int* cu_seqlens_q, const int* cu_seqlens_k,
+                      int batch, int nheads, int nheads_k, int h_per_kv, int seqlen_q, int seqlen_k,
+                      int headdim, float scale_log2, double softmax_scale_d, int window_left,
+                      int window_right) {
+    FwdParams p;
+    p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse;
+    p.q_batch_stride = q_batch_stride; p.q_row_stride = q_row_stride; p.q_head_stride = q_head_stride;
+    p.k_batch_stride = k_batch_stride; p.k_row_stride = k_row_stride; p.k_head_stride = k_head_stride;
+    p.v_batch_stride = v_batch_stride; p.v_row_stride = v_row_stride; p.v_head_stride = v_head_stride;
+    p.o_batch_stride = o_batch_stride; p.o_row_stride = o_row_stride; p.o_head_stride = o_head_stride;
+    p.lse_batch_stride = lse_batch_stride; p.lse_head_stride = lse_head_stride;
+    p.cu_seqlens_q = cu_seqlens_q; p.cu_seqlens_k = cu_seqlens_k;
+    p.batch = batch; p.nheads = nheads; p.nheads_k = nheads_k; p.h_per_kv = h_per_kv;
+    p.seqlen_q = seqlen_q; p.seqlen_k = seqlen_k; p.headdim = headdim;
+    p.scale_log2 = scale_log2; p.softmax_scale_d = softmax_scale_d;
+    p.window_left = window_left; p.window_right = window_right;
+    flash_fwd_simt_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL>(p);
+}
+
+}  // namespace cf

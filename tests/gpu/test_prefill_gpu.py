@@ -1,0 +1,572 @@
+"""GPU tests of the tiled prefill kernels (``pytest -m gpu tests/gpu/test_prefill_gpu.py``).
+
+Oracle: the float64 one-shot reference (:func:`cupyflash.reference.attention_reference`).
+
+* float16 / bfloat16: max abs error <= 2 x that of a straightforward same-precision
+  implementation on the same inputs, plus ``eps(dtype) * max|ref|`` (one ulp at the largest
+  output). The same-precision implementation follows FlashAttention's own test reference
+  (``attention_ref(upcast=False)``): ``q * softmax_scale`` rounded to the dtype; ``S = q k^T`` with
+  float32 accumulation, rounded to the dtype; softmax in float32, ``P`` rounded to the dtype;
+  ``O = P V`` with float32 accumulation, rounded to the dtype (what cuBLAS GEMMs in the dtype do).
+  It runs in NumPy on the host.
+* float32: normwise relative error <= 2 x the proven first-order bound of
+  :func:`cupyflash.testing.streaming_error_bound` (float32, the kernel's key block size): a
+  bound of the form ``eps32 * K`` with ``K`` stated there in units of float32 epsilon.
+* float64: normwise relative error <= 1e-12.
+* LSE (float32 for every dtype): ``-inf`` exactly where the reference has ``-inf``; elsewhere
+  ``|lse - lse_ref| <= 2 * lse_bound + 2 * eps32 * (1 + |lse_ref|)`` (float32 streaming bound).
+
+Every output buffer is filled with NaN before the launch and checked with ``isnan`` before any
+difference is taken; padding around strided views is NaN and must stay NaN; every problem runs
+twice and the two results must be bitwise equal. Hypothesis draws shapes (lengths 1..300 with
+tile-edge values, GQA ratios, head dims 8..256, all dtypes, causal, windows, softmax scales,
+memory layouts); ``max_examples`` is 60 under the ``ci`` profile (``HYPOTHESIS_PROFILE``).
+"""
+import math
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+try:
+    _NDEV = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # no driver / no device
+    _NDEV = 0
+if _NDEV == 0:
+    pytest.skip("needs a CUDA device (cupy sees none)", allow_module_level=True)
+
+from cupyflash import dispatch, io_model, prefill, reference, testing  # noqa: E402
+from cupyflash.api import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from cupyflash.checks import check_attention  # noqa: E402
+from cupyflash.testing import np_dtype  # noqa: E402
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
+EPS32 = EPS["float32"]
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0, "float32": 0x7FC00000,
+             "float64": 0x7FF8000000000000}
+
+
+def _examples(n):
+    """``n`` examples under the ``ci`` profile; fewer under ``dev``; the profile's under ``thorough``."""
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    return {"dev": max(5, n // 6), "thorough": settings().max_examples}.get(profile, n)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm(precompiled):
+    """Compile every specialisation first (tests/gpu/conftest.py), so examples time kernels."""
+    yield
+
+
+# ----------------------------------------------------------------------------------------------
+# Host <-> device with exact bits (16-bit types move as raw uint16)
+# ----------------------------------------------------------------------------------------------
+def to_dev(x):
+    x = np.ascontiguousarray(x)
+    return cupy.asarray(x.view(_UINT[x.dtype.itemsize])).view(x.dtype)
+
+
+def to_host(x):
+    """Host copy of any (strided) device array; the copy kernel runs on unsigned integers."""
+    u = cupy.ascontiguousarray(x.view(_UINT[x.dtype.itemsize]))
+    return cupy.asnumpy(u).view(x.dtype)
+
+
+def nan_buffer(shape, dtype):
+    """A fresh device buffer of ``dtype`` whose every element is a quiet NaN."""
+    dt = np_dtype(dtype)
+    buf = cupy.empty(shape, dtype=dt)
+    buf.view(_UINT[dt.itemsize]).fill(_NAN_BITS[dtype])
+    return buf
+
+
+def placed(x, layout):
+    """Device copy of host ``x`` (batch, seqlen, heads, d) in a memory ``layout``.
+
+    ``contiguous``; ``heads_major`` (memory (batch, heads, seqlen, d), viewed transposed: head
+    stride > row stride); ``padded`` (a view into a NaN-filled buffer 37 rows and 8 columns
+    larger: NaN right after every row and after every sequence; returned with that buffer).
+    """
+    if layout == "contiguous":
+        return to_dev(x), None
+    if layout == "heads_major":
+        return to_dev(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3), None
+    b, s, h, d = x.shape
+    buf = nan_buffer((b, s + 37, h, d + 8), x.dtype.name)
+    view = buf[:, :s, :, :d]
+    u = _UINT[x.dtype.itemsize]
+    view.view(u)[...] = to_dev(x).view(u)  # integer copy: bits exact, no bfloat16 kernel needed
+    return view, buf
+
+
+def out_buffer(shape, dtype, layout):
+    if layout == "padded":
+        b, s, h, d = shape
+        buf = nan_buffer((b, s + 37, h, d + 8), dtype)
+        return buf[:, :s, :, :d], buf
+    if layout == "heads_major":
+        b, s, h, d = shape
+        return nan_buffer((b, h, s, d), dtype).transpose(0, 2, 1, 3), None
+    return nan_buffer(shape, dtype), None
+
+
+def bits(x):
+    x = np.ascontiguousarray(x)
+    return x.view(_UINT[x.dtype.itemsize])
+
+
+# ----------------------------------------------------------------------------------------------
+# The same-precision implementation (FlashAttention's attention_ref(upcast=False)), on the host
+# ----------------------------------------------------------------------------------------------
+def _round(x, dtype):
+    return x.astype(np_dtype(dtype)).astype(np.float32)
+
+
+def same_precision_attention(q, k, v, *, softmax_scale, window_size, dtype):
+    """(batch, seqlen_q, nheads, d) float32 array holding values of ``dtype``; see module doc."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    qs = _round(q.astype(np.float32) * np.float32(softmax_scale), dtype).transpose(0, 2, 1, 3)
+    kh = np.repeat(k.astype(np.float32), g, axis=2).transpose(0, 2, 1, 3)  # (b, h, sk, d)
+    vh = np.repeat(v.astype(np.float32), g, axis=2).transpose(0, 2, 1, 3)
+    if sk == 0:
+        return np.zeros((b, sq, h, d), np.float32)
+    s = _round(qs @ kh.swapaxes(-1, -2), dtype)  # float32 GEMM (BLAS), output in the dtype
+    vis = reference.attention_mask(sq, sk, window_size=window_size)
+    s = np.where(vis, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0).astype(np.float32)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p = _round(np.where(l > 0, p / np.where(l > 0, l, 1), 0.0).astype(np.float32), dtype)
+    o = (p @ vh).transpose(0, 2, 1, 3)  # float32 GEMM, (b, sq, h, d)
+    return _round(o, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The comparison every test uses
+# ----------------------------------------------------------------------------------------------
+def assert_matches_reference(out, lse, q, k, v, *, dtype, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), block_n=64, what=""):
+    """``out`` (b, sq, h, d) and ``lse`` (b, h, sq) host arrays against the float64 reference."""
+    out = np.asarray(out)
+    lse = np.asarray(lse)
+    assert not np.isnan(out.astype(np.float64)).any(), f"{what}: NaN in out (element not written?)"
+    assert not np.isnan(lse).any(), f"{what}: NaN in lse"
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    ref, lse_ref = reference.attention_reference(q, k, v, **kw)
+    prob = check_attention(q, k, v, **kw)
+    o64 = out.astype(np.float64)
+
+    # LSE: -inf exactly where the reference row is empty; float32 streaming bound elsewhere.
+    empty = np.isneginf(lse_ref)
+    assert np.array_equal(np.isneginf(lse), empty), f"{what}: -inf LSE rows differ"
+    assert (o64[np.transpose(empty, (0, 2, 1))] == 0).all(), f"{what}: empty rows not zero"
+    out_bound, lse_bound = testing.streaming_error_bound(q, k, v, block_size_k=block_n,
+                                                         dtype=np.float32, **kw)
+    fin = ~empty
+    lerr = np.abs(lse.astype(np.float64) - np.where(fin, lse_ref, 0.0))[fin]
+    ltol = (2 * lse_bound + 2 * EPS32 * (1 + np.abs(np.where(fin, lse_ref, 0.0))))[fin]
+    assert (lerr <= ltol).all(), (f"{what}: LSE error {lerr.max():.3g} above bound "
+                                  f"(worst ratio {(lerr / ltol).max():.3g})")
+
+    if dtype in ("float16", "bfloat16"):
+        base = same_precision_attention(q, k, v, softmax_scale=prob.softmax_scale,
+                                        window_size=prob.window_size, dtype=dtype)
+        err = float(np.abs(o64 - ref).max(initial=0.0))
+        err_base = float(np.abs(base.astype(np.float64) - ref).max(initial=0.0))
+        atol = EPS[dtype] * float(np.abs(ref).max(initial=0.0))
+        assert err <= 2 * err_base + atol, (f"{what}: max error {err:.3g} > 2 x same-precision "
+                                            f"error {err_base:.3g} + {atol:.3g}")
+    elif dtype == "float32":
+        rel = testing.rel_error(o64, ref)
+        assert rel <= 2 * out_bound, (f"{what}: float32 rel error {rel:.3g} = {rel / EPS32:.1f} "
+                                      f"eps > 2 x bound = {2 * out_bound / EPS32:.1f} eps")
+    else:
+        rel = testing.rel_error(o64, ref)
+        assert rel <= 1e-12, f"{what}: float64 rel error {rel:.3g} > 1e-12"
+
+
+def block_n_of(q, k, v, **kw):
+    return dispatch.launch_plan(check_attention(q, k, v, **kw)).kernel.template["block_n"]
+
+
+def host_inputs(rng, b, sq, sk, h, hk, d, dtype, scale=1.0):
+    return (testing.random_normal(rng, (b, sq, h, d), dtype, scale),
+            testing.random_normal(rng, (b, sk, hk, d), dtype, scale),
+            testing.random_normal(rng, (b, sk, hk, d), dtype, scale))
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense: Hypothesis over shapes, dtypes, masks, layouts
+# ----------------------------------------------------------------------------------------------
+@st.composite
+def dense_cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    batch = draw(st.integers(1, 2))
+    sq = draw(testing.seqlens(300, min_value=1))
+    sk = draw(testing.seqlens(300, min_value=1))
+    nheads, nheads_k = draw(testing.head_counts(max_nheads_k=2, max_group=4))
+    d = draw(testing.headdims(256))
+    causal = draw(st.booleans())
+    window = draw(testing.window_sizes(max(sq, sk)))
+    scale = draw(testing.softmax_scales())
+    layout = draw(st.sampled_from(("contiguous", "heads_major", "padded")))
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    return dict(dtype=dtype, batch=batch, sq=sq, sk=sk, nheads=nheads, nheads_k=nheads_k, d=d,
+                causal=causal, window=window, scale=scale, layout=layout, seed=seed)
+
+
+@settings(max_examples=_examples(60))
+@given(dense_cases())
+def test_dense_matches_reference(case):
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    q, k, v = host_inputs(rng, c["batch"], c["sq"], c["sk"], c["nheads"], c["nheads_k"], c["d"],
+                          c["dtype"])
+    kw = dict(softmax_scale=c["scale"], causal=c["causal"], window_size=c["window"])
+    qd, qbuf = placed(q, c["layout"])
+    kd, kbuf = placed(k, c["layout"])
+    vd, vbuf = placed(v, c["layout"])
+    results = []
+    for _ in range(2):  # two runs: bitwise equal
+        out, obuf = out_buffer(q.shape, c["dtype"], c["layout"])
+        res, lse = flash_attn_func(qd, kd, vd, return_lse=True, out=out, **kw)
+        assert res is out, "the result must be the given out buffer"
+        assert lse.dtype == np.float32 and lse.shape == (c["batch"], c["nheads"], c["sq"])
+        if obuf is not None:  # nothing written outside the view (padding stays NaN)
+            pad = to_host(obuf)
+            assert np.isnan(pad[:, c["sq"]:].astype(np.float64)).all()
+            assert np.isnan(pad[..., c["d"]:].astype(np.float64)).all()
+        results.append((to_host(res), to_host(lse)))
+    (o1, l1), (o2, l2) = results
+    assert np.array_equal(bits(o1), bits(o2)) and np.array_equal(bits(l1), bits(l2)), \
+        "two runs differ bitwise"
+    for buf in (qbuf, kbuf, vbuf):  # inputs untouched
+        if buf is not None:
+            assert np.isnan(to_host(buf)[..., c["d"]:].astype(np.float64)).all()
+    assert_matches_reference(o1, l1, q, k, v, dtype=c["dtype"],
+                             block_n=block_n_of(q, k, v, **kw), what=str(c), **kw)
+
+
+def test_dense_allocates_and_returns_cupy():
+    rng = np.random.default_rng(1)
+    q, k, v = host_inputs(rng, 2, 77, 130, 4, 2, 64, "bfloat16")
+    out = flash_attn_func(to_dev(q), to_dev(k), to_dev(v), causal=True)
+    assert isinstance(out, cupy.ndarray) and out.shape == q.shape and out.dtype == q.dtype
+    out2, lse = flash_attn_func(to_dev(q), to_dev(k), to_dev(v), causal=True, return_lse=True)
+    assert lse.shape == (2, 4, 77) and lse.dtype == np.float32
+    assert np.array_equal(bits(to_host(out)), bits(to_host(out2)))
+    assert_matches_reference(to_host(out2), to_host(lse), q, k, v, dtype="bfloat16", causal=True,
+                             block_n=block_n_of(q, k, v, causal=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Every element written, LSE included (direct launch with NaN-poisoned out and lse)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (17, 5)),
+                                           (True, (40, -1))])
+def test_every_element_written_lse_too(dtype, causal, window):
+    from cupyflash.interop import current_stream
+    rng = np.random.default_rng(2)
+    b, sq, sk, h, hk, d = 2, 131, 67, 4, 2, 72
+    q, k, v = host_inputs(rng, b, sq, sk, h, hk, d, dtype)
+    kw = dict(causal=causal, window_size=window)
+    prob = check_attention(q, k, v, **kw)
+    plan = dispatch.launch_plan(prob)
+    out = nan_buffer(q.shape, dtype)
+    lse = cupy.full((b, h, sq), np.nan, dtype=cupy.float32)
+    prefill.launch(plan.kernel.spec, to_dev(q), to_dev(k), to_dev(v), out, lse, problem=prob,
+                   stream=current_stream())
+    assert_matches_reference(to_host(out), to_host(lse), q, k, v, dtype=dtype,
+                             block_n=plan.kernel.template["block_n"], what=plan.kernel.name, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every specialisation of the supported table, launched directly (whatever the heuristic picks)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", prefill.all_specs(), ids=lambda s: s.name)
+def test_every_specialisation(spec):
+    """Lengths that are not tile multiples (at least two and a bit K/V tiles, one and a bit Q
+    tiles), a head dim 8 below the compiled one (column padding), GQA; NaN-poisoned out and lse.
+    Causal: seqlen_q = seqlen_k + 11, so the first 11 rows see no key (0 and -inf)."""
+    import zlib
+    from cupyflash.interop import current_stream
+    cfg, causal = prefill.config_of(spec)
+    b, h, hk, d = 2, 4, 2, cfg.headdim - 8
+    sq, sk = cfg.block_m + 19, 2 * cfg.block_n + 7
+    if causal:
+        sq = max(cfg.block_m + 19, 2 * cfg.block_n + 18)
+        sk = sq - 11
+    rng = np.random.default_rng(zlib.crc32(spec.name.encode()))
+    q, k, v = host_inputs(rng, b, sq, sk, h, hk, d, cfg.dtype)
+    prob = check_attention(q, k, v, causal=causal)
+    out = nan_buffer(q.shape, cfg.dtype)
+    lse = cupy.full((b, h, sq), np.nan, dtype=cupy.float32)
+    prefill.launch(spec, to_dev(q), to_dev(k), to_dev(v), out, lse, problem=prob,
+                   stream=current_stream())
+    assert_matches_reference(to_host(out), to_host(lse), q, k, v, dtype=cfg.dtype,
+                             causal=causal, block_n=cfg.block_n, what=spec.name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mask semantics made visible: q = 0 and V[j] = j, so out = mean of the visible key indices
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk,causal,window", [
+    (100, 200, False, (-1, -1)), (100, 200, True, (-1, -1)), (200, 100, True, (-1, -1)),
+    (150, 150, False, (10, 3)), (37, 200, True, (20, -1)), (200, 37, False, (0, 0)),
+    (129, 255, False, (-1, 0)), (64, 64, True, (0, -1))])
+def test_visible_keys_by_mean_index(dtype, sq, sk, causal, window):
+    b, h, hk, d = 1, 2, 1, 40
+    dt = np_dtype(dtype)
+    q = np.zeros((b, sq, h, d), dt)
+    v = np.broadcast_to(np.arange(sk, dtype=np.float64)[None, :, None, None],
+                        (b, sk, hk, d)).astype(dt)
+    k = testing.random_normal(np.random.default_rng(3), (b, sk, hk, d), dtype)
+    out, lse = flash_attn_func(to_dev(q), to_dev(k), to_dev(v), causal=causal,
+                               window_size=window, return_lse=True)
+    out, lse = to_host(out).astype(np.float64), to_host(lse).astype(np.float64)
+    w = check_attention(q, k, v, causal=causal, window_size=window).window_size
+    lo, hi = io_model.visible_key_range(np.arange(sq), sq, sk, causal, w)
+    lo, hi = np.clip(lo, 0, sk), np.clip(hi, 0, sk)
+    count = np.maximum(hi - lo, 0)
+    mean = np.where(count > 0, (lo + hi - 1) / 2.0, 0.0)
+    want = np.broadcast_to(mean[None, :, None, None], out.shape)
+    tol = 2 * max(EPS[dtype], EPS32) * np.abs(want) + 1e-300
+    assert not np.isnan(out).any()
+    assert (np.abs(out - want) <= tol).all(), f"max error {np.abs(out - want).max()}"
+    lse_want = np.where(count > 0, np.log(np.maximum(count, 1)), -np.inf)
+    lse_want = np.broadcast_to(lse_want[None, None, :], lse.shape)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_want))
+    fin = np.isfinite(lse_want)
+    assert (np.abs(lse[fin] - lse_want[fin]) <= 4 * EPS32 * (1 + lse_want[fin])).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Empty rows and degenerate sizes
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_more_queries_than_keys_gives_zero_and_neg_inf(dtype):
+    rng = np.random.default_rng(4)
+    b, sq, sk, h, d = 2, 100, 30, 3, 64
+    q, k, v = host_inputs(rng, b, sq, sk, h, h, d, dtype)
+    out, lse = flash_attn_func(to_dev(q), to_dev(k), to_dev(v), causal=True, return_lse=True,
+                               out=nan_buffer(q.shape, dtype))
+    out, lse = to_host(out), to_host(lse)
+    assert (out[:, :sq - sk].astype(np.float64) == 0).all()
+    assert np.isneginf(lse[:, :, :sq - sk]).all()
+    assert_matches_reference(out, lse, q, k, v, dtype=dtype, causal=True,
+                             block_n=block_n_of(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float64"))
+def test_degenerate_sizes(dtype):
+    dt = np_dtype(dtype)
+    rng = np.random.default_rng(5)
+    # no query rows: nothing to launch, empty results
+    q, k, v = host_inputs(rng, 2, 0, 5, 2, 2, 32, dtype)
+    out, lse = flash_attn_func(to_dev(q), to_dev(k), to_dev(v), return_lse=True)
+    assert out.shape == (2, 0, 2, 32) and lse.shape == (2, 2, 0)
+    # no keys: every row is empty -> 0 and -inf
+    q, k, v = host_inputs(rng, 2, 9, 0, 2, 2, 32, dtype)
+    out, lse = flash_attn_func(to_dev(q), to_dev(k), to_dev(v), return_lse=True,
+                               out=nan_buffer(q.shape, dtype))
+    assert (to_host(out).astype(np.float64) == 0).all() and np.isneginf(to_host(lse)).all()
+    # a window that leaves some rows empty
+    q, k, v = host_inputs(rng, 1, 50, 10, 2, 1, 16, dtype)
+    out, lse = flash_attn_func(to_dev(q), to_dev(k), to_dev(v), window_size=(0, 0),
+                               return_lse=True, out=nan_buffer(q.shape, dtype))
+    assert_matches_reference(to_host(out), to_host(lse), q, k, v, dtype=dtype,
+                             window_size=(0, 0), block_n=block_n_of(q, k, v, window_size=(0, 0)))
+    assert dt == out.dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# GQA / MQA: each query head reads KV head h // (nheads // nheads_k)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nheads,nheads_k", [(8, 1), (8, 2), (6, 3), (4, 4)])
+@pytest.mark.parametrize("dtype", ("float16", "float32"))
+def test_gqa_head_mapping(nheads, nheads_k, dtype):
+    rng = np.random.default_rng(6)
+    q, k, v = host_inputs(rng, 2, 90, 111, nheads, nheads_k, 64, dtype)
+    v = (v.astype(np.float64) + 3.0 * np.arange(nheads_k)[None, None, :, None]).astype(v.dtype)
+    out, lse = flash_attn_func(to_dev(q), to_dev(k), to_dev(v), return_lse=True)
+    assert_matches_reference(to_host(out), to_host(lse), q, k, v, dtype=dtype,
+                             block_n=block_n_of(q, k, v))
+
+
+# ----------------------------------------------------------------------------------------------
+# Variable length: equal to the reference applied to each sequence on its own
+# ----------------------------------------------------------------------------------------------
+@settings(max_examples=_examples(40))
+@given(testing.varlen_cases(dtypes=DTYPES, max_batch=4, max_len=200, max_headdim=256,
+                            max_nheads_k=2, max_group=4))
+def test_varlen_matches_per_sequence_reference(case):
+    c = case
+    dtype = c.q.dtype.name  # 'bfloat16' for ml_dtypes' bfloat16
+    out = nan_buffer(c.q.shape, dtype)
+    res, lse = flash_attn_varlen_func(to_dev(c.q), to_dev(c.k), to_dev(c.v),
+                                      to_dev(c.cu_seqlens_q), to_dev(c.cu_seqlens_k),
+                                      c.max_seqlen_q, c.max_seqlen_k, return_lse=True, out=out,
+                                      **c.kwargs())
+    assert res is out
+    assert lse.shape == (c.q.shape[1], c.q.shape[0])
+    out_h, lse_h = to_host(res), to_host(lse)
+    res2, lse2 = flash_attn_varlen_func(to_dev(c.q), to_dev(c.k), to_dev(c.v),
+                                        to_dev(c.cu_seqlens_q), to_dev(c.cu_seqlens_k),
+                                        c.max_seqlen_q, c.max_seqlen_k, return_lse=True,
+                                        validate=False, **c.kwargs())
+    assert np.array_equal(bits(out_h), bits(to_host(res2)))
+    assert np.array_equal(bits(lse_h), bits(to_host(lse2)))
+    cq, ck = c.cu_seqlens_q.astype(np.int64), c.cu_seqlens_k.astype(np.int64)
+    for b in range(len(c.lengths_q)):
+        if c.lengths_q[b] == 0:
+            continue
+        sl_q, sl_k = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        q1, k1, v1 = c.q[None, sl_q], c.k[None, sl_k], c.v[None, sl_k]
+        assert_matches_reference(out_h[None, sl_q], lse_h[None, :, sl_q], q1, k1, v1,
+                                 dtype=dtype, block_n=block_n_of(q1, k1, v1, **c.kwargs()),
+                                 what=f"sequence {b} of {c.lengths_q}/{c.lengths_k}",
+                                 **c.kwargs())
+
+
+# ----------------------------------------------------------------------------------------------
+# 64-bit offsets: tensors with more than 2**31 elements
+# ----------------------------------------------------------------------------------------------
+def _need_free_bytes(n):
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    if free < n:
+        pytest.skip(f"needs {n / 2**30:.0f} GiB of free device memory, {free / 2**30:.0f} free")
+
+
+def _normal_f16(shape, seed):
+    g = cupy.random.default_rng(seed)
+    return g.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
+
+
+def test_kv_over_2_pow_31_elements():
+    """k and v of shape (16384, 2049, 1, 64): 2_148_532_224 elements each (4.3 GB in fp16); one
+    query per sequence, so the run is short (~8.6 GB read). Sampled batches (the last ones sit
+    past element 2**31) are compared with the reference."""
+    _need_free_bytes(24 * 2 ** 30)
+    B, sk, d = 16384, 2049, 64
+    assert B * sk * d > 2 ** 31
+    q = _normal_f16((B, 1, 1, d), 10)
+    k = _normal_f16((B, sk, 1, d), 11)
+    v = _normal_f16((B, sk, 1, d), 12)
+    out = nan_buffer(q.shape, "float16")
+    res, lse = flash_attn_func(q, k, v, out=out, return_lse=True)
+    assert not bool(cupy.isnan(res).any())
+    idx = np.array([0, 1, B // 2, B - 3, B - 2, B - 1])
+    qh, kh, vh = to_host(q[idx]), to_host(k[idx]), to_host(v[idx])
+    assert_matches_reference(to_host(res[idx]), to_host(lse[idx]), qh, kh, vh, dtype="float16",
+                             block_n=block_n_of(qh, kh, vh), what="kv > 2**31 elements")
+    del q, k, v, out, res, lse
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def test_q_and_out_over_2_pow_31_elements():
+    """q and out of shape (16384, 2049, 1, 64) (> 2**31 elements) against a single key per
+    sequence: every output row is exactly that sequence's v row, and LSE is its scaled score."""
+    _need_free_bytes(24 * 2 ** 30)
+    B, sq, d = 16384, 2049, 64
+    q = _normal_f16((B, sq, 1, d), 20)
+    k = _normal_f16((B, 1, 1, d), 21)
+    v = _normal_f16((B, 1, 1, d), 22)
+    out = nan_buffer(q.shape, "float16")
+    res, lse = flash_attn_func(q, k, v, out=out, return_lse=True)
+    assert bool((res == v).all()), "every row must equal its sequence's single v row (exact)"
+    idx = np.array([0, B // 2, B - 1])
+    qh, kh = to_host(q[idx]).astype(np.float64), to_host(k[idx]).astype(np.float64)
+    want = np.einsum("bshd,bthd->bhs", qh, kh) / math.sqrt(d)
+    got = to_host(lse[idx]).astype(np.float64)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5)
+    del q, k, v, out, res, lse
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+# ----------------------------------------------------------------------------------------------
+# Streams: the kernel runs on the caller's current stream
+# ----------------------------------------------------------------------------------------------
+_SPIN = r'''
+extern "C" __global__ void spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+'''
+
+
+def test_runs_on_current_stream():
+    """On a non-blocking stream: a ~0.25 s spin kernel, then q is written, then our call. Had the
+    call used any other stream it would read q before the write (q starts as NaN)."""
+    rng = np.random.default_rng(7)
+    q, k, v = host_inputs(rng, 2, 130, 190, 4, 2, 128, "float16")
+    q_src, kd, vd = to_dev(q), to_dev(k), to_dev(v)
+    qd = nan_buffer(q.shape, "float16")
+    flash_attn_func(q_src, kd, vd, return_lse=True)  # warm: plan cached, kernel compiled
+    cupy.cuda.Device().synchronize()
+    spin = cupy.RawKernel(_SPIN, "spin")
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        spin((1,), (1,), (np.int64(500_000_000),))
+        qd[...] = q_src
+        out, lse = flash_attn_func(qd, kd, vd, return_lse=True)
+        assert not s.done, "the spin kernel should still be running"
+    s.synchronize()
+    assert_matches_reference(to_host(out), to_host(lse), q, k, v, dtype="float16",
+                             block_n=block_n_of(q, k, v))
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch: tensors go in without a copy; cross-check against scaled_dot_product_attention
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("causal", (False, True))
+def test_torch_tensors_and_sdpa(dtype, causal):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    import torch.nn.functional as F
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    B, S, H, Hk, D = 2, 257, 8, 2, 128
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    # q in heads-major memory, viewed as (B, S, H, D): non-contiguous, last dim contiguous
+    q = torch.randn(B, H, S, D, device=dev, dtype=tdt, generator=gen).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D, device=dev, dtype=tdt, generator=gen)
+    v = torch.randn(B, S, Hk, D, device=dev, dtype=tdt, generator=gen)
+    out = torch.full((B, S, H, D), float("nan"), device=dev, dtype=tdt)
+    torch.cuda.synchronize()
+    res, lse = flash_attn_func(q, k, v, causal=causal, out=out, return_lse=True)
+    assert isinstance(res, cupy.ndarray) and res.data.ptr == out.data_ptr(), "must write into out"
+    cupy.cuda.get_current_stream().synchronize()
+    res2 = flash_attn_func(q, k, v, causal=causal)  # allocating path, torch inputs
+    cupy.cuda.get_current_stream().synchronize()
+    assert torch.equal(torch.from_dlpack(res2), out)
+
+    g = H // Hk
+    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2),
+                                          k.repeat_interleave(g, dim=2).transpose(1, 2),
+                                          v.repeat_interleave(g, dim=2).transpose(1, 2),
+                                          is_causal=causal).transpose(1, 2)  # Sq == Sk: same mask
+    torch.cuda.synchronize()
+    qh, kh, vh = (x.float().cpu().numpy().astype(np_dtype(dtype)) for x in (q, k, v))
+    ref, lse_ref = reference.attention_reference(qh, kh, vh, causal=causal)
+    ours = out.float().cpu().numpy().astype(np.float64)
+    theirs = sdpa.float().cpu().numpy().astype(np.float64)
+    assert not np.isnan(ours).any()
+    err, err_sdpa = np.abs(ours - ref).max(), np.abs(theirs - ref).max()
+    atol = EPS[dtype] * np.abs(ref).max()
+    assert err <= 2 * err_sdpa + atol, f"ours {err:.3g} vs torch SDPA {err_sdpa:.3g}"
+    lse_h = cupy.asnumpy(lse).astype(np.float64)
+    assert np.allclose(lse_h, lse_ref, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,196 @@
+"""The prefill kernels compile (NVRTC, no GPU) and the supported table is consistent.
+
+* Every specialisation in ``prefill.all_specs()`` compiles for ``sm_90a`` (the H100/H200 target);
+  for ``sm_80`` one specialisation per kernel file is compiled by default, because all of them
+  for both architectures take over 2 minutes on 2 cores. ``CUPYFLASH_COMPILE_ALL_ARCHS=1``
+  compiles every specialisation for ``sm_80`` too (all had zero spills when the table was set).
+* Tensor-core specialisations have zero spill bytes (the ptxas report); every report has a
+  register count; the CUDA-core (float32/float64) reports are printed, not asserted.
+* The table: names unique, shared memory within 227 KiB and equal to the kernel traits' formula,
+  every compiled head dim offered with >= 2 tiles per dtype, padded head dims, argument packing.
+"""
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from cupyflash import jit, prefill
+
+
+def _compile_all(specs, arch):
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        return dict(zip((s.name for s in specs), pool.map(lambda s: jit.compile_report(s, arch), specs)))
+
+
+@pytest.fixture(scope="module")
+def reports():
+    specs = prefill.all_specs()
+    out = {"sm_90a": _compile_all(specs, "sm_90a")}
+    if os.environ.get("CUPYFLASH_COMPILE_ALL_ARCHS") == "1":
+        out["sm_80"] = _compile_all(specs, "sm_80")
+    else:
+        one_per_file = {}
+        for s in specs:  # the largest-smem causal tile of each file: the hardest to fit
+            if s.name.endswith("_causal"):
+                cur = one_per_file.get(s.source)
+                if cur is None or s.smem_bytes > cur.smem_bytes:
+                    one_per_file[s.source] = s
+        out["sm_80"] = _compile_all(list(one_per_file.values()), "sm_80")
+    return out
+
+
+def test_every_spec_compiles(reports):
+    names = {s.name for s in prefill.all_specs()}
+    assert set(reports["sm_90a"]) == names
+    assert {s.source for s in prefill.all_specs()} == {prefill.TC_SOURCE, prefill.SIMT_SOURCE}
+    assert len(reports["sm_80"]) >= 2
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_tensor_core_specs_do_not_spill(reports, arch):
+    lines, spilled = [], []
+    for name, r in sorted(reports[arch].items()):
+        p = r.ptxas
+        assert 0 < p.registers <= 255, name
+        lines.append(f"{arch} {name:44s} regs={p.registers:3d} spill={p.spill_stores}/{p.spill_loads}"
+                     f" stack={p.stack_bytes}")
+        if name.startswith("fwd_") and p.spill_bytes:
+            spilled.append(lines[-1])
+    print("\n".join(lines))
+    assert not spilled, "tensor-core specialisations spill:\n" + "\n".join(spilled)
+
+
+def test_table_is_consistent():
+    specs = prefill.all_specs()
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names)) == 2 * len(prefill.SUPPORTED)
+    keys = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps) for c in prefill.SUPPORTED]
+    assert len(keys) == len(set(keys))
+    for c in prefill.SUPPORTED:
+        assert c.smem_bytes <= prefill.MAX_SMEM_BYTES, c
+        assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n)
+        assert c.headdim in prefill.HEADDIMS
+        if c.dtype in prefill.TC_DTYPES:
+            assert c.source == prefill.TC_SOURCE
+            assert c.block_m % (16 * c.nwarps) == 0 and c.block_m // (16 * c.nwarps) in (1, 2)
+            assert c.block_n % 16 == 0
+        else:
+            assert c.source == prefill.SIMT_SOURCE and c.nwarps == 4
+            assert c.block_m % 16 == 0 and c.block_n % 8 == 0
+    for dtype in prefill.TC_DTYPES + prefill.SIMT_DTYPES:
+        for hd in prefill.HEADDIMS:
+            assert sum(c.dtype == dtype and c.headdim == hd for c in prefill.SUPPORTED) >= 2, (dtype, hd)
+
+
+def test_smem_formula_matches_kernel_traits():
+    # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
+    assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
+    # flash_fwd_simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)
+    assert prefill.smem_bytes("float64", 64, 32, 32) == ((32 + 64) * 66 + 32 * 34) * 8
+    assert prefill.smem_bytes("float32", 64, 32, 32) == ((32 + 64) * 68 + 32 * 36) * 4
+
+
+def test_names_and_entries():
+    s = prefill.kernel_spec("bfloat16", 128, 128, 64, 8, True)
+    assert s.name == "fwd_bf16_hd128_m128_n64_w8_causal"
+    assert s.entry == "cf::flash_fwd_kernel<__nv_bfloat16, 128, 128, 64, 8, true>"
+    s = prefill.kernel_spec("float64", 64, 32, 32, 4, False)
+    assert s.name == "fwdsimt_f64_hd64_m32_n32"
+    assert s.entry == "cf::flash_fwd_simt_kernel<double, 64, 32, 32, false>"
+    assert prefill.config_of(s) == (prefill.SUPPORTED[[c.dtype == "float64" and c.headdim == 64
+                                                       and c.block_m == 32 for c in prefill.SUPPORTED]
+                                                      .index(True)], False)
+    with pytest.raises(ValueError, match="not compiled"):
+        prefill.kernel_spec("bfloat16", 128, 256, 64, 4, False)
+
+
+@pytest.mark.parametrize("d,hp", [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (128, 128),
+                                  (136, 160), (200, 224), (248, 256), (256, 256)])
+def test_padded_headdim(d, hp):
+    assert prefill.padded_headdim(d) == hp
+
+
+@pytest.mark.parametrize("d", [0, 4, 12, 257, 264, -8, 64.0, True])
+def test_padded_headdim_rejects(d):
+    with pytest.raises(ValueError, match="^headdim"):
+        prefill.padded_headdim(d)
+
+
+class _Fake:
+    """Shape/strides/dtype/pointer of a device array, enough for kernel_args (no GPU)."""
+
+    class _Data:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    def __init__(self, shape, dtype, strides=None, ptr=0x10000):
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        self.ndim = len(shape)
+        if strides is None:
+            strides, acc = [], self.dtype.itemsize
+            for n in reversed(shape):
+                strides.append(acc)
+                acc *= n
+            strides = tuple(reversed(strides))
+        self.strides = tuple(strides)
+        self.data = self._Data(ptr)
+
+
+def _problem(**kw):
+    from cupyflash.checks import AttnProblem
+    base = dict(batch=2, seqlen_q=100, seqlen_k=300, nheads=8, nheads_k=2, headdim=120,
+                dtype="float16", softmax_scale=0.125, causal=True, window_size=(16, 0))
+    base.update(kw)
+    return AttnProblem(**base)
+
+
+def test_kernel_args_dense():
+    p = _problem()
+    spec = prefill.kernel_spec("float16", 128, 128, 64, 8, True)
+    q = _Fake((2, 100, 8, 120), np.float16)
+    k = _Fake((2, 300, 2, 120), np.float16)
+    # v: a strided view (rows padded to 2 * 136 elements)
+    v = _Fake((2, 300, 2, 120), np.float16, strides=(300 * 272 * 2, 272 * 2, 136 * 2, 2))
+    out = _Fake((2, 100, 8, 120), np.float16)
+    lse = _Fake((2, 8, 100), np.float32)
+    a = prefill.kernel_args(spec, q, k, v, out, lse, problem=p)
+    assert len(a) == 32
+    assert [int(x) for x in a[5:19]] == [100 * 960, 960, 120, 300 * 240, 240, 120,
+                                         300 * 272, 272, 136, 100 * 960, 960, 120, 800, 100]
+    assert all(x.dtype == np.int64 for x in a[5:19])
+    assert int(a[19]) == 0 and int(a[20]) == 0 and a[19].dtype.itemsize == 8  # NULL cu_seqlens
+    assert [int(x) for x in a[21:28]] == [2, 8, 2, 4, 100, 300, 120]
+    assert a[28].dtype == np.float32 and abs(float(a[28]) - 0.125 * np.log2(np.e)) < 1e-7
+    assert a[29].dtype == np.float64 and float(a[29]) == 0.125
+    assert [int(a[30]), int(a[31])] == [16, 0]
+    grid, block, smem = prefill.launch_config(spec, p)
+    assert grid == (1, 8, 2) and block == (256, 1, 1) and smem == spec.smem_bytes
+
+
+def test_kernel_args_varlen_and_checks():
+    p = _problem(varlen=True, batch=3, total_q=50, total_k=90, causal=False, window_size=(-1, -1),
+                 dtype="float64", seqlen_q=30, seqlen_k=40)
+    spec = prefill.kernel_spec("float64", 128, 32, 32, 4, False)
+    q = _Fake((50, 8, 120), np.float64)
+    k = _Fake((90, 2, 120), np.float64)
+    v = _Fake((90, 2, 120), np.float64)
+    out = _Fake((50, 8, 120), np.float64)
+    lse = _Fake((8, 50), np.float32)
+    cu = object()
+    a = prefill.kernel_args(spec, q, k, v, out, lse, problem=p, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert [int(x) for x in a[5:19]] == [0, 960, 120, 0, 240, 120, 0, 240, 120, 0, 960, 120, 0, 50]
+    assert a[19] is cu and a[20] is cu
+    assert prefill.launch_config(spec, p)[0] == (1, 8, 3)
+    # spec / problem disagreement and misalignment are refused
+    with pytest.raises(ValueError, match="causal"):
+        prefill.kernel_args(prefill.kernel_spec("float64", 128, 32, 32, 4, True), q, k, v, out, lse,
+                            problem=p, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    p16 = _problem()
+    spec16 = prefill.kernel_spec("float16", 128, 128, 64, 8, True)
+    qd = _Fake((2, 100, 8, 120), np.float16, ptr=0x10002)
+    with pytest.raises(ValueError, match="^q: .*16-byte"):
+        prefill.kernel_args(spec16, qd, _Fake((2, 300, 2, 120), np.float16),
+                            _Fake((2, 300, 2, 120), np.float16), _Fake((2, 100, 8, 120), np.float16),
+                            _Fake((2, 8, 100), np.float32), problem=p16)

@@ -1,0 +1,430 @@
+"""CPU tests of the prefill heuristics, the dispatcher, ``explain()`` and the API's input order
+(validation -> plan -> launch). No GPU: device arrays are stand-ins exposing
+``__cuda_array_interface__`` (shape, dtype and strides only), and the launch is replaced by a
+function that fails the test if it is ever called."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cupyflash import api, checks, dispatch, heuristics, io_model, jit, prefill
+from cupyflash.testing import np_dtype
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristics (pure)
+# ----------------------------------------------------------------------------------------------
+def test_chosen_tile_is_always_a_compiled_row():
+    for dtype in DTYPES:
+        for d in range(8, 257, 8):
+            tiles = heuristics.prefill_tiles(dtype, d)
+            assert tiles, (dtype, d)
+            for sq in (0, 1, 63, 64, 65, 300, 4096):
+                for sk in (0, 1, 20, 33, 300, 4096):
+                    for bh in (1, 16, 4096):
+                        t = heuristics.choose_prefill_tile(dtype, d, sq, sk, False,
+                                                           batch_nheads=bh)
+                        assert t in tiles
+                        assert t == heuristics.choose_prefill_tile(dtype, d, sq, sk, True,
+                                                                   batch_nheads=bh)
+
+
+def test_prefill_tiles_follow_the_table():
+    for cfg in prefill.SUPPORTED:
+        assert (cfg.block_m, cfg.block_n, cfg.nwarps) in heuristics.prefill_tiles(cfg.dtype,
+                                                                                   cfg.headdim)
+    first = next(c for c in prefill.SUPPORTED if c.dtype == "bfloat16" and c.headdim == 128)
+    assert heuristics.prefill_tiles("bfloat16", 120)[0] == (first.block_m, first.block_n,
+                                                            first.nwarps)
+    assert heuristics.prefill_tiles("int8", 64) == ()
+
+
+def test_rules():
+    default = heuristics.prefill_tiles("bfloat16", 128)[0]
+    # 1. long sequences on a full GPU: the table's default
+    assert heuristics.choose_prefill_tile("bfloat16", 128, 4096, 4096, False,
+                                          batch_nheads=64) == default
+    # 2. short queries: the smallest block_m
+    smallest = min(t[0] for t in heuristics.prefill_tiles("bfloat16", 128))
+    assert heuristics.choose_prefill_tile("bfloat16", 128, smallest, 4096, False,
+                                          batch_nheads=4096)[0] == smallest
+    # 3. fewer CTAs than SMs: the next smaller block_m; enough CTAs: the default
+    assert heuristics.choose_prefill_tile("bfloat16", 128, 1000, 1000, False, num_sms=132,
+                                          batch_nheads=4)[0] < default[0]
+    assert heuristics.choose_prefill_tile("bfloat16", 128, 1000, 1000, False, num_sms=132,
+                                          batch_nheads=17) == default  # 17 * 8 = 136 CTAs
+    assert heuristics.choose_prefill_tile("bfloat16", 128, 1000, 1000, False, num_sms=8,
+                                          batch_nheads=1) == default
+    # 4. keys fit a narrower compiled tile of the same block_m: the narrowest that holds them
+    t = heuristics.choose_prefill_tile("bfloat16", 128, 4096, 20, False, batch_nheads=64)
+    assert t[0] == default[0]
+    narrower = [x for x in heuristics.prefill_tiles("bfloat16", 128)
+                if x[0] == default[0] and 20 <= x[1] < default[1]]
+    if narrower:
+        assert t[1] == min(x[1] for x in narrower)
+
+
+def test_tiles_argument_restricts_the_choice():
+    tiles = heuristics.prefill_tiles("float16", 64)
+    only = (tiles[-1],)
+    assert heuristics.choose_prefill_tile("float16", 64, 4096, 4096, False, batch_nheads=64,
+                                          tiles=only) == only[0]
+
+
+@pytest.mark.parametrize("args,match", [
+    (("float16", 12, 10, 10, False), "headdim"),
+    (("float16", 264, 10, 10, False), "headdim"),
+    (("int8", 64, 10, 10, False), "dtype"),
+    (("float16", 64, -1, 10, False), "sizes"),
+])
+def test_heuristic_rejects_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        heuristics.choose_prefill_tile(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------------------
+def _problem(dtype="bfloat16", b=2, sq=300, sk=500, h=8, hk=2, d=120, causal=False,
+             window=(-1, -1), scale=None):
+    q = np.empty((b, sq, h, d), np_dtype(dtype))
+    k = np.empty((b, sk, hk, d), np_dtype(dtype))
+    return checks.check_attention(q, k, k, causal=causal, window_size=window,
+                                  softmax_scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (30, 7))])
+def test_plan_fields(dtype, causal, window):
+    p = _problem(dtype, causal=causal, window=window)
+    plan = dispatch.plan_prefill(p, report=False, arch="sm_90a", num_sms=132,
+                                 max_smem_bytes=227 * 1024)
+    t = plan.kernel.template
+    tile = heuristics.choose_prefill_tile(dtype, p.headdim, p.seqlen_q, p.seqlen_k, p.causal,
+                                          132, batch_nheads=p.batch * p.nheads)
+    assert (t["block_m"], t["block_n"], t["nwarps"]) == tile
+    assert t == {"dtype": dtype, "headdim": prefill.padded_headdim(120), "block_m": tile[0],
+                 "block_n": tile[1], "nwarps": tile[2], "causal": p.causal}
+    spec = prefill.kernel_spec(dtype, t["headdim"], *tile, p.causal)
+    assert plan.kernel.spec == spec and plan.name == spec.name and plan.kernel.entry == spec.entry
+    grid, block, smem = prefill.launch_config(spec, p)
+    assert (plan.grid, plan.block, plan.smem_bytes) == (tuple(grid), tuple(block), smem)
+    assert plan.grid == (-(-p.seqlen_q // tile[0]), p.nheads, p.batch)
+    assert plan.num_splits is None and plan.extra_kernels == () and plan.num_sms == 132
+    assert plan.registers is None and plan.spill_bytes is None and plan.kernel.arch is None
+    assert plan.flops == io_model.prefill_flops(p.batch, p.nheads, p.seqlen_q, p.seqlen_k,
+                                                p.headdim, p.causal, p.window_size)
+    assert plan.hbm_bytes == io_model.prefill_hbm_bytes(
+        p.batch, p.nheads, p.nheads_k, p.seqlen_q, p.seqlen_k, p.headdim, dtype, p.causal,
+        p.window_size, tile[0], tile[1])
+    # every other specialisation is listed once, with a reason
+    names = [n for n, _ in plan.rejected]
+    assert len(names) == len(set(names)) and plan.name not in names
+    assert set(names) | {plan.name} == {s.name for s in prefill.all_specs()}
+    assert all(isinstance(r, str) and r for _, r in plan.rejected)
+    # nearest first: other tiles, then the other causal flag, then head dims, then dtypes
+    kinds = ["tile" if "heuristic chose" in r else "causal" if "causal" in r else
+             "headdim" if r.startswith("compiled for headdim") else
+             "dtype" if r.startswith("dtype") else "other" for _, r in plan.rejected]
+    order = {"tile": 0, "causal": 1, "headdim": 2, "dtype": 3}
+    assert "other" not in kinds
+    assert [order[x] for x in kinds] == sorted(order[x] for x in kinds)
+    json.dumps(plan.as_dict())
+    assert plan.name in str(plan)
+
+
+def test_plan_reasons_name_the_difference():
+    plan = dispatch.plan_prefill(_problem("float16", d=64, causal=True), report=False,
+                                 predict=False, arch="sm_90a", num_sms=132,
+                                 max_smem_bytes=227 * 1024)
+    reasons = dict(plan.rejected)
+    assert "dtype" in reasons[plan.name.replace("f16", "bf16")]
+    assert "non-causal" in reasons[plan.name.replace("_causal", "")]
+    other_hd = next(n for n in reasons if "_hd128_" in n and n.startswith("fwd_f16"))
+    assert "headdim" in reasons[other_hd]
+    assert plan.flops is None and plan.hbm_bytes is None
+
+
+def test_shared_memory_limit_rejects_tiles_and_never_falls_back():
+    p = _problem("bfloat16", d=128, sq=4096, sk=4096, b=4, h=16, hk=16)
+    limit = 120 * 1024
+    plan = dispatch.plan_prefill(p, report=False, arch="sm_90a", num_sms=132,
+                                 max_smem_bytes=limit)
+    assert plan.smem_bytes <= limit
+    too_big = [c for c in prefill.SUPPORTED if c.dtype == "bfloat16" and c.headdim == 128
+               and c.smem_bytes > limit]
+    reasons = dict(plan.rejected)
+    for c in too_big:
+        name = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, False).name
+        assert "shared memory" in reasons[name]
+    # nothing fits: ValueError listing every candidate, no fallback to another dtype / path
+    p64 = _problem("float64", d=256)
+    with pytest.raises(ValueError, match="shared memory") as e:
+        dispatch.plan_prefill(p64, report=False, arch="sm_86", num_sms=84,
+                              max_smem_bytes=16 * 1024)
+    msg = str(e.value)
+    assert all(s.name in msg for s in prefill.all_specs())
+
+
+@pytest.mark.parametrize("field,value,match", [("headdim", 264, "headdim 264 is not compiled"),
+                                               ("dtype", "float8_e4m3fn", "dtype float16")])
+def test_unsupported_problem_lists_every_rejection(field, value, match):
+    p = dataclasses.replace(_problem("float16", d=64), **{field: value})
+    with pytest.raises(ValueError, match=match) as e:
+        dispatch.plan_prefill(p, report=False, arch="sm_90a", num_sms=132,
+                              max_smem_bytes=227 * 1024)
+    msg = str(e.value)
+    assert msg.startswith("problem: no prefill kernel")
+    assert all(s.name in msg for s in prefill.all_specs())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_launch_path_decides_like_explain(dtype):
+    """The launch path's plan (no rejection list) picks the same kernel and geometry."""
+    for sq, sk, b, causal in ((1, 1, 1, False), (77, 300, 2, True), (4096, 4096, 8, False)):
+        p = _problem(dtype, b=b, sq=sq, sk=sk, causal=causal)
+        fast = dispatch._plan_prefill(p, "sm_90a", False, False, 132, 227 * 1024, None,
+                                      reasons=False)
+        full = dispatch.plan_prefill(p, report=False, arch="sm_90a", num_sms=132,
+                                     max_smem_bytes=227 * 1024)
+        assert fast.kernel == full.kernel and fast.rejected == [] and full.rejected
+    bad = dataclasses.replace(_problem(dtype), headdim=264)
+    with pytest.raises(ValueError, match="every candidate was rejected"):
+        dispatch._plan_prefill(bad, "sm_90a", False, False, 132, 227 * 1024, None,
+                               reasons=False)
+
+
+def test_plan_prefill_wants_an_attn_problem():
+    with pytest.raises(TypeError, match="problem"):
+        dispatch.plan_prefill({"headdim": 64})
+
+
+def test_max_smem_by_arch():
+    assert dispatch.max_smem_bytes_for_arch("sm_90a") == 227 * 1024
+    assert dispatch.max_smem_bytes_for_arch("sm_80") == 163 * 1024
+    assert dispatch.max_smem_bytes_for_arch("sm_89") == 99 * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# explain() on NumPy arrays: no GPU, registers from an NVRTC compile
+# ----------------------------------------------------------------------------------------------
+def test_explain_numpy_arrays_without_gpu():
+    bf16 = np_dtype("bfloat16")
+    q = np.zeros((2, 1000, 16, 128), bf16)
+    k = np.zeros((2, 1500, 4, 128), bf16)
+    plan = api.explain(q, k, k, causal=True, arch="sm_90a")
+    assert isinstance(plan, dispatch.Plan)
+    assert plan.name.startswith("fwd_bf16_hd128_") and plan.name.endswith("_causal")
+    rep = jit.compile_report(plan.kernel.spec, "sm_90a").ptxas
+    assert plan.registers == rep.registers > 0
+    assert plan.spill_bytes == rep.spill_bytes == 0  # tensor-core variants never spill
+    assert plan.kernel.arch == "sm_90a"
+    assert plan.flops == io_model.prefill_flops(2, 16, 1000, 1500, 128, True, (-1, 0))
+    assert plan.hbm_bytes > 0 and plan.num_splits is None
+    d = plan.as_dict()
+    assert d["kernel"]["registers"] == plan.registers and json.dumps(d)
+    # same arguments as flash_attn_func, out and return_lse included
+    plan2 = api.explain(q, k, k, None, True, (-1, -1), True, np.zeros_like(q), arch="sm_90a")
+    assert plan2.name == plan.name
+
+
+def test_explain_varlen_counts_flops_per_sequence():
+    lens_q, lens_k = [5, 0, 40], [7, 3, 40]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = np.zeros((cq[-1], 4, 64), np.float32)
+    k = np.zeros((ck[-1], 2, 64), np.float32)
+    plan = api.explain_varlen(q, k, k, cq, ck, 40, 40, causal=True, arch="sm_90a")
+    want = sum(io_model.prefill_flops(1, 4, a, b, 64, True, (-1, 0))
+               for a, b in zip(lens_q, lens_k))
+    assert plan.flops == want
+    assert plan.grid == (-(-40 // plan.template["block_m"]), 4, 3)
+    lazy = api.explain_varlen(q, k, k, cq, ck, 40, 40, causal=True, validate=False,
+                              arch="sm_90a")
+    assert lazy.flops is None and lazy.name == plan.name
+
+
+def test_explain_rejects_what_flash_attn_func_rejects():
+    q = np.zeros((1, 10, 2, 12), np.float16)
+    with pytest.raises(ValueError, match="^q: headdim 12"):
+        api.explain(q, q, q)
+    q = np.zeros((1, 10, 2, 16), np.int8)
+    with pytest.raises(TypeError, match="^q: dtype int8"):
+        api.explain(q, q, q)
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_attn_func / flash_attn_varlen_func: every bad input raises before any launch
+# ----------------------------------------------------------------------------------------------
+class FakeCuda:
+    """Shape, dtype and strides of a CUDA array, without memory (``__cuda_array_interface__``)."""
+
+    def __init__(self, shape, dtype="float16", strides=None):
+        self.shape = tuple(shape)
+        self.dtype = np_dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.ndim = len(self.shape)
+        if strides is None:
+            strides, acc = [], self.itemsize
+            for n in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= max(n, 1)
+        self.strides = tuple(strides)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (0, False),
+                "strides": self.strides, "version": 3}
+
+    class device:  # stands in for cupy.cuda.Device(0) as a context manager
+        id = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    device = device()
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if anything gets as far as a kernel, an allocation or a compile."""
+    calls = []
+
+    def forbidden(*a, **k):
+        calls.append(a)
+        raise AssertionError("reached the launch path with bad input")
+
+    monkeypatch.setattr(prefill, "launch", forbidden)
+    monkeypatch.setattr(jit, "get_kernel", forbidden)
+    monkeypatch.setattr(api, "_run", forbidden)
+    return calls
+
+
+def F(shape, dtype="float16", strides=None):
+    return FakeCuda(shape, dtype, strides)
+
+
+Q, K = (2, 33, 8, 64), (2, 45, 2, 64)
+
+BAD_DENSE = [
+    # (args, kwargs, exception, message start)
+    ((np.zeros(Q, np.float16), F(K), F(K)), {}, TypeError, "q: expected a CUDA array"),
+    ((F(Q), np.zeros(K, np.float16), F(K)), {}, TypeError, "k: expected a CUDA array"),
+    ((F(Q), F(K), [[1.0]]), {}, TypeError, "v: expected a CUDA array"),
+    ((F(Q), F(K), F(K)), {"out": np.zeros(Q, np.float16)}, TypeError, "out: expected a CUDA"),
+    ((F(Q[:3]), F(K), F(K)), {}, ValueError, "q: expected 4 dims"),
+    ((F(Q), F(K, "bfloat16"), F(K)), {}, TypeError, "k: dtype bfloat16 must match"),
+    ((F(Q, "int8"), F(K, "int8"), F(K, "int8")), {}, TypeError, "q: dtype int8"),
+    ((F((2, 33, 8, 12)), F((2, 45, 2, 12)), F((2, 45, 2, 12))), {}, ValueError, "q: headdim 12"),
+    ((F((2, 33, 8, 264)), F((2, 45, 2, 264)), F((2, 45, 2, 264))), {}, ValueError,
+     "q: headdim 264"),
+    ((F((2, 33, 6, 64)), F((2, 45, 4, 64)), F((2, 45, 4, 64))), {}, ValueError, "k: nheads_k 4"),
+    ((F(Q), F((3, 45, 2, 64)), F((3, 45, 2, 64))), {}, ValueError, "k: batch 3"),
+    ((F(Q), F(K), F((2, 44, 2, 64))), {}, ValueError, "v: shape"),
+    ((F(Q), F(K), F(K)), {"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+    ((F(Q), F(K), F(K)), {"softmax_scale": 0.0}, ValueError, "softmax_scale"),
+    ((F(Q), F(K), F(K)), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+    ((F(Q), F(K), F(K)), {"softmax_scale": float("inf")}, ValueError, "softmax_scale"),
+    ((F(Q), F(K), F(K)), {"softmax_scale": "0.1"}, TypeError, "softmax_scale"),
+    ((F(Q), F(K), F(K)), {"window_size": (-2, 0)}, ValueError, "window_size"),
+    ((F(Q), F(K), F(K)), {"window_size": 4}, TypeError, "window_size"),
+    ((F(Q), F(K), F(K)), {"causal": "yes"}, TypeError, "causal"),
+    ((F(Q), F(K), F(K)), {"return_lse": 1}, TypeError, "return_lse"),
+    ((F(Q), F(K), F(K)), {"out": F((2, 33, 8, 32))}, ValueError, "out: expected shape"),
+    ((F(Q), F(K), F(K)), {"out": F(Q, "float32")}, TypeError, "out: dtype float32"),
+    ((F(Q, strides=(33 * 8 * 128, 8 * 128, 128, 4)), F(K), F(K)), {}, ValueError,
+     "q: last dimension must be contiguous"),
+]
+
+
+@pytest.mark.parametrize("args,kwargs,exc,start", BAD_DENSE,
+                         ids=[b[3].split(":")[0] + "-" + str(i) for i, b in enumerate(BAD_DENSE)])
+def test_bad_dense_input_raises_before_launch(no_launch, args, kwargs, exc, start):
+    with pytest.raises(exc) as e:
+        api.flash_attn_func(*args, **kwargs)
+    assert str(e.value).startswith(start), str(e.value)
+    assert no_launch == []
+
+
+def test_numpy_message_points_to_the_reference(no_launch):
+    a = np.zeros(Q, np.float16)
+    with pytest.raises(TypeError, match=r"^q: .*numpy\.ndarray.*cupyflash\.reference\."
+                                        r"attention_reference"):
+        api.flash_attn_func(a, a, a)
+    cu = np.array([0, 33], np.int32)
+    with pytest.raises(TypeError, match=r"^q: .*varlen_attention_reference"):
+        api.flash_attn_varlen_func(a[0], a[0], a[0], cu, cu, 33, 33)
+    assert no_launch == []
+
+
+QV, KV = (40, 8, 64), (50, 2, 64)
+CU = F((3,), "int32")
+
+BAD_VARLEN = [
+    ((F(QV), F(KV), F(KV), np.array([0, 10, 40], np.int32), CU, 30, 30), {}, TypeError,
+     "cu_seqlens_q: expected a CUDA array"),
+    ((F(QV), F(KV), F(KV), CU, F((3,), "int64"), 30, 30), {}, TypeError, "cu_seqlens_k: dtype"),
+    ((F(QV), F(KV), F(KV), CU, F((4,), "int32"), 30, 30), {}, ValueError, "cu_seqlens_k: shape"),
+    ((F(QV), F(KV), F(KV), CU, CU, -1, 30), {}, ValueError, "max_seqlen_q"),
+    ((F(QV), F(KV), F(KV), CU, CU, 30, 2.5), {}, TypeError, "max_seqlen_k"),
+    ((F((40, 8, 64, 1)), F(KV), F(KV), CU, CU, 30, 30), {}, ValueError, "q: expected 3 dims"),
+    ((F(QV), F(KV), F(KV), CU, CU, 30, 30), {"validate": "no"}, TypeError, "validate"),
+    ((F(QV), F(KV), F(KV), CU, CU, 30, 30), {"out": F((40, 8, 32))}, ValueError, "out"),
+    ((F(QV), F(KV), F(KV), CU, CU, 30, 30), {"return_lse": None}, TypeError, "return_lse"),
+]
+
+
+@pytest.mark.parametrize("args,kwargs,exc,start", BAD_VARLEN,
+                         ids=[b[3].split(":")[0] + "-" + str(i) for i, b in enumerate(BAD_VARLEN)])
+def test_bad_varlen_input_raises_before_launch(no_launch, args, kwargs, exc, start):
+    kwargs = {"validate": False, **kwargs}  # no host copy of the (fake) cu_seqlens
+    with pytest.raises(exc) as e:
+        api.flash_attn_varlen_func(*args, **kwargs)
+    assert str(e.value).startswith(start), str(e.value)
+    assert no_launch == []
+
+
+def test_valid_input_reaches_plan_then_launch_in_that_order(monkeypatch):
+    """Validation passes -> _run gets the problem; a plan failure stops before any launch."""
+    seen = []
+    monkeypatch.setattr(api, "_run", lambda problem, *a, **k: seen.append(problem) or (1, 2))
+    assert api.flash_attn_func(F(Q), F(K), F(K), causal=True, return_lse=True) == (1, 2)
+    assert api.flash_attn_func(F(Q), F(K), F(K)) == 1
+    assert seen[0].causal and seen[0].nheads == 8 and seen[0].nheads_k == 2
+    monkeypatch.undo()
+
+    launched = []
+    monkeypatch.setattr(prefill, "launch", lambda *a, **k: launched.append(a))
+
+    def no_plan(problem):
+        raise ValueError("problem: no prefill kernel (test)")
+
+    monkeypatch.setattr(dispatch, "launch_plan", no_plan)
+    monkeypatch.setattr(api, "_view", lambda a, name, dtype: a)  # no device memory on a CPU
+    pytest.importorskip("cupy")
+    with pytest.raises(ValueError, match="no prefill kernel"):
+        api.flash_attn_func(F(Q), F(K), F(K))
+    assert launched == []
+
+
+def test_import_does_not_need_cupy():
+    code = ("import sys; import cupyflash.api, cupyflash.dispatch, cupyflash.heuristics; "
+            "import numpy as np; q = np.zeros((1, 4, 2, 32), np.float32); "
+            "cupyflash.api.explain(q, q, q, arch='sm_80'); "
+            "print('cupy' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # explain() asks whether a device exists (imports cupy lazily); importing alone must not
+    code2 = ("import sys; import cupyflash.api, cupyflash.dispatch, cupyflash.heuristics; "
+             "print('cupy' in sys.modules)")
+    r2 = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True,
+                        timeout=120)
+    assert r2.returncode == 0 and r2.stdout.strip() == "False", r2.stderr
