@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks, dispatch
-from .interop import as_cupy, current_stream, is_device_array
+from .interop import as_cupy, cupy_ndarray_type, is_device_array
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "explain_varlen"]
 
@@ -118,11 +118,12 @@ def _same_device(arrays: dict) -> None:
                              f"{first.device.id}; pass all arrays on one device")
 
 
-def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None):
-    """Plan, allocate, launch (inputs already validated). Returns ``(out, lse)`` CuPy arrays."""
-    import cupy
-    from . import prefill
+def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=None):
+    """Plan, allocate, launch (inputs already validated). Returns ``(out, lse)`` CuPy arrays.
 
+    ``options``: the call's ``(kind, ...)`` options when they are plain values (the launch
+    cache key, see :data:`cupyflash.dispatch.LAUNCH_CACHE`), else None (nothing is cached).
+    """
     named = {"q": q, "k": k, "v": v, "out": out,
              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     views = {n: (_view(a, n, problem.dtype if n in ("q", "k", "v", "out") else "int32")
@@ -130,23 +131,86 @@ def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None):
     _same_device(views)
     qc = views["q"]
     with qc.device:  # the device of q: its current stream, its SM count
-        plan = dispatch.launch_plan(problem)  # cached per problem: no compile report / I/O model
-        if views["out"] is None:
-            views["out"] = cupy.empty(qc.shape, dtype=qc.dtype)
-        if problem.varlen:
-            lse = cupy.empty((problem.nheads, problem.total_q), dtype=cupy.float32)
+        arrays = (qc, views["k"], views["v"], views["out"], views["cu_seqlens_q"],
+                  views["cu_seqlens_k"])
+        key = None
+        if options is not None:
+            key = dispatch.launch_key(options[0], qc.device.id, options[1:], arrays)
+        entry = dispatch.prefill_launch(problem, key, *arrays[:4])
+        return _execute(entry, *arrays)
+
+
+def _execute(entry, q, k, v, out, cu_seqlens_q, cu_seqlens_k):
+    """Allocate and launch a :class:`cupyflash.dispatch.PrefillLaunch` on the current device
+    (the device of every array). Returns ``(out, lse)``."""
+    import cupy
+    if out is None:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty(entry.lse_shape, dtype=cupy.float32)
+    action = entry.action
+    if action == "launch":
+        if entry.tensor_cores and (q.data.ptr | k.data.ptr | v.data.ptr | out.data.ptr) % 16:
+            from . import prefill
+            prefill.check_pointers(entry.plan.kernel.spec, q, k, v, out)  # raises
+        kern = entry.kernel
+        if kern is None:
+            from . import jit
+            kern = entry.kernel = jit.get_kernel(entry.plan.kernel.spec)
+        if cu_seqlens_q is None:
+            args = (q, k, v, out, lse) + entry.tail
         else:
-            lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
-        no_keys = problem.total_k == 0 if problem.varlen else problem.seqlen_k == 0
-        if lse.size and no_keys:  # every row sees no key: 0 and -inf (Semantics 2), no launch
-            o = views["out"]
-            o.view({2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[o.dtype.itemsize]).fill(0)
-            lse.fill(-np.inf)
-        elif lse.size:  # (no query rows, batch or heads: nothing to compute, no empty grid)
-            prefill.launch(plan.kernel.spec, qc, views["k"], views["v"], views["out"], lse,
-                           problem=problem, cu_seqlens_q=views["cu_seqlens_q"],
-                           cu_seqlens_k=views["cu_seqlens_k"], stream=current_stream())
-    return views["out"], lse
+            args = (q, k, v, out, lse) + entry.strides + (cu_seqlens_q, cu_seqlens_k) \
+                + entry.sizes
+        kern(entry.grid, entry.block, args, shared_mem=entry.smem)  # current stream
+    elif action == "fill":  # every row sees no key: 0 and -inf (Semantics 2), no launch
+        out.view({2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[out.dtype.itemsize]).fill(0)
+        lse.fill(-np.inf)
+    # "none": no query rows, batch or heads: nothing to compute, no empty grid
+    return out, lse
+
+
+def _cached_call(key_options, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None):
+    """The warm path: ``(out, lse)`` from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or
+    None (not cached yet, or arrays on different devices: the caller runs the full checks,
+    which raise or fill the cache). Every array is exactly a ``cupy.ndarray``."""
+    dev = q.data.device_id
+    entry = dispatch.LAUNCH_CACHE.get(dispatch.launch_key(
+        key_options[0], dev, key_options[1:], (q, k, v, out, cu_seqlens_q, cu_seqlens_k)))
+    if entry is None:
+        return None
+    for a in (k, v, out, cu_seqlens_q, cu_seqlens_k):
+        if a is not None and a.data.device_id != dev:
+            return None
+    if _current_device() == dev:
+        return _execute(entry, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+    with q.device:
+        return _execute(entry, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+
+
+def _current_device() -> int:
+    import cupy
+    return cupy.cuda.runtime.getDevice()
+
+
+def _plain_options(softmax_scale, causal, window_size):
+    """``(softmax_scale, causal, window_size)`` when all are plain values of the exact types the
+    launch cache accepts (None or float; bool; tuple of two int), else None."""
+    if (type(causal) is bool and (softmax_scale is None or type(softmax_scale) is float)
+            and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        return softmax_scale, causal, window_size
+    return None
+
+
+def _all_cupy(*arrays) -> bool:
+    """Every argument is exactly a ``cupy.ndarray`` or None (q first, never None)."""
+    nd = cupy_ndarray_type()
+    if nd is None:
+        return False
+    for a in arrays:
+        if a is not None and type(a) is not nd:
+            return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,11 +273,18 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     Runs on CuPy's current stream of the device holding ``q`` (``with cupy.cuda.Stream(): ...``);
     when mixing with PyTorch, make both libraries use the same stream or synchronise.
     """
+    opts = _plain_options(softmax_scale, causal, window_size)
+    if opts is not None:
+        opts = ("dense",) + opts
+        if type(return_lse) is bool and _all_cupy(q, k, v, out):
+            r = _cached_call(opts, q, k, v, out)
+            if r is not None:
+                return r if return_lse else r[0]
     _require_bool(return_lse, "return_lse")
     _require_device({"q": q, "k": k, "v": v, "out": out}, _NUMPY_HINT["dense"])
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, out=out)
-    o, lse = _run(problem, q, k, v, out)
+    o, lse = _run(problem, q, k, v, out, options=opts)
     return (o, lse) if return_lse else o
 
 
@@ -257,13 +328,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``validate``) ``cu_seqlens`` not starting at 0, decreasing, not ending at the packed
         length, or longer than ``max_seqlen``.
     """
+    opts = _plain_options(softmax_scale, causal, window_size)
+    if opts is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int:
+        # validate is not in the key: the entry follows from shapes alone, but only
+        # validate=False may skip the checks (validate=True reads the values every call)
+        opts = ("varlen",) + opts + (max_seqlen_q, max_seqlen_k)
+        if (validate is False and type(return_lse) is bool
+                and _all_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
+                and cu_seqlens_q is not None and cu_seqlens_k is not None):
+            r = _cached_call(opts, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+            if r is not None:
+                return r if return_lse else r[0]
+    else:
+        opts = None
     _require_bool(return_lse, "return_lse")
     _require_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                      "cu_seqlens_k": cu_seqlens_k, "out": out}, _NUMPY_HINT["varlen"])
     problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, out=out, validate=validate)
-    o, lse = _run(problem, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+    o, lse = _run(problem, q, k, v, out, cu_seqlens_q, cu_seqlens_k, options=opts)
     return (o, lse) if return_lse else o
 
 

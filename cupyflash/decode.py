@@ -25,10 +25,12 @@ TypeError); head dims that are multiples of 8 up to 256, run by the kernel compi
 or 256 (the padding columns are zero-filled in shared memory, never read from memory).
 
 Page sizes: every page size from 1 to 256 (and beyond) runs the same code and reads the same
-bytes; each key row's page is looked up in ``block_table`` (an L1-cached 4-byte load). Powers of
-two compute the page slot with a shift, other sizes with one integer division per key row, which
-is the only difference: powers of two (1, 2, 4, ..., 256) are the fast sizes, others are expected
-to be within a few percent (see ``experiments/bench_decode``).
+bytes. The page ids of a tile are loaded from ``block_table`` into shared memory one tile ahead
+(when the previous tile's copies are issued), so the lookup is off the copies' critical path;
+when ``page_size`` is a multiple of the tile's ``block_n`` (64 keys at hd128) a tile lies in one
+page and one id per tile is loaded. Powers of two compute the page slot with a shift, other
+sizes with one integer division per key row: powers of two (1, 2, 4, ..., 256) are the fast
+sizes, others are expected to be within a few percent (see ``experiments/bench_decode``).
 
 CUDA graphs
 -----------
@@ -118,20 +120,33 @@ def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int) -> int
     """Dynamic shared memory of the split kernel (mirrors ``DecodeTraits::kSmemBytes``).
 
     Q tile ``GROUP x (headdim + 8)`` plus ``stages`` x (K and V tiles of ``block_n x (headdim +
-    8)``), 16-bit elements; rows are padded by 16 bytes so that ``ldmatrix`` is conflict-free.
+    8)``), 16-bit elements; rows are padded by 16 bytes so that ``ldmatrix`` is conflict-free;
+    then two ``block_n`` int32 arrays of prefetched page ids (paged caches).
     """
     e = np.dtype(_np_dtype(dtype)).itemsize
     row = headdim + 16 // e
-    return (GROUP * row + stages * 2 * block_n * row) * e
+    return (GROUP * row + stages * 2 * block_n * row) * e + 2 * block_n * 4
+
+
+#: Bits of the split kernel's FLAGS template parameter (``decode_flags`` in flash_decode.cu) and
+#: their name suffixes: the fused last-block-done combine, the L2 evict_first policy and the
+#: ``.L2::256B`` prefetch-size hint on the K/V copies.
+FLAG_FUSED_COMBINE, FLAG_EVICT_FIRST, FLAG_PREFETCH_256 = 1, 2, 4
+_FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
+                (FLAG_PREFETCH_256, "_pf256"))
 
 
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
-                      nwarps: int | None = None, stages: int | None = None) -> jit.KernelSpec:
+                      nwarps: int | None = None, stages: int | None = None,
+                      flags: int = 0) -> jit.KernelSpec:
     """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
 
-    Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``;
-    ``block_n``/``nwarps``/``stages`` override :data:`SPLIT_CONFIGS` (experiments).
+    Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
+    followed by ``_fused``/``_ef``/``_pf256`` for the ``flags`` bits (:data:`FLAG_FUSED_COMBINE`,
+    ...); ``block_n``/``nwarps``/``stages`` override :data:`SPLIT_CONFIGS` (experiments).
     """
+    if not isinstance(flags, int) or flags < 0 or flags >= 8:
+        raise ValueError(f"flags: expected an int in [0, 8), got {flags!r}")
     if dtype not in DTYPES:
         raise TypeError(f"dtype: {dtype} has no decode kernel; supported: {', '.join(DTYPES)}")
     if headdim not in HEADDIMS:
@@ -141,9 +156,10 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     nw = cfg.nwarps if nwarps is None else nwarps
     st = cfg.stages if stages is None else stages
     name = (f"decode_split_{_SHORT[dtype]}_hd{headdim}_n{bn}_w{nw}_g{GROUP}_s{st}"
-            + ("_paged" if paged else ""))
+            + ("_paged" if paged else "")
+            + "".join(suffix for bit, suffix in _FLAG_SUFFIX if flags & bit))
     entry = (f"cf::decode_split_kernel<{_CTYPE[dtype]}, {headdim}, {bn}, {nw}, {GROUP}, {st}, "
-             f"{'true' if paged else 'false'}>")
+             f"{'true' if paged else 'false'}, {flags}>")
     return jit.KernelSpec(name, SOURCE, entry, split_smem_bytes(dtype, headdim, bn, st))
 
 
@@ -538,42 +554,55 @@ def alloc_workspace(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
     return cupy.empty(max(n, 1), dtype=cupy.float32)
 
 
-def _launch_append(prob, k, v, k_cache, v_cache, cache_seqlens, block_table):
-    kern = jit.get_kernel(append_kernel_spec(prob.paged))
-    n = prob.seqlen_new * prob.nheads_k * prob.headdim
-    grid = (-(-n // 256), prob.batch, 1)
+def _append_tail(prob, k, v, k_cache, v_cache, block_table) -> tuple:
+    """Constant arguments of the append kernel after its 6 pointers (from layouts only)."""
     kn, vn, kc, vc = (_estrides(x) for x in (k, v, k_cache, v_cache))
-    bt = block_table if block_table is not None else _nullptr()
     bt_bs = _estrides(block_table)[0] if block_table is not None else 0
     i64 = np.int64
-    kern(grid, (256, 1, 1),
-         (k, v, k_cache, v_cache, cache_seqlens, bt,
-          i64(kn[0]), i64(kn[1]), i64(kn[2]), i64(vn[0]), i64(vn[1]), i64(vn[2]),
-          i64(kc[0]), i64(kc[1]), i64(kc[2]), i64(vc[0]), i64(vc[1]), i64(vc[2]), i64(bt_bs),
-          np.int32(prob.seqlen_new), np.int32(prob.nheads_k), np.int32(prob.headdim),
-          np.int32(prob.seqlen_cache), np.int32(max(prob.page_size, 1)),
-          np.int32(prob.num_pages)))
+    return (i64(kn[0]), i64(kn[1]), i64(kn[2]), i64(vn[0]), i64(vn[1]), i64(vn[2]),
+            i64(kc[0]), i64(kc[1]), i64(kc[2]), i64(vc[0]), i64(vc[1]), i64(vc[2]), i64(bt_bs),
+            np.int32(prob.seqlen_new), np.int32(prob.nheads_k), np.int32(prob.headdim),
+            np.int32(prob.seqlen_cache), np.int32(max(prob.page_size, 1)),
+            np.int32(prob.num_pages))
+
+
+def _append_grid(prob) -> tuple:
+    return (-(-(prob.seqlen_new * prob.nheads_k * prob.headdim) // 256), prob.batch, 1)
+
+
+def _launch_append(prob, k, v, k_cache, v_cache, cache_seqlens, block_table):
+    kern = jit.get_kernel(append_kernel_spec(prob.paged))
+    bt = block_table if block_table is not None else _nullptr()
+    kern(_append_grid(prob), (256, 1, 1),
+         (k, v, k_cache, v_cache, cache_seqlens, bt)
+         + _append_tail(prob, k, v, k_cache, v_cache, block_table))
+
+
+def _combine_tail(op, lp, o, ls, num_parts, batch, seqlen, nheads, headdim) -> tuple:
+    """Constant arguments of the combine kernel after its 4 pointers: element strides of the
+    partial O (5 dims) and LSE (4 dims), of out (4 dims) and of the LSE out (3 dims, or None)."""
+    lse_bs, lse_hs = (ls[0], ls[1]) if ls is not None else (0, 0)
+    i64 = np.int64
+    return (i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
+            i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
+            i64(o[0]), i64(o[1]), i64(o[2]), i64(lse_bs), i64(lse_hs),
+            np.int32(num_parts), np.int32(batch), np.int32(seqlen), np.int32(nheads),
+            np.int32(headdim))
+
+
+def _combine_grid(batch, seqlen, nheads) -> tuple:
+    return (-(-(batch * seqlen * nheads) // 4), 1, 1)
 
 
 def _launch_combine(o_part, lse_part, out, lse_out, num_parts, batch, seqlen, nheads, headdim):
     """o_part/lse_part: float32 CuPy arrays (num_parts, batch, seqlen, nheads, headdim) /
     (num_parts, batch, nheads, seqlen), any strides with the head dim contiguous."""
     kern = jit.get_kernel(combine_kernel_spec(checks.dtype_name(out)))
-    rows = batch * seqlen * nheads
-    op, lp, o = _estrides(o_part), _estrides(lse_part), _estrides(out)
-    if lse_out is not None:
-        ls = _estrides(lse_out)
-        lse_bs, lse_hs = ls[0], ls[1]
-    else:
-        lse_bs = lse_hs = 0
-    i64 = np.int64
-    kern((-(-rows // 4), 1, 1), (128, 1, 1),
-         (o_part, lse_part, out, lse_out if lse_out is not None else _nullptr(),
-          i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
-          i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
-          i64(o[0]), i64(o[1]), i64(o[2]), i64(lse_bs), i64(lse_hs),
-          np.int32(num_parts), np.int32(batch), np.int32(seqlen), np.int32(nheads),
-          np.int32(headdim)))
+    tail = _combine_tail(_estrides(o_part), _estrides(lse_part), _estrides(out),
+                         _estrides(lse_out) if lse_out is not None else None,
+                         num_parts, batch, seqlen, nheads, headdim)
+    kern(_combine_grid(batch, seqlen, nheads), (128, 1, 1),
+         (o_part, lse_part, out, lse_out if lse_out is not None else _nullptr()) + tail)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -655,6 +684,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
         ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small.
     """
+    opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
+    if opts is not None and validate is False:  # the warm path (dispatch.LAUNCH_CACHE)
+        r = _cached_call(opts, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
+                         workspace)
+        if r is not None:
+            return r
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 softmax_scale=softmax_scale, causal=causal,
                                 num_splits=num_splits, out=out, dtypes=DTYPES, validate=validate)
@@ -682,59 +717,123 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     _check_cache_alignment(v_cache, "v_cache")
     with q.device:
         return _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
-                            return_lse, split_size, workspace)
+                            return_lse, split_size, workspace, opts)
+
+
+def _plain_options(softmax_scale, causal, num_splits, split_size, return_lse):
+    """The launch-cache options ``("kvcache", softmax_scale, causal, num_splits, split_size,
+    return_lse)`` when all are plain values of exact types (None or float; bool; int; None or
+    int; bool), else None (such calls are validated and planned every time)."""
+    if (type(causal) is bool and type(return_lse) is bool and type(num_splits) is int
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and (split_size is None or type(split_size) is int)):
+        return ("kvcache", softmax_scale, causal, num_splits, split_size, return_lse)
+    return None
+
+
+def _cached_call(opts, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace):
+    """A warm call (``validate=False``) from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or
+    None when the arguments are not all ``cupy.ndarray``, not cached yet, on different devices
+    or with unaligned cache pointers (the full path then validates: it raises or caches)."""
+    from . import dispatch
+    from .interop import cupy_ndarray_type
+    nd = cupy_ndarray_type()
+    arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
+    if nd is None or type(q) is not nd:
+        return None
+    for a in arrays:
+        if a is not None and type(a) is not nd:
+            return None
+    dev = q.data.device_id
+    entry = dispatch.LAUNCH_CACHE.get(dispatch.launch_key(opts[0], dev, opts[1:], arrays))
+    if entry is None:
+        return None
+    for a in arrays:
+        if a is not None and a.data.device_id != dev:
+            return None
+    if (k_cache.data.ptr | v_cache.data.ptr) % 16:
+        return None
+    import cupy
+    if cupy.cuda.runtime.getDevice() == dev:
+        return _execute_kvcache(entry, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                out, workspace)
+    with q.device:
+        return _execute_kvcache(entry, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                out, workspace)
 
 
 def _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, return_lse,
-                 split_size, workspace):
-    """Plan, allocate what the caller did not pass, launch append / split / combine."""
-    import cupy
+                 split_size, workspace, opts=None):
+    """Plan (cached in :data:`cupyflash.dispatch.LAUNCH_CACHE` when ``opts`` are plain), then
+    allocate what the caller did not pass and launch append / split / combine. Arrays are CuPy
+    views on the current device, validated."""
+    from . import dispatch
+    from .interop import cupy_ndarray_type
     plan = _resolve_plan(prob, split_size)  # also validates split_size
-    if cache_seqlens is not None and cache_seqlens.strides[0] != 4:
-        cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
-    out = cupy.empty(q.shape, q.dtype) if out is None else out
-    lse = cupy.empty((prob.batch, prob.nheads, prob.seqlen_q), cupy.float32) if return_lse \
-        else None
-    if plan.num_splits > 1:  # checked before anything is launched (the append writes in place)
-        need = plan.workspace_elems
-        if workspace is None:
-            workspace = cupy.empty(need, cupy.float32)
-        else:
-            workspace = _view(workspace, "workspace", checks.dtype_name(workspace))
+    if plan.num_splits > 1 and workspace is not None:
+        workspace = _view(workspace, "workspace", checks.dtype_name(workspace))
+    elif workspace is not None and type(workspace) is not cupy_ndarray_type():
+        opts = None  # an unused workspace of another kind: its layout is no key
+    arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
+    key = None
+    if opts is not None:
+        key = dispatch.launch_key(opts[0], q.device.id, opts[1:], arrays)
+    entry = dispatch.LAUNCH_CACHE.get(key) if key is not None else None
+    if entry is None:
+        entry = _KVCacheLaunch(prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                               out, return_lse, workspace)
+        if key is not None:
+            dispatch.cache_put(key, entry)
+    return _execute_kvcache(entry, *arrays)
+
+
+class _KVCacheLaunch:
+    """One :data:`cupyflash.dispatch.LAUNCH_CACHE` entry of :func:`flash_attn_with_kvcache`:
+    the plan, the kernels and their constant arguments (NumPy scalars, from the layouts), built
+    once per key after the checks; :func:`_execute_kvcache` adds the pointers per call."""
+    __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
+                 "o_part_bytes", "append_kernel", "append_grid", "append_tail", "split_kernel",
+                 "split_tail", "combine_kernel", "combine_grid", "combine_tail")
+
+    def __init__(self, prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
+                 return_lse, workspace):
+        from .dispatch import _ContiguousLayout
+        self.prob, self.plan, self.return_lse = prob, plan, return_lse
+        ns = plan.num_splits
+        self.copy_seqlens = cache_seqlens is not None and cache_seqlens.strides[0] != 4
+        b, sq, h, d = prob.batch, prob.seqlen_q, prob.nheads, prob.headdim
+        self.lse_shape = (b, h, sq) if return_lse else None
+        self.ws_need = plan.workspace_elems if ns > 1 else 0
+        if ns > 1 and workspace is not None:  # checked before anything is launched
             if checks.dtype_name(workspace) != "float32":
                 raise TypeError(f"workspace: expected float32, got {checks.dtype_name(workspace)}")
-            if workspace.size < need or not workspace.flags.c_contiguous:
+            if workspace.size < self.ws_need or not workspace.flags.c_contiguous:
                 raise ValueError(f"workspace: expected a contiguous float32 array of at least "
-                                 f"{need} elements (workspace_size), got shape {workspace.shape}")
-    if prob.seqlen_new > 0 and prob.batch > 0:  # append first; same stream, so the split kernel
-        _launch_append(prob, k, v, k_cache, v_cache, cache_seqlens, block_table)  # sees it
-    if prob.batch == 0 or prob.seqlen_q == 0:  # no query rows: an empty grid is not launchable
-        return (out, lse) if return_lse else out
-
-    t = plan.template
-    kern = jit.get_kernel(split_kernel_spec(prob.dtype, t["headdim"], prob.paged,
-                                            stages=t["stages"]))
-    ns = plan.num_splits
-    rows = prob.batch * prob.seqlen_q * prob.nheads
-    if ns > 1:
-        o_part = workspace[:ns * rows * prob.headdim]
-        lse_part = workspace[ns * rows * prob.headdim:ns * rows * (prob.headdim + 1)]
-    else:
-        o_part = lse_part = None
-    qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
-    lse_bs, lse_hs = (_estrides(lse)[:2] if lse is not None else (0, 0))
-    bt_bs = _estrides(block_table)[0] if block_table is not None else 0
-    page_size = prob.page_size if prob.paged else 1
-    page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
-    nul = _nullptr()
-    i64, i32 = np.int64, np.int32
-    args = (q, k_cache, v_cache,
-            cache_seqlens if cache_seqlens is not None else nul,
-            block_table if block_table is not None else nul,
-            out if ns == 1 else nul,
-            lse if (lse is not None and ns == 1) else nul,
-            o_part if o_part is not None else nul,
-            lse_part if lse_part is not None else nul,
+                                 f"{self.ws_need} elements (workspace_size), got shape "
+                                 f"{workspace.shape}")
+        rows = b * sq * h
+        self.o_part_bytes = 4 * ns * rows * d  # partial O, then partial LSE, in the workspace
+        self.append_kernel = self.append_tail = self.append_grid = None
+        if prob.seqlen_new > 0 and b > 0:
+            self.append_kernel = jit.get_kernel(append_kernel_spec(prob.paged))
+            self.append_grid = _append_grid(prob)
+            self.append_tail = _append_tail(prob, k, v, k_cache, v_cache, block_table)
+        self.split_kernel = self.split_tail = None
+        self.combine_kernel = self.combine_tail = self.combine_grid = None
+        if b == 0 or sq == 0:  # no query rows: an empty grid is not launchable
+            return
+        if out is None:
+            out = _ContiguousLayout(q.shape, q.dtype)
+        t = plan.template
+        self.split_kernel = jit.get_kernel(split_kernel_spec(prob.dtype, t["headdim"],
+                                                             prob.paged, stages=t["stages"]))
+        qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
+        lse_bs, lse_hs = (h * sq, sq) if return_lse else (0, 0)  # contiguous (b, h, sq)
+        bt_bs = _estrides(block_table)[0] if block_table is not None else 0
+        page_size = prob.page_size if prob.paged else 1
+        page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
+        i64, i32 = np.int64, np.int32
+        self.split_tail = (
             i64(qs[0]), i64(qs[1]), i64(qs[2]),
             i64(ks[0]), i64(ks[1]), i64(ks[2]),
             i64(vs[0]), i64(vs[1]), i64(vs[2]),
@@ -744,14 +843,50 @@ def _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
             i32(prob.headdim), i32(prob.seqlen_cache), i32(prob.seqlen_new), i32(page_size),
             i32(page_shift), i32(prob.num_pages), i32(ns), i32(plan.split_tiles),
             i32(plan.row_chunks), i32(1 if prob.causal else 0),
-            np.float32(prob.softmax_scale * math.log2(math.e)))
-    kern(plan.grid, plan.block, args, shared_mem=plan.smem_bytes)
-    if ns > 1:
-        o5 = o_part.reshape(ns, prob.batch, prob.seqlen_q, prob.nheads, prob.headdim)
-        l4 = lse_part.reshape(ns, prob.batch, prob.nheads, prob.seqlen_q)
-        _launch_combine(o5, l4, out, lse, ns, prob.batch, prob.seqlen_q, prob.nheads,
-                        prob.headdim)
-    return (out, lse) if return_lse else out
+            np.float32(prob.softmax_scale * math.log2(math.e)),
+            _NULL, i32(0))  # counters (fused combine only), grid_order
+        if ns > 1:  # partials: contiguous (ns, b, sq, h, d) and (ns, b, h, sq) float32
+            self.combine_kernel = jit.get_kernel(combine_kernel_spec(prob.dtype))
+            self.combine_grid = _combine_grid(b, sq, h)
+            self.combine_tail = _combine_tail(
+                (b * sq * h * d, sq * h * d, h * d, d), (b * h * sq, h * sq, sq, 1), os_,
+                (h * sq, sq, 1) if return_lse else None, ns, b, sq, h, d)
+
+
+_NULL = np.uint64(0)  # a NULL pointer argument (CuPy would pass None as a NULL *argument*)
+
+
+def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace):
+    """Allocate what the caller did not pass and launch append / split / combine for the
+    :class:`_KVCacheLaunch` ``e`` on the current device (that of every array)."""
+    import cupy
+    if e.copy_seqlens:
+        cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
+    if out is None:
+        out = cupy.empty(q.shape, q.dtype)
+    lse = cupy.empty(e.lse_shape, cupy.float32) if e.lse_shape is not None else None
+    ns = e.plan.num_splits
+    if ns > 1 and workspace is None:
+        workspace = cupy.empty(e.ws_need, cupy.float32)
+    bt = block_table if block_table is not None else _NULL
+    if e.append_tail is not None:  # append first; same stream, so the split kernel sees it
+        e.append_kernel(e.append_grid, (256, 1, 1),
+                        (k, v, k_cache, v_cache, cache_seqlens, bt) + e.append_tail)
+    if e.split_tail is not None:
+        cs = cache_seqlens if cache_seqlens is not None else _NULL
+        lse_arg = lse if lse is not None else _NULL
+        if ns > 1:
+            o_part = np.uint64(workspace.data.ptr)
+            lse_part = np.uint64(workspace.data.ptr + e.o_part_bytes)
+            head = (q, k_cache, v_cache, cs, bt, _NULL, _NULL, o_part, lse_part)
+        else:
+            head = (q, k_cache, v_cache, cs, bt, out, lse_arg, _NULL, _NULL)
+        p = e.plan
+        e.split_kernel(p.grid, p.block, head + e.split_tail, shared_mem=p.smem_bytes)
+        if ns > 1:
+            e.combine_kernel(e.combine_grid, (128, 1, 1),
+                             (o_part, lse_part, out, lse_arg) + e.combine_tail)
+    return (out, lse) if e.return_lse else out
 
 
 def merge_states(o_parts, lse_parts):
@@ -803,3 +938,94 @@ def merge_states(o_parts, lse_parts):
         if out.size:  # an empty grid is not launchable
             _launch_combine(o32, l32, out, lse, num_parts, batch, seqlen, nheads, headdim)
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiments: split-kernel variants (scratch/decode_variants.py, tests/gpu/test_decode_gpu.py)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SplitVariant:
+    """A split-kernel configuration to measure against the default: tile shape (``block_n``
+    keys, ``nwarps`` warps, ``stages`` buffers), ``flags`` (:data:`FLAG_FUSED_COMBINE`,
+    :data:`FLAG_EVICT_FIRST`, :data:`FLAG_PREFETCH_256`) and ``grid_order`` (0: grid (splits,
+    batch, nheads_k * row_chunks); 1: (nheads_k * row_chunks, splits, batch), so the blocks of
+    the KV heads of one key range are launched together)."""
+    block_n: int
+    nwarps: int
+    stages: int
+    flags: int = 0
+    grid_order: int = 0
+
+    @property
+    def name(self) -> str:
+        return (f"n{self.block_n}_w{self.nwarps}_s{self.stages}"
+                + "".join(sfx for bit, sfx in _FLAG_SUFFIX if self.flags & bit)
+                + ("_hfirst" if self.grid_order else ""))
+
+    def spec(self, dtype: str, headdim: int, paged: bool) -> jit.KernelSpec:
+        return split_kernel_spec(dtype, headdim, paged, block_n=self.block_n, nwarps=self.nwarps,
+                                 stages=self.stages, flags=self.flags)
+
+    def workspace_elems(self, batch, seqlen_q, nheads, nheads_k, headdim, num_splits) -> int:
+        """float32 elements: partial O and LSE, then (fused combine) int32 counters
+        (batch, nheads_k * row_chunks), which must be zero before the first launch."""
+        n = workspace_elems(batch, seqlen_q, nheads, headdim, num_splits)
+        if n and self.flags & FLAG_FUSED_COMBINE:
+            n += batch * nheads_k * -(-(nheads // nheads_k * seqlen_q) // GROUP)
+        return n
+
+
+def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens, block_table,
+                      out, workspace, *, num_splits: int, lse=None, softmax_scale=None,
+                      causal=True):
+    """One decode step with ``variant`` (experiments; no checks beyond shapes, no append).
+
+    CuPy arrays on the current device; ``workspace``: a contiguous float32 CuPy array of at least
+    :meth:`SplitVariant.workspace_elems` elements, zero-filled once when the variant fuses the
+    combine (the kernel leaves its counters at zero, so the call can be replayed in a graph).
+    Returns ``out``."""
+    prob = checks.check_kvcache(q, k_cache, v_cache, None, None, cache_seqlens, block_table,
+                                softmax_scale=softmax_scale, causal=causal,
+                                num_splits=num_splits, out=out, dtypes=DTYPES, validate=False)
+    ns = int(num_splits)
+    nul = np.uint64(0)  # a NULL pointer argument
+    b, sq, h, d, hk = prob.batch, prob.seqlen_q, prob.nheads, prob.headdim, prob.nheads_k
+    spec = variant.spec(prob.dtype, padded_headdim(d), prob.paged)
+    row_chunks = -(-(h // hk * sq) // GROUP)
+    fused = ns > 1 and variant.flags & FLAG_FUSED_COMBINE
+    rows = b * sq * h
+    o_part = lse_part = counters = nul
+    if ns > 1:
+        need = variant.workspace_elems(b, sq, h, hk, d, ns)
+        if workspace is None or workspace.size < need or workspace.dtype != np.float32:
+            raise ValueError(f"workspace: need a float32 array of {need} elements")
+        o_part = np.uint64(workspace.data.ptr)
+        lse_part = np.uint64(workspace.data.ptr + 4 * ns * rows * d)
+        if fused:
+            counters = np.uint64(workspace.data.ptr + 4 * ns * rows * (d + 1))
+    qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
+    lse_bs, lse_hs = (_estrides(lse)[:2] if lse is not None else (0, 0))
+    bt_bs = _estrides(block_table)[0] if block_table is not None else 0
+    page_size = prob.page_size if prob.paged else 1
+    page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
+    final = ns == 1 or fused
+    i64, i32 = np.int64, np.int32
+    args = (q, k_cache, v_cache,
+            cache_seqlens if cache_seqlens is not None else nul,
+            block_table if block_table is not None else nul,
+            out if final else nul, lse if (lse is not None and final) else nul,
+            o_part, lse_part,
+            i64(qs[0]), i64(qs[1]), i64(qs[2]), i64(ks[0]), i64(ks[1]), i64(ks[2]),
+            i64(vs[0]), i64(vs[1]), i64(vs[2]), i64(os_[0]), i64(os_[1]), i64(os_[2]),
+            i64(lse_bs), i64(lse_hs), i64(bt_bs),
+            i32(b), i32(h), i32(hk), i32(sq), i32(d), i32(prob.seqlen_cache), i32(0),
+            i32(page_size), i32(page_shift), i32(prob.num_pages), i32(ns), i32(0),
+            i32(row_chunks), i32(1 if prob.causal else 0),
+            np.float32(prob.softmax_scale * math.log2(math.e)), counters, i32(variant.grid_order))
+    grid = (ns, b, hk * row_chunks) if variant.grid_order == 0 else (hk * row_chunks, ns, b)
+    jit.get_kernel(spec)(grid, (variant.nwarps * 32, 1, 1), args, shared_mem=spec.smem_bytes)
+    if ns > 1 and not fused:
+        o5 = workspace[:ns * rows * d].reshape(ns, b, sq, h, d)
+        l4 = workspace[ns * rows * d:ns * rows * (d + 1)].reshape(ns, b, h, sq)
+        _launch_combine(o5, l4, out, lse, ns, b, sq, h, d)
+    return out

@@ -399,3 +399,129 @@ def launch_plan(problem) -> Plan:
 def _launch_plan_cached(problem, dev: int) -> Plan:
     arch, sms, smem = _device_info(dev)
     return _plan_prefill(problem, arch, False, False, sms, smem, None, reasons=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch cache (what a warm call reuses)
+# ----------------------------------------------------------------------------------------------
+#: Everything a call derives from its arguments' layouts and options, kept per
+#: :func:`launch_key`: the validated problem, the plan, the launch geometry, the constant kernel
+#: arguments (NumPy scalars) and the compiled kernel. ``flash_attn_func``,
+#: ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` store an entry only after the full
+#: validation (:mod:`cupyflash.checks`) and the planning succeeded, and look it up *before*
+#: validating only when every array argument is exactly a ``cupy.ndarray`` and every option is
+#: a plain Python value of the exact type (``bool``, ``int``, ``float``, ``None``, a tuple of
+#: two ``int``): for such arguments the checks read nothing but the key's fields, so a hit
+#: proves they pass again. Values that are not in the key are checked on every call (the device
+#: of every array, base-pointer alignment). Content checks (``validate=True``: ``cu_seqlens``,
+#: ``cache_seqlens``, ``block_table`` values) never take the cached path.
+#: Cleared when it reaches :data:`LAUNCH_CACHE_SIZE` entries.
+LAUNCH_CACHE: dict = {}
+LAUNCH_CACHE_SIZE = 4096
+
+
+def launch_key(kind: str, dev: int, options: tuple, arrays: tuple) -> tuple:
+    """The :data:`LAUNCH_CACHE` key of a call.
+
+    Parameters
+    ----------
+    kind : str
+        ``"dense"``, ``"varlen"`` or ``"kvcache"``.
+    dev : int
+        CUDA device of ``q`` (the launch device).
+    options : tuple
+        The call's options as given (hashable plain values; see :data:`LAUNCH_CACHE`).
+    arrays : tuple
+        The array arguments in signature order (None where absent); each contributes its
+        ``(shape, strides, dtype)``.
+    """
+    return (kind, dev, options) + tuple(None if a is None else (a.shape, a.strides, a.dtype)
+                                        for a in arrays)
+
+
+def cache_put(key, entry) -> None:
+    """Store ``entry`` under ``key`` (clearing the cache when full)."""
+    if len(LAUNCH_CACHE) >= LAUNCH_CACHE_SIZE:
+        LAUNCH_CACHE.clear()
+    LAUNCH_CACHE[key] = entry
+
+
+class _ContiguousLayout:
+    """Shape, strides and dtype of a C-contiguous array not yet allocated (``out=None``)."""
+
+    class data:  # noqa: N801 - stands in for MemoryPointer (cupy.empty is 256-byte aligned)
+        ptr = 0
+
+    def __init__(self, shape: tuple, dtype):
+        self.shape, self.dtype, self.ndim = tuple(shape), dtype, len(shape)
+        strides, acc = [], dtype.itemsize
+        for n in reversed(self.shape):
+            strides.insert(0, acc)
+            acc *= max(n, 1)
+        self.strides = tuple(strides)
+
+
+class PrefillLaunch:
+    """One :data:`LAUNCH_CACHE` entry of the prefill path (built by :func:`prefill_launch`).
+
+    Attributes
+    ----------
+    problem : cupyflash.checks.AttnProblem
+    plan : Plan
+        From :func:`launch_plan` (no compile report, no I/O model).
+    action : str
+        ``"launch"``; ``"fill"`` (no keys: out 0, LSE -inf, no launch); ``"none"`` (empty LSE).
+    lse_shape : tuple
+        (batch, nheads, seqlen_q), varlen (nheads, total_q); float32, allocated per call.
+    grid, block, smem : launch geometry.
+    tensor_cores : bool
+        Base pointers must be 16-byte aligned (checked per call).
+    strides, sizes : tuple
+        Constant kernel arguments (:func:`cupyflash.prefill.args_template`); the dense call's
+        arguments are ``(q, k, v, out, lse) + tail``.
+    kernel : cupy.RawKernel or None
+        Fetched on the first launch.
+    """
+    __slots__ = ("problem", "plan", "action", "lse_shape", "grid", "block", "smem",
+                 "tensor_cores", "strides", "sizes", "tail", "kernel")
+
+    def __init__(self, problem, q, k, v, out):
+        from . import prefill
+        self.problem = p = problem
+        self.plan = launch_plan(p)  # raises (every rejection) when no specialisation fits
+        spec = self.plan.kernel.spec
+        self.lse_shape = (p.nheads, p.total_q) if p.varlen else (p.batch, p.nheads, p.seqlen_q)
+        n_lse = 1
+        for n in self.lse_shape:
+            n_lse *= n
+        no_keys = p.total_k == 0 if p.varlen else p.seqlen_k == 0
+        self.action = "none" if n_lse == 0 else "fill" if no_keys else "launch"
+        self.grid, self.block, self.smem = prefill.launch_config(spec, p)
+        self.kernel = None
+        self.strides = self.sizes = self.tail = None
+        self.tensor_cores = prefill.config_of(spec)[0].dtype in prefill.TC_DTYPES
+        if self.action == "launch" and 0 in self.grid:
+            self.action = "none"  # varlen without validate: no sequences or max_seqlen_q = 0
+        if self.action == "launch":
+            if self.grid[1] > 65535 or self.grid[2] > 65535:
+                raise ValueError(f"problem: nheads ({self.grid[1]}) and batch "
+                                 f"({self.grid[2]}) must be <= 65535")
+            if out is None:
+                out = _ContiguousLayout(q.shape, q.dtype)
+            lse_strides = (self.lse_shape[1], 1) if p.varlen else \
+                (self.lse_shape[1] * self.lse_shape[2], self.lse_shape[2], 1)
+            self.strides, self.sizes = prefill.args_template(spec, q, k, v, out, lse_strides,
+                                                             problem=p, varlen=p.varlen)
+            self.tail = self.strides + prefill._NULL2 + self.sizes
+
+
+def prefill_launch(problem, key, q, k, v, out) -> PrefillLaunch:
+    """The cached :class:`PrefillLaunch` of ``key`` (None: do not cache), built for the
+    validated ``problem`` and the layouts of ``q``, ``k``, ``v``, ``out`` (None: allocated
+    contiguous) on the current device when missing."""
+    entry = LAUNCH_CACHE.get(key) if key is not None else None
+    if entry is None:
+        entry = PrefillLaunch(problem, q, k, v, out)
+        if key is not None:
+            cache_put(key, entry)
+    return entry

@@ -104,6 +104,11 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     if not tiles:
         raise ValueError(f"dtype: no prefill tile available for dtype {dtype!r} and headdim "
                          f"{headdim}")
+    # Rule 1: the table's first row. bf16/fp16 hd128 (and hd96 unmeasured): see
+    # cupyflash/prefill.py _TC_TILES; hd128's default is 128x32x4w because the v0 tile sweep on
+    # the H200 (bf16, S = 4096, non-causal, experiments/NOTES.md) measured 128x32x4 307 TFLOP/s
+    # against 257 for the previous default 128x64x8 (64x64x4 259, 128x128x8 278). To be revised
+    # with scratch/prefill_variants.py (the 128x64x4 rows with 32 rows per warp).
     tile = tiles[0]                                              # rule 1
     block_ms = sorted({t[0] for t in tiles})
 

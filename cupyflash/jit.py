@@ -249,7 +249,7 @@ def get_kernel(spec: KernelSpec, options: tuple = ()):
     CuPy's disk cache keeps it across processes). Raises its dynamic shared-memory limit to
     ``spec.smem_bytes`` when that is above 48 KiB."""
     import cupy
-    dev = cupy.cuda.Device().id
+    dev = cupy.cuda.runtime.getDevice()  # (cheaper than cupy.cuda.Device().id)
     key = (spec, tuple(options), dev)
     k = _KERNELS.get(key)
     if k is None:

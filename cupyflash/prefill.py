@@ -9,10 +9,15 @@ The kernels (``kernels_cu/flash_fwd.cu`` on tensor cores for float16/bfloat16,
 Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU):
 
 * :data:`SUPPORTED` is the table of compiled configurations (a tuple of :class:`PrefillConfig`);
-  within one (dtype, headdim) the first row is the suggested default.
+  within one (dtype, headdim) the first row is the suggested default, and (block_m, block_n,
+  nwarps) is unique, so a tile names one row. :data:`VARIANTS` holds experimental rows with
+  another pipeline depth (``stages``) or register working set (``sub_n``) than the plain kernel
+  (2 stages, whole tile); the dispatcher never picks them, ``scratch/prefill_variants.py``
+  measures them, and a variant that wins replaces the SUPPORTED row of its tile.
 * :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one.
 * :func:`kernel_spec` names a specialisation (``fwd_bf16_hd128_m128_n64_w8_causal``,
-  ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.jit.KernelSpec`.
+  ``fwd_bf16_hd128_m128_n64_w4_s3_sub32``, ``fwdsimt_f64_hd64_m32_n32``) and returns its
+  :class:`cupyflash.jit.KernelSpec`.
 * :func:`launch_config` gives (grid, block, dynamic shared memory) for a spec and a problem.
 """
 from __future__ import annotations
@@ -20,12 +25,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from . import jit
 
 __all__ = [
-    "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
-    "padded_headdim", "smem_bytes", "kernel_spec", "all_specs", "config_of", "launch_config",
-    "kernel_args", "launch",
+    "PrefillConfig", "SUPPORTED", "VARIANTS", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
+    "padded_headdim", "smem_bytes", "kernel_spec", "all_specs", "variant_specs", "spec_of",
+    "config_of", "launch_config",
+    "kernel_args", "args_template", "check_pointers", "launch",
 ]
 
 #: Compiled (padded) head dims; every multiple of 8 up to 256 maps to the next one of these.
@@ -58,6 +66,9 @@ class PrefillConfig:
         CUDA cores: always 4, i.e. 128 threads).
     smem_bytes : dynamic shared memory per CTA, bytes (same formula as the kernel's traits).
     source : kernel file under ``kernels_cu/``.
+    stages : K/V tiles in the cp.async pipeline (tensor cores; 2 = double buffering).
+    sub_n : keys per register working set (tensor cores): each ``block_n``-key shared-memory
+        tile is consumed as ``block_n / sub_n`` sub-tiles; 0 means ``block_n``.
     """
     dtype: str
     headdim: int
@@ -66,16 +77,27 @@ class PrefillConfig:
     nwarps: int
     smem_bytes: int
     source: str
+    stages: int = 2
+    sub_n: int = 0
+
+    def __post_init__(self):
+        if self.sub_n == 0:
+            object.__setattr__(self, "sub_n", self.block_n)
+
+    @property
+    def plain(self) -> bool:
+        """True for the default pipeline (2 stages, whole-tile working set)."""
+        return self.stages == 2 and self.sub_n == self.block_n
 
     @property
     def threads(self) -> int:
         return 32 * self.nwarps
 
 
-def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int) -> int:
+def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int = 2) -> int:
     """Dynamic shared memory of a configuration, bytes.
 
-    Tensor cores: Q tile + 2 stages of K and V tiles, rows padded by 16 bytes
+    Tensor cores: Q tile + ``stages`` stages of K and V tiles, rows padded by 16 bytes
     (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles and the P tile, rows padded by 16 bytes
     (``SimtTraits::kSmemBytes``).
     """
@@ -83,7 +105,7 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int) -> int:
     pad = 16 // isz
     row = headdim + pad
     if dtype in TC_DTYPES:
-        return (block_m + 2 * 2 * block_n) * row * isz
+        return (block_m + 2 * stages * block_n) * row * isz
     return (block_m * row + 2 * block_n * row + block_m * (block_n + pad)) * isz
 
 
@@ -91,12 +113,14 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int) -> int:
 # nwarps), every one compiles with zero spills for sm_80 and sm_90a (tests/test_compile_prefill.py).
 # block_m / nwarps = 16 or 32 rows per warp; 32 rows per warp (two m16 tiles) halves the smem
 # traffic for K and V per FLOP but needs ~2x the accumulator registers, so it only fits with
-# smaller key tiles (128x64x4w at hd128 spills, unlike FlashAttention-2's CuTe build of it).
+# smaller key tiles up to hd128 (128x64x4w: 255 registers, no spills; hd160+ spills at 32 rows
+# per warp). hd128 default 128x32x4w: H200, bf16, S = 4096, non-causal, v0 tile sweep
+# (experiments/NOTES.md): 128x32x4 307 TFLOP/s, 128x64x8 257, 64x64x4 259, 128x128x8 278.
 _TC_TILES = {
     32: ((128, 128, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)),
     64: ((128, 64, 4), (128, 128, 8), (64, 64, 4), (64, 128, 4)),
-    96: ((128, 64, 8), (128, 32, 4), (64, 64, 4), (128, 128, 8)),
-    128: ((128, 64, 8), (128, 32, 4), (64, 64, 4), (128, 128, 8)),
+    96: ((128, 64, 8), (128, 32, 4), (128, 64, 4), (64, 64, 4), (128, 128, 8)),
+    128: ((128, 32, 4), (128, 64, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8)),
     160: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     192: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     224: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
@@ -108,6 +132,18 @@ _SIMT_TILES = {
     "float64": {hd: ((32, 32), (16, 32)) if hd <= 128 else ((16, 32), (32, 32)) for hd in HEADDIMS},
 }
 _SIMT_TILES["float64"][256] = ((16, 32), (16, 16))  # 32x32 needs > 255 registers (spills)
+
+# Experimental tensor-core rows (both dtypes): (headdim, block_m, block_n, nwarps, stages, sub_n),
+# measured by scratch/prefill_variants.py against the SUPPORTED rows of the same head dim.
+# 3 stages: two K/V tiles in flight (128x64 hd128 with 3 stages, 139 KB, would allow only 1 CTA
+# per SM and spills 16 bytes when causal; hd64 128x128x4w sub64 spills: both left out).
+# sub_n < block_n: 64-key copies and barriers, 32-key registers (S, P) per softmax step.
+_TC_VARIANTS = (
+    (64, 128, 64, 4, 3, 64),
+    (96, 128, 64, 4, 2, 32),
+    (128, 128, 64, 4, 2, 32),
+    (128, 128, 32, 4, 3, 32),
+)
 
 
 def _build_table() -> tuple:
@@ -124,8 +160,16 @@ def _build_table() -> tuple:
     return tuple(rows)
 
 
-#: The supported table: every compiled configuration.
+def _build_variants() -> tuple:
+    return tuple(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn, st), TC_SOURCE,
+                               st, sub)
+                 for dtype in TC_DTYPES for hd, bm, bn, nw, st, sub in _TC_VARIANTS)
+
+
+#: The supported table: every compiled configuration the dispatcher may choose.
 SUPPORTED: tuple = _build_table()
+#: Experimental rows (a SUPPORTED tile with another ``stages`` / ``sub_n``): sweeps only.
+VARIANTS: tuple = _build_variants()
 
 
 def padded_headdim(d: int) -> int:
@@ -145,51 +189,78 @@ def padded_headdim(d: int) -> int:
 def _name(cfg: PrefillConfig, causal: bool) -> str:
     suffix = "_causal" if causal else ""
     if cfg.dtype in TC_DTYPES:
+        pipe = (f"_s{cfg.stages}" if cfg.stages != 2 else "") + \
+               (f"_sub{cfg.sub_n}" if cfg.sub_n != cfg.block_n else "")
         return (f"fwd_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
-                f"_w{cfg.nwarps}{suffix}")
+                f"_w{cfg.nwarps}{pipe}{suffix}")
     return f"fwdsimt_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
 
 
 def _entry(cfg: PrefillConfig, causal: bool) -> str:
     c = "true" if causal else "false"
     if cfg.dtype in TC_DTYPES:
+        pipe = "" if cfg.plain else f", {cfg.stages}, {cfg.sub_n}"
         return (f"cf::flash_fwd_kernel<{_CTYPE[cfg.dtype]}, {cfg.headdim}, {cfg.block_m}, "
-                f"{cfg.block_n}, {cfg.nwarps}, {c}>")
+                f"{cfg.block_n}, {cfg.nwarps}, {c}{pipe}>")
     return (f"cf::flash_fwd_simt_kernel<{_CTYPE[cfg.dtype]}, {cfg.headdim}, {cfg.block_m}, "
             f"{cfg.block_n}, {c}>")
 
 
 _BY_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps): c for c in SUPPORTED}
+_BY_FULL_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n): c
+                for c in SUPPORTED + VARIANTS}
 _BY_NAME: dict = {}
-for _c in SUPPORTED:
+for _c in SUPPORTED + VARIANTS:
     for _causal in (False, True):
         _BY_NAME[_name(_c, _causal)] = (_c, _causal)
 del _c, _causal
 
 
 def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: int,
-                causal: bool) -> jit.KernelSpec:
-    """The :class:`~cupyflash.jit.KernelSpec` of one specialisation in :data:`SUPPORTED`.
+                causal: bool, *, stages: int | None = None,
+                sub_n: int | None = None) -> jit.KernelSpec:
+    """The :class:`~cupyflash.jit.KernelSpec` of one specialisation.
+
+    Without ``stages`` / ``sub_n``: the :data:`SUPPORTED` row of that tile. With either: the row
+    of :data:`SUPPORTED` or :data:`VARIANTS` with exactly those values (the other one defaulting
+    to 2 stages / ``sub_n = block_n``).
 
     Raises
     ------
     ValueError
         If the combination is not in the table (the message lists the tiles that are).
     """
-    cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps))
+    if stages is None and sub_n is None:
+        cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps))
+    else:
+        cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps,
+                                2 if stages is None else stages,
+                                block_n if sub_n is None else sub_n))
     if cfg is None:
-        have = [f"m{c.block_m}_n{c.block_n}_w{c.nwarps}" for c in SUPPORTED
-                if c.dtype == dtype and c.headdim == hd_padded]
-        raise ValueError(f"prefill tile: ({dtype}, hd{hd_padded}, m{block_m}, n{block_n}, w{nwarps}) "
-                         f"is not compiled; supported for this dtype/headdim: {have or 'none'}")
+        have = [_name(c, False)[len(f"fwd_{_SHORT.get(dtype, dtype)}_hd{hd_padded}_"):]
+                if c.dtype in TC_DTYPES else f"m{c.block_m}_n{c.block_n}_w{c.nwarps}"
+                for c in SUPPORTED + VARIANTS if c.dtype == dtype and c.headdim == hd_padded]
+        extra = "" if stages is None and sub_n is None else f", stages {stages}, sub_n {sub_n}"
+        raise ValueError(f"prefill tile: ({dtype}, hd{hd_padded}, m{block_m}, n{block_n}, w{nwarps}"
+                         f"{extra}) is not compiled; compiled for this dtype/headdim: "
+                         f"{have or 'none'}")
+    return spec_of(cfg, causal)
+
+
+def spec_of(cfg: PrefillConfig, causal: bool) -> jit.KernelSpec:
+    """The :class:`~cupyflash.jit.KernelSpec` of a :data:`SUPPORTED` or :data:`VARIANTS` row."""
     return jit.KernelSpec(name=_name(cfg, bool(causal)), source=cfg.source,
                           entry=_entry(cfg, bool(causal)), smem_bytes=cfg.smem_bytes)
 
 
 def all_specs() -> tuple:
     """Every specialisation in :data:`SUPPORTED` (each configuration, non-causal and causal)."""
-    return tuple(kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, causal)
-                 for c in SUPPORTED for causal in (False, True))
+    return tuple(spec_of(c, causal) for c in SUPPORTED for causal in (False, True))
+
+
+def variant_specs() -> tuple:
+    """Every specialisation in :data:`VARIANTS` (each row, non-causal and causal)."""
+    return tuple(spec_of(c, causal) for c in VARIANTS for causal in (False, True))
 
 
 def config_of(spec: jit.KernelSpec) -> tuple:
@@ -237,15 +308,38 @@ def kernel_args(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_
     lse (batch, nheads, seqlen_q) float32; varlen: q/out (total_q, nheads, headdim), k/v
     (total_k, nheads_k, headdim), lse (nheads, total_q). Strides in elements (64-bit); the last
     dim of q/k/v/out and of lse must be contiguous.
+
+    The tuple is ``(q, k, v, out, lse) + strides + (cu_seqlens_q, cu_seqlens_k) + sizes`` with
+    ``strides, sizes = args_template(...)`` (which depend on shapes, strides and the problem
+    only, so the launch cache of :mod:`cupyflash.dispatch` keeps them), then
+    :func:`check_pointers` (the per-call part).
     """
-    import numpy as np
-    cfg, causal = config_of(spec)
     varlen = cu_seqlens_q is not None
     if (cu_seqlens_k is not None) != varlen:
         raise ValueError("cu_seqlens_q, cu_seqlens_k: give both or neither")
+    ls = _strides(lse, "lse", 2 if varlen else 3)
+    strides, sizes = args_template(spec, q, k, v, out, ls, problem=problem, varlen=varlen)
+    check_pointers(spec, q, k, v, out)
+    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else _NULL2
+    return (q, k, v, out, lse) + strides + cu + sizes
+
+
+# NULL pointers for cu_seqlens (CuPy would pass None as a NULL *argument*).
+_NULL2 = (np.uint64(0), np.uint64(0))
+
+
+def args_template(spec: jit.KernelSpec, q, k, v, out, lse_strides: tuple, *, problem,
+                  varlen: bool) -> tuple:
+    """``(strides, sizes)``: the parts of :func:`kernel_args` that follow from the layouts and
+    the problem (NumPy scalars, in kernel order), after checking the layouts the kernel relies
+    on. ``lse_strides`` in elements; q, k, v, out need ``ndim``, ``strides``, ``dtype`` (and,
+    only when a layout check fails, ``data.ptr`` for the message)."""
+    cfg, causal = config_of(spec)
     nd = 3 if varlen else 4
     qs, ks, vs, os_ = (_strides(x, n, nd) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
-    ls = _strides(lse, "lse", 2 if varlen else 3)
+    ls = tuple(lse_strides)
+    if len(ls) != (2 if varlen else 3):
+        raise ValueError(f"lse: expected {2 if varlen else 3} dims, got strides {ls}")
     for n, st in (("q", qs), ("k", ks), ("v", vs), ("out", os_), ("lse", ls)):
         if st[-1] != 1:
             raise ValueError(f"{n}: the last dimension must be contiguous (stride 1), got strides {st}")
@@ -257,45 +351,42 @@ def kernel_args(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_
                          f"got {problem.headdim}")
     if np.dtype(q.dtype).name != cfg.dtype:
         raise ValueError(f"q: dtype {np.dtype(q.dtype).name} does not match spec {spec.name}")
-    if cfg.dtype in TC_DTYPES:
-        # 16-byte cp.async loads and 4-byte paired stores: 16-byte aligned bases and rows.
-        for n, x, st in (("q", q, qs), ("k", k, ks), ("v", v, vs), ("out", out, os_)):
-            if x.data.ptr % 16 or any(s % 8 for s in st[:-1]):
-                raise ValueError(f"{n}: the tensor-core kernel needs a 16-byte aligned base and "
-                                 f"strides that are multiples of 8 elements; got pointer "
-                                 f"{x.data.ptr:#x} and strides {st}")
+    if cfg.dtype in TC_DTYPES and any(s % 8 for st in (qs, ks, vs, os_) for s in st[:-1]):
+        _check_alignment(spec, q, k, v, out)  # raises, naming the first bad array
     i64 = np.int64
     if varlen:
-        q_b = k_b = v_b = o_b = lse_b = 0
-        q_r, q_h = qs[0], qs[1]
-        k_r, k_h = ks[0], ks[1]
-        v_r, v_h = vs[0], vs[1]
-        o_r, o_h = os_[0], os_[1]
-        lse_h = ls[0]
-        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+        strides = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
+                   0, ls[0])
     else:
-        q_b, q_r, q_h = qs[:3]
-        k_b, k_r, k_h = ks[:3]
-        v_b, v_r, v_h = vs[:3]
-        o_b, o_r, o_h = os_[:3]
-        lse_b, lse_h = ls[0], ls[1]
-        cu_q = cu_k = np.uint64(0)  # NULL pointers (CuPy would pass None as a NULL *argument*)
+        strides = qs[:3] + ks[:3] + vs[:3] + os_[:3] + ls[:2]
     left, right = problem.window_size
     scale = float(problem.softmax_scale)
-    return (
-        q, k, v, out, lse,
-        i64(q_b), i64(q_r), i64(q_h),
-        i64(k_b), i64(k_r), i64(k_h),
-        i64(v_b), i64(v_r), i64(v_h),
-        i64(o_b), i64(o_r), i64(o_h),
-        i64(lse_b), i64(lse_h),
-        cu_q, cu_k,
-        np.int32(problem.batch), np.int32(problem.nheads), np.int32(problem.nheads_k),
-        np.int32(problem.nheads // problem.nheads_k),
-        np.int32(problem.seqlen_q), np.int32(problem.seqlen_k), np.int32(problem.headdim),
-        np.float32(scale * _LOG2E), np.float64(scale),
-        np.int32(left), np.int32(right),
-    )
+    sizes = (np.int32(problem.batch), np.int32(problem.nheads), np.int32(problem.nheads_k),
+             np.int32(problem.nheads // problem.nheads_k),
+             np.int32(problem.seqlen_q), np.int32(problem.seqlen_k), np.int32(problem.headdim),
+             np.float32(scale * _LOG2E), np.float64(scale),
+             np.int32(left), np.int32(right))
+    return tuple(i64(s) for s in strides), sizes
+
+
+def check_pointers(spec: jit.KernelSpec, q, k, v, out) -> None:
+    """The per-call layout check of :func:`kernel_args`: the tensor-core kernel's 16-byte
+    ``cp.async`` loads need 16-byte aligned base pointers (ValueError naming the array)."""
+    if (config_of(spec)[0].dtype in TC_DTYPES
+            and (q.data.ptr | k.data.ptr | v.data.ptr | out.data.ptr) % 16):
+        _check_alignment(spec, q, k, v, out)
+
+
+def _check_alignment(spec, q, k, v, out) -> None:
+    """ValueError for the first of q, k, v, out whose base pointer is not 16-byte aligned or
+    whose strides (but the last) are not multiples of 8 elements (tensor-core kernels)."""
+    # 16-byte cp.async loads and 4-byte paired stores: 16-byte aligned bases and rows.
+    for n, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        st = _strides(x, n, x.ndim)
+        if x.data.ptr % 16 or any(s % 8 for s in st[:-1]):
+            raise ValueError(f"{n}: the tensor-core kernel needs a 16-byte aligned base and "
+                             f"strides that are multiples of 8 elements; got pointer "
+                             f"{x.data.ptr:#x} and strides {st}")
 
 
 def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=None,

@@ -9,7 +9,14 @@
 // log2(e) folded into one FFMA) stays in registers, and P is re-used straight from the S
 // accumulator registers as the A operand of P V (see common/mma.cuh for why that is exact).
 // Causal / sliding-window: key tiles outside every row's range are skipped by the loop bounds;
-// only tiles that straddle a boundary evaluate the mask (common/mask.cuh).
+// only tiles that straddle a boundary evaluate the mask (common/mask.cuh), and on those a warp
+// skips the SUB_N-key sub-tiles that none of its own rows sees (exact: P would be 0; when Q is
+// re-read from smem, FwdTraits::kWarpSkip).
+//
+// Template knobs beyond the tile (defaults = the plain kernel): STAGES K/V tiles in the cp.async
+// ring (2 = double buffering), and SUB_N keys per register working set (a BLOCK_N-key smem tile
+// is consumed as BLOCK_N / SUB_N sub-tiles, each with its own S, online-softmax step and P V),
+// which lets 32 rows per warp keep 64-key copies and barriers within 255 registers.
 //
 // Shared memory rows are padded by 16 bytes (HEADDIM + 8 elements): the row pitch is then an odd
 // number of 16-byte chunks, so the 8 row addresses of every ldmatrix phase fall in 8 distinct
@@ -23,31 +30,53 @@
 
 namespace cf {
 
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS>
+// STAGES: K/V tiles in flight (2 = double buffering, 3 = two tiles ahead). SUB_N: keys per
+// register working set; a BLOCK_N-key smem tile is consumed as BLOCK_N / SUB_N sub-tiles, each
+// with its own S = Q K^T, online-softmax update and P V (the online softmax is exact for any
+// partition of the keys), so that 32 rows per warp fit in registers with 64-key copies.
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES = 2,
+          int SUB_N = BLOCK_N>
 struct FwdTraits {
     static constexpr int kThreads = NWARPS * 32;
     static constexpr int kMTiles = BLOCK_M / (16 * NWARPS);  // m16 row tiles per warp
-    static constexpr int kNTiles = BLOCK_N / 8;              // n8 tiles of S per row tile
+    static constexpr int kSubN = SUB_N;                      // keys per register working set
+    static constexpr int kSubTiles = BLOCK_N / SUB_N;        // sub-tiles per smem tile
+    static constexpr int kNTiles = SUB_N / 8;                // n8 tiles of S per row tile
     static constexpr int kDTiles = HEADDIM / 8;              // n8 tiles of acc per row tile
     static constexpr int kKSteps = HEADDIM / 16;             // k16 steps of Q K^T
-    static constexpr int kPSteps = BLOCK_N / 16;             // k16 steps of P V
+    static constexpr int kPSteps = SUB_N / 16;               // k16 steps of P V
     static constexpr int kChunks = HEADDIM / 8;              // 16-byte chunks per row
     static constexpr int kRow = HEADDIM + 8;                 // padded smem row, elements
     static constexpr int kQElems = BLOCK_M * kRow;
     static constexpr int kKVElems = BLOCK_N * kRow;
-    static constexpr int kStages = 2;
+    static constexpr int kStages = STAGES;
+    // cp.async groups: Q, then one K group and one V group per tile; kStages - 1 tiles are in
+    // flight ahead of the one being consumed. At the top of iteration j the committed groups
+    // from K_j on are K_j, V_j, ..., K_{j+S-2}, V_{j+S-2}: K_j has landed when at most
+    // kWaitK = 2 (S - 1) - 1 are pending; after the prefetch of tile j + S - 1 (2 more groups),
+    // V_j has landed when at most kWaitV = 2 (S - 1) are pending. Q (the first group) has landed
+    // when at most kWaitQ = 2 (S - 1) are pending after the prologue.
+    static constexpr int kWaitK = 2 * (STAGES - 1) - 1;
+    static constexpr int kWaitV = 2 * (STAGES - 1);
+    static constexpr int kWaitQ = 2 * (STAGES - 1);
     // Bytes of dynamic shared memory; cupyflash/prefill.py computes the same number.
     static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * (int)sizeof(T);
     // Q as A fragments held in registers for the whole kernel when the register budget allows
     // (acc + S + Q fragments); otherwise re-read from smem with ldmatrix at every k-step, which is
     // what FlashAttention-2 itself does for these tile shapes.
-    static constexpr int kRegEstimate = kMTiles * (HEADDIM / 2 + BLOCK_N / 2 + HEADDIM / 4);
+    static constexpr int kRegEstimate = kMTiles * (HEADDIM / 2 + SUB_N / 2 + HEADDIM / 4);
     static constexpr bool kQInRegs = kRegEstimate <= 160;
+    // Warp-level skip of fully masked sub-tiles on boundary tiles. Off when Q lives in registers:
+    // there the extra live state made hd192 128x32x8w spill (ptxas, sm_90a), and those tiles
+    // (16-row warps, or hd64) gain little from it.
+    static constexpr bool kWarpSkip = !kQInRegs;
 
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(HEADDIM % 32 == 0 && HEADDIM <= 256, "padded head dim");
     static_assert(BLOCK_M % (16 * NWARPS) == 0 && kMTiles >= 1, "BLOCK_M = 16 * NWARPS * kMTiles");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N multiple of 16");
+    static_assert(SUB_N % 16 == 0 && BLOCK_N % SUB_N == 0, "SUB_N: a multiple of 16 dividing BLOCK_N");
+    static_assert(STAGES >= 2 && STAGES <= 4, "2..4 K/V stages");
     static_assert((kRow * 2 / 16) % 2 == 1, "odd pitch in 16-byte chunks: conflict-free ldmatrix");
 };
 
@@ -96,9 +125,10 @@ struct TileLoader {
     }
 };
 
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL>
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL, int STAGES,
+          int SUB_N>
 __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
-    using Tr = FwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS>;
+    using Tr = FwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, STAGES, SUB_N>;
     constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -128,7 +158,8 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                                   p.window_left, p.window_right);
     const int n_block_min = tiles.n_block_min, n_block_max = tiles.n_block_max;
 
-    // ---- prologue: Q tile (group 0), K_0 (group 1), V_0 (group 2) ----
+    // ---- prologue: Q tile (group 0), then K, V of the first kStages - 1 tiles (2 groups each;
+    // empty groups past the last tile keep the wait counts uniform) ----
     const TileLoader<Tr, BLOCK_M> q_loader(tid);
     const TileLoader<Tr, BLOCK_N> kv_loader(tid);
     const uint32_t sQ_base = smem_u32addr(sQ), sK_base = smem_u32addr(sK), sV_base = smem_u32addr(sV);
@@ -136,17 +167,21 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
     q_loader.load(sQ_base, q_base + (int64_t)m0 * p.q_row_stride, p.q_row_stride, seqlen_q - m0,
                   chunks_valid, q_base);
     cp_async_commit();
-    if (n_block_min < n_block_max) {
-        const int n0 = n_block_min * BLOCK_N;
-        kv_loader.load(sK_base, k_base + (int64_t)n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0,
-                       chunks_valid, k_base);
-        cp_async_commit();
-        kv_loader.load(sV_base, v_base + (int64_t)n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0,
-                       chunks_valid, v_base);
-        cp_async_commit();
-    } else {
-        cp_async_commit();
-        cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < Tr::kStages - 1; ++st) {
+        const int nb = n_block_min + st;
+        if (nb < n_block_max) {
+            const int n0 = nb * BLOCK_N;
+            kv_loader.load(sK_base + st * kKVStageBytes, k_base + (int64_t)n0 * p.k_row_stride,
+                           p.k_row_stride, seqlen_k - n0, chunks_valid, k_base);
+            cp_async_commit();
+            kv_loader.load(sV_base + st * kKVStageBytes, v_base + (int64_t)n0 * p.v_row_stride,
+                           p.v_row_stride, seqlen_k - n0, chunks_valid, v_base);
+            cp_async_commit();
+        } else {
+            cp_async_commit();
+            cp_async_commit();
+        }
     }
 
     const int warp_row0 = warp * 16 * MT;          // first row of this warp inside the tile
@@ -159,7 +194,7 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
 
     uint32_t q_frag[Tr::kQInRegs ? MT : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
     if constexpr (Tr::kQInRegs) {
-        cp_async_wait<2>();                        // this thread's Q copies have landed
+        cp_async_wait<Tr::kWaitQ>();               // this thread's Q copies have landed
         __syncthreads();                           // ... and everyone else's
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -183,138 +218,168 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
     }
     const float scale_log2 = p.scale_log2;
 
+    int stage = 0;                                 // (nb - n_block_min) % kStages
     for (int nb = n_block_min; nb < n_block_max; ++nb) {
-        const int stage = (nb - n_block_min) & 1;
         const int n0 = nb * BLOCK_N;
-        const T* sKs = sK + stage * Tr::kKVElems;
-        const T* sVs = sV + stage * Tr::kKVElems;
+        const uint32_t stage_off = (uint32_t)stage * kKVStageBytes;
 
         // K_j has landed (V_j may still be in flight); every warp is done with tile j-1.
-        cp_async_wait<1>();
+        cp_async_wait<Tr::kWaitK>();
         __syncthreads();
 
-        // Prefetch K_{j+1}, V_{j+1} into the other stage (the one tile j-1 used).
-        if (nb + 1 < n_block_max) {
-            const int n1 = n0 + BLOCK_N;
-            const uint32_t next = (uint32_t)(stage ^ 1) * kKVStageBytes;
-            kv_loader.load(sK_base + next, k_base + (int64_t)n1 * p.k_row_stride, p.k_row_stride,
-                           seqlen_k - n1, chunks_valid, k_base);
-            cp_async_commit();
-            kv_loader.load(sV_base + next, v_base + (int64_t)n1 * p.v_row_stride, p.v_row_stride,
-                           seqlen_k - n1, chunks_valid, v_base);
-            cp_async_commit();
-        } else {
-            cp_async_commit();                     // empty groups keep the wait counts uniform
-            cp_async_commit();
-        }
-
-        // S = Q K_j^T  (BLOCK_M x BLOCK_N scores of this tile, raw: not yet scaled)
-        float s[MT][NT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-        const uint32_t sK_addr = smem_u32addr(sKs + k_lane_off);
-#pragma unroll
-        for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-            uint32_t a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if constexpr (Tr::kQInRegs) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
-                } else {
-                    ldmatrix_x4(a[mt], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks * 16) * 2));
-                }
-            }
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                uint32_t bk[4];  // b-fragments of key tiles 2np (bk[0], bk[1]) and 2np+1 (bk[2], bk[3])
-                ldmatrix_x4(bk, sK_addr + (uint32_t)((np * 16 * Tr::kRow + ks * 16) * 2));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_m16n8k16<T>(s[mt][2 * np], a[mt], bk[0], bk[1]);
-                    mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-                }
+        // Prefetch tile j + kStages - 1 into the stage tile j - 1 used.
+        {
+            const int nf = nb + Tr::kStages - 1;
+            if (nf < n_block_max) {
+                const int n1 = nf * BLOCK_N;
+                const uint32_t next = (uint32_t)(stage == 0 ? Tr::kStages - 1 : stage - 1) * kKVStageBytes;
+                kv_loader.load(sK_base + next, k_base + (int64_t)n1 * p.k_row_stride, p.k_row_stride,
+                               seqlen_k - n1, chunks_valid, k_base);
+                cp_async_commit();
+                kv_loader.load(sV_base + next, v_base + (int64_t)n1 * p.v_row_stride, p.v_row_stride,
+                               seqlen_k - n1, chunks_valid, v_base);
+                cp_async_commit();
+            } else {
+                cp_async_commit();                 // empty groups keep the wait counts uniform
+                cp_async_commit();
             }
         }
+        const bool mask_tile = tiles.needs_mask(nb);
 
-        // Mask (only tiles that straddle a causal / window / sequence-end boundary): -inf.
-        if (tiles.needs_mask(nb)) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+        for (int sub = 0; sub < Tr::kSubTiles; ++sub) {
+            const int k0 = n0 + sub * SUB_N;       // first key of this sub-tile
+            // A warp skips a sub-tile that none of its (valid) rows sees: its P would be exactly
+            // 0 and (m_i, l_i, acc) would stay bit-for-bit unchanged (alpha = 1, or 0 * 0).
+            // Only boundary tiles can hold such sub-tiles (causal diagonal, window edges).
+            bool active = true;
+            if (Tr::kWarpSkip && mask_tile) {
+                const int r_first = m0 + warp_row0;
+                const int r_last = min(r_first + 16 * MT, seqlen_q) - 1;
+                const KeyRange f = visible_keys(r_first, seqlen_q, seqlen_k, CAUSAL, p.window_left,
+                                                p.window_right);
+                const KeyRange l = visible_keys(r_last, seqlen_q, seqlen_k, CAUSAL, p.window_left,
+                                                p.window_right);
+                active = r_first <= r_last && k0 < l.hi && k0 + SUB_N > f.lo;
+            }
+
+            // S = Q K^T for this sub-tile (BLOCK_M x SUB_N raw scores: not yet scaled).
+            float s[MT][NT][4];
+            uint32_t p_frag[MT][Tr::kPSteps][4];  // P rounded to T, already in A-fragment order
+            if (active) {
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int row = m0 + warp_row0 + mt * 16 + g + hh * 8;
-                    const KeyRange r = visible_keys(row, seqlen_q, seqlen_k, CAUSAL, p.window_left,
-                                                    p.window_right);
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int key = n0 + nt * 8 + 2 * t + e;
-                            if (!key_visible(r, key)) s[mt][nt][2 * hh + e] = -INFINITY;
+                        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+                const uint32_t sK_addr = sK_base + stage_off
+                                         + (uint32_t)((sub * SUB_N * Tr::kRow + k_lane_off) * 2);
+#pragma unroll
+                for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+                    uint32_t a[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        if constexpr (Tr::kQInRegs) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
+                        } else {
+                            ldmatrix_x4(a[mt], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks * 16) * 2));
+                        }
+                    }
+#pragma unroll
+                    for (int np = 0; np < NT / 2; ++np) {
+                        uint32_t bk[4];  // b-fragments of key tiles 2np (bk[0], bk[1]) and 2np+1 (bk[2], bk[3])
+                        ldmatrix_x4(bk, sK_addr + (uint32_t)((np * 16 * Tr::kRow + ks * 16) * 2));
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma_m16n8k16<T>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                            mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                        }
+                    }
+                }
+
+                // Mask (only tiles that straddle a causal / window / sequence-end boundary): -inf.
+                if (mask_tile) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int row = m0 + warp_row0 + mt * 16 + g + hh * 8;
+                            const KeyRange r = visible_keys(row, seqlen_q, seqlen_k, CAUSAL,
+                                                            p.window_left, p.window_right);
+#pragma unroll
+                            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const int key = k0 + nt * 8 + 2 * t + e;
+                                    if (!key_visible(r, key)) s[mt][nt][2 * hh + e] = -INFINITY;
+                                }
                         }
                 }
-        }
 
-        // Online softmax: m_i <- max(m_i, rowmax(S) * scale_log2); P = exp2(S * scale_log2 - m_i);
-        // l_i <- l_i * exp2(m_old - m_i) + rowsum(P); acc <- acc * exp2(m_old - m_i).
-        uint32_t p_frag[MT][Tr::kPSteps][4];  // P rounded to T, already in A-fragment order
+                // Online softmax: m_i <- max(m_i, rowmax(S) * scale_log2); P = exp2(S * scale_log2 - m_i);
+                // l_i <- l_i * exp2(m_old - m_i) + rowsum(P); acc <- acc * exp2(m_old - m_i).
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                float mx = -INFINITY;
+                    for (int hh = 0; hh < 2; ++hh) {
+                        float mx = -INFINITY;
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the 4 threads of a quad
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));   // hold one row
-                const float m_new = fmaxf(m_i[mt][hh], mx * scale_log2);
-                const float alpha = rescale_factor(m_i[mt][hh], m_new);
-                const float m_ref = safe_max(m_new);
-                float rowsum = 0.f;
+                        for (int nt = 0; nt < NT; ++nt)
+                            mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the 4 threads of a quad
+                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));   // hold one row
+                        const float m_new = fmaxf(m_i[mt][hh], mx * scale_log2);
+                        const float alpha = rescale_factor(m_i[mt][hh], m_new);
+                        const float m_ref = safe_max(m_new);
+                        float rowsum = 0.f;
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const float p0 = prob_fma(s[mt][nt][2 * hh], scale_log2, m_ref);
-                    const float p1 = prob_fma(s[mt][nt][2 * hh + 1], scale_log2, m_ref);
-                    rowsum += p0;
-                    rowsum += p1;
-                    // C fragment (row g + 8 hh, keys nt*8 + 2t, +1) -> A fragment register
-                    // (nt & 1) * 2 + hh of k16 step nt / 2 (common/mma.cuh).
-                    p_frag[mt][nt >> 1][(nt & 1) * 2 + hh] = pack2<T>(p0, p1);
-                }
-                l_i[mt][hh] = l_i[mt][hh] * alpha + rowsum;
-                m_i[mt][hh] = m_new;
+                        for (int nt = 0; nt < NT; ++nt) {
+                            const float p0 = prob_fma(s[mt][nt][2 * hh], scale_log2, m_ref);
+                            const float p1 = prob_fma(s[mt][nt][2 * hh + 1], scale_log2, m_ref);
+                            rowsum += p0;
+                            rowsum += p1;
+                            // C fragment (row g + 8 hh, keys nt*8 + 2t, +1) -> A fragment register
+                            // (nt & 1) * 2 + hh of k16 step nt / 2 (common/mma.cuh).
+                            p_frag[mt][nt >> 1][(nt & 1) * 2 + hh] = pack2<T>(p0, p1);
+                        }
+                        l_i[mt][hh] = l_i[mt][hh] * alpha + rowsum;
+                        m_i[mt][hh] = m_new;
 #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc[mt][dt][2 * hh] *= alpha;
-                    acc[mt][dt][2 * hh + 1] *= alpha;
-                }
+                        for (int dt = 0; dt < DT; ++dt) {
+                            acc[mt][dt][2 * hh] *= alpha;
+                            acc[mt][dt][2 * hh + 1] *= alpha;
+                        }
+                    }
             }
 
-        // V_j has landed for every thread.
-        cp_async_wait<2>();
-        __syncthreads();
+            if (sub == 0) {
+                // V_j has landed for every thread (every warp passes here, active or not).
+                cp_async_wait<Tr::kWaitV>();
+                __syncthreads();
+            }
 
-        // acc += P V_j, with P taken straight from registers as the A operand.
-        const uint32_t sV_addr = smem_u32addr(sVs + v_lane_off);
+            // acc += P V for this sub-tile, with P taken straight from registers as the A operand.
+            if (active) {
+                const uint32_t sV_addr = sV_base + stage_off
+                                         + (uint32_t)((sub * SUB_N * Tr::kRow + v_lane_off) * 2);
 #pragma unroll
-        for (int kc = 0; kc < Tr::kPSteps; ++kc) {
+                for (int kc = 0; kc < Tr::kPSteps; ++kc) {
 #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                uint32_t bv[4];  // b-fragments of head-dim tiles 2dp (bv[0], bv[1]) and 2dp+1 (bv[2], bv[3])
-                ldmatrix_x4_trans(bv, sV_addr + (uint32_t)((kc * 16 * Tr::kRow + dp * 16) * 2));
+                    for (int dp = 0; dp < DT / 2; ++dp) {
+                        uint32_t bv[4];  // b-fragments of head-dim tiles 2dp (bv[0], bv[1]) and 2dp+1 (bv[2], bv[3])
+                        ldmatrix_x4_trans(bv, sV_addr + (uint32_t)((kc * 16 * Tr::kRow + dp * 16) * 2));
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_m16n8k16<T>(acc[mt][2 * dp], p_frag[mt][kc], bv[0], bv[1]);
-                    mma_m16n8k16<T>(acc[mt][2 * dp + 1], p_frag[mt][kc], bv[2], bv[3]);
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma_m16n8k16<T>(acc[mt][2 * dp], p_frag[mt][kc], bv[0], bv[1]);
+                            mma_m16n8k16<T>(acc[mt][2 * dp + 1], p_frag[mt][kc], bv[2], bv[3]);
+                        }
+                    }
                 }
             }
         }
+        stage = stage + 1 == Tr::kStages ? 0 : stage + 1;
     }
     cp_async_wait<0>();  // nothing may still be writing to smem when the CTA retires
 
@@ -344,7 +409,8 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
 
 // Kernel entry: plain scalar / pointer arguments (their order is fixed by
 // cupyflash/prefill.py: kernel_args), packed into FwdParams here.
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL>
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL,
+          int STAGES = 2, int SUB_N = BLOCK_N>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_fwd_kernel(const T* q, const T* k, const T* v, T* o, float* lse,
                  int64_t q_batch_stride, int64_t q_row_stride, int64_t q_head_stride,
@@ -368,7 +434,7 @@ flash_fwd_kernel(const T* q, const T* k, const T* v, T* o, float* lse,
     p.seqlen_q = seqlen_q; p.seqlen_k = seqlen_k; p.headdim = headdim;
     p.scale_log2 = scale_log2; p.softmax_scale_d = softmax_scale_d;
     p.window_left = window_left; p.window_right = window_right;
-    flash_fwd_block<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL>(p);
+    flash_fwd_block<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL, STAGES, SUB_N>(p);
 }
 
 }  // namespace cf

@@ -1,6 +1,7 @@
 """The prefill kernels compile (NVRTC, no GPU) and the supported table is consistent.
 
-* Every specialisation in ``prefill.all_specs()`` compiles for ``sm_90a`` (the H100/H200 target);
+* Every specialisation in ``prefill.all_specs()`` and ``prefill.variant_specs()`` (the
+  experimental pipeline rows) compiles for ``sm_90a`` (the H100/H200 target);
   for ``sm_80`` one specialisation per kernel file is compiled by default, because all of them
   for both architectures take over 2 minutes on 2 cores. ``CUPYFLASH_COMPILE_ALL_ARCHS=1``
   compiles every specialisation for ``sm_80`` too (all had zero spills when the table was set).
@@ -25,7 +26,7 @@ def _compile_all(specs, arch):
 
 @pytest.fixture(scope="module")
 def reports():
-    specs = prefill.all_specs()
+    specs = prefill.all_specs() + prefill.variant_specs()
     out = {"sm_90a": _compile_all(specs, "sm_90a")}
     if os.environ.get("CUPYFLASH_COMPILE_ALL_ARCHS") == "1":
         out["sm_80"] = _compile_all(specs, "sm_80")
@@ -41,7 +42,7 @@ def reports():
 
 
 def test_every_spec_compiles(reports):
-    names = {s.name for s in prefill.all_specs()}
+    names = {s.name for s in prefill.all_specs() + prefill.variant_specs()}
     assert set(reports["sm_90a"]) == names
     assert {s.source for s in prefill.all_specs()} == {prefill.TC_SOURCE, prefill.SIMT_SOURCE}
     assert len(reports["sm_80"]) >= 2
@@ -83,6 +84,36 @@ def test_table_is_consistent():
             assert sum(c.dtype == dtype and c.headdim == hd for c in prefill.SUPPORTED) >= 2, (dtype, hd)
 
 
+def test_variants_are_consistent():
+    rows = prefill.SUPPORTED + prefill.VARIANTS
+    names = [s.name for s in prefill.all_specs() + prefill.variant_specs()]
+    assert len(names) == len(set(names)) == 2 * len(rows)
+    full = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n) for c in rows]
+    assert len(full) == len(set(full))
+    for c in prefill.SUPPORTED:
+        assert c.plain or c.dtype not in prefill.TC_DTYPES, c
+    for c in prefill.VARIANTS:
+        assert c.dtype in prefill.TC_DTYPES and c.source == prefill.TC_SOURCE and not c.plain
+        assert c.block_n % c.sub_n == 0 and c.sub_n % 16 == 0 and 2 <= c.stages <= 4
+        assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n, c.stages)
+        assert c.smem_bytes <= prefill.MAX_SMEM_BYTES
+        for causal in (False, True):
+            spec = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, causal,
+                                       stages=c.stages, sub_n=c.sub_n)
+            assert prefill.config_of(spec) == (c, causal)
+    # a tile without stages / sub_n names its SUPPORTED row, never a variant
+    s = prefill.kernel_spec("bfloat16", 128, 128, 64, 4, False)
+    assert prefill.config_of(s)[0] in prefill.SUPPORTED
+
+
+def test_hd128_default_is_the_measured_fastest_v0_tile():
+    # v0 H200 sweep (experiments/NOTES.md): 128x32x4 307 TFLOP/s vs 257 for 128x64x8
+    from cupyflash import heuristics
+    assert heuristics.prefill_tiles("bfloat16", 128)[0] == (128, 32, 4)
+    assert heuristics.choose_prefill_tile("bfloat16", 128, 4096, 4096, False,
+                                          batch_nheads=64) == (128, 32, 4)
+
+
 def test_smem_formula_matches_kernel_traits():
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
@@ -95,6 +126,15 @@ def test_names_and_entries():
     s = prefill.kernel_spec("bfloat16", 128, 128, 64, 8, True)
     assert s.name == "fwd_bf16_hd128_m128_n64_w8_causal"
     assert s.entry == "cf::flash_fwd_kernel<__nv_bfloat16, 128, 128, 64, 8, true>"
+    s = prefill.kernel_spec("bfloat16", 128, 128, 32, 4, True, stages=3)
+    assert s.name == "fwd_bf16_hd128_m128_n32_w4_s3_causal"
+    assert s.entry == "cf::flash_fwd_kernel<__nv_bfloat16, 128, 128, 32, 4, true, 3, 32>"
+    assert s.smem_bytes == (128 + 2 * 3 * 32) * 136 * 2
+    s = prefill.kernel_spec("float16", 128, 128, 64, 4, False, sub_n=32)
+    assert s.name == "fwd_f16_hd128_m128_n64_w4_sub32"
+    assert s.entry == "cf::flash_fwd_kernel<__half, 128, 128, 64, 4, false, 2, 32>"
+    with pytest.raises(ValueError, match="not compiled"):
+        prefill.kernel_spec("bfloat16", 128, 128, 64, 4, False, stages=4)
     s = prefill.kernel_spec("float64", 64, 32, 32, 4, False)
     assert s.name == "fwdsimt_f64_hd64_m32_n32"
     assert s.entry == "cf::flash_fwd_simt_kernel<double, 64, 32, 32, false>"

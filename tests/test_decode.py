@@ -71,8 +71,15 @@ def test_heuristic_rejects_bad_arguments():
 def test_spec_names_and_table():
     s = decode.split_kernel_spec("bfloat16", 128, True)
     assert s.name == "decode_split_bf16_hd128_n64_w4_g16_s3_paged"
-    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, true>"
-    assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 136) * 2
+    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, true, 0>"
+    # Q tile, 3 stages of K and V tiles (rows padded by 16 B), 2 x 64 prefetched page ids
+    assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 136) * 2 + 2 * 64 * 4
+    f = decode.split_kernel_spec("bfloat16", 128, False, block_n=32, nwarps=2, stages=6,
+                                 flags=decode.FLAG_FUSED_COMBINE | decode.FLAG_EVICT_FIRST)
+    assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
+    assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
+    with pytest.raises(ValueError, match="flags"):
+        decode.split_kernel_spec("bfloat16", 128, False, flags=8)
     assert decode.split_kernel_spec("float16", 64, False).name == \
         "decode_split_fp16_hd64_n128_w4_g16_s3"
     assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
@@ -110,6 +117,28 @@ def test_every_spec_compiles_without_spills(compiled):
         assert r.ptxas.shared_bytes == 0, (name, arch)  # all shared memory is dynamic
 
 
+#: The variants scratch/decode_variants.py measures (bf16 hd128, contiguous and paged).
+VARIANTS = [decode.SplitVariant(64, 4, 3, decode.FLAG_FUSED_COMBINE),
+            decode.SplitVariant(64, 4, 3, decode.FLAG_EVICT_FIRST | decode.FLAG_PREFETCH_256),
+            decode.SplitVariant(64, 4, 6, decode.FLAG_FUSED_COMBINE),
+            decode.SplitVariant(32, 2, 6, decode.FLAG_FUSED_COMBINE),
+            decode.SplitVariant(32, 2, 4), decode.SplitVariant(128, 8, 3),
+            decode.SplitVariant(32, 2, 12)]
+
+
+@pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)
+def test_variants_compile_without_spills(var):
+    for paged in (False, True):
+        spec = var.spec("bfloat16", 128, paged)
+        assert spec.smem_bytes + 1024 <= decode.H200_SMEM_PER_BLOCK_OPTIN + 1024
+        for arch in ("sm_90a", "sm_80"):
+            r = jit.compile_report(spec, arch)
+            assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
+    assert var.workspace_elems(2, 1, 32, 8, 128, 1) == 0
+    extra = 2 * 8 if var.flags & decode.FLAG_FUSED_COMBINE else 0  # counters (batch, hk, chunks)
+    assert var.workspace_elems(2, 1, 32, 8, 128, 5) == 5 * 2 * 32 * 129 + extra
+
+
 def test_ptxas_table(compiled, capsys):
     """Prints the register table (pytest -s) that the report quotes."""
     with capsys.disabled():
@@ -145,12 +174,17 @@ def test_split_layout_fixed_size_covers_and_is_batch_independent(seqlen, tiles, 
 # ----------------------------------------------------------------------------------------------
 # NumPy emulation of the kernels' index arithmetic
 # ----------------------------------------------------------------------------------------------
-def _cache_offset(b, j, hk, cap_shape, bt, page_size, num_pages, paged):
-    """(index tuple into the cache) or None, as cf::cache_offset (shift for powers of two)."""
+def _cache_offset(b, j, hk, cap_shape, bt, page_size, num_pages, paged, block_n=None):
+    """(index tuple into the cache) or None, as the split kernel's load_tile (shift for powers
+    of two). With ``block_n`` and page_size % block_n == 0 (tile_pages) the page id is the one
+    prefetched for the tile's first key, as the kernel does; the row in the page is j's."""
     if paged:
         shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
-        slot = (j >> shift) if shift >= 0 else j // page_size
+        slot_of = lambda x: (x >> shift) if shift >= 0 else x // page_size  # noqa: E731
+        slot = slot_of(j)
         in_page = j - slot * page_size
+        if block_n is not None and page_size % block_n == 0:
+            slot = slot_of((j // block_n) * block_n)  # the tile's first key
         page = int(bt[b, slot])
         if page < 0 or page >= num_pages:
             return None
@@ -159,8 +193,9 @@ def _cache_offset(b, j, hk, cap_shape, bt, page_size, num_pages, paged):
 
 
 def emulate_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, scale, causal,
-                   num_splits, split_tiles, block_n, nwarps, group):
-    """float64 mirror of decode_append_kernel + decode_split_kernel + decode_combine_kernel.
+                   num_splits, split_tiles, block_n, nwarps, group, fused=False):
+    """float64 mirror of decode_append_kernel + decode_split_kernel + decode_combine_kernel
+    (``fused``: the split kernel's last-block-done online merge instead of the combine kernel).
 
     Returns (out, lse, o_part, lse_part, k_cache, v_cache) (caches updated in copies)."""
     batch, sq, nh, d = q.shape
@@ -224,7 +259,7 @@ def emulate_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, sca
                         for x, j in enumerate(js):
                             if j < ln:
                                 off = _cache_offset(b, int(j), hk, None, block_table, page_size,
-                                                    num_pages, paged)
+                                                    num_pages, paged, block_n)
                                 if off is not None:
                                     K[x], V[x] = kc[off], vc[off]
                         s = (Q @ K.T) * scale_log2
@@ -253,8 +288,25 @@ def emulate_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, sca
                         out[b, qi, h], lse_out[b, h, qi] = o[r], lse[r]
                     else:
                         o_part[split, b, qi, h], lse_part[split, b, h, qi] = o[r], lse[r]
+    # ---- fused combine: per (row, column), one pass over the splits (MergeState4.add)
+    if num_splits > 1 and fused:
+        for b in range(batch):
+            for i in range(sq):
+                for h in range(nh):
+                    m, l, acc = -np.inf, 0.0, np.zeros(d)
+                    for s_ in range(num_splits):
+                        ls = lse_part[s_, b, h, i]
+                        if ls == -np.inf:
+                            continue
+                        m_new = max(m, ls)
+                        f, w = np.exp(m - m_new), np.exp(ls - m_new)
+                        l = l * f + w
+                        acc = acc * f + w * o_part[s_, b, i, h]
+                        m = m_new
+                    out[b, i, h] = acc * (0.0 if l == 0 else 1.0 / l)
+                    lse_out[b, h, i] = -np.inf if l == 0 else m + np.log(l)
     # ---- combine kernel
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         for b in range(batch):
             for i in range(sq):
                 for h in range(nh):
@@ -281,7 +333,7 @@ def emulation_configs(draw):
     num_splits = draw(st.sampled_from([1, 2, 3, 7, 40]))
     group = draw(st.sampled_from([1, 3, 16]))
     return dict(block_n=block_n, nwarps=nwarps, split_tiles=split_tiles, num_splits=num_splits,
-                group=group)
+                group=group, fused=draw(st.booleans()))
 
 
 @settings(max_examples=30)
@@ -300,7 +352,7 @@ def test_emulated_kernel_index_math_matches_reference(case, cfg):
         case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens,
         case.block_table, scale=scale, causal=case.causal, num_splits=ns,
         split_tiles=cfg["split_tiles"], block_n=cfg["block_n"], nwarps=cfg["nwarps"],
-        group=cfg["group"])
+        group=cfg["group"], fused=cfg["fused"])
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     if ns > 1:  # every split wrote every row of the workspace (NaN-poisoned before)
         assert not np.isnan(lse_part).any() and not np.isnan(o_part).any()

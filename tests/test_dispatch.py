@@ -428,3 +428,115 @@ def test_import_does_not_need_cupy():
     r2 = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True,
                         timeout=120)
     assert r2.returncode == 0 and r2.stdout.strip() == "False", r2.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch cache (dispatch.LAUNCH_CACHE): same plan as a fresh one; any key field misses
+# ----------------------------------------------------------------------------------------------
+class FakeDevArray(FakeCuda):
+    """FakeCuda with a (16-byte aligned) pointer and a device, as the warm path reads them."""
+
+    class data:
+        ptr = 1 << 20
+        device_id = 0
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(dispatch, "LAUNCH_CACHE", {})
+    monkeypatch.setattr(dispatch, "_device_info", lambda dev: ("sm_90a", 132, 227 * 1024))
+    monkeypatch.setattr(dispatch, "launch_plan", lambda p: dispatch._launch_plan_cached(p, 0))
+    dispatch._launch_plan_cached.cache_clear()
+    yield dispatch.LAUNCH_CACHE
+    dispatch._launch_plan_cached.cache_clear()
+
+
+def _entry(q, k, v, out=None, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    opts = ("dense",) + api._plain_options(softmax_scale, causal, window_size)
+    p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, out=out)
+    key = dispatch.launch_key("dense", 0, opts[1:], (q, k, v, out, None, None))
+    return key, dispatch.prefill_launch(p, key, q, k, v, out), p
+
+
+def test_launch_cache_entry_equals_a_fresh_plan(fresh_cache):
+    q, k, v, out = (FakeDevArray(s) for s in (Q, K, K, Q))
+    lse = FakeDevArray((2, 8, 33), "float32")
+    for causal, window, scale in ((False, (-1, -1), None), (True, (5, -1), 0.3)):
+        key, e, p = _entry(q, k, v, out, scale, causal, window)
+        assert dispatch.prefill_launch(p, key, q, k, v, out) is e  # a hit
+        fresh = dispatch._plan_prefill(p, "sm_90a", False, False, 132, 227 * 1024, None,
+                                       reasons=False)
+        assert e.plan == fresh and e.plan.kernel.spec == fresh.kernel.spec
+        assert (e.grid, e.block, e.smem) == prefill.launch_config(fresh.kernel.spec, p)
+        args = prefill.kernel_args(fresh.kernel.spec, q, k, v, out, lse, problem=p)
+        assert e.tail == args[5:] and [type(a) for a in e.tail] == [type(a) for a in args[5:]]
+        assert e.lse_shape == lse.shape and e.action == "launch"
+    assert len(fresh_cache) == 2
+
+
+@pytest.mark.parametrize("change", ["q strides", "k strides", "dtype", "out", "causal", "window",
+                                    "scale", "shape"])
+def test_launch_cache_misses_on_any_key_field(fresh_cache, change):
+    base = dict(q=FakeDevArray(Q), k=FakeDevArray(K), v=FakeDevArray(K), out=None,
+                softmax_scale=0.125, causal=False, window_size=(-1, -1))
+    key0, e0, _ = _entry(**base)
+    kw = dict(base)
+    if change == "q strides":  # same shape, padded rows
+        kw["q"] = FakeDevArray(Q, strides=(33 * 8 * 72 * 2, 8 * 72 * 2, 72 * 2, 2))
+    elif change == "k strides":
+        kw["k"] = FakeDevArray(K, strides=(45 * 2 * 64 * 2, 64 * 2, 45 * 64 * 2, 2))
+    elif change == "dtype":
+        kw.update(q=FakeDevArray(Q, "bfloat16"), k=FakeDevArray(K, "bfloat16"),
+                  v=FakeDevArray(K, "bfloat16"))
+    elif change == "out":
+        kw["out"] = FakeDevArray(Q)
+    elif change == "causal":
+        kw["causal"] = True
+    elif change == "window":
+        kw["window_size"] = (16, -1)
+    elif change == "scale":
+        kw["softmax_scale"] = 0.25
+    elif change == "shape":
+        kw.update(q=FakeDevArray((2, 34, 8, 64)))
+    key1, e1, p1 = _entry(**kw)
+    assert key1 != key0 and e1 is not e0 and len(fresh_cache) == 2
+    assert e1.plan == dispatch._plan_prefill(p1, "sm_90a", False, False, 132, 227 * 1024, None,
+                                             reasons=False)
+
+
+def test_launch_cache_takes_only_plain_options():
+    """Values equal to plain ones but of other types (1 == True, -1.0 == -1) must not share an
+    entry: the checks treat them differently."""
+    assert api._plain_options(None, True, (-1, 0)) == (None, True, (-1, 0))
+    for bad in ((None, 1, (-1, -1)), (None, np.bool_(True), (-1, -1)), (1, False, (-1, -1)),
+                (None, False, [-1, -1]), (None, False, (-1.0, -1)), (None, False, (True, -1)),
+                (np.float32(0.1), False, (-1, -1))):
+        assert api._plain_options(*bad) is None, bad
+
+
+def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
+    """After a call is cached, the same arrays with a bad option, or an out of another dtype,
+    miss the cache and raise the errors of the full checks before any launch."""
+    cupy = pytest.importorskip("cupy")
+    from cupyflash import interop
+    launched = []
+    monkeypatch.setattr(interop, "_CUPY_NDARRAY", FakeDevArray)  # the fakes play cupy.ndarray
+    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    monkeypatch.setattr(api, "_view", lambda a, name, dtype: a)
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: FakeDevArray(shape, "float32"))
+    monkeypatch.setattr(jit, "get_kernel", lambda spec: lambda *a, **k: launched.append(spec))
+    q, k, v, out = FakeDevArray(Q), FakeDevArray(K), FakeDevArray(K), FakeDevArray(Q)
+    for _ in range(3):
+        assert api.flash_attn_func(q, k, v, out=out) is out
+    assert len(launched) == 3 and len(fresh_cache) == 1
+    for kwargs, exc, start in (({"causal": "yes"}, TypeError, "causal"),
+                               ({"causal": 1}, TypeError, "causal"),
+                               ({"return_lse": 1}, TypeError, "return_lse"),
+                               ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+                               ({"window_size": (-2, 0)}, ValueError, "window_size"),
+                               ({"out": FakeDevArray(Q, "float32")}, TypeError, "out: dtype")):
+        with pytest.raises(exc) as e:
+            api.flash_attn_func(q, k, v, **{"out": out, **kwargs})
+        assert str(e.value).startswith(start), str(e.value)
+    assert len(launched) == 3 and len(fresh_cache) == 1

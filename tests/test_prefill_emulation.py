@@ -30,6 +30,7 @@ from cupyflash import prefill
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 LANE = np.arange(32)
+SKIPPED = []  # sub-tiles skipped per emulated CTA (a causal case must exercise the skip)
 G, TQ = LANE >> 2, LANE & 3  # mma groupID, threadID_in_group
 
 
@@ -97,21 +98,53 @@ class Global:
 # The kernel, transliterated (names and order follow flash_fwd.cu)
 # ----------------------------------------------------------------------------------------------
 class Traits:
-    def __init__(self, hd, bm, bn, nw):
+    def __init__(self, hd, bm, bn, nw, stages=2, sub_n=None):
+        sub_n = bn if sub_n is None else sub_n
         self.kThreads = nw * 32
         self.kMTiles = bm // (16 * nw)
-        self.kNTiles = bn // 8
+        self.kSubN = sub_n
+        self.kSubTiles = bn // sub_n
+        self.kNTiles = sub_n // 8
         self.kDTiles = hd // 8
         self.kKSteps = hd // 16
-        self.kPSteps = bn // 16
+        self.kPSteps = sub_n // 16
         self.kChunks = hd // 8
         self.kRow = hd + 8
         self.kQElems = bm * self.kRow
         self.kKVElems = bn * self.kRow
-        self.kStages = 2
+        self.kStages = stages
+        self.kWaitK = 2 * (stages - 1) - 1
+        self.kWaitV = 2 * (stages - 1)
+        self.kWaitQ = 2 * (stages - 1)
         self.kSmemBytes = (self.kQElems + 2 * self.kStages * self.kKVElems) * 2
-        est = self.kMTiles * (hd // 2 + bn // 2 + hd // 4)
+        est = self.kMTiles * (hd // 2 + sub_n // 2 + hd // 4)
         self.kQInRegs = est <= 160
+        self.kWarpSkip = not self.kQInRegs
+
+
+class AsyncCopies:
+    """cp.async group bookkeeping of one CTA (every thread commits the same groups, so one
+    counter stands for all): each smem element remembers the group that wrote it, and a read
+    must come after a wait that retired that group (followed by __syncthreads in the kernel)."""
+
+    def __init__(self, n_elems):
+        self.group = np.full(n_elems, -1, np.int64)   # -1: never written by cp.async
+        self.committed = 0                            # groups committed so far
+        self.retired = 0                              # groups [0, retired) have landed
+
+    def write(self, dst_elem):
+        self.group[dst_elem:dst_elem + 8] = self.committed   # joins the group being built
+
+    def commit(self):
+        self.committed += 1
+
+    def wait(self, n):
+        self.retired = max(self.retired, self.committed - n)
+
+    def check_read(self, addr_bytes):
+        el = np.asarray(addr_bytes) // 2
+        g = self.group[el[:, None] + np.arange(8)]
+        assert (g < self.retired).all(), "ldmatrix reads a cp.async chunk before its wait_group"
 
 
 class TileLoader:
@@ -125,7 +158,7 @@ class TileLoader:
         self.r0, self.c0 = tid // self.kTPR, tid % self.kTPR
         self.s_off = (self.r0 * tr.kRow + self.c0 * 8) * 2
 
-    def load(self, smem, gmem, s_tile, g_tile, row_stride, rows_valid, chunks_valid, g_safe):
+    def load(self, smem, gmem, s_tile, g_tile, row_stride, rows_valid, chunks_valid, g_safe, cp):
         thread_off = self.r0 * row_stride + self.c0 * 8
         for pas in range(self.kPasses):
             r = self.r0 + pas * self.kRowsPerPass
@@ -137,6 +170,7 @@ class TileLoader:
                     dst = s_tile + self.s_off + (pas * self.kRowsPerPass * self.tr.kRow + ci * self.kTPR * 8) * 2
                     assert dst % 16 == 0
                     smem[dst // 2: dst // 2 + 8] = gmem.read16(src) if ok else 0.0
+                    cp.write(dst // 2)
 
 
 def visible_keys(row, sq, sk, causal, wl, wr):
@@ -163,7 +197,9 @@ def key_tiles(row_first, row_last, sq, sk, causal, wl, wr, bn):
 def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype):
     """One CTA of flash_fwd_block; P holds the FwdParams fields; out/lse are flat arrays."""
     MT, NT, DT = tr.kMTiles, tr.kNTiles, tr.kDTiles
+    SUB_N = tr.kSubN
     smem = np.full(tr.kSmemBytes // 2, np.nan, np.float32)
+    cp = AsyncCopies(smem.size)
     sQ_base, sK_base = 0, tr.kQElems * 2
     sV_base = sK_base + tr.kStages * tr.kKVElems * 2
     # fwd_seq
@@ -191,20 +227,36 @@ def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype)
         n0 = nb * bn
         return not (n0 >= lo_last and n0 + bn <= hi_first)
 
+    kKVStageBytes = tr.kKVElems * 2
     loaders_q = [TileLoader(tr, bm, tid) for tid in range(tr.kThreads)]
     loaders_kv = [TileLoader(tr, bn, tid) for tid in range(tr.kThreads)]
-    for ld in loaders_q:
-        ld.load(smem, gmem, sQ_base, q_off + m0 * P["qr"], P["qr"], sq - m0, chunks_valid, q_off)
-    if nmin < nmax:
-        n0 = nmin * bn
-        for ld in loaders_kv:
-            ld.load(smem, gmem, sK_base, k_off + n0 * P["kr"], P["kr"], sk - n0, chunks_valid, k_off)
-            ld.load(smem, gmem, sV_base, v_off + n0 * P["vr"], P["vr"], sk - n0, chunks_valid, v_off)
 
-    kKVStageBytes = tr.kKVElems * 2
+    def load_tile(nb, stage_bytes):
+        n0 = nb * bn
+        for ld in loaders_kv:
+            ld.load(smem, gmem, sK_base + stage_bytes, k_off + n0 * P["kr"], P["kr"], sk - n0,
+                    chunks_valid, k_off, cp)
+        cp.commit()
+        for ld in loaders_kv:
+            ld.load(smem, gmem, sV_base + stage_bytes, v_off + n0 * P["vr"], P["vr"], sk - n0,
+                    chunks_valid, v_off, cp)
+        cp.commit()
+
+    for ld in loaders_q:
+        ld.load(smem, gmem, sQ_base, q_off + m0 * P["qr"], P["qr"], sq - m0, chunks_valid, q_off, cp)
+    cp.commit()
+    for st_ in range(tr.kStages - 1):
+        if nmin + st_ < nmax:
+            load_tile(nmin + st_, st_ * kKVStageBytes)
+        else:
+            cp.commit()
+            cp.commit()
+
     scale_log2 = np.float32(P["scale_log2"])
     # per-warp state
     W = []
+    if tr.kQInRegs:
+        cp.wait(tr.kWaitQ)
     for warp in range(nw):
         warp_row0 = warp * 16 * MT
         sQ_addr = (warp_row0 + (LANE & 15)) * tr.kRow + (LANE >> 4) * 8   # elements
@@ -215,72 +267,109 @@ def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype)
                   acc=np.zeros((MT, DT, 32, 4), np.float32),
                   m_i=np.full((MT, 2, 32), -np.inf, np.float32), l_i=np.zeros((MT, 2, 32), np.float32))
         if tr.kQInRegs:
-            st["q_frag"] = [[ldmatrix_x4(smem, st["sQ_addr"] + (mt * 16 * tr.kRow + ks * 16) * 2)
+            def ldq(addr):
+                cp.check_read(addr)
+                return ldmatrix_x4(smem, addr)
+            st["q_frag"] = [[ldq(st["sQ_addr"] + (mt * 16 * tr.kRow + ks * 16) * 2)
                              for ks in range(tr.kKSteps)] for mt in range(MT)]
         W.append(st)
 
+    def ldsm(addr, trans=False):
+        cp.check_read(addr)
+        return ldmatrix_x4(smem, addr, trans)
+
+    stage = 0
+    skipped = 0
     for nb in range(nmin, nmax):
-        stage = (nb - nmin) & 1
         n0 = nb * bn
-        if nb + 1 < nmax:   # prefetch into the other stage before tile nb is consumed
-            n1 = n0 + bn
-            nxt = (stage ^ 1) * kKVStageBytes
-            for ld in loaders_kv:
-                ld.load(smem, gmem, sK_base + nxt, k_off + n1 * P["kr"], P["kr"], sk - n1, chunks_valid, k_off)
-                ld.load(smem, gmem, sV_base + nxt, v_off + n1 * P["vr"], P["vr"], sk - n1, chunks_valid, v_off)
-        sKs = sK_base + stage * tr.kKVElems * 2
-        sVs = sV_base + stage * tr.kKVElems * 2
-        for warp, st in enumerate(W):
-            s = np.zeros((MT, NT, 32, 4), np.float32)
-            sK_addr = sKs + st["k_lane_off"] * 2
-            for ks in range(tr.kKSteps):
-                a = [st["q_frag"][mt][ks] if tr.kQInRegs else
-                     ldmatrix_x4(smem, st["sQ_addr"] + (mt * 16 * tr.kRow + ks * 16) * 2) for mt in range(MT)]
-                for np_ in range(NT // 2):
-                    bk_ = ldmatrix_x4(smem, sK_addr + (np_ * 16 * tr.kRow + ks * 16) * 2)
+        stage_off = stage * kKVStageBytes
+        cp.wait(tr.kWaitK)   # + __syncthreads: every warp is done with tile nb - 1
+        nf = nb + tr.kStages - 1
+        if nf < nmax:        # prefetch into the stage tile nb - 1 used
+            load_tile(nf, (tr.kStages - 1 if stage == 0 else stage - 1) * kKVStageBytes)
+        else:
+            cp.commit()
+            cp.commit()
+        mask_tile = needs_mask(nb)
+        p_frags = {}
+        for sub in range(tr.kSubTiles):
+            k0 = n0 + sub * SUB_N
+            for warp, st in enumerate(W):
+                active = True
+                if tr.kWarpSkip and mask_tile:
+                    r_first = m0 + st["warp_row0"]
+                    r_last = min(r_first + 16 * MT, sq) - 1
+                    f = visible_keys(r_first, sq, sk, causal, wl, wr)
+                    la = visible_keys(r_last, sq, sk, causal, wl, wr)
+                    active = r_first <= r_last and k0 < la[1] and k0 + SUB_N > f[0]
+                    # the skip is exact only if no valid row of the warp sees a key of the sub-tile
+                    if not active:
+                        skipped += 1
+                        for row in range(r_first, min(r_first + 16 * MT, sq)):
+                            lo, hi = visible_keys(row, sq, sk, causal, wl, wr)
+                            assert not (max(lo, k0) < min(hi, k0 + SUB_N)), "skipped a visible key"
+                st["active"] = active
+                if not active:
+                    continue
+                s = np.zeros((MT, NT, 32, 4), np.float32)
+                sK_addr = sK_base + stage_off + (sub * SUB_N * tr.kRow + st["k_lane_off"]) * 2
+                for ks in range(tr.kKSteps):
+                    a = [st["q_frag"][mt][ks] if tr.kQInRegs else
+                         ldsm(st["sQ_addr"] + (mt * 16 * tr.kRow + ks * 16) * 2) for mt in range(MT)]
+                    for np_ in range(NT // 2):
+                        bk_ = ldsm(sK_addr + (np_ * 16 * tr.kRow + ks * 16) * 2)
+                        for mt in range(MT):
+                            s[mt, 2 * np_] = mma_m16n8k16(s[mt, 2 * np_], a[mt], bk_[:, 0], bk_[:, 1])
+                            s[mt, 2 * np_ + 1] = mma_m16n8k16(s[mt, 2 * np_ + 1], a[mt], bk_[:, 2], bk_[:, 3])
+                if mask_tile:
                     for mt in range(MT):
-                        s[mt, 2 * np_] = mma_m16n8k16(s[mt, 2 * np_], a[mt], bk_[:, 0], bk_[:, 1])
-                        s[mt, 2 * np_ + 1] = mma_m16n8k16(s[mt, 2 * np_ + 1], a[mt], bk_[:, 2], bk_[:, 3])
-            if needs_mask(nb):
+                        for hh in range(2):
+                            for lane in range(32):
+                                row = m0 + st["warp_row0"] + mt * 16 + G[lane] + hh * 8
+                                lo, hi = visible_keys(row, sq, sk, causal, wl, wr)
+                                for nt in range(NT):
+                                    for e in range(2):
+                                        key = k0 + nt * 8 + 2 * TQ[lane] + e
+                                        if not (lo <= key < hi):
+                                            s[mt, nt, lane, 2 * hh + e] = -np.inf
+                p_frag = np.empty((MT, tr.kPSteps, 32, 4, 2), np.float32)
                 for mt in range(MT):
                     for hh in range(2):
-                        for lane in range(32):
-                            row = m0 + st["warp_row0"] + mt * 16 + G[lane] + hh * 8
-                            lo, hi = visible_keys(row, sq, sk, causal, wl, wr)
-                            for nt in range(NT):
-                                for e in range(2):
-                                    key = n0 + nt * 8 + 2 * TQ[lane] + e
-                                    if not (lo <= key < hi):
-                                        s[mt, nt, lane, 2 * hh + e] = -np.inf
-            p_frag = np.empty((MT, tr.kPSteps, 32, 4, 2), np.float32)
-            for mt in range(MT):
-                for hh in range(2):
-                    mx = np.max(s[mt, :, :, 2 * hh:2 * hh + 2], axis=(0, 2))      # (32,)
-                    mx = np.maximum(mx, mx[LANE ^ 1])
-                    mx = np.maximum(mx, mx[LANE ^ 2])
-                    m_old = st["m_i"][mt, hh]
-                    m_new = np.maximum(m_old, mx * scale_log2)
-                    ref = np.where(m_new == -np.inf, np.float32(0), m_new)
-                    alpha = np.exp2(m_old - ref)
-                    rowsum = np.zeros(32, np.float32)
-                    for nt in range(NT):
-                        p0 = np.exp2(s[mt, nt, :, 2 * hh] * scale_log2 - ref)
-                        p1 = np.exp2(s[mt, nt, :, 2 * hh + 1] * scale_log2 - ref)
-                        rowsum += p0
-                        rowsum += p1
-                        p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 0] = _round(p0, dtype)
-                        p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 1] = _round(p1, dtype)
-                    st["l_i"][mt, hh] = st["l_i"][mt, hh] * alpha + rowsum
-                    st["m_i"][mt, hh] = m_new
-                    st["acc"][mt, :, :, 2 * hh] *= alpha
-                    st["acc"][mt, :, :, 2 * hh + 1] *= alpha
-            sV_addr = sVs + st["v_lane_off"] * 2
-            for kc in range(tr.kPSteps):
-                for dp in range(DT // 2):
-                    bv = ldmatrix_x4(smem, sV_addr + (kc * 16 * tr.kRow + dp * 16) * 2, trans=True)
-                    for mt in range(MT):
-                        st["acc"][mt, 2 * dp] = mma_m16n8k16(st["acc"][mt, 2 * dp], p_frag[mt, kc], bv[:, 0], bv[:, 1])
-                        st["acc"][mt, 2 * dp + 1] = mma_m16n8k16(st["acc"][mt, 2 * dp + 1], p_frag[mt, kc], bv[:, 2], bv[:, 3])
+                        mx = np.max(s[mt, :, :, 2 * hh:2 * hh + 2], axis=(0, 2))      # (32,)
+                        mx = np.maximum(mx, mx[LANE ^ 1])
+                        mx = np.maximum(mx, mx[LANE ^ 2])
+                        m_old = st["m_i"][mt, hh]
+                        m_new = np.maximum(m_old, mx * scale_log2)
+                        ref = np.where(m_new == -np.inf, np.float32(0), m_new)
+                        alpha = np.exp2(m_old - ref)
+                        rowsum = np.zeros(32, np.float32)
+                        for nt in range(NT):
+                            p0 = np.exp2(s[mt, nt, :, 2 * hh] * scale_log2 - ref)
+                            p1 = np.exp2(s[mt, nt, :, 2 * hh + 1] * scale_log2 - ref)
+                            rowsum += p0
+                            rowsum += p1
+                            p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 0] = _round(p0, dtype)
+                            p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 1] = _round(p1, dtype)
+                        st["l_i"][mt, hh] = st["l_i"][mt, hh] * alpha + rowsum
+                        st["m_i"][mt, hh] = m_new
+                        st["acc"][mt, :, :, 2 * hh] *= alpha
+                        st["acc"][mt, :, :, 2 * hh + 1] *= alpha
+                p_frags[warp] = p_frag
+            if sub == 0:
+                cp.wait(tr.kWaitV)   # + __syncthreads, passed by every warp
+            for warp, st in enumerate(W):
+                if not st["active"]:
+                    continue
+                p_frag = p_frags[warp]
+                sV_addr = sV_base + stage_off + (sub * SUB_N * tr.kRow + st["v_lane_off"]) * 2
+                for kc in range(tr.kPSteps):
+                    for dp in range(DT // 2):
+                        bv = ldsm(sV_addr + (kc * 16 * tr.kRow + dp * 16) * 2, trans=True)
+                        for mt in range(MT):
+                            st["acc"][mt, 2 * dp] = mma_m16n8k16(st["acc"][mt, 2 * dp], p_frag[mt, kc], bv[:, 0], bv[:, 1])
+                            st["acc"][mt, 2 * dp + 1] = mma_m16n8k16(st["acc"][mt, 2 * dp + 1], p_frag[mt, kc], bv[:, 2], bv[:, 3])
+        stage = 0 if stage + 1 == tr.kStages else stage + 1
+    SKIPPED.append(skipped)
 
     for st in W:
         for mt in range(MT):
@@ -331,7 +420,7 @@ def _reference(q, k, v, scale, causal, wl, wr):
 def _emulate(dtype_name, hd_actual, cfg, causal, wl, wr, seqs, nheads, nheads_k, rng, varlen):
     dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype_name]
     hd, bm, bn, nw = cfg.headdim, cfg.block_m, cfg.block_n, cfg.nwarps
-    tr = Traits(hd, bm, bn, nw)
+    tr = Traits(hd, bm, bn, nw, cfg.stages, cfg.sub_n)
     assert tr.kSmemBytes == cfg.smem_bytes
     batch = len(seqs)
     max_q = max(s[0] for s in seqs)
@@ -412,16 +501,21 @@ def _emulate(dtype_name, hd_actual, cfg, causal, wl, wr, seqs, nheads, nheads_k,
     return worst
 
 
-def _cfg(dtype, hd, bm, bn, nw):
-    return next(c for c in prefill.SUPPORTED
-                if (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps) == (dtype, hd, bm, bn, nw))
+def _cfg(dtype, hd, bm, bn, nw, stages=2, sub_n=None):
+    sub_n = bn if sub_n is None else sub_n
+    return next(c for c in prefill.SUPPORTED + prefill.VARIANTS
+                if (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n)
+                == (dtype, hd, bm, bn, nw, stages, sub_n))
 
 
 # Dense (non-varlen) problems have one (seqlen_q, seqlen_k) for the whole batch.
 # One config per distinct code path: rows per warp 16 / 32, Q in registers or re-read, 4 / 8 warps,
-# loader layouts (kTPR 4, 8, 16, 32), head dims that are and are not multiples of 64.
+# loader layouts (kTPR 4, 8, 16, 32), head dims that are and are not multiples of 64; 2 and 3
+# K/V stages (the 3-stage ring wraps: >= 4 key tiles), 64-key tiles in 32-key sub-tiles, and
+# warp-level skips of sub-tiles on the causal diagonal / window edges.
 CASES = [
-    # dtype, (hd, bm, bn, nw), hd_actual, causal, window, seqs (sq, sk), heads (h, hk), varlen
+    # dtype, (hd, bm, bn, nw[, stages, sub_n]), hd_actual, causal, window, seqs (sq, sk),
+    # heads (h, hk), varlen
     ("float16", (64, 128, 64, 4), 64, False, (-1, -1), [(130, 77)] * 2, (2, 1), False),
     ("bfloat16", (64, 128, 128, 8), 40, True, (-1, -1), [(70, 150), (150, 70)], (2, 2), True),
     ("float16", (64, 64, 64, 4), 64, True, (-1, -1), [(150, 70)] * 2, (1, 1), False),
@@ -431,16 +525,43 @@ CASES = [
     ("float16", (96, 128, 32, 4), 88, True, (7, -1), [(40, 60), (65, 20)], (2, 1), True),
     ("bfloat16", (160, 64, 32, 4), 160, False, (-1, -1), [(20, 50)], (1, 1), False),
     ("float16", (256, 128, 32, 8), 200, True, (-1, -1), [(130, 40)], (1, 1), False),
+    ("bfloat16", (128, 128, 64, 4), 128, True, (-1, -1), [(200, 230)], (1, 1), False),
+    ("float16", (128, 128, 64, 4, 2, 32), 128, True, (-1, -1), [(150, 150), (60, 170)], (1, 1), True),
+    ("bfloat16", (128, 128, 32, 4, 3, 32), 104, True, (40, -1), [(140, 200)], (2, 1), False),
+    ("float16", (64, 128, 64, 4, 3, 64), 56, True, (-1, -1), [(260, 260), (3, 90)], (1, 1), True),
+    ("float16", (96, 128, 64, 4, 2, 32), 96, True, (-1, -1), [(129, 129)], (1, 1), False),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-hd{c[1][0]}-m{c[1][1]}-n{c[1][2]}-w{c[1][3]}-d{c[2]}"
-                                               for c in CASES])
+def _case_id(c):
+    tile = c[1]
+    pipe = "" if len(tile) == 4 else f"-s{tile[4]}-sub{tile[5]}"
+    return f"{c[0]}-hd{tile[0]}-m{tile[1]}-n{tile[2]}-w{tile[3]}{pipe}-d{c[2]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_emulated_kernel_matches_reference(case):
-    dtype, (hd, bm, bn, nw), d, causal, (wl, wr), seqs, (h, hk), varlen = case
-    rng = np.random.default_rng(hash(case[1]) % 2**32)
-    cfg = _cfg(dtype, hd, bm, bn, nw)
+    dtype, tile, d, causal, (wl, wr), seqs, (h, hk), varlen = case
+    rng = np.random.default_rng(hash(tile) % 2**32)
+    cfg = _cfg(dtype, *tile)
     _emulate(dtype, d, cfg, causal, wl, 0 if causal and wr < 0 else wr, seqs, h, hk, rng, varlen)
+
+
+def test_every_tensor_core_row_has_an_emulated_pipeline_shape():
+    """Each (rows per warp, stages, sub-tiles) combination of the table is emulated above."""
+    shape = lambda c: (c.block_m // (16 * c.nwarps), c.stages, c.block_n // c.sub_n)
+    emulated = {shape(_cfg(dtype, *tile)) for dtype, tile, *_ in CASES}
+    table = {shape(c) for c in prefill.SUPPORTED + prefill.VARIANTS if c.dtype in prefill.TC_DTYPES}
+    assert table <= emulated, table - emulated
+
+
+def test_causal_diagonal_skips_sub_tiles():
+    """32-row warps on a causal diagonal skip the 64-key tile their rows cannot see."""
+    SKIPPED.clear()
+    cfg = _cfg("bfloat16", 128, 128, 64, 4)
+    _emulate("bfloat16", 128, cfg, True, -1, 0, [(128, 128)], 1, 1, np.random.default_rng(1), False)
+    # one CTA, tiles 0 and 1 both on the diagonal: warps 0 and 1 (rows 0-63) skip tile 1
+    assert SKIPPED == [2]
 
 
 def test_c_fragment_is_a_fragment():

@@ -369,3 +369,54 @@ def test_float32_is_rejected_on_gpu():
     kc = cupy.zeros((1, 8, 2, 64), cupy.float32)
     with pytest.raises(TypeError, match="float32"):
         flash_attn_with_kvcache(q, kc, kc)
+
+
+# ----------------------------------------------------------------------------------------------
+# Split-kernel variants (scratch/decode_variants.py): fused combine, grid order, tile shapes,
+# L2 hints, per-tile page ids (page_size % block_n == 0) and per-row page ids
+# ----------------------------------------------------------------------------------------------
+_F = decode.FLAG_FUSED_COMBINE
+_VARIANTS = [decode.SplitVariant(64, 4, 3), decode.SplitVariant(64, 4, 3, _F),
+             decode.SplitVariant(64, 4, 3, 0, 1), decode.SplitVariant(64, 4, 3, _F, 1),
+             decode.SplitVariant(64, 4, 3, decode.FLAG_EVICT_FIRST | decode.FLAG_PREFETCH_256),
+             decode.SplitVariant(64, 4, 6, _F), decode.SplitVariant(32, 2, 6, _F, 1),
+             decode.SplitVariant(32, 2, 4), decode.SplitVariant(128, 8, 3),
+             decode.SplitVariant(32, 2, 12)]
+
+
+@pytest.mark.parametrize("var", _VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("page", [0, 16, 128])
+def test_split_variants_match_reference(var, page):
+    rng = np.random.default_rng(19)
+    dtype = "bfloat16"
+    batch, cap, hk, h, d = 3, 1024, 2, 8, 128
+    cs = np.array([1000, 0, 517], np.int32)
+    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    tail = np.arange(cap)[None, :] >= cs[:, None]
+    kc[tail] = np.nan
+    vc[tail] = np.nan
+    q = testing.random_normal(rng, (batch, 1, h, d), dtype)
+    bt = None
+    kpool, vpool = kc, vc
+    if page:
+        kpool, bt = testing.contiguous_to_paged(kc, page, np.random.default_rng(2), 2)
+        vpool, _ = testing.contiguous_to_paged(vc, page, np.random.default_rng(2), 2)
+    case = testing.KVCacheCase(q=q, k_cache=kpool, v_cache=vpool, k=None, v=None,
+                               cache_seqlens=cs, block_table=bt, softmax_scale=None, causal=True,
+                               page_size=page, seed=19, k_cache_contiguous=kc,
+                               v_cache_contiguous=vc)
+    qd, kd, vd, csd, btd = (_dev(x) for x in (q, kpool, vpool, cs, bt))
+    for ns in (1, 3, 7, 40):
+        n = var.workspace_elems(batch, 1, h, hk, d, ns)
+        ws = cupy.full(max(n, 1), np.nan, cupy.float32)
+        if var.flags & _F and ns > 1:
+            base = ns * batch * h * (d + 1)
+            ws[base:n] = 0  # the counters start at zero; the partials are NaN-poisoned
+        for rep in range(2):  # the second launch reuses the counters the first one reset
+            out = _nan_like(qd)
+            lse = cupy.full((batch, h, 1), np.nan, cupy.float32)
+            decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns, lse=lse)
+            _check_against_reference(case, out, lse, dtype)
+        if var.flags & _F and ns > 1:
+            assert bool((ws[base:n].view(cupy.int32) == 0).all())
