@@ -503,7 +503,7 @@ def _view(x, name: str, dtype: str):
 
 def _estrides(x) -> tuple:
     """Strides of a CuPy array in elements."""
-    return tuple(s // x.itemsize for s in x.strides)
+    return tuple(s // x.dtype.itemsize for s in x.strides)
 
 
 def _check_cache_alignment(x, name: str) -> None:

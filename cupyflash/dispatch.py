@@ -454,6 +454,7 @@ class _ContiguousLayout:
 
     def __init__(self, shape: tuple, dtype):
         self.shape, self.dtype, self.ndim = tuple(shape), dtype, len(shape)
+        self.itemsize = dtype.itemsize
         strides, acc = [], dtype.itemsize
         for n in reversed(self.shape):
             strides.insert(0, acc)
