@@ -27,10 +27,10 @@ STAMP=$(mktemp); touch "$STAMP"
 
 # script and its time limit (seconds) in quick / full mode; quick limits add up to 8.5 minutes
 declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [exp_memory]=50
-                  [bench_tiles]=80 [exp_hbm]=100)
+                  [bench_tiles]=80 [exp_hbm]=100 [bench_overhead]=90)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
-                 [bench_tiles]=450 [exp_hbm]=540)
-ORDER=(bench_ceilings bench_prefill bench_decode exp_memory bench_tiles exp_hbm)
+                 [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90)
+ORDER=(bench_ceilings bench_prefill bench_decode exp_memory bench_tiles exp_hbm bench_overhead)
 [ $# -gt 0 ] && ORDER=("$@")
 
 echo "run_gpu_experiments: mode=$MODE scripts=${ORDER[*]} python=$($PY -c 'import sys; print(sys.executable)')" | tee -a "$SUMMARY"
