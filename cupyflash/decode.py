@@ -36,9 +36,20 @@ CUDA graphs
 -----------
 With ``validate=False`` (no host read of ``cache_seqlens``/``block_table``), ``out=`` given,
 ``return_lse=False`` and, when more than one split is used, a ``workspace=`` from
-:func:`alloc_workspace` (or any float32 CuPy array of at least :func:`workspace_size` elements),
-the call launches only kernels: no allocation and no host synchronisation, so it can be captured
-in a CUDA graph. The number of splits depends only on shapes (never on ``cache_seqlens``).
+:func:`alloc_workspace` (or any float32 CuPy array of at least :func:`workspace_size` elements,
+zero-filled once), the call launches only kernels: no allocation and no host synchronisation,
+so it can be captured in a CUDA graph. The number of splits depends only on shapes (never on
+``cache_seqlens``).
+
+Fused combine
+-------------
+With more than one split, the split kernel also merges: each block writes its fp32 partial,
+then increments an arrival counter of its (batch, KV head, row chunk) in the workspace; the
+block that arrives last reads all the partials (through L2) and writes the output and LSE,
+then resets the counter to zero. There is no combine launch (H200, v1 sweep: +3% at batch 1 x
+128k, +24% at batch 1 x 8k). The counters must be zero before a launch: :func:`alloc_workspace`
+returns a zero-filled workspace, a workspace allocated inside the call has its counters zeroed
+(``cudaMemsetAsync``), and every complete launch leaves them zero.
 """
 from __future__ import annotations
 
@@ -116,37 +127,48 @@ def padded_headdim(headdim: int) -> int:
                      f"{HEADDIMS[-1]}")
 
 
-def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int) -> int:
+def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int,
+                     flags: int = 0) -> int:
     """Dynamic shared memory of the split kernel (mirrors ``DecodeTraits::kSmemBytes``).
 
     Q tile ``GROUP x (headdim + 8)`` plus ``stages`` x (K and V tiles of ``block_n x (headdim +
     8)``), 16-bit elements; rows are padded by 16 bytes so that ``ldmatrix`` is conflict-free;
-    then two ``block_n`` int32 arrays of prefetched page ids (paged caches).
+    then two ``block_n`` int32 arrays of prefetched page ids (paged caches); with
+    :data:`FLAG_BULK_COPY`, one 8-byte mbarrier per stage.
     """
     e = np.dtype(_np_dtype(dtype)).itemsize
     row = headdim + 16 // e
-    return (GROUP * row + stages * 2 * block_n * row) * e + 2 * block_n * 4
+    bars = 8 * stages if flags & FLAG_BULK_COPY else 0
+    return (GROUP * row + stages * 2 * block_n * row) * e + 2 * block_n * 4 + bars
 
 
 #: Bits of the split kernel's FLAGS template parameter (``decode_flags`` in flash_decode.cu) and
 #: their name suffixes: the fused last-block-done combine, the L2 evict_first policy and the
-#: ``.L2::256B`` prefetch-size hint on the K/V copies.
-FLAG_FUSED_COMBINE, FLAG_EVICT_FIRST, FLAG_PREFETCH_256 = 1, 2, 4
+#: ``.L2::256B`` prefetch-size hint on the K/V copies, and per-row 1-D bulk copies
+#: (``cp.async.bulk`` + one mbarrier per stage, sm_90 only; not with the L2 hints).
+FLAG_FUSED_COMBINE, FLAG_EVICT_FIRST, FLAG_PREFETCH_256, FLAG_BULK_COPY = 1, 2, 4, 8
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
-                (FLAG_PREFETCH_256, "_pf256"))
+                (FLAG_PREFETCH_256, "_pf256"), (FLAG_BULK_COPY, "_bulk"))
+#: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
+#: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
+#: 16 splits, b1 x 8k 1.84 vs 1.48; never measurably slower).
+DEFAULT_FLAGS = FLAG_FUSED_COMBINE
 
 
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
                       nwarps: int | None = None, stages: int | None = None,
-                      flags: int = 0) -> jit.KernelSpec:
+                      flags: int = DEFAULT_FLAGS) -> jit.KernelSpec:
     """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256`` for the ``flags`` bits (:data:`FLAG_FUSED_COMBINE`,
-    ...); ``block_n``/``nwarps``/``stages`` override :data:`SPLIT_CONFIGS` (experiments).
+    ...; the default :data:`DEFAULT_FLAGS` is what the public functions launch);
+    ``block_n``/``nwarps``/``stages`` override :data:`SPLIT_CONFIGS` (experiments).
     """
-    if not isinstance(flags, int) or flags < 0 or flags >= 8:
-        raise ValueError(f"flags: expected an int in [0, 8), got {flags!r}")
+    if not isinstance(flags, int) or flags < 0 or flags >= 16:
+        raise ValueError(f"flags: expected an int in [0, 16), got {flags!r}")
+    if flags & FLAG_BULK_COPY and flags & (FLAG_EVICT_FIRST | FLAG_PREFETCH_256):
+        raise ValueError(f"flags: FLAG_BULK_COPY does not combine with the L2 hints, got {flags}")
     if dtype not in DTYPES:
         raise TypeError(f"dtype: {dtype} has no decode kernel; supported: {', '.join(DTYPES)}")
     if headdim not in HEADDIMS:
@@ -160,7 +182,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
             + "".join(suffix for bit, suffix in _FLAG_SUFFIX if flags & bit))
     entry = (f"cf::decode_split_kernel<{_CTYPE[dtype]}, {headdim}, {bn}, {nw}, {GROUP}, {st}, "
              f"{'true' if paged else 'false'}, {flags}>")
-    return jit.KernelSpec(name, SOURCE, entry, split_smem_bytes(dtype, headdim, bn, st))
+    return jit.KernelSpec(name, SOURCE, entry, split_smem_bytes(dtype, headdim, bn, st, flags))
 
 
 kernel_spec = split_kernel_spec
@@ -227,7 +249,11 @@ class DecodeLaunch:
         into ``num_splits`` equal parts.
     row_chunks : blocks per KV head along the query rows.
     combine, append : names of the combine / append kernels launched (None if not).
-    workspace_elems : float32 elements of workspace used (0 with one split).
+    workspace_elems : elements (4 bytes) of workspace used (0 with one split): the fp32
+        partials, then ``counter_elems`` int32 arrival counters of the fused combine.
+    counter_elems : int32 counters at the end of the workspace (``batch * nheads_k *
+        row_chunks``; 0 with one split). They must be zero before a launch; each launch leaves
+        them zero (see :func:`alloc_workspace`).
     hbm_bytes, flops : I/O model at full cache capacity (cupyflash.io_model).
     reasons : why each choice was made / alternatives rejected.
     """
@@ -247,6 +273,7 @@ class DecodeLaunch:
     reasons: tuple
     registers: int | None = None
     spill_bytes: int | None = None
+    counter_elems: int = 0
 
 
 def _check_split_size(split_size) -> None:
@@ -304,6 +331,9 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                          f"the device allows {max_smem_per_block}")
     spec = split_kernel_spec(p.dtype, hd, p.paged, stages=stages)
     ctas_per_sm = max(1, smem_per_sm // (smem + _SMEM_RESERVED_PER_BLOCK))
+    # Blocks per SM that the split count fills (heuristics.choose_num_splits, measured): one for
+    # contiguous caches, two (where they fit) for paged caches.
+    fill_per_sm = min(2, ctas_per_sm) if p.paged else 1
     rows = (p.nheads // p.nheads_k) * p.seqlen_q
     row_chunks = -(-rows // GROUP)
     if row_chunks > 1:
@@ -325,16 +355,20 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     else:
         num_splits = choose_num_splits(p.batch, p.nheads_k, p.seqlen_cache, num_sms,
                                        row_chunks=row_chunks, block_n=cfg.block_n,
-                                       ctas_per_sm=ctas_per_sm)
+                                       ctas_per_sm=fill_per_sm)
         reasons.append(f"num_splits=0: heuristic: {p.batch * p.nheads_k * row_chunks} blocks "
-                       f"(batch x nheads_k x row_chunks) for {num_sms * ctas_per_sm} slots "
-                       f"({num_sms} SMs x {ctas_per_sm}), {tiles_cap} tiles of {cfg.block_n} "
-                       f"keys at capacity -> {num_splits} splits")
-    combine = None
-    ws = 0
+                       f"(batch x nheads_k x row_chunks) for {num_sms * fill_per_sm} slots "
+                       f"({num_sms} SMs x {fill_per_sm} block{'s' if fill_per_sm > 1 else ''}"
+                       f" per SM, {'paged' if p.paged else 'contiguous'} cache), {tiles_cap} "
+                       f"tiles of {cfg.block_n} keys at capacity -> {num_splits} splits")
+    combine = None  # the fused last-block-done combine (DEFAULT_FLAGS): no combine launch
+    ws = counters = 0
     if num_splits > 1:
-        combine = combine_kernel_spec(p.dtype).name
-        ws = workspace_elems(p.batch, p.seqlen_q, p.nheads, p.headdim, num_splits)
+        counters = p.batch * p.nheads_k * row_chunks
+        ws = workspace_elems(p.batch, p.seqlen_q, p.nheads, p.headdim, num_splits) + counters
+        reasons.append(f"{num_splits} splits: the last split block of each (batch, KV head, row "
+                       "chunk) merges the partials (fused combine; arrival counters in the "
+                       "workspace)")
     else:
         reasons.append("one split: the split kernel writes the output directly (no combine)")
     append = append_kernel_spec(p.paged).name if p.seqlen_new > 0 else None
@@ -355,7 +389,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         grid=(num_splits, p.batch, p.nheads_k * row_chunks), block=(cfg.nwarps * 32, 1, 1),
         smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
         combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
-        reasons=tuple(reasons), registers=regs, spill_bytes=spill)
+        reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters)
 
 
 def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
@@ -457,8 +491,10 @@ def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
 
 
 def workspace_elems(batch: int, seqlen_q: int, nheads: int, headdim: int, num_splits: int) -> int:
-    """float32 elements of the split workspace: partial O (num_splits, batch, seqlen_q, nheads,
-    headdim) followed by partial LSE (num_splits, batch, nheads, seqlen_q); 0 for one split."""
+    """float32 elements of the split partials: partial O (num_splits, batch, seqlen_q, nheads,
+    headdim) followed by partial LSE (num_splits, batch, nheads, seqlen_q); 0 for one split.
+    The workspace of :func:`flash_attn_with_kvcache` has ``batch * nheads_k * row_chunks``
+    int32 counters after them (:attr:`DecodeLaunch.counter_elems`, :func:`workspace_size`)."""
     if num_splits <= 1:
         return 0
     return num_splits * batch * seqlen_q * nheads * (headdim + 1)
@@ -536,8 +572,11 @@ def _plan_cached(prob, split_size, num_sms, smem_per_sm, max_smem_per_block):
 def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                    *, num_splits=0, split_size=None) -> int:
     """float32 elements of workspace that :func:`flash_attn_with_kvcache` needs for these
-    arguments (0 when it runs as one split). Reads shapes only (``validate=False``) and the
-    current device's SM count and shared memory."""
+    arguments (0 when it runs as one split): the fp32 partials (:func:`workspace_elems`), then
+    ``batch * nheads_k * ceil(nheads // nheads_k * seqlen_q / 16)`` int32 arrival counters of
+    the fused combine, which must be zero before the first call (see :func:`alloc_workspace`).
+    Reads shapes only (``validate=False``) and the current device's SM count and shared
+    memory."""
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 num_splits=num_splits, dtypes=DTYPES, validate=False)
     return _resolve_plan(prob, split_size).workspace_elems
@@ -545,13 +584,22 @@ def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, bloc
 
 def alloc_workspace(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                     *, num_splits=0, split_size=None):
-    """A float32 CuPy workspace for calls with these arguments' shapes: pass it as
+    """A zero-filled float32 CuPy workspace for calls with these arguments' shapes: pass it as
     ``workspace=`` (with ``out=`` and ``validate=False``) to capture the call in a CUDA graph.
-    Never empty, so it is always a valid argument."""
+    Never empty, so it is always a valid argument.
+
+    Workspace contract: the first :func:`workspace_elems` elements hold fp32 partials (any
+    content before a call: NaN is fine, every split overwrites its part); the last
+    :attr:`DecodeLaunch.counter_elems` elements are int32 arrival counters of the fused combine
+    that must be zero before a launch. Every complete launch leaves them zero (the last block of
+    each group resets its counter), so a workspace from this function (or any float32 array of
+    at least :func:`workspace_size` elements that was zero-filled once) can be reused and
+    replayed in CUDA graphs indefinitely. Do not share one workspace between launches that can
+    run concurrently (other streams)."""
     import cupy
     n = workspace_size(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                        num_splits=num_splits, split_size=split_size)
-    return cupy.empty(max(n, 1), dtype=cupy.float32)
+    return cupy.zeros(max(n, 1), dtype=cupy.float32)
 
 
 def _append_tail(prob, k, v, k_cache, v_cache, block_table) -> tuple:
@@ -665,7 +713,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         lengths are clamped to the capacity and rows of bad pages are zero-filled: the result
         of such a call is unspecified, not unsafe).
     workspace : float32 CUDA array or None
-        Scratch for the fp32 partials, at least :func:`workspace_size` elements; allocated per
+        Scratch for the fp32 partials and the fused combine's int32 counters, at least
+        :func:`workspace_size` elements, from :func:`alloc_workspace` (or zero-filled once: the
+        counters at its end must start at zero; each launch leaves them zero); allocated per
         call if None. Pass it (with ``out`` and ``validate=False``) to capture in a CUDA graph.
 
     Returns
@@ -792,8 +842,8 @@ class _KVCacheLaunch:
     the plan, the kernels and their constant arguments (NumPy scalars, from the layouts), built
     once per key after the checks; :func:`_execute_kvcache` adds the pointers per call."""
     __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
-                 "o_part_bytes", "append_kernel", "append_grid", "append_tail", "split_kernel",
-                 "split_tail", "combine_kernel", "combine_grid", "combine_tail")
+                 "o_part_bytes", "counters_bytes", "counters_nbytes", "append_kernel",
+                 "append_grid", "append_tail", "split_kernel", "split_tail", "split_end")
 
     def __init__(self, prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                  return_lse, workspace):
@@ -812,14 +862,16 @@ class _KVCacheLaunch:
                                  f"{self.ws_need} elements (workspace_size), got shape "
                                  f"{workspace.shape}")
         rows = b * sq * h
-        self.o_part_bytes = 4 * ns * rows * d  # partial O, then partial LSE, in the workspace
+        # workspace: partial O, partial LSE (fp32), then the fused combine's int32 counters
+        self.o_part_bytes = 4 * ns * rows * d
+        self.counters_bytes = 4 * ns * rows * (d + 1)
+        self.counters_nbytes = 4 * plan.counter_elems
         self.append_kernel = self.append_tail = self.append_grid = None
         if prob.seqlen_new > 0 and b > 0:
             self.append_kernel = jit.get_kernel(append_kernel_spec(prob.paged))
             self.append_grid = _append_grid(prob)
             self.append_tail = _append_tail(prob, k, v, k_cache, v_cache, block_table)
-        self.split_kernel = self.split_tail = None
-        self.combine_kernel = self.combine_tail = self.combine_grid = None
+        self.split_kernel = self.split_tail = self.split_end = None
         if b == 0 or sq == 0:  # no query rows: an empty grid is not launchable
             return
         if out is None:
@@ -843,14 +895,8 @@ class _KVCacheLaunch:
             i32(prob.headdim), i32(prob.seqlen_cache), i32(prob.seqlen_new), i32(page_size),
             i32(page_shift), i32(prob.num_pages), i32(ns), i32(plan.split_tiles),
             i32(plan.row_chunks), i32(1 if prob.causal else 0),
-            np.float32(prob.softmax_scale * math.log2(math.e)),
-            _NULL, i32(0))  # counters (fused combine only), grid_order
-        if ns > 1:  # partials: contiguous (ns, b, sq, h, d) and (ns, b, h, sq) float32
-            self.combine_kernel = jit.get_kernel(combine_kernel_spec(prob.dtype))
-            self.combine_grid = _combine_grid(b, sq, h)
-            self.combine_tail = _combine_tail(
-                (b * sq * h * d, sq * h * d, h * d, d), (b * h * sq, h * sq, sq, 1), os_,
-                (h * sq, sq, 1) if return_lse else None, ns, b, sq, h, d)
+            np.float32(prob.softmax_scale * math.log2(math.e)))
+        self.split_end = (_NULL, i32(0))  # counters (one split: unused), grid_order
 
 
 _NULL = np.uint64(0)  # a NULL pointer argument (CuPy would pass None as a NULL *argument*)
@@ -866,8 +912,11 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
         out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty(e.lse_shape, cupy.float32) if e.lse_shape is not None else None
     ns = e.plan.num_splits
-    if ns > 1 and workspace is None:
+    if ns > 1 and workspace is None:  # the fused combine's counters start at zero
         workspace = cupy.empty(e.ws_need, cupy.float32)
+        if e.counters_nbytes:
+            cupy.cuda.runtime.memsetAsync(workspace.data.ptr + e.counters_bytes, 0,
+                                          e.counters_nbytes, cupy.cuda.get_current_stream().ptr)
     bt = block_table if block_table is not None else _NULL
     if e.append_tail is not None:  # append first; same stream, so the split kernel sees it
         e.append_kernel(e.append_grid, (256, 1, 1),
@@ -875,17 +924,16 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
     if e.split_tail is not None:
         cs = cache_seqlens if cache_seqlens is not None else _NULL
         lse_arg = lse if lse is not None else _NULL
-        if ns > 1:
-            o_part = np.uint64(workspace.data.ptr)
-            lse_part = np.uint64(workspace.data.ptr + e.o_part_bytes)
-            head = (q, k_cache, v_cache, cs, bt, _NULL, _NULL, o_part, lse_part)
+        p = e.plan
+        if ns > 1:  # fused combine: the last block of each group writes out and lse
+            ptr = workspace.data.ptr
+            head = (q, k_cache, v_cache, cs, bt, out, lse_arg, np.uint64(ptr),
+                    np.uint64(ptr + e.o_part_bytes))
+            end = (np.uint64(ptr + e.counters_bytes), e.split_end[1])
         else:
             head = (q, k_cache, v_cache, cs, bt, out, lse_arg, _NULL, _NULL)
-        p = e.plan
-        e.split_kernel(p.grid, p.block, head + e.split_tail, shared_mem=p.smem_bytes)
-        if ns > 1:
-            e.combine_kernel(e.combine_grid, (128, 1, 1),
-                             (o_part, lse_part, out, lse_arg) + e.combine_tail)
+            end = e.split_end
+        e.split_kernel(p.grid, p.block, head + e.split_tail + end, shared_mem=p.smem_bytes)
     return (out, lse) if e.return_lse else out
 
 

@@ -104,11 +104,15 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     if not tiles:
         raise ValueError(f"dtype: no prefill tile available for dtype {dtype!r} and headdim "
                          f"{headdim}")
-    # Rule 1: the table's first row. bf16/fp16 hd128 (and hd96 unmeasured): see
-    # cupyflash/prefill.py _TC_TILES; hd128's default is 128x32x4w because the v0 tile sweep on
-    # the H200 (bf16, S = 4096, non-causal, experiments/NOTES.md) measured 128x32x4 307 TFLOP/s
-    # against 257 for the previous default 128x64x8 (64x64x4 259, 128x128x8 278). To be revised
-    # with scratch/prefill_variants.py (the 128x64x4 rows with 32 rows per warp).
+    # Rule 1: the table's first row (cupyflash/prefill.py _TC_TILES). bf16/fp16 hd96 and hd128:
+    # 128x64x4w, measured fastest by scratch/prefill_variants.py v1 (H200, 16k tokens, S = 4096 /
+    # 16384, experiments/NOTES.md): hd128 non-causal 312-321 TFLOP/s vs 292-299 (128x32x4) and
+    # 256-262 (128x64x8); hd128 causal 258-281, the best tile at S = 4096 and 0.7% behind
+    # 128x128x8 (283) at S = 16384, too small a gap for a causal-specific rule; hd96 296-304
+    # vs 234-259 for every other tile, causal 277-302 vs <= 251. hd64 keeps 128x64x4w (305-314).
+    # Not adopted: hd64 causal with 3 K/V stages (prefill VARIANTS, s3): +0.2-2% causal (280 vs
+    # 277 at S = 4096, 304 vs 303 bf16 / 303 vs 297 fp16 at S = 16384) but -1.5% non-causal; a
+    # dispatchable stages column needs dispatch.py to carry the full table key (see NOTES).
     tile = tiles[0]                                              # rule 1
     block_ms = sorted({t[0] for t in tiles})
 
@@ -150,29 +154,45 @@ MAX_SPLITS = 128
 
 
 def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H200_SMS, *,
-                      row_chunks: int = 1, block_n: int = 64, ctas_per_sm: int = 2,
+                      row_chunks: int = 1, block_n: int = 64, ctas_per_sm: int = 1,
                       max_splits: int = MAX_SPLITS,
                       min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> int:
     """Number of KV splits for a decode step (pure; Flash-Decoding's occupancy argument).
 
     The split kernel is bandwidth-bound and every block of one launch does the same amount of
-    work, so the best launch is one full wave of resident blocks: ``slots = num_sms *
-    ctas_per_sm`` blocks run at once, and ``ctas = batch * nheads_k * row_chunks`` blocks exist
-    without splitting. Rule::
+    work, so the best launch is one wave of equal blocks: ``slots = num_sms * ctas_per_sm``
+    blocks are targeted, and ``ctas = batch * nheads_k * row_chunks`` blocks exist without
+    splitting. Rule::
 
         splits = floor(slots / ctas)                        # fill one wave, never start a 2nd
         splits = min(splits, ceil(tiles / min_tiles_per_split), max_splits)
         splits = max(splits, 1)
 
     with ``tiles = ceil(seqlen_k / block_n)``. ``floor`` rather than ``ceil``: with equal blocks,
-    ``ceil`` would start a second, mostly empty wave (e.g. 128 blocks on 264 slots: 2 splits run
-    in one wave, 3 splits in two waves of a third of the work each, 33% slower).
+    ``ceil`` would start a second, mostly empty wave (e.g. 128 blocks on 132 slots: 1 split runs
+    in one wave, 2 splits in two).
 
-    Examples (H200, Llama-3-8B heads: nheads_k = 8, hd128, ``block_n = 64``, 2 blocks/SM):
-    batch 1 -> 33 splits (264 blocks); batch 16 -> 2 (256 blocks); batch >= 17 -> 1.
+    ``ctas_per_sm`` is the number of blocks per SM to fill, not the number that fit:
+    :func:`cupyflash.decode.launch_config` passes 1 for contiguous caches and 2 (when two fit)
+    for paged caches. Measured on the H200 (v1 sweep, bf16, 32/8 heads, hd128, n64_w4_s3 tiles
+    of ~108 KB, fused combine, CUDA-graph timed TB/s of K+V; experiments/NOTES.md "v1 outcome"):
+
+    * contiguous, batch 1 x 128k: 16 splits 3.83, 33 splits 3.68, 66 splits 3.34 -> one block
+      per SM (the ~80 KB of copies in flight of one 3-stage block suffice; a second block
+      only adds partials and merge work); batch 1 x 8k: 16 splits 1.84, 33 1.47;
+      batch 16 x 16k: 1 split 4.11-4.13, 2 splits 4.02-4.06; batch 16 x 1k: 1 split 2.70, 2
+      splits 2.43 (fused) / 2.29.
+    * paged (page 16), batch 1 x 128k: 33 splits 3.45, 16 splits 2.37; batch 16 x 16k (page 16
+      and 256): 2 splits 3.75 / 3.94, 1 split 2.54 / 3.01 -> two blocks per SM (the page-id
+      lookups add a dependent load per tile that the second block hides).
+
+    Examples (H200, Llama-3-8B heads: nheads_k = 8, hd128, ``block_n = 64``): contiguous
+    (``ctas_per_sm = 1``) batch 1 -> 16 splits (128 blocks), batch >= 9 -> 1; paged
+    (``ctas_per_sm = 2``) batch 1 -> 33 (264 blocks), batch 16 -> 2, batch >= 17 -> 1.
 
     Properties (tested): ``1 <= splits <= max(1, min(max_splits, tiles))``; non-increasing in
-    ``batch``, ``nheads_k`` and ``row_chunks``; non-decreasing in ``seqlen_k`` and ``num_sms``.
+    ``batch``, ``nheads_k`` and ``row_chunks``; non-decreasing in ``seqlen_k``, ``num_sms`` and
+    ``ctas_per_sm``.
 
     Parameters
     ----------
@@ -188,7 +208,7 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
     block_n : int
         Keys per tile of the split kernel.
     ctas_per_sm : int
-        Resident split blocks per SM (shared memory bound: 2 on an H200, 1 on an A100).
+        Split blocks per SM to fill (1: contiguous caches; 2: paged caches, where two fit).
     max_splits, min_tiles_per_split : int
         Caps (see :data:`MAX_SPLITS`, :data:`MIN_TILES_PER_SPLIT`).
 
@@ -196,12 +216,6 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
     -------
     int
         ``>= 1``.
-
-    Notes
-    -----
-    The thresholds are first estimates from the occupancy argument (two resident blocks of
-    ~108 KB on 228 KB SMs); ``experiments/bench_decode`` measures them against explicit
-    ``num_splits`` sweeps.
     """
     for name, val in (("batch", batch), ("nheads_k", nheads_k), ("num_sms", num_sms),
                       ("row_chunks", row_chunks), ("block_n", block_n),

@@ -30,7 +30,7 @@ import numpy as np
 from . import jit
 
 __all__ = [
-    "PrefillConfig", "SUPPORTED", "VARIANTS", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
+    "PrefillConfig", "SUPPORTED", "VARIANTS", "OPT_FLAGS", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
     "padded_headdim", "smem_bytes", "kernel_spec", "all_specs", "variant_specs", "spec_of",
     "config_of", "launch_config",
     "kernel_args", "args_template", "check_pointers", "launch",
@@ -48,6 +48,9 @@ MAX_SMEM_BYTES = 227 * 1024
 TC_SOURCE = "flash_fwd.cu"
 SIMT_SOURCE = "flash_fwd_simt.cu"
 SIMT_THREADS = 128
+
+#: Name suffixes of the kernel's ``OPT`` bit flags (kernels_cu/flash_fwd.cu), in name order.
+OPT_FLAGS = ((1, "fx"), (2, "rs"), (4, "pf"))
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 _CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
@@ -69,6 +72,9 @@ class PrefillConfig:
     stages : K/V tiles in the cp.async pipeline (tensor cores; 2 = double buffering).
     sub_n : keys per register working set (tensor cores): each ``block_n``-key shared-memory
         tile is consumed as ``block_n / sub_n`` sub-tiles; 0 means ``block_n``.
+    opt : instruction-level options (tensor cores), bit flags of the kernel's ``OPT``
+        (:data:`OPT_FLAGS`): 1 fast exp2 (``fx``), 2 skip the rescale when no row max moved
+        (``rs``), 4 prefetched Q K^T fragments (``pf``); 0 = plain.
     """
     dtype: str
     headdim: int
@@ -79,6 +85,7 @@ class PrefillConfig:
     source: str
     stages: int = 2
     sub_n: int = 0
+    opt: int = 0
 
     def __post_init__(self):
         if self.sub_n == 0:
@@ -87,7 +94,7 @@ class PrefillConfig:
     @property
     def plain(self) -> bool:
         """True for the default pipeline (2 stages, whole-tile working set)."""
-        return self.stages == 2 and self.sub_n == self.block_n
+        return self.stages == 2 and self.sub_n == self.block_n and self.opt == 0
 
     @property
     def threads(self) -> int:
@@ -114,13 +121,16 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
 # block_m / nwarps = 16 or 32 rows per warp; 32 rows per warp (two m16 tiles) halves the smem
 # traffic for K and V per FLOP but needs ~2x the accumulator registers, so it only fits with
 # smaller key tiles up to hd128 (128x64x4w: 255 registers, no spills; hd160+ spills at 32 rows
-# per warp). hd128 default 128x32x4w: H200, bf16, S = 4096, non-causal, v0 tile sweep
-# (experiments/NOTES.md): 128x32x4 307 TFLOP/s, 128x64x8 257, 64x64x4 259, 128x128x8 278.
+# per warp). Defaults hd96 / hd128 = 128x64x4w from the v1 sweep (H200, bf16 and fp16, 16k tokens,
+# S = 4096 / 16384, experiments/NOTES.md "v1 outcome"): hd128 non-causal 315-321 TFLOP/s vs
+# 295-299 for 128x32x4 (the v0 default) and 256-262 for 128x64x8; causal 258-281, best or within
+# 0.7% of the best (128x128x8 283 at S = 16384, 252 at S = 4096). hd96: 296-304 vs 253-259 for
+# 128x128x8 and 234-242 for the previous default 128x64x8; causal 277-302 vs 213-231.
 _TC_TILES = {
     32: ((128, 128, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)),
     64: ((128, 64, 4), (128, 128, 8), (64, 64, 4), (64, 128, 4)),
-    96: ((128, 64, 8), (128, 32, 4), (128, 64, 4), (64, 64, 4), (128, 128, 8)),
-    128: ((128, 32, 4), (128, 64, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8)),
+    96: ((128, 64, 4), (128, 64, 8), (128, 32, 4), (64, 64, 4), (128, 128, 8)),
+    128: ((128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8)),
     160: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     192: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     224: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
@@ -133,16 +143,23 @@ _SIMT_TILES = {
 }
 _SIMT_TILES["float64"][256] = ((16, 32), (16, 16))  # 32x32 needs > 255 registers (spills)
 
-# Experimental tensor-core rows (both dtypes): (headdim, block_m, block_n, nwarps, stages, sub_n),
-# measured by scratch/prefill_variants.py against the SUPPORTED rows of the same head dim.
-# 3 stages: two K/V tiles in flight (128x64 hd128 with 3 stages, 139 KB, would allow only 1 CTA
-# per SM and spills 16 bytes when causal; hd64 128x128x4w sub64 spills: both left out).
-# sub_n < block_n: 64-key copies and barriers, 32-key registers (S, P) per softmax step.
+# Experimental tensor-core rows (both dtypes): (headdim, block_m, block_n, nwarps, stages, sub_n,
+# opt), measured by scratch/prefill_variants.py against the SUPPORTED rows of the same head dim.
+# v1 (experiments/NOTES.md): 3 stages (two K/V tiles in flight) and sub_n < block_n (64-key copies,
+# 32-key softmax steps). The sub32 rows and hd128 128x32x4 s3 lost to 128x64x4 by 6-15% in the v1
+# sweep and were removed; hd64 s3 stays (causal +1-2%).
+# v2 (opt flags, OPT_FLAGS): fx = one ex2.approx.ftz per exp2 (exp2f is 4 instructions), rs = skip
+# acc *= alpha when no row max of the warp moved, pf = K / Q fragments loaded one k16 step ahead.
 _TC_VARIANTS = (
-    (64, 128, 64, 4, 3, 64),
-    (96, 128, 64, 4, 2, 32),
-    (128, 128, 64, 4, 2, 32),
-    (128, 128, 32, 4, 3, 32),
+    (64, 128, 64, 4, 3, 64, 0),
+    (64, 128, 64, 4, 2, 64, 3),
+    (64, 128, 64, 4, 3, 64, 3),
+    (96, 128, 64, 4, 2, 64, 3),
+    (96, 128, 64, 4, 2, 64, 7),
+    (128, 128, 64, 4, 2, 64, 1),
+    (128, 128, 64, 4, 2, 64, 3),
+    (128, 128, 64, 4, 2, 64, 4),
+    (128, 128, 64, 4, 2, 64, 7),
 )
 
 
@@ -162,8 +179,8 @@ def _build_table() -> tuple:
 
 def _build_variants() -> tuple:
     return tuple(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn, st), TC_SOURCE,
-                               st, sub)
-                 for dtype in TC_DTYPES for hd, bm, bn, nw, st, sub in _TC_VARIANTS)
+                               st, sub, opt)
+                 for dtype in TC_DTYPES for hd, bm, bn, nw, st, sub, opt in _TC_VARIANTS)
 
 
 #: The supported table: every compiled configuration the dispatcher may choose.
@@ -190,7 +207,8 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
     suffix = "_causal" if causal else ""
     if cfg.dtype in TC_DTYPES:
         pipe = (f"_s{cfg.stages}" if cfg.stages != 2 else "") + \
-               (f"_sub{cfg.sub_n}" if cfg.sub_n != cfg.block_n else "")
+               (f"_sub{cfg.sub_n}" if cfg.sub_n != cfg.block_n else "") + \
+               "".join(f"_{tag}" for bit, tag in OPT_FLAGS if cfg.opt & bit)
         return (f"fwd_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
                 f"_w{cfg.nwarps}{pipe}{suffix}")
     return f"fwdsimt_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
@@ -199,7 +217,7 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
 def _entry(cfg: PrefillConfig, causal: bool) -> str:
     c = "true" if causal else "false"
     if cfg.dtype in TC_DTYPES:
-        pipe = "" if cfg.plain else f", {cfg.stages}, {cfg.sub_n}"
+        pipe = "" if cfg.plain else f", {cfg.stages}, {cfg.sub_n}" + (f", {cfg.opt}" if cfg.opt else "")
         return (f"cf::flash_fwd_kernel<{_CTYPE[cfg.dtype]}, {cfg.headdim}, {cfg.block_m}, "
                 f"{cfg.block_n}, {cfg.nwarps}, {c}{pipe}>")
     return (f"cf::flash_fwd_simt_kernel<{_CTYPE[cfg.dtype]}, {cfg.headdim}, {cfg.block_m}, "
@@ -207,7 +225,7 @@ def _entry(cfg: PrefillConfig, causal: bool) -> str:
 
 
 _BY_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps): c for c in SUPPORTED}
-_BY_FULL_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n): c
+_BY_FULL_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt): c
                 for c in SUPPORTED + VARIANTS}
 _BY_NAME: dict = {}
 for _c in SUPPORTED + VARIANTS:
@@ -218,29 +236,31 @@ del _c, _causal
 
 def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: int,
                 causal: bool, *, stages: int | None = None,
-                sub_n: int | None = None) -> jit.KernelSpec:
+                sub_n: int | None = None, opt: int | None = None) -> jit.KernelSpec:
     """The :class:`~cupyflash.jit.KernelSpec` of one specialisation.
 
-    Without ``stages`` / ``sub_n``: the :data:`SUPPORTED` row of that tile. With either: the row
-    of :data:`SUPPORTED` or :data:`VARIANTS` with exactly those values (the other one defaulting
-    to 2 stages / ``sub_n = block_n``).
+    Without ``stages`` / ``sub_n`` / ``opt``: the :data:`SUPPORTED` row of that tile. With any:
+    the row of :data:`SUPPORTED` or :data:`VARIANTS` with exactly those values (the others
+    defaulting to 2 stages / ``sub_n = block_n`` / ``opt = 0``).
 
     Raises
     ------
     ValueError
         If the combination is not in the table (the message lists the tiles that are).
     """
-    if stages is None and sub_n is None:
+    plain = stages is None and sub_n is None and opt is None
+    if plain:
         cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps))
     else:
         cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps,
                                 2 if stages is None else stages,
-                                block_n if sub_n is None else sub_n))
+                                block_n if sub_n is None else sub_n,
+                                0 if opt is None else opt))
     if cfg is None:
         have = [_name(c, False)[len(f"fwd_{_SHORT.get(dtype, dtype)}_hd{hd_padded}_"):]
                 if c.dtype in TC_DTYPES else f"m{c.block_m}_n{c.block_n}_w{c.nwarps}"
                 for c in SUPPORTED + VARIANTS if c.dtype == dtype and c.headdim == hd_padded]
-        extra = "" if stages is None and sub_n is None else f", stages {stages}, sub_n {sub_n}"
+        extra = "" if plain else f", stages {stages}, sub_n {sub_n}, opt {opt}"
         raise ValueError(f"prefill tile: ({dtype}, hd{hd_padded}, m{block_m}, n{block_n}, w{nwarps}"
                          f"{extra}) is not compiled; compiled for this dtype/headdim: "
                          f"{have or 'none'}")

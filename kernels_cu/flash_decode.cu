@@ -71,7 +71,72 @@ constexpr int kFusedCombine = 1;
 constexpr int kEvictFirst = 2;
 // K/V copies carry the .L2::256B prefetch-size hint.
 constexpr int kPrefetch256 = 4;
+// K/V tiles arrive by 1-D bulk copies (cp.async.bulk, the TMA engine without a tensor map; sm_90):
+// one per key row of K and of V (headdim * 2 bytes, 256 B at hd128), all issued by warp 0 (lane
+// l copies rows l, l + 32, ...), completion counted in bytes on one mbarrier per stage. Rows
+// past the sequence (or with a bad page id) are zero-filled with plain shared stores instead.
+// Replaces ~16 cp.async per thread and tile with BLOCK_N / 16 bulk copies per lane of warp 0.
+// Needs 8 * STAGES more bytes of dynamic shared memory (the barriers, after the page ids).
+constexpr int kBulkCopy = 8;
 }  // namespace decode_flags
+
+// ---- mbarrier and bulk-copy helpers (sm_90; used only with decode_flags::kBulkCopy) ----------
+namespace decode_bulk {
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+#endif
+}
+// Makes the initialised barriers visible to the async proxy (the bulk copies' complete_tx).
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One arrival that also adds `bytes` to the transaction count of the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t ok = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n .reg .pred p;\n"
+                 " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+#endif
+    return ok != 0;
+}
+// Waits for the phase with this parity to complete. try_wait suspends the thread for a
+// hardware time limit per call; a launch bug that never completes the phase traps (an error,
+// not a hang) after ~2^22 calls.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    for (uint32_t n = 0; !mbar_try_wait(bar, parity); ++n)
+        if (n > (1u << 22)) __trap();
+}
+// Orders this thread's earlier generic-proxy shared accesses (made visible to it by a barrier)
+// before its later async-proxy (bulk copy) writes to the same buffers.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Global -> shared bulk copy of `bytes` (multiple of 16; both addresses 16-byte aligned),
+// completion signalled on `bar` as complete_tx(bytes).
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#else
+    __trap();  // kBulkCopy kernels are sm_90 only (decode.py never builds them for older GPUs)
+#endif
+}
+}  // namespace decode_bulk
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
 // 16 bytes and reads nothing (src_size 0), `src` must still be a valid address.
@@ -182,10 +247,18 @@ template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGE
 __device__ __forceinline__ void decode_split(const DecodeParams& p, const DecodeSplitExtra& ex) {
     using Tr = DecodeTraits<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes) __trap();  // launch bug, never silent
+    constexpr bool BULK = (FLAGS & decode_flags::kBulkCopy) != 0;
+    static_assert(!BULK || (FLAGS & (decode_flags::kEvictFirst | decode_flags::kPrefetch256)) == 0,
+                  "the L2 hints apply to the cp.async path only");
+    static_assert(!BULK || BLOCK_N % 32 == 0, "bulk copies: whole rows per lane of warp 0");
+    constexpr int kBarBytes = BULK ? 8 * STAGES : 0;  // one mbarrier per stage, after sPage
+    if (decode_detail::dynamic_smem_bytes() < (unsigned)(Tr::kSmemBytes + kBarBytes))
+        __trap();  // launch bug, never silent
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sStages = sQ + Tr::kQElems;
     int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [2][BLOCK_N]
+    // kSmemBytes is a multiple of 8 (16-byte rows, 8 * BLOCK_N bytes of page ids)
+    const uint32_t sBar = smem_u32addr(smem_raw + Tr::kSmemBytes);  // [STAGES] uint64 (BULK)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;  // mma groupID / threadID_in_group
@@ -233,6 +306,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                     + (int64_t)hk * p.k_head_stride + col;
     const T* vcol = vbase + (PAGED ? 0 : (int64_t)b * p.v_batch_stride)
                     + (int64_t)hk * p.v_head_stride + col;
+    // BULK: (b, 0, hk, 0) / (page 0, row 0, hk, 0), whole rows
+    const T* k_head = kcol - col;
+    const T* v_head = vcol - col;
     // Paged: the page ids of a tile are loaded from block_table into sPage[tile & 1] one tile
     // ahead (right after the previous tile's copies are issued), so the block_table load is off
     // the copies' critical path; a __syncthreads separates each write from its reads (the
@@ -259,7 +335,63 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         (FLAGS & decode_flags::kEvictFirst) ? decode_detail::l2_evict_first_policy() : 0ull;
     // Issues the copies of `tile` into `stage` (sPage[tile & 1] must hold its page ids, visible
     // to every thread), then fetches the page ids of tile + 1.
+    // BULK: warp 0 issues per-row bulk copies (lane l: rows l + 32 i), zero-fills the rows that
+    // are not read, and lane 0 arms the stage's barrier with the byte count of the copies.
+    auto bulk_tile = [&](int stage, int tile) {
+        T* sK = sStages + stage * Tr::kStageElems;
+        T* sV = sK + Tr::kTileElems;
+        const int* ids = sPage + (tile & 1) * BLOCK_N;
+        const uint32_t row_bytes = (uint32_t)p.headdim * (uint32_t)sizeof(T);
+        const uint32_t bar = sBar + 8u * stage;
+        constexpr int kRowsPerLane = BLOCK_N / 32;
+        int64_t koff[kRowsPerLane], voff[kRowsPerLane];
+        bool ok[kRowsPerLane];
+        uint32_t bytes = 0;
+#pragma unroll
+        for (int i = 0; i < kRowsPerLane; ++i) {
+            const int row = lane + 32 * i;
+            const int j = tile * BLOCK_N + row;
+            ok[i] = j < len;
+            if constexpr (PAGED) {
+                const int page = ids[tile_pages ? 0 : row];
+                ok[i] = ok[i] && page >= 0 && page < p.num_pages;
+                const int in_page = j - page_slot(p, j) * p.page_size;
+                koff[i] = (int64_t)page * p.k_batch_stride + (int64_t)in_page * p.k_row_stride;
+                voff[i] = (int64_t)page * p.v_batch_stride + (int64_t)in_page * p.v_row_stride;
+            } else {
+                koff[i] = (int64_t)j * p.k_row_stride;
+                voff[i] = (int64_t)j * p.v_row_stride;
+            }
+            bytes += ok[i] ? 2u * row_bytes : 0u;
+        }
+        bytes = __reduce_add_sync(0xffffffffu, bytes);
+        decode_bulk::fence_proxy_async_smem();  // earlier generic reads/writes of this stage
+        if (lane == 0) decode_bulk::mbar_arrive_expect_tx(bar, bytes);
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < kRowsPerLane; ++i) {
+            const int row = lane + 32 * i;
+            T* dk = sK + row * Tr::kRowStride;
+            T* dv = sV + row * Tr::kRowStride;
+            if (ok[i]) {
+                decode_bulk::bulk_g2s(smem_u32addr(dk), k_head + koff[i], row_bytes, bar);
+                decode_bulk::bulk_g2s(smem_u32addr(dv), v_head + voff[i], row_bytes, bar);
+            } else {  // never read from memory: zeros (V must be finite, P is 0 there)
+                const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int c = 0; c < HEADDIM; c += Tr::kVec) {
+                    *reinterpret_cast<uint4*>(dk + c) = z;
+                    *reinterpret_cast<uint4*>(dv + c) = z;
+                }
+            }
+        }
+    };
     auto load_tile = [&](int stage, int tile) {
+        if constexpr (BULK) {
+            if (warp == 0) bulk_tile(stage, tile);
+            fetch_pages(tile + 1);
+            return;
+        }
         T* sK = sStages + stage * Tr::kStageElems;
         T* sV = sK + Tr::kTileElems;
         const int* ids = sPage + (tile & 1) * BLOCK_N;
@@ -309,6 +441,24 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     const int warp_key0 = warp * Tr::kKeysPerWarp;
 
     // ---- pipeline prologue: STAGES - 1 tiles in flight ----------------------------------------
+    if constexpr (BULK) {
+        // Barriers: one arrival (warp 0's lane 0) per phase plus the copies' bytes.
+        if (tid == 0) {
+            for (int s = 0; s < STAGES; ++s) decode_bulk::mbar_init(sBar + 8u * s, 1u);
+            decode_bulk::mbar_init_fence();
+        }
+        // Padding columns [headdim, HEADDIM) are never written by the row copies: zero them in
+        // every stage once (K's multiply Q's zero padding, V's reach padding columns only).
+        if (p.headdim < HEADDIM) {
+            for (int e = tid; e < STAGES * 2 * BLOCK_N * (HEADDIM / Tr::kVec); e += Tr::kThreads) {
+                const int r = e / (HEADDIM / Tr::kVec), c = (e % (HEADDIM / Tr::kVec)) * Tr::kVec;
+                if (c >= p.headdim)
+                    *reinterpret_cast<uint4*>(sStages + r * Tr::kRowStride + c) =
+                        make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        __syncthreads();  // barriers initialised, padding zeroed, before any copy is issued
+    }
     fetch_pages(tile_begin);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -318,7 +468,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     }
 
     for (int it = 0; it < n_iter; ++it) {
-        cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
+        if constexpr (BULK)  // the bulk copies of tile `it` have landed (stage use it / STAGES)
+            decode_bulk::mbar_wait(sBar + 8u * (it % STAGES), (uint32_t)(it / STAGES) & 1u);
+        else
+            cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
         __syncthreads();              // everyone's have; everyone is done with stage it - 1
         if (it + STAGES - 1 < n_iter)
             load_tile((it + STAGES - 1) % STAGES, tile_begin + it + STAGES - 1);

@@ -34,9 +34,21 @@ namespace cf {
 // register working set; a BLOCK_N-key smem tile is consumed as BLOCK_N / SUB_N sub-tiles, each
 // with its own S = Q K^T, online-softmax update and P V (the online softmax is exact for any
 // partition of the keys), so that 32 rows per warp fit in registers with 64-key copies.
+// OPT: bit flags for instruction-level options (v2 plan, experiments/NOTES.md), 0 = plain:
+//   kOptFastExp (1): exp2 as one ex2.approx.ftz (common/mma.cuh ex2_ftz) instead of exp2f's four
+//     instructions; differs only where a result is below 2^-126.
+//   kOptSkipRescale (2): skip acc *= alpha when alpha == 1 for every row of the warp (one vote
+//     per sub-tile; exact: x * 1 == x).
+//   kOptPrefetch (4): software-pipelined fragments in S = Q K^T: the K (and Q) ldmatrix of the
+//     next k16 step is issued before the MMAs of the current one (double-buffered fragments).
+enum : int { kOptFastExp = 1, kOptSkipRescale = 2, kOptPrefetch = 4 };
+
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES = 2,
-          int SUB_N = BLOCK_N>
+          int SUB_N = BLOCK_N, int OPT = 0>
 struct FwdTraits {
+    static constexpr bool kFastExp = (OPT & kOptFastExp) != 0;
+    static constexpr bool kSkipRescale = (OPT & kOptSkipRescale) != 0;
+    static constexpr bool kPrefetch = (OPT & kOptPrefetch) != 0;
     static constexpr int kThreads = NWARPS * 32;
     static constexpr int kMTiles = BLOCK_M / (16 * NWARPS);  // m16 row tiles per warp
     static constexpr int kSubN = SUB_N;                      // keys per register working set
@@ -77,6 +89,7 @@ struct FwdTraits {
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N multiple of 16");
     static_assert(SUB_N % 16 == 0 && BLOCK_N % SUB_N == 0, "SUB_N: a multiple of 16 dividing BLOCK_N");
     static_assert(STAGES >= 2 && STAGES <= 4, "2..4 K/V stages");
+    static_assert(OPT >= 0 && OPT < 8, "OPT: kOptFastExp | kOptSkipRescale | kOptPrefetch");
     static_assert((kRow * 2 / 16) % 2 == 1, "odd pitch in 16-byte chunks: conflict-free ldmatrix");
 };
 
@@ -125,10 +138,17 @@ struct TileLoader {
     }
 };
 
+// exp2 of the online softmax: exp2f, or ex2.approx.ftz with kOptFastExp (see FwdTraits).
+template <bool FAST>
+__device__ __forceinline__ float softmax_exp2(float x) {
+    if constexpr (FAST) return ex2_ftz(x);
+    else return exp2f(x);
+}
+
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL, int STAGES,
-          int SUB_N>
+          int SUB_N, int OPT>
 __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
-    using Tr = FwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, STAGES, SUB_N>;
+    using Tr = FwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, STAGES, SUB_N, OPT>;
     constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -275,6 +295,47 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
                 const uint32_t sK_addr = sK_base + stage_off
                                          + (uint32_t)((sub * SUB_N * Tr::kRow + k_lane_off) * 2);
+                if constexpr (Tr::kPrefetch) {
+                    // Steps i = (ks, np) in order; the fragments of step i + 1 are loaded before
+                    // the MMAs of step i (bk: every step; Q's a: when step i + 1 starts a new ks
+                    // and Q is re-read from smem). Fully unrolled: the buffers are renames.
+                    constexpr int NP = NT / 2, kSteps = Tr::kKSteps * NP;
+                    uint32_t a[2][MT][4], bk[2][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        if constexpr (Tr::kQInRegs) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) a[0][mt][e] = q_frag[mt][0][e];
+                        } else {
+                            ldmatrix_x4(a[0][mt], sQ_addr + (uint32_t)(mt * 16 * Tr::kRow * 2));
+                        }
+                    }
+                    ldmatrix_x4(bk[0], sK_addr);
+#pragma unroll
+                    for (int i = 0; i < kSteps; ++i) {
+                        const int ks = i / NP, np = i % NP, cur = i & 1, ab = ks & 1;
+                        if (i + 1 < kSteps) {
+                            const int ks1 = (i + 1) / NP, np1 = (i + 1) % NP;
+                            if (np1 == 0) {
+#pragma unroll
+                                for (int mt = 0; mt < MT; ++mt) {
+                                    if constexpr (Tr::kQInRegs) {
+#pragma unroll
+                                        for (int e = 0; e < 4; ++e) a[ks1 & 1][mt][e] = q_frag[mt][ks1][e];
+                                    } else {
+                                        ldmatrix_x4(a[ks1 & 1][mt], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks1 * 16) * 2));
+                                    }
+                                }
+                            }
+                            ldmatrix_x4(bk[cur ^ 1], sK_addr + (uint32_t)((np1 * 16 * Tr::kRow + ks1 * 16) * 2));
+                        }
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma_m16n8k16<T>(s[mt][2 * np], a[ab][mt], bk[cur][0], bk[cur][1]);
+                            mma_m16n8k16<T>(s[mt][2 * np + 1], a[ab][mt], bk[cur][2], bk[cur][3]);
+                        }
+                    }
+                } else {
 #pragma unroll
                 for (int ks = 0; ks < Tr::kKSteps; ++ks) {
                     uint32_t a[MT][4];
@@ -298,6 +359,7 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                         }
                     }
                 }
+                }
 
                 // Mask (only tiles that straddle a causal / window / sequence-end boundary): -inf.
                 if (mask_tile) {
@@ -320,6 +382,7 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
 
                 // Online softmax: m_i <- max(m_i, rowmax(S) * scale_log2); P = exp2(S * scale_log2 - m_i);
                 // l_i <- l_i * exp2(m_old - m_i) + rowsum(P); acc <- acc * exp2(m_old - m_i).
+                float alpha[MT][2];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -331,27 +394,42 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the 4 threads of a quad
                         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));   // hold one row
                         const float m_new = fmaxf(m_i[mt][hh], mx * scale_log2);
-                        const float alpha = rescale_factor(m_i[mt][hh], m_new);
                         const float m_ref = safe_max(m_new);
+                        // rescale_factor(m_i, m_new) (common/online_softmax.cuh) with this exp2
+                        alpha[mt][hh] = softmax_exp2<Tr::kFastExp>(m_i[mt][hh] - m_ref);
                         float rowsum = 0.f;
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
-                            const float p0 = prob_fma(s[mt][nt][2 * hh], scale_log2, m_ref);
-                            const float p1 = prob_fma(s[mt][nt][2 * hh + 1], scale_log2, m_ref);
+                            // prob_fma (common/online_softmax.cuh) with this exp2
+                            const float p0 = softmax_exp2<Tr::kFastExp>(fmaf(s[mt][nt][2 * hh], scale_log2, -m_ref));
+                            const float p1 = softmax_exp2<Tr::kFastExp>(fmaf(s[mt][nt][2 * hh + 1], scale_log2, -m_ref));
                             rowsum += p0;
                             rowsum += p1;
                             // C fragment (row g + 8 hh, keys nt*8 + 2t, +1) -> A fragment register
                             // (nt & 1) * 2 + hh of k16 step nt / 2 (common/mma.cuh).
                             p_frag[mt][nt >> 1][(nt & 1) * 2 + hh] = pack2<T>(p0, p1);
                         }
-                        l_i[mt][hh] = l_i[mt][hh] * alpha + rowsum;
+                        l_i[mt][hh] = l_i[mt][hh] * alpha[mt][hh] + rowsum;
                         m_i[mt][hh] = m_new;
-#pragma unroll
-                        for (int dt = 0; dt < DT; ++dt) {
-                            acc[mt][dt][2 * hh] *= alpha;
-                            acc[mt][dt][2 * hh + 1] *= alpha;
-                        }
                     }
+                // acc *= alpha. kSkipRescale: skipped when alpha == 1 for every row of the warp
+                // (the running max moved for none of them), which leaves acc bit-for-bit equal.
+                bool rescale = true;
+                if constexpr (Tr::kSkipRescale) {
+                    bool moved = false;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        moved = moved || alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+                    rescale = __any_sync(0xffffffffu, moved);
+                }
+                if (rescale) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[mt][e >> 1];
+                }
             }
 
             if (sub == 0) {
@@ -410,7 +488,7 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
 // Kernel entry: plain scalar / pointer arguments (their order is fixed by
 // cupyflash/prefill.py: kernel_args), packed into FwdParams here.
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL,
-          int STAGES = 2, int SUB_N = BLOCK_N>
+          int STAGES = 2, int SUB_N = BLOCK_N, int OPT = 0>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_fwd_kernel(const T* q, const T* k, const T* v, T* o, float* lse,
                  int64_t q_batch_stride, int64_t q_row_stride, int64_t q_head_stride,
@@ -434,7 +512,7 @@ flash_fwd_kernel(const T* q, const T* k, const T* v, T* o, float* lse,
     p.seqlen_q = seqlen_q; p.seqlen_k = seqlen_k; p.headdim = headdim;
     p.scale_log2 = scale_log2; p.softmax_scale_d = softmax_scale_d;
     p.window_left = window_left; p.window_right = window_right;
-    flash_fwd_block<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL, STAGES, SUB_N>(p);
+    flash_fwd_block<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL, STAGES, SUB_N, OPT>(p);
 }
 
 }  // namespace cf

@@ -88,7 +88,8 @@ def test_variants_are_consistent():
     rows = prefill.SUPPORTED + prefill.VARIANTS
     names = [s.name for s in prefill.all_specs() + prefill.variant_specs()]
     assert len(names) == len(set(names)) == 2 * len(rows)
-    full = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n) for c in rows]
+    full = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt)
+            for c in rows]
     assert len(full) == len(set(full))
     for c in prefill.SUPPORTED:
         assert c.plain or c.dtype not in prefill.TC_DTYPES, c
@@ -99,19 +100,24 @@ def test_variants_are_consistent():
         assert c.smem_bytes <= prefill.MAX_SMEM_BYTES
         for causal in (False, True):
             spec = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, causal,
-                                       stages=c.stages, sub_n=c.sub_n)
+                                       stages=c.stages, sub_n=c.sub_n, opt=c.opt)
             assert prefill.config_of(spec) == (c, causal)
+        assert 0 <= c.opt < 8
     # a tile without stages / sub_n names its SUPPORTED row, never a variant
     s = prefill.kernel_spec("bfloat16", 128, 128, 64, 4, False)
     assert prefill.config_of(s)[0] in prefill.SUPPORTED
 
 
-def test_hd128_default_is_the_measured_fastest_v0_tile():
-    # v0 H200 sweep (experiments/NOTES.md): 128x32x4 307 TFLOP/s vs 257 for 128x64x8
+def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
+    # v1 H200 sweep (experiments/NOTES.md): hd128 128x64x4 315-321 TFLOP/s vs 295-299 for
+    # 128x32x4; hd96 128x64x4 297-304 vs 234-242 for 128x64x8
     from cupyflash import heuristics
-    assert heuristics.prefill_tiles("bfloat16", 128)[0] == (128, 32, 4)
-    assert heuristics.choose_prefill_tile("bfloat16", 128, 4096, 4096, False,
-                                          batch_nheads=64) == (128, 32, 4)
+    for hd in (96, 128):
+        for dtype in ("bfloat16", "float16"):
+            assert heuristics.prefill_tiles(dtype, hd)[0] == (128, 64, 4)
+            for causal in (False, True):
+                assert heuristics.choose_prefill_tile(dtype, hd, 4096, 4096, causal,
+                                                      batch_nheads=64) == (128, 64, 4)
 
 
 def test_smem_formula_matches_kernel_traits():
@@ -126,13 +132,16 @@ def test_names_and_entries():
     s = prefill.kernel_spec("bfloat16", 128, 128, 64, 8, True)
     assert s.name == "fwd_bf16_hd128_m128_n64_w8_causal"
     assert s.entry == "cf::flash_fwd_kernel<__nv_bfloat16, 128, 128, 64, 8, true>"
-    s = prefill.kernel_spec("bfloat16", 128, 128, 32, 4, True, stages=3)
-    assert s.name == "fwd_bf16_hd128_m128_n32_w4_s3_causal"
-    assert s.entry == "cf::flash_fwd_kernel<__nv_bfloat16, 128, 128, 32, 4, true, 3, 32>"
-    assert s.smem_bytes == (128 + 2 * 3 * 32) * 136 * 2
-    s = prefill.kernel_spec("float16", 128, 128, 64, 4, False, sub_n=32)
-    assert s.name == "fwd_f16_hd128_m128_n64_w4_sub32"
-    assert s.entry == "cf::flash_fwd_kernel<__half, 128, 128, 64, 4, false, 2, 32>"
+    s = prefill.kernel_spec("bfloat16", 64, 128, 64, 4, True, stages=3)
+    assert s.name == "fwd_bf16_hd64_m128_n64_w4_s3_causal"
+    assert s.entry == "cf::flash_fwd_kernel<__nv_bfloat16, 64, 128, 64, 4, true, 3, 64>"
+    assert s.smem_bytes == (128 + 2 * 3 * 64) * 72 * 2
+    s = prefill.kernel_spec("float16", 128, 128, 64, 4, False, opt=7)
+    assert s.name == "fwd_f16_hd128_m128_n64_w4_fx_rs_pf"
+    assert s.entry == "cf::flash_fwd_kernel<__half, 128, 128, 64, 4, false, 2, 64, 7>"
+    s = prefill.kernel_spec("float16", 64, 128, 64, 4, True, stages=3, opt=3)
+    assert s.name == "fwd_f16_hd64_m128_n64_w4_s3_fx_rs_causal"
+    assert s.entry == "cf::flash_fwd_kernel<__half, 64, 128, 64, 4, true, 3, 64, 3>"
     with pytest.raises(ValueError, match="not compiled"):
         prefill.kernel_spec("bfloat16", 128, 128, 64, 4, False, stages=4)
     s = prefill.kernel_spec("float64", 64, 32, 32, 4, False)

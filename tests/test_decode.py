@@ -25,10 +25,16 @@ LN2 = math.log(2.0)
 # Heuristic
 # ----------------------------------------------------------------------------------------------
 def test_heuristic_documented_examples():
-    # Llama-3-8B heads (8 KV heads), hd128 tiles of 64 keys, 132 SMs x 2 blocks
-    assert decode.choose_num_splits(1, 8, 131072) == 33
-    assert decode.choose_num_splits(16, 8, 16384) == 2
-    assert decode.choose_num_splits(17, 8, 16384) == 1
+    # Llama-3-8B heads (8 KV heads), hd128 tiles of 64 keys, 132 SMs; contiguous: 1 block per SM
+    # (v1 sweep: b1 x 128k best at 16 splits, b16 x 16k at 1), paged: 2 (b1 page 16 best at 33)
+    assert decode.choose_num_splits(1, 8, 131072) == 16
+    assert decode.choose_num_splits(1, 8, 8192) == 16
+    assert decode.choose_num_splits(16, 8, 16384) == 1
+    assert decode.choose_num_splits(8, 8, 16384) == 2
+    assert decode.choose_num_splits(9, 8, 16384) == 1
+    assert decode.choose_num_splits(1, 8, 131072, ctas_per_sm=2) == 33
+    assert decode.choose_num_splits(16, 8, 16384, ctas_per_sm=2) == 2
+    assert decode.choose_num_splits(17, 8, 16384, ctas_per_sm=2) == 1
     assert decode.choose_num_splits(64, 8, 16384) == 1
     # short caches: at least MIN_TILES_PER_SPLIT tiles per split
     assert decode.choose_num_splits(1, 8, 1024) == 16 // decode.MIN_TILES_PER_SPLIT
@@ -53,6 +59,8 @@ def test_heuristic_range_and_monotonicity(batch, hk, seqlen, sms, chunks, block_
     assert f(seqlen=seqlen + 1) >= s
     assert f(seqlen=2 * seqlen) >= s
     assert f(sms=sms + 1) >= s
+    assert decode.choose_num_splits(batch, hk, seqlen, sms, row_chunks=chunks, block_n=block_n,
+                                    ctas_per_sm=cps + 1) >= s
     # never more blocks than one wave unless unsplit
     if s > 1:
         assert batch * hk * chunks * s <= sms * cps
@@ -69,9 +77,13 @@ def test_heuristic_rejects_bad_arguments():
 # Specs
 # ----------------------------------------------------------------------------------------------
 def test_spec_names_and_table():
+    # the public default fuses the combine (DEFAULT_FLAGS)
     s = decode.split_kernel_spec("bfloat16", 128, True)
-    assert s.name == "decode_split_bf16_hd128_n64_w4_g16_s3_paged"
-    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, true, 0>"
+    assert decode.DEFAULT_FLAGS == decode.FLAG_FUSED_COMBINE
+    assert s.name == "decode_split_bf16_hd128_n64_w4_g16_s3_paged_fused"
+    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, true, 1>"
+    assert decode.split_kernel_spec("bfloat16", 128, True, flags=0).name == \
+        "decode_split_bf16_hd128_n64_w4_g16_s3_paged"
     # Q tile, 3 stages of K and V tiles (rows padded by 16 B), 2 x 64 prefetched page ids
     assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 136) * 2 + 2 * 64 * 4
     f = decode.split_kernel_spec("bfloat16", 128, False, block_n=32, nwarps=2, stages=6,
@@ -79,9 +91,11 @@ def test_spec_names_and_table():
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
     assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=8)
+        decode.split_kernel_spec("bfloat16", 128, False, flags=16)
+    with pytest.raises(ValueError, match="flags"):
+        decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_BULK_COPY | 2)
     assert decode.split_kernel_spec("float16", 64, False).name == \
-        "decode_split_fp16_hd64_n128_w4_g16_s3"
+        "decode_split_fp16_hd64_n128_w4_g16_s3_fused"
     assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
     specs = decode.all_specs()
@@ -124,6 +138,12 @@ VARIANTS = [decode.SplitVariant(64, 4, 3, decode.FLAG_FUSED_COMBINE),
             decode.SplitVariant(32, 2, 6, decode.FLAG_FUSED_COMBINE),
             decode.SplitVariant(32, 2, 4), decode.SplitVariant(128, 8, 3),
             decode.SplitVariant(32, 2, 12)]
+#: v2 candidates (experiments/NOTES.md "v2 decode plan"): per-row bulk copies, 128-key tiles
+#: with 4 warps.
+_FB = decode.FLAG_FUSED_COMBINE | decode.FLAG_BULK_COPY
+VARIANTS += [decode.SplitVariant(64, 4, 3, _FB), decode.SplitVariant(64, 4, 4, _FB),
+             decode.SplitVariant(128, 4, 3, decode.FLAG_FUSED_COMBINE),
+             decode.SplitVariant(128, 4, 3, _FB), decode.SplitVariant(128, 4, 2, _FB)]
 
 
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)
@@ -131,7 +151,9 @@ def test_variants_compile_without_spills(var):
     for paged in (False, True):
         spec = var.spec("bfloat16", 128, paged)
         assert spec.smem_bytes + 1024 <= decode.H200_SMEM_PER_BLOCK_OPTIN + 1024
-        for arch in ("sm_90a", "sm_80"):
+        # bulk copies (cp.async.bulk, mbarrier expect_tx) are sm_90 instructions
+        archs = ("sm_90a",) if var.flags & decode.FLAG_BULK_COPY else ("sm_90a", "sm_80")
+        for arch in archs:
             r = jit.compile_report(spec, arch)
             assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
     assert var.workspace_elems(2, 1, 32, 8, 128, 1) == 0
@@ -368,6 +390,37 @@ def test_emulated_kernel_index_math_matches_reference(case, cfg):
         assert np.array_equal(kc[both], ref_kc[both])
 
 
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+@pytest.mark.parametrize("page_size", [0, 1, 16, 64, 256])
+def test_bulk_copy_rows_and_expect_tx_bytes(block_n, page_size):
+    """Mirror of bulk_tile (FLAG_BULK_COPY): lane l of warp 0 owns rows l + 32 i; every row of a
+    tile is either bulk-copied (K and V, headdim * 2 bytes each) or zero-filled, exactly once,
+    and the barrier's expect_tx equals the bytes the copies deliver (else a hang / early
+    release). Rows at or past len, or with a page id outside the pool, are zero-filled."""
+    rng = np.random.default_rng(block_n + page_size)
+    headdim, num_pages = 72, 5
+    for _ in range(20):
+        length = int(rng.integers(0, 4 * block_n))
+        tile = int(rng.integers(0, 4))
+        ids = rng.integers(-1, num_pages + 2, size=64)  # some bad ids
+        rows_seen, expect, delivered = [], 0, 0
+        for lane in range(32):
+            lane_bytes = 0
+            for i in range(block_n // 32):
+                row = lane + 32 * i
+                j = tile * block_n + row
+                ok = j < length
+                if page_size:
+                    page = ids[j // page_size % 64]
+                    ok = ok and 0 <= page < num_pages
+                lane_bytes += 2 * headdim * 2 if ok else 0
+                delivered += 2 * headdim * 2 if ok else 0
+                rows_seen.append(row)
+            expect += lane_bytes  # __reduce_add_sync over the warp
+        assert sorted(rows_seen) == list(range(block_n))
+        assert expect == delivered and expect % 16 == 0
+
+
 def test_emulation_merge_of_partials_equals_reference_merge():
     """The combine formula (skip -inf parts) equals reference.merge_states, NaN in empty parts."""
     rng = np.random.default_rng(0)
@@ -399,13 +452,26 @@ def _problem(**kw):
 
 def test_plan_llama_decode():
     p = decode.launch_config(_problem())
-    assert p.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3"
-    assert p.grid == (33, 1, 8) and p.block == (128, 1, 1)
-    assert p.num_splits == 33 and p.combine == "decode_combine_bf16" and p.append is None
-    assert p.workspace_elems == 33 * 1 * 1 * 32 * 129
+    assert p.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused"
+    assert p.grid == (16, 1, 8) and p.block == (128, 1, 1)
+    assert p.num_splits == 16 and p.combine is None and p.append is None  # fused combine
+    # fp32 partials, then int32 counters (batch, nheads_k, row_chunks)
+    assert p.counter_elems == 8
+    assert p.workspace_elems == 16 * 1 * 1 * 32 * 129 + 8
     assert any("heuristic" in r for r in p.reasons)
+    assert any("fused combine" in r for r in p.reasons)
     p1 = decode.launch_config(_problem(batch=64, seqlen_cache=4096))
     assert p1.num_splits == 1 and p1.combine is None and p1.workspace_elems == 0
+    assert p1.counter_elems == 0
+    # paged caches fill two blocks per SM (v1 sweep: page 16 at b1 x 128k, 33 splits 3.45 TB/s
+    # against 2.37 at 16)
+    pg = decode.launch_config(_problem(paged=True, page_size=16, num_pages=8192,
+                                       max_pages_per_seq=8192))
+    assert pg.num_splits == 33 and pg.kernel.endswith("_paged_fused")
+    pb = decode.launch_config(_problem(batch=16, seqlen_cache=16384, paged=True, page_size=256,
+                                       num_pages=1024, max_pages_per_seq=64))
+    assert pb.num_splits == 2 and pb.counter_elems == 16 * 8
+    assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
 
 
 def test_plan_row_chunks_padding_split_size_and_small_smem():
@@ -413,7 +479,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
                                     paged=True, page_size=3, seqlen_cache=300,
                                     num_pages=200, max_pages_per_seq=100, seqlen_new=2))
     assert p.row_chunks == 2 and p.grid[2] == 16 and p.template["headdim"] == 128
-    assert p.kernel.endswith("_paged") and p.append == "decode_append_b16_paged"
+    assert p.kernel.endswith("_paged_fused") and p.append == "decode_append_b16_paged"
     q = decode.launch_config(_problem(seqlen_cache=1000), split_size=100)
     assert q.split_tiles == 2 and q.num_splits == 8  # ceil(1000/64)=16 tiles / 2
     # an sm_86-like device (99 KB per block) gets two stages
@@ -426,21 +492,21 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
 def test_explain_kvcache_on_host_arrays():
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
     plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
-    assert plan.name == "decode_split_fp16_hd128_n64_w4_g16_s3_paged"
+    assert plan.name == "decode_split_fp16_hd128_n64_w4_g16_s3_paged_fused"
     assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
-    assert [e.name for e in plan.extra_kernels] == ["decode_combine_fp16"]
+    assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
-    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged" in names and "num_splits" in names
-    assert "decode_split_fp16_hd128_n64_w4_g16_s3" in names
+    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused" in names and "num_splits" in names
+    assert "decode_split_fp16_hd128_n64_w4_g16_s3_fused" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
 
 
 def test_plan_decode_is_a_dispatch_plan_with_ptxas_report():
     from cupyflash import dispatch
     p = decode.plan_decode(_problem(seqlen_new=2), arch="sm_90a")
-    assert isinstance(p, dispatch.Plan) and p.num_splits == 33 and p.num_sms == 132
+    assert isinstance(p, dispatch.Plan) and p.num_splits == 16 and p.num_sms == 132
     assert p.spill_bytes == 0 and 0 < p.registers <= 255 and p.kernel.arch == "sm_90a"
-    assert [e.name for e in p.extra_kernels] == ["decode_append_b16", "decode_combine_bf16"]
+    assert [e.name for e in p.extra_kernels] == ["decode_append_b16"]
     assert p.hbm_bytes > 2 * 131072 * 8 * 128 * 2 and p.flops > 0
     with pytest.raises(TypeError, match="problem"):
         decode.plan_decode(object())

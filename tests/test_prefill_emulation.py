@@ -98,7 +98,8 @@ class Global:
 # The kernel, transliterated (names and order follow flash_fwd.cu)
 # ----------------------------------------------------------------------------------------------
 class Traits:
-    def __init__(self, hd, bm, bn, nw, stages=2, sub_n=None):
+    def __init__(self, hd, bm, bn, nw, stages=2, sub_n=None, opt=0):
+        self.kFastExp, self.kSkipRescale, self.kPrefetch = bool(opt & 1), bool(opt & 2), bool(opt & 4)
         sub_n = bn if sub_n is None else sub_n
         self.kThreads = nw * 32
         self.kMTiles = bm // (16 * nw)
@@ -313,9 +314,28 @@ def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype)
                     continue
                 s = np.zeros((MT, NT, 32, 4), np.float32)
                 sK_addr = sK_base + stage_off + (sub * SUB_N * tr.kRow + st["k_lane_off"]) * 2
-                for ks in range(tr.kKSteps):
-                    a = [st["q_frag"][mt][ks] if tr.kQInRegs else
-                         ldsm(st["sQ_addr"] + (mt * 16 * tr.kRow + ks * 16) * 2) for mt in range(MT)]
+                qa = lambda mt, ks: (st["q_frag"][mt][ks] if tr.kQInRegs else
+                                     ldsm(st["sQ_addr"] + (mt * 16 * tr.kRow + ks * 16) * 2))
+                if tr.kPrefetch:
+                    # kOptPrefetch: the kernel's flattened (ks, np) steps with double buffers,
+                    # fragments of step i + 1 loaded before the MMAs of step i.
+                    NP = NT // 2
+                    steps = tr.kKSteps * NP
+                    a2 = [[qa(mt, 0) for mt in range(MT)], None]
+                    bk2 = [ldsm(sK_addr), None]
+                    for i in range(steps):
+                        ks, np_, cur, ab = i // NP, i % NP, i & 1, (i // NP) & 1
+                        if i + 1 < steps:
+                            ks1, np1 = (i + 1) // NP, (i + 1) % NP
+                            if np1 == 0:
+                                a2[ks1 & 1] = [qa(mt, ks1) for mt in range(MT)]
+                            bk2[cur ^ 1] = ldsm(sK_addr + (np1 * 16 * tr.kRow + ks1 * 16) * 2)
+                        a, bk_ = a2[ab], bk2[cur]
+                        for mt in range(MT):
+                            s[mt, 2 * np_] = mma_m16n8k16(s[mt, 2 * np_], a[mt], bk_[:, 0], bk_[:, 1])
+                            s[mt, 2 * np_ + 1] = mma_m16n8k16(s[mt, 2 * np_ + 1], a[mt], bk_[:, 2], bk_[:, 3])
+                for ks in range(0 if tr.kPrefetch else tr.kKSteps):
+                    a = [qa(mt, ks) for mt in range(MT)]
                     for np_ in range(NT // 2):
                         bk_ = ldsm(sK_addr + (np_ * 16 * tr.kRow + ks * 16) * 2)
                         for mt in range(MT):
@@ -333,6 +353,8 @@ def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype)
                                         if not (lo <= key < hi):
                                             s[mt, nt, lane, 2 * hh + e] = -np.inf
                 p_frag = np.empty((MT, tr.kPSteps, 32, 4, 2), np.float32)
+                ex2 = _ex2_ftz if tr.kFastExp else np.exp2
+                alphas = np.empty((MT, 2, 32), np.float32)
                 for mt in range(MT):
                     for hh in range(2):
                         mx = np.max(s[mt, :, :, 2 * hh:2 * hh + 2], axis=(0, 2))      # (32,)
@@ -341,19 +363,26 @@ def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype)
                         m_old = st["m_i"][mt, hh]
                         m_new = np.maximum(m_old, mx * scale_log2)
                         ref = np.where(m_new == -np.inf, np.float32(0), m_new)
-                        alpha = np.exp2(m_old - ref)
+                        alpha = ex2(m_old - ref)
+                        alphas[mt, hh] = alpha
                         rowsum = np.zeros(32, np.float32)
                         for nt in range(NT):
-                            p0 = np.exp2(s[mt, nt, :, 2 * hh] * scale_log2 - ref)
-                            p1 = np.exp2(s[mt, nt, :, 2 * hh + 1] * scale_log2 - ref)
+                            p0 = ex2(s[mt, nt, :, 2 * hh] * scale_log2 - ref)
+                            p1 = ex2(s[mt, nt, :, 2 * hh + 1] * scale_log2 - ref)
                             rowsum += p0
                             rowsum += p1
                             p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 0] = _round(p0, dtype)
                             p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 1] = _round(p1, dtype)
                         st["l_i"][mt, hh] = st["l_i"][mt, hh] * alpha + rowsum
                         st["m_i"][mt, hh] = m_new
-                        st["acc"][mt, :, :, 2 * hh] *= alpha
-                        st["acc"][mt, :, :, 2 * hh + 1] *= alpha
+                # kOptSkipRescale: one warp vote; skipped only when every alpha of the warp is 1
+                if tr.kSkipRescale and (alphas == 1).all():
+                    RESCALE_SKIPS.append(1)
+                else:
+                    for mt in range(MT):
+                        for hh in range(2):
+                            st["acc"][mt, :, :, 2 * hh] *= alphas[mt, hh]
+                            st["acc"][mt, :, :, 2 * hh + 1] *= alphas[mt, hh]
                 p_frags[warp] = p_frag
             if sub == 0:
                 cp.wait(tr.kWaitV)   # + __syncthreads, passed by every warp
@@ -420,7 +449,7 @@ def _reference(q, k, v, scale, causal, wl, wr):
 def _emulate(dtype_name, hd_actual, cfg, causal, wl, wr, seqs, nheads, nheads_k, rng, varlen):
     dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype_name]
     hd, bm, bn, nw = cfg.headdim, cfg.block_m, cfg.block_n, cfg.nwarps
-    tr = Traits(hd, bm, bn, nw, cfg.stages, cfg.sub_n)
+    tr = Traits(hd, bm, bn, nw, cfg.stages, cfg.sub_n, cfg.opt)
     assert tr.kSmemBytes == cfg.smem_bytes
     batch = len(seqs)
     max_q = max(s[0] for s in seqs)
@@ -501,11 +530,25 @@ def _emulate(dtype_name, hd_actual, cfg, causal, wl, wr, seqs, nheads, nheads_k,
     return worst
 
 
-def _cfg(dtype, hd, bm, bn, nw, stages=2, sub_n=None):
+def _cfg(dtype, hd, bm, bn, nw, stages=2, sub_n=None, opt=0):
+    """The table row of the tile; a kernel shape that is no longer a table row (the v1 sub32
+    variants: the SUB_N code path stays in the kernel) is built the way the table builds rows."""
     sub_n = bn if sub_n is None else sub_n
-    return next(c for c in prefill.SUPPORTED + prefill.VARIANTS
-                if (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n)
-                == (dtype, hd, bm, bn, nw, stages, sub_n))
+    key = (dtype, hd, bm, bn, nw, stages, sub_n, opt)
+    for c in prefill.SUPPORTED + prefill.VARIANTS:
+        if (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt) == key:
+            return c
+    return prefill.PrefillConfig(dtype, hd, bm, bn, nw, prefill.smem_bytes(dtype, hd, bm, bn, stages),
+                                 prefill.TC_SOURCE, stages, sub_n, opt)
+
+
+def _ex2_ftz(x):
+    """ex2.approx.ftz.f32 as emulated here: exp2 in float32 with results below 2^-126 -> +0."""
+    y = np.exp2(np.asarray(x, np.float32))
+    return np.where(y < np.float32(2.0 ** -126), np.float32(0), y).astype(np.float32)
+
+
+RESCALE_SKIPS: list = []
 
 
 # Dense (non-varlen) problems have one (seqlen_q, seqlen_k) for the whole batch.
@@ -530,12 +573,18 @@ CASES = [
     ("bfloat16", (128, 128, 32, 4, 3, 32), 104, True, (40, -1), [(140, 200)], (2, 1), False),
     ("float16", (64, 128, 64, 4, 3, 64), 56, True, (-1, -1), [(260, 260), (3, 90)], (1, 1), True),
     ("float16", (96, 128, 64, 4, 2, 32), 96, True, (-1, -1), [(129, 129)], (1, 1), False),
+    # v2 opt flags (fx = 1, rs = 2, pf = 4): Q re-read (hd128 / hd96) and Q in registers (hd64)
+    ("bfloat16", (128, 128, 64, 4, 2, 64, 7), 128, True, (-1, -1), [(200, 230)], (1, 1), False),
+    ("float16", (128, 128, 64, 4, 2, 64, 4), 120, False, (-1, 5), [(90, 140)], (2, 1), False),
+    ("float16", (96, 128, 64, 4, 2, 64, 7), 88, False, (-1, -1), [(130, 200)], (1, 1), True),
+    ("float16", (64, 128, 64, 4, 3, 64, 3), 64, True, (-1, -1), [(260, 300)], (1, 1), False),
+    ("bfloat16", (128, 128, 64, 4, 2, 64, 1), 128, False, (-1, -1), [(70, 130)], (1, 1), False),
 ]
 
 
 def _case_id(c):
     tile = c[1]
-    pipe = "" if len(tile) == 4 else f"-s{tile[4]}-sub{tile[5]}"
+    pipe = "" if len(tile) == 4 else f"-s{tile[4]}-sub{tile[5]}" + (f"-opt{tile[6]}" if len(tile) > 6 else "")
     return f"{c[0]}-hd{tile[0]}-m{tile[1]}-n{tile[2]}-w{tile[3]}{pipe}-d{c[2]}"
 
 
@@ -771,3 +820,19 @@ def test_emulated_simt_kernel_matches_reference(case):
                 np.testing.assert_allclose(gmem.buf[off:off + d], ref_o[i, hh], rtol=1e-12, atol=1e-12)
                 lo = hh * nq + tq + i if varlen else bi * h * max_q + hh * max_q + i
                 assert lse[lo] == ref_l[hh, i] or abs(lse[lo] - ref_l[hh, i]) < 1e-12
+
+
+def test_every_opt_flag_combination_is_emulated():
+    """Each OPT value of the variant table runs through the emulator above (CASES)."""
+    emulated = {_cfg(dtype, *tile).opt for dtype, tile, *_ in CASES}
+    table = {c.opt for c in prefill.SUPPORTED + prefill.VARIANTS}
+    assert table <= emulated, table - emulated
+
+
+def test_rescale_skip_happens_and_is_exact():
+    """kOptSkipRescale skips acc *= alpha on later tiles (running max settled) and the result
+    is the same as with every rescale done (x * 1 == x)."""
+    RESCALE_SKIPS.clear()
+    cfg = _cfg("float16", 64, 128, 64, 4, 2, 64, 3)
+    _emulate("float16", 64, cfg, False, -1, -1, [(128, 1024)], 1, 1, np.random.default_rng(3), False)
+    assert len(RESCALE_SKIPS) > 0

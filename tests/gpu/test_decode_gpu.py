@@ -116,6 +116,23 @@ def _run(case, dtype, **kw):
 # ----------------------------------------------------------------------------------------------
 # Against the reference
 # ----------------------------------------------------------------------------------------------
+def _poisoned_workspace(q, kc, vc, k, v, cs, bt, **opts):
+    """A workspace from alloc_workspace with its fp32 partials region NaN-poisoned (the
+    documented contract: partials may hold anything, the fused combine's int32 counters at the
+    end start at zero). Returns (workspace, used elements, counter elements)."""
+    ws = decode.alloc_workspace(q, kc, vc, k, v, cs, bt, **opts)
+    n = decode.workspace_size(q, kc, vc, k, v, cs, bt, **opts)
+    counters = 0
+    if n:
+        b, sq, h, _ = q.shape
+        hk = kc.shape[2]
+        counters = b * hk * -(-(h // hk * sq) // decode.GROUP)
+        ws[:n - counters] = np.nan
+    else:
+        ws.fill(np.nan)  # one split: the workspace is not touched
+    return ws, n, counters
+
+
 @st.composite
 def split_options(draw):
     mode = draw(st.sampled_from(["heuristic", "explicit", "fixed"]))
@@ -135,14 +152,15 @@ def test_kvcache_matches_reference(case, opts, poison_ws):
     q, kc, vc, k, v, cs, bt = (_dev(x) for x in case.args())
     ws = None
     if poison_ws:
-        n = decode.workspace_size(q, kc, vc, k, v, cs, bt, **opts)
-        ws = cupy.full(max(n, 1), np.nan, dtype=cupy.float32)
+        ws, n, counters = _poisoned_workspace(q, kc, vc, k, v, cs, bt, **opts)
     out = _nan_like(q)
     o, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cs, bt, softmax_scale=case.softmax_scale,
                                      causal=case.causal, return_lse=True, out=out, workspace=ws,
                                      **opts)
     assert o is out and o.dtype == q.dtype and lse.dtype == cupy.float32
     ref = _check_against_reference(case, o, lse, dtype)
+    if poison_ws and counters:  # the fused combine left its counters at zero
+        assert bool((ws[n - counters:n].view(cupy.int32) == 0).all())
     if case.k is not None:  # append wrote exactly the reference's updated cache (NaN elsewhere)
         for got, want in ((kc, ref.k_cache), (vc, ref.v_cache)):
             g = _host(got)
@@ -381,15 +399,39 @@ _VARIANTS = [decode.SplitVariant(64, 4, 3), decode.SplitVariant(64, 4, 3, _F),
              decode.SplitVariant(64, 4, 3, decode.FLAG_EVICT_FIRST | decode.FLAG_PREFETCH_256),
              decode.SplitVariant(64, 4, 6, _F), decode.SplitVariant(32, 2, 6, _F, 1),
              decode.SplitVariant(32, 2, 4), decode.SplitVariant(128, 8, 3),
-             decode.SplitVariant(32, 2, 12)]
+             decode.SplitVariant(32, 2, 12),
+             # v2 candidates: per-row bulk copies (mbarrier), 128-key tiles with 4 warps
+             decode.SplitVariant(64, 4, 3, _F | decode.FLAG_BULK_COPY),
+             decode.SplitVariant(64, 4, 4, _F | decode.FLAG_BULK_COPY),
+             decode.SplitVariant(64, 4, 3, decode.FLAG_BULK_COPY, 1),
+             decode.SplitVariant(128, 4, 3, _F),
+             decode.SplitVariant(128, 4, 3, _F | decode.FLAG_BULK_COPY),
+             decode.SplitVariant(128, 4, 2, _F | decode.FLAG_BULK_COPY)]
 
 
 @pytest.mark.parametrize("var", _VARIANTS, ids=lambda v: v.name)
 @pytest.mark.parametrize("page", [0, 16, 128])
 def test_split_variants_match_reference(var, page):
+    _check_variant(var, page)
+
+
+_BULK_VARIANTS = [v for v in _VARIANTS if v.flags & decode.FLAG_BULK_COPY]
+
+
+@pytest.mark.parametrize("var", _BULK_VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("page", [0, 3, 64])
+def test_bulk_variants_padded_headdim_gqa_odd_pages(var, page):
+    """Bulk copies of 144-byte rows (headdim 72 in the hd128 kernel: padding columns zeroed
+    once per stage), GQA 4, a non-power-of-two page size (per-row page ids)."""
+    _check_variant(var, page, hk=3, h=12, d=72)
+
+
+def _check_variant(var, page, hk=2, h=8, d=128):
     rng = np.random.default_rng(19)
     dtype = "bfloat16"
-    batch, cap, hk, h, d = 3, 1024, 2, 8, 128
+    batch, cap = 3, 1024
+    if page:
+        cap = -(-cap // page) * page
     cs = np.array([1000, 0, 517], np.int32)
     kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
     vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
