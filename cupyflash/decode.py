@@ -989,7 +989,7 @@ def merge_states(o_parts, lse_parts):
 
 
 # ----------------------------------------------------------------------------------------------
-# Experiments: split-kernel variants (scratch/decode_variants.py, tests/gpu/test_decode_gpu.py)
+# Experiments: split-kernel variants (experiments/sweep_decode_variants.py, tests/gpu/test_decode_gpu.py)
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SplitVariant:

@@ -105,7 +105,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         raise ValueError(f"dtype: no prefill tile available for dtype {dtype!r} and headdim "
                          f"{headdim}")
     # Rule 1: the table's first row (cupyflash/prefill.py _TC_TILES). bf16/fp16 hd96 and hd128:
-    # 128x64x4w, measured fastest by scratch/prefill_variants.py v1 (H200, 16k tokens, S = 4096 /
+    # 128x64x4w, measured fastest by experiments/sweep_prefill_variants.py v1 (H200, 16k tokens, S = 4096 /
     # 16384, experiments/NOTES.md): hd128 non-causal 312-321 TFLOP/s vs 292-299 (128x32x4) and
     # 256-262 (128x64x8); hd128 causal 258-281, the best tile at S = 4096 and 0.7% behind
     # 128x128x8 (283) at S = 16384, too small a gap for a causal-specific rule; hd96 296-304

@@ -12,7 +12,7 @@ Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU
   within one (dtype, headdim) the first row is the suggested default, and (block_m, block_n,
   nwarps) is unique, so a tile names one row. :data:`VARIANTS` holds experimental rows with
   another pipeline depth (``stages``) or register working set (``sub_n``) than the plain kernel
-  (2 stages, whole tile); the dispatcher never picks them, ``scratch/prefill_variants.py``
+  (2 stages, whole tile); the dispatcher never picks them, ``experiments/sweep_prefill_variants.py``
   measures them, and a variant that wins replaces the SUPPORTED row of its tile.
 * :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one.
 * :func:`kernel_spec` names a specialisation (``fwd_bf16_hd128_m128_n64_w8_causal``,
@@ -144,7 +144,7 @@ _SIMT_TILES = {
 _SIMT_TILES["float64"][256] = ((16, 32), (16, 16))  # 32x32 needs > 255 registers (spills)
 
 # Experimental tensor-core rows (both dtypes): (headdim, block_m, block_n, nwarps, stages, sub_n,
-# opt), measured by scratch/prefill_variants.py against the SUPPORTED rows of the same head dim.
+# opt), measured by experiments/sweep_prefill_variants.py against the SUPPORTED rows of the same head dim.
 # v1 (experiments/NOTES.md): 3 stages (two K/V tiles in flight) and sub_n < block_n (64-key copies,
 # 32-key softmax steps). The sub32 rows and hd128 128x32x4 s3 lost to 128x64x4 by 6-15% in the v1
 # sweep and were removed; hd64 s3 stays (causal +1-2%).
@@ -158,9 +158,16 @@ _TC_VARIANTS = (
     (96, 128, 64, 4, 2, 64, 7),
     (128, 128, 64, 4, 2, 64, 1),
     (128, 128, 64, 4, 2, 64, 3),
-    (128, 128, 64, 4, 2, 64, 4),
+    (128, 128, 64, 4, 2, 64, 0),  # the supported row without pf, for comparison
     (128, 128, 64, 4, 2, 64, 7),
 )
+
+
+# Supported rows that carry pipeline options: (headdim, block_m, block_n, nwarps) -> (stages,
+# sub_n, opt). v2 sweep (H200, experiments/NOTES.md "v2 prefill outcome"): hd128 128x64x4 with
+# fragment prefetch (pf) 325-327 TFLOP/s non-causal vs 315-319 without, causal 282-309 vs
+# 257-279; fx/rs add 0-1% (noise) and fx changes results below 2^-126, so only pf is adopted.
+_TC_ROW_OPTS = {(128, 128, 64, 4): (2, 64, 4)}
 
 
 def _build_table() -> tuple:
@@ -168,7 +175,9 @@ def _build_table() -> tuple:
     for dtype in TC_DTYPES:
         for hd in HEADDIMS:
             for bm, bn, nw in _TC_TILES[hd]:
-                rows.append(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn), TC_SOURCE))
+                st, sub, opt = _TC_ROW_OPTS.get((hd, bm, bn, nw), (2, bn, 0))
+                rows.append(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn, st),
+                                          TC_SOURCE, st, sub, opt))
     for dtype in SIMT_DTYPES:
         for hd in HEADDIMS:
             for bm, bn in _SIMT_TILES[dtype][hd]:

@@ -60,7 +60,7 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
 }  // namespace decode_detail
 
 // Compile-time options of the split kernel (template parameter FLAGS, a bit set). 0 is the
-// plain kernel; the others are measured variants (scratch/decode_variants.py).
+// plain kernel; the others are measured variants (experiments/sweep_decode_variants.py).
 namespace decode_flags {
 // The last split block to finish for a (batch, KV head, row chunk) merges all splits of its rows
 // and writes the final output and LSE (no combine launch). Needs a counter per (batch, KV head,

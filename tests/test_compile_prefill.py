@@ -91,10 +91,15 @@ def test_variants_are_consistent():
     full = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt)
             for c in rows]
     assert len(full) == len(set(full))
+    with_opts = prefill._TC_ROW_OPTS  # supported rows that carry measured pipeline options
     for c in prefill.SUPPORTED:
-        assert c.plain or c.dtype not in prefill.TC_DTYPES, c
+        tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
+        if c.dtype in prefill.TC_DTYPES:
+            assert (c.stages, c.sub_n, c.opt) == with_opts.get(tile, (2, c.block_n, 0)), c
     for c in prefill.VARIANTS:
-        assert c.dtype in prefill.TC_DTYPES and c.source == prefill.TC_SOURCE and not c.plain
+        tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
+        assert c.dtype in prefill.TC_DTYPES and c.source == prefill.TC_SOURCE
+        assert not c.plain or tile in with_opts, c  # a plain variant only beside an optioned row
         assert c.block_n % c.sub_n == 0 and c.sub_n % 16 == 0 and 2 <= c.stages <= 4
         assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n, c.stages)
         assert c.smem_bytes <= prefill.MAX_SMEM_BYTES

@@ -131,7 +131,7 @@ def test_every_spec_compiles_without_spills(compiled):
         assert r.ptxas.shared_bytes == 0, (name, arch)  # all shared memory is dynamic
 
 
-#: The variants scratch/decode_variants.py measures (bf16 hd128, contiguous and paged).
+#: The variants experiments/sweep_decode_variants.py measures (bf16 hd128, contiguous and paged).
 VARIANTS = [decode.SplitVariant(64, 4, 3, decode.FLAG_FUSED_COMBINE),
             decode.SplitVariant(64, 4, 3, decode.FLAG_EVICT_FIRST | decode.FLAG_PREFETCH_256),
             decode.SplitVariant(64, 4, 6, decode.FLAG_FUSED_COMBINE),

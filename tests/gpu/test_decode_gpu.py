@@ -390,7 +390,7 @@ def test_float32_is_rejected_on_gpu():
 
 
 # ----------------------------------------------------------------------------------------------
-# Split-kernel variants (scratch/decode_variants.py): fused combine, grid order, tile shapes,
+# Split-kernel variants (experiments/sweep_decode_variants.py): fused combine, grid order, tile shapes,
 # L2 hints, per-tile page ids (page_size % block_n == 0) and per-row page ids
 # ----------------------------------------------------------------------------------------------
 _F = decode.FLAG_FUSED_COMBINE

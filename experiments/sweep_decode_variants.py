@@ -1,0 +1,342 @@
+"""Split-KV decode variants on one GPU call (v2 decode plan in experiments/NOTES.md; v1: H8).
+
+    PYTHONPATH=. python experiments/sweep_decode_variants.py [--quick] [--out DIR]
+
+Llama-3-8B heads (32 query, 8 KV heads, d = 128), bf16, one query token, every sequence full.
+For each case (batch, seqlen_k, page_size; 0 = contiguous) and each split-kernel variant
+(cupyflash.decode.SplitVariant: tile shape, fused combine, bulk copies, grid order) x a few
+num_splits: time with CUDA-graph replay (20 calls per graph, best of 3 replays; L2 not flushed,
+as the first decode sweep), check the output against a float32 CuPy reference (normwise relative
+error < 1e-2, no NaN) and against the default path's output, and print TB/s of K+V bytes.
+Also times torch SDPA (cuDNN and flash backends, enable_gqa=True, BHSD views of BSHD storage)
+when torch is importable. Records go to $OUT/decode_variants.jsonl (or --out; default experiments/results/).
+A deadline (--budget seconds, default 100) skips the remaining measurements, never hangs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+T0 = time.time()
+H, HK, D = 32, 8, 128
+CASES = [(1, 131072, 0), (1, 131072, 16), (16, 16384, 0), (16, 16384, 16), (16, 16384, 256),
+         (64, 16384, 0), (16, 1024, 0), (1, 8192, 0)]
+SMEM_PER_SM, RESERVED = 233472, 1024
+
+
+def variants():
+    from cupyflash.decode import FLAG_BULK_COPY, FLAG_FUSED_COMBINE, SplitVariant as V
+    F, B = FLAG_FUSED_COMBINE, FLAG_BULK_COPY
+    contiguous = [
+        V(64, 4, 3, F),                   # v2 default kernel (fused combine), 2 blocks/SM fit
+        V(64, 4, 3, F, 1),                # heads-first grid order (v1: +-0.5%)
+        V(128, 8, 3, F),                  # v1 best at b16 x 16k / b16 x 1k (unfused there)
+        # v2 candidates (experiments/NOTES.md "v2 decode plan")
+        V(64, 4, 3, F | B),               # per-row bulk copies, mbarrier per stage
+        V(64, 4, 4, F | B),               # 1 block/SM, 3 tiles (102 KB) in flight
+        V(128, 4, 3, F),                  # 128-key tiles, 4 warps, 1 block/SM, 2 x 68 KB
+        V(128, 4, 3, F | B),
+        V(128, 4, 2, F | B),              # 1 tile in flight while one is computed (145 KB)
+    ]
+    paged = [V(64, 4, 3, F), V(64, 4, 3, F | B), V(64, 4, 4, F | B), V(128, 4, 3, F | B)]
+    return contiguous, paged
+
+
+def blocks_per_sm(smem):
+    return max(1, SMEM_PER_SM // (smem + RESERVED))
+
+
+def split_candidates(batch, seqlen, cps, block_n):
+    """num_splits: one full wave of resident blocks, half and twice that (and 1 if small)."""
+    ctas = batch * HK
+    fill = max(1, (132 * cps) // ctas)
+    tiles = -(-seqlen // block_n)
+    out = {fill, max(1, fill // 2), min(2 * fill, 128)}
+    if fill < 8:  # unsplit is hopeless when one wave needs >= 8 splits
+        out.add(1)
+    return sorted(s for s in out if s <= max(1, tiles))
+
+
+def graph_time_us(fn, n=20, reps=3):
+    import cupy as cp
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        fn()
+        s.synchronize()
+        s.begin_capture()
+        for _ in range(n):
+            fn()
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            g.launch(s)
+            e1.record(s)
+            e1.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n)
+    return best
+
+
+def reference_fp32(q, k_seq, v_seq):
+    """float32 attention of one query token against every key (causal bottom-right with
+    seqlen_q = 1 sees all keys). k_seq/v_seq (B, S, HK, D) contiguous-order views."""
+    import cupy as cp
+    B, S = k_seq.shape[:2]
+    out = cp.empty((B, 1, H, D), cp.float32)
+    qf = q.astype(cp.float32).reshape(B, HK, H // HK, D)
+    scale = 1.0 / math.sqrt(D)
+    for b in range(B):
+        kf = k_seq[b].astype(cp.float32)          # (S, HK, D)
+        vf = v_seq[b].astype(cp.float32)
+        s = cp.einsum("grd,sgd->grs", qf[b], kf) * scale
+        s -= s.max(axis=-1, keepdims=True)
+        p = cp.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        out[b, 0] = cp.einsum("grs,sgd->grd", p, vf).reshape(H, D)
+    return out
+
+
+def rel(a, b):
+    import cupy as cp
+    a = a.astype(cp.float32)
+    b = b.astype(cp.float32)
+    return float(cp.linalg.norm(a - b) / max(float(cp.linalg.norm(b)), 1e-30))
+
+
+def torch_times(B, S):
+    """{impl: us} for torch SDPA cuDNN / flash on BHSD views of BSHD bf16 tensors."""
+    res = {}
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        import torch.nn.functional as F
+    except Exception as e:  # noqa: BLE001
+        return {"torch": f"unavailable: {type(e).__name__}: {e}"}
+    try:
+        q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    except Exception as e:  # noqa: BLE001
+        return {"torch": f"alloc failed: {type(e).__name__}: {e}"}
+    for name, be in (("torch_cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("torch_flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                f = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+                for _ in range(3):
+                    f()
+                torch.cuda.synchronize()
+                n = 20
+                try:  # graph replay, as ours
+                    g = torch.cuda.CUDAGraph()
+                    st = torch.cuda.Stream()
+                    with torch.cuda.stream(st):
+                        f()
+                        torch.cuda.synchronize()
+                        with torch.cuda.graph(g, stream=st):
+                            for _ in range(n):
+                                f()
+                    g.replay()
+                    torch.cuda.synchronize()
+                    run = g.replay
+                    per = n
+                    how = "graph"
+                except Exception:  # noqa: BLE001
+                    run = lambda: [f() for _ in range(n)]  # noqa: E731
+                    per = n
+                    how = "loop"
+                best = float("inf")
+                for _ in range(3):
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    run()
+                    e1.record()
+                    e1.synchronize()
+                    best = min(best, e0.elapsed_time(e1) * 1e3 / per)
+                res[name] = best
+                res[name + "_timing"] = how
+        except Exception as e:  # noqa: BLE001
+            res[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+    del q, k, v
+    torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="first 3 contiguous variants only")
+    ap.add_argument("--budget", type=float, default=100.0, help="seconds before skipping")
+    ap.add_argument("--out", default=os.environ.get(
+        "OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args(argv)
+
+    import cupy as cp
+    import ml_dtypes
+    from cupyflash import decode as Dm
+
+    bf = ml_dtypes.bfloat16
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "decode_variants.jsonl")
+    fout = open(path, "w")
+    contiguous_vs, paged_vs = variants()
+    if args.quick:
+        contiguous_vs, paged_vs = contiguous_vs[:3], paged_vs[:2]
+    dev = cp.cuda.Device()
+    gpu = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    print(f"# {gpu}, {dev.attributes['MultiProcessorCount']} SMs; budget {args.budget:.0f} s",
+          flush=True)
+    rng = cp.random.default_rng(0)
+    table = []
+
+    def emit(rec):
+        rec.update(gpu=gpu, elapsed_s=round(time.time() - T0, 1))
+        fout.write(json.dumps(rec) + "\n")
+        fout.flush()
+
+    # one cache buffer, reused: largest case B * S
+    max_tok = max(B * S for B, S, _ in CASES)
+    kbuf = rng.standard_normal((max_tok, HK, D), dtype=cp.float32).astype(bf)
+    vbuf = rng.standard_normal((max_tok, HK, D), dtype=cp.float32).astype(bf)
+    torch_cache = {}
+    for B, S, ps in CASES:
+        if time.time() - T0 > args.budget:
+            print(f"# budget: skipping case B={B} S={S} page={ps}", flush=True)
+            emit(dict(case=[B, S, ps], skipped="budget"))
+            continue
+        kv_bytes = 2 * B * S * HK * D * 2
+        q = rng.standard_normal((B, 1, H, D), dtype=cp.float32).astype(bf)
+        kc = kbuf[:B * S].reshape(B, S, HK, D)
+        vc = vbuf[:B * S].reshape(B, S, HK, D)
+        cs = cp.full((B,), S, cp.int32)
+        bt = None
+        if ps:
+            perm = np.random.default_rng(B * S + ps).permutation(B * S // ps)
+            bt = cp.asarray(perm.reshape(B, S // ps).astype(np.int32))
+            kc = kc.reshape(-1, ps, HK, D)
+            vc = vc.reshape(-1, ps, HK, D)
+            k_seq = kc[bt].reshape(B, S, HK, D)   # gathered copy for the reference only
+            v_seq = vc[bt].reshape(B, S, HK, D)
+        else:
+            k_seq, v_seq = kc, vc
+        ref = reference_fp32(q, k_seq, v_seq)
+        del k_seq, v_seq
+        label = f"B={B} S={S} page={ps}"
+
+        # default public path (heuristic num_splits, fused combine)
+        out_def = cp.empty_like(q)
+        ws = Dm.alloc_workspace(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=0)
+        call = lambda: Dm.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt,  # noqa: E731
+                                                  num_splits=0, out=out_def, validate=False,
+                                                  workspace=ws)
+        try:
+            us = graph_time_us(call)
+            plan = Dm.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+            err = rel(out_def, ref)
+            rec = dict(case=[B, S, ps], variant="default", num_splits=plan.num_splits, us=us,
+                       tbps=kv_bytes / us / 1e6, rel_err=err,
+                       ok=bool(err < 1e-2 and not cp.isnan(out_def.astype(cp.float32)).any()))
+        except Exception as e:  # noqa: BLE001
+            rec = dict(case=[B, S, ps], variant="default", error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+        emit(rec)
+        table.append(rec)
+        print(f"{label:28s} {'default':28s} ns={rec.get('num_splits', '?'):>3} "
+              f"{rec.get('us', float('nan')):8.1f} us {rec.get('tbps', float('nan')):5.2f} TB/s "
+              f"err {rec.get('rel_err', float('nan')):.1e} {'' if rec.get('ok') else 'FAIL'}",
+              flush=True)
+
+        for var in (paged_vs if ps else contiguous_vs):
+            smem = var.spec("bfloat16", D, bool(ps)).smem_bytes
+            cps = blocks_per_sm(smem)
+            for ns in split_candidates(B, S, cps, var.block_n):
+                if time.time() - T0 > args.budget:
+                    break
+                out = cp.full(q.shape, np.nan, dtype=cp.float32).astype(bf)
+                n_ws = var.workspace_elems(B, 1, H, HK, D, ns)
+                wsv = cp.zeros(max(n_ws, 1), cp.float32)  # fused counters start at zero
+                fn = lambda: Dm.run_split_variant(var, q, kc, vc, cs, bt, out, wsv,  # noqa: E731
+                                                  num_splits=ns)
+                rec = dict(case=[B, S, ps], variant=var.name, num_splits=ns, smem=smem,
+                           blocks_per_sm=cps, grid_blocks=B * HK * ns)
+                try:
+                    fn()
+                    cp.cuda.Device().synchronize()
+                    nan = bool(cp.isnan(out.astype(cp.float32)).any())
+                    err = rel(out, ref)
+                    us = graph_time_us(fn)
+                    d_def = rel(out, out_def)
+                    if var.flags & Dm.FLAG_FUSED_COMBINE and ns > 1:  # counters back at zero
+                        base = ns * B * H * (D + 1)
+                        rec["counters_zero"] = bool((wsv[base:n_ws].view(cp.int32) == 0).all())
+                    rec.update(us=us, tbps=kv_bytes / us / 1e6, rel_err=err, rel_vs_default=d_def,
+                               ok=bool(not nan and err < 1e-2 and d_def < 1e-2
+                                       and rec.get("counters_zero", True)))
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    traceback.print_exc()
+                emit(rec)
+                table.append(rec)
+                print(f"{label:28s} {var.name:28s} ns={ns:>3} {rec.get('us', float('nan')):8.1f} us "
+                      f"{rec.get('tbps', float('nan')):5.2f} TB/s err {rec.get('rel_err', float('nan')):.1e}"
+                      f" {'' if rec.get('ok') else 'FAIL ' + rec.get('error', '')}", flush=True)
+                del wsv, out
+
+        if not args.no_torch and ps == 0 and time.time() - T0 < args.budget:
+            key = (B, S)
+            if key not in torch_cache:
+                torch_cache[key] = torch_times(B, S)
+            tt = torch_cache[key]
+            for impl in ("torch_cudnn", "torch_flash"):
+                v = tt.get(impl, tt.get("torch"))
+                rec = dict(case=[B, S, ps], variant=impl)
+                if isinstance(v, float):
+                    rec.update(us=v, tbps=kv_bytes / v / 1e6, timing=tt.get(impl + "_timing"))
+                else:
+                    rec["error"] = v
+                emit(rec)
+                table.append(rec)
+                print(f"{label:28s} {impl:28s}        {rec.get('us', float('nan')):8.1f} us "
+                      f"{rec.get('tbps', float('nan')):5.2f} TB/s {rec.get('error', '')}", flush=True)
+        del q, ref, out_def, ws
+        cp.get_default_memory_pool().free_all_blocks()
+
+    # summary: best variant per case, ratio to cuDNN
+    print("\n# best per case (ok only)")
+    for B, S, ps in CASES:
+        rs = [r for r in table if r.get("case") == [B, S, ps] and "us" in r]
+        ours = [r for r in rs if r.get("ok")]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["us"])
+        dflt = next((r for r in rs if r["variant"] == "default"), None)
+        cud = next((r for r in table if r.get("case") == [B, S, 0]
+                    and r.get("variant") == "torch_cudnn" and "us" in r), None)
+        line = (f"B={B:3d} S={S:6d} page={ps:3d}: best {best['variant']} ns={best['num_splits']} "
+                f"{best['tbps']:.2f} TB/s")
+        if dflt:
+            line += f" | default {dflt['tbps']:.2f}"
+        if cud:
+            line += f" | cuDNN {cud['tbps']:.2f} (ratio {cud['us'] / best['us']:.2f})"
+        print(line)
+    fails = [r for r in table if "us" in r and r.get("variant", "").startswith(("n", "default"))
+             and not r.get("ok")]
+    print(f"# {len(fails)} failed checks; {time.time() - T0:.1f} s; records: {path}")
+    fout.close()
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
