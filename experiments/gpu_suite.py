@@ -124,7 +124,7 @@ def main() -> int:
             log = out_dir / f"sanitize_{tool}.log"
             extra = ["--small"] if tool == "racecheck" else []
             rc = sh([san, "--tool", tool, "--error-exitcode", "99", sys.executable,
-                     "experiments/sanitize_cases.py", *extra], 240, log, env)
+                     "experiments/sanitize_cases.py", *extra], 130, log, env)
             text = log.read_text()
             summary = [l for l in text.splitlines() if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l]
             record["sanitizer"][tool] = {"rc": rc, "summary": summary[-3:]}
