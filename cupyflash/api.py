@@ -383,7 +383,16 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), ret
     _require_bool(return_lse, "return_lse")
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, out=out)
+    _check_layouts({"q": q, "k": k, "v": v, "out": out})
     return dispatch.plan_prefill(problem, arch=arch)
+
+
+def _check_layouts(named: dict) -> None:
+    """The kernels' layout rule, also for host arrays passed to ``explain``: the checks apply it
+    to device arrays only (the NumPy reference takes any strides)."""
+    for name, x in named.items():
+        if x is not None:
+            checks.check_last_dim_contiguous(x, name)
 
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -407,6 +416,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, out=out, validate=validate)
+    _check_layouts({"q": q, "k": k, "v": v, "out": out})
     lengths = None
     if validate:
         lengths = (np.diff(checks.to_host(cu_seqlens_q).astype(np.int64)),

@@ -693,7 +693,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     softmax_scale : float or None
         Scale of ``q k^T``; None = ``1/sqrt(headdim)``.
     causal : bool
-        Bottom-right causal mask (default True).
+        Bottom-right causal mask (default True, as decoding needs; note that FlashAttention's
+        ``flash_attn_with_kvcache`` defaults to False).
     num_splits : int
         0 = :func:`choose_num_splits` (from shapes and the device's SM count only); any value
         >= 1 is honoured, including more splits than tiles (empty splits are harmless).

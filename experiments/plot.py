@@ -490,7 +490,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", choices=sorted(FIGURES), default=None)
     args = ap.parse_args(argv)
     args.figures.mkdir(parents=True, exist_ok=True)
-    made, skipped = [], []
+    made, skipped, failed = [], [], []
     for name, fn in FIGURES.items():
         if args.only and name not in args.only:
             continue
@@ -501,11 +501,12 @@ def main(argv=None) -> int:
         except SkipFigure as e:
             skipped.append(name)
             print(f"plot: {name}: skipped ({e})")
-        except Exception as e:  # a bad record must not break CI: report and go on
-            skipped.append(name)
-            print(f"plot: {name}: FAILED ({type(e).__name__}: {e}); skipped")
-    print(f"plot: {len(made)} files written, {len(skipped)} figures skipped")
-    return 0
+        except Exception as e:  # report, draw the other figures, and exit non-zero
+            failed.append(name)
+            print(f"plot: {name}: FAILED ({type(e).__name__}: {e})")
+    print(f"plot: {len(made)} files written, {len(skipped)} figures skipped (no results), "
+          f"{len(failed)} failed")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

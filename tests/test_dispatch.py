@@ -540,3 +540,11 @@ def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
             api.flash_attn_func(q, k, v, **{"out": out, **kwargs})
         assert str(e.value).startswith(start), str(e.value)
     assert len(launched) == 3 and len(fresh_cache) == 1
+
+
+def test_explain_applies_the_kernels_layout_rule_to_host_arrays():
+    # flash_attn_func rejects a non-unit last stride; explain (which also takes NumPy arrays)
+    # must not describe a plan for it
+    q = np.zeros((1, 64, 4, 256), np.float16)[..., ::2]
+    with pytest.raises(ValueError, match=r"^q: last dimension must be contiguous"):
+        api.explain(q, q, q)
