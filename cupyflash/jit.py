@@ -39,7 +39,7 @@ class KernelSpec:
     name : readable deterministic name, e.g. ``fwd_bf16_hd128_m128_n64_w4_causal``.
     source : path of the ``.cu`` file relative to ``kernels_cu/``.
     entry : C++ name expression of the ``__global__`` function, e.g.
-        ``"flash_fwd_kernel<__nv_bfloat16, 128, 128, 64, 4, true>"``.
+        ``"cf::flash_fwd_entry<cf::FlashFwd<__nv_bfloat16, 128, 128, 64, 4, true>, __nv_bfloat16>"``.
     smem_bytes : dynamic shared memory the launch needs (raised on the function if > 48 KiB).
     """
     name: str

@@ -224,13 +224,15 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
 
 
 def _entry(cfg: PrefillConfig, causal: bool) -> str:
-    c = "true" if causal else "false"
+    # The shared entry (kernels_cu/common/fwd_entry.cuh) instantiated with one CTA's algorithm.
+    c, t = ("true" if causal else "false"), _CTYPE[cfg.dtype]
     if cfg.dtype in TC_DTYPES:
         pipe = "" if cfg.plain else f", {cfg.stages}, {cfg.sub_n}" + (f", {cfg.opt}" if cfg.opt else "")
-        return (f"cf::flash_fwd_kernel<{_CTYPE[cfg.dtype]}, {cfg.headdim}, {cfg.block_m}, "
-                f"{cfg.block_n}, {cfg.nwarps}, {c}{pipe}>")
-    return (f"cf::flash_fwd_simt_kernel<{_CTYPE[cfg.dtype]}, {cfg.headdim}, {cfg.block_m}, "
-            f"{cfg.block_n}, {c}>")
+        block = (f"cf::FlashFwd<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {cfg.nwarps}, "
+                 f"{c}{pipe}>")
+    else:
+        block = f"cf::FlashFwdSimt<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {c}>"
+    return f"cf::flash_fwd_entry<{block}, {t}>"
 
 
 _BY_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps): c for c in SUPPORTED}
@@ -330,8 +332,8 @@ def _strides(x, name: str, ndim: int) -> tuple:
 
 def kernel_args(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=None,
                 cu_seqlens_k=None) -> tuple:
-    """The kernel's argument tuple, in the order of ``cf::flash_fwd_kernel`` /
-    ``cf::flash_fwd_simt_kernel`` (the one place on the host that knows it).
+    """The kernel's argument tuple, in the order of ``cf::flash_fwd_entry``
+    (kernels_cu/common/fwd_entry.cuh; the one place on the host that knows it).
 
     Layouts: q/out (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim),
     lse (batch, nheads, seqlen_q) float32; varlen: q/out (total_q, nheads, headdim), k/v

@@ -136,22 +136,22 @@ def test_smem_formula_matches_kernel_traits():
 def test_names_and_entries():
     s = prefill.kernel_spec("bfloat16", 128, 128, 64, 8, True)
     assert s.name == "fwd_bf16_hd128_m128_n64_w8_causal"
-    assert s.entry == "cf::flash_fwd_kernel<__nv_bfloat16, 128, 128, 64, 8, true>"
+    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__nv_bfloat16, 128, 128, 64, 8, true>, __nv_bfloat16>"
     s = prefill.kernel_spec("bfloat16", 64, 128, 64, 4, True, stages=3)
     assert s.name == "fwd_bf16_hd64_m128_n64_w4_s3_causal"
-    assert s.entry == "cf::flash_fwd_kernel<__nv_bfloat16, 64, 128, 64, 4, true, 3, 64>"
+    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__nv_bfloat16, 64, 128, 64, 4, true, 3, 64>, __nv_bfloat16>"
     assert s.smem_bytes == (128 + 2 * 3 * 64) * 72 * 2
     s = prefill.kernel_spec("float16", 128, 128, 64, 4, False, opt=7)
     assert s.name == "fwd_f16_hd128_m128_n64_w4_fx_rs_pf"
-    assert s.entry == "cf::flash_fwd_kernel<__half, 128, 128, 64, 4, false, 2, 64, 7>"
+    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__half, 128, 128, 64, 4, false, 2, 64, 7>, __half>"
     s = prefill.kernel_spec("float16", 64, 128, 64, 4, True, stages=3, opt=3)
     assert s.name == "fwd_f16_hd64_m128_n64_w4_s3_fx_rs_causal"
-    assert s.entry == "cf::flash_fwd_kernel<__half, 64, 128, 64, 4, true, 3, 64, 3>"
+    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__half, 64, 128, 64, 4, true, 3, 64, 3>, __half>"
     with pytest.raises(ValueError, match="not compiled"):
         prefill.kernel_spec("bfloat16", 128, 128, 64, 4, False, stages=4)
     s = prefill.kernel_spec("float64", 64, 32, 32, 4, False)
     assert s.name == "fwdsimt_f64_hd64_m32_n32"
-    assert s.entry == "cf::flash_fwd_simt_kernel<double, 64, 32, 32, false>"
+    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwdSimt<double, 64, 32, 32, false>, double>"
     assert prefill.config_of(s) == (prefill.SUPPORTED[[c.dtype == "float64" and c.headdim == 64
                                                        and c.block_m == 32 for c in prefill.SUPPORTED]
                                                       .index(True)], False)
