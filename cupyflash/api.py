@@ -53,61 +53,6 @@ def _require_bool(x, name: str) -> bool:
     return bool(x)
 
 
-def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes  # CuPy's bfloat16 is ml_dtypes'
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def _wrap_cai(x, dtype: str):
-    """Zero-copy ``cupy.ndarray`` of ``dtype`` over the memory ``x.__cuda_array_interface__``
-    describes (shape, byte strides, pointer); ``x`` is kept alive as the memory's owner."""
-    import cupy
-    cai = x.__cuda_array_interface__
-    dt = _np_dtype(dtype)
-    shape = tuple(int(n) for n in cai["shape"])
-    strides = cai.get("strides")
-    if strides is None:  # C-contiguous
-        strides, acc = [], dt.itemsize
-        for n in reversed(shape):
-            strides.insert(0, acc)
-            acc *= max(n, 1)
-    strides = tuple(int(s) for s in strides)
-    size = 0 if 0 in shape else dt.itemsize + sum((n - 1) * s for n, s in zip(shape, strides))
-    mem = cupy.cuda.UnownedMemory(int(cai["data"][0]), size, x)
-    return cupy.ndarray(shape, dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0), strides=strides)
-
-
-def _view(x, name: str, dtype: str):
-    """Zero-copy CuPy view of a validated device array with the element type the checks saw.
-
-    bfloat16 from other libraries: a torch bfloat16 tensor's ``__cuda_array_interface__`` says
-    ``typestr '<V2'`` (raw 2-byte records), which does not name the type, so such arrays go
-    through DLPack (which does) or, failing that, are wrapped from their pointer and strides.
-    """
-    import cupy
-    if isinstance(x, cupy.ndarray) or dtype != "bfloat16":
-        c = as_cupy(x, name)
-    else:
-        c = None
-        if hasattr(x, "__dlpack__"):
-            try:
-                c = cupy.from_dlpack(x)
-            except Exception:  # an older CuPy without DLPack bfloat16: use the pointer
-                c = None
-        if c is None or checks.dtype_name(c) != dtype:
-            c = _wrap_cai(x, dtype) if hasattr(x, "__cuda_array_interface__") else c
-        if c is None:
-            c = as_cupy(x, name)
-    if checks.dtype_name(c) != dtype:
-        want = _np_dtype(dtype)
-        if c.dtype.itemsize != want.itemsize:  # pragma: no cover - checks rejected this already
-            raise TypeError(f"{name}: CuPy sees dtype {c.dtype}, expected {dtype}")
-        c = c.view(want)
-    return c
-
-
 def _same_device(arrays: dict) -> None:
     """ValueError unless every CuPy array lives on the device of the first (``q``)."""
     items = [(n, a) for n, a in arrays.items() if a is not None]
@@ -126,7 +71,7 @@ def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=No
     """
     named = {"q": q, "k": k, "v": v, "out": out,
              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    views = {n: (_view(a, n, problem.dtype if n in ("q", "k", "v", "out") else "int32")
+    views = {n: (as_cupy(a, n, problem.dtype if n in ("q", "k", "v", "out") else "int32")
                  if a is not None else None) for n, a in named.items()}
     _same_device(views)
     qc = views["q"]

@@ -60,6 +60,7 @@ import math
 import numpy as np
 
 from . import checks, jit
+from .interop import as_cupy, np_dtype
 from .heuristics import H200_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
 
 __all__ = [
@@ -136,7 +137,7 @@ def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int,
     then two ``block_n`` int32 arrays of prefetched page ids (paged caches); with
     :data:`FLAG_BULK_COPY`, one 8-byte mbarrier per stage.
     """
-    e = np.dtype(_np_dtype(dtype)).itemsize
+    e = np_dtype(dtype).itemsize
     row = headdim + 16 // e
     bars = 8 * stages if flags & FLAG_BULK_COPY else 0
     return (GROUP * row + stages * 2 * block_n * row) * e + 2 * block_n * 4 + bars
@@ -503,13 +504,6 @@ def workspace_elems(batch: int, seqlen_q: int, nheads: int, headdim: int, num_sp
 # ----------------------------------------------------------------------------------------------
 # GPU helpers
 # ----------------------------------------------------------------------------------------------
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
-
-
 def _device_limits() -> dict:
     import cupy
     return _device_limits_of(cupy.cuda.Device().id)
@@ -522,19 +516,6 @@ def _device_limits_of(dev_id: int) -> dict:
     return dict(num_sms=a["MultiProcessorCount"],
                 smem_per_sm=a["MaxSharedMemoryPerMultiprocessor"],
                 max_smem_per_block=a["MaxSharedMemoryPerBlockOptin"])
-
-
-def _view(x, name: str, dtype: str):
-    """Zero-copy CuPy view with the element type the checks saw (a torch bfloat16 tensor's
-    ``__cuda_array_interface__`` says ``<V2``; its bytes are re-viewed as bfloat16)."""
-    from .interop import as_cupy
-    c = as_cupy(x, name)
-    if checks.dtype_name(c) != dtype:
-        want = np.dtype(_np_dtype(dtype))
-        if c.dtype.itemsize != want.itemsize:  # pragma: no cover - the checks rejected this
-            raise TypeError(f"{name}: CuPy sees dtype {c.dtype}, expected {dtype}")
-        c = c.view(want)
-    return c
 
 
 def _estrides(x) -> tuple:
@@ -751,14 +732,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     dt = prob.dtype
-    q = _view(q, "q", dt)
-    k_cache = _view(k_cache, "k_cache", dt)
-    v_cache = _view(v_cache, "v_cache", dt)
-    k = None if k is None else _view(k, "k", dt)
-    v = None if v is None else _view(v, "v", dt)
-    out = None if out is None else _view(out, "out", dt)
-    cache_seqlens = None if cache_seqlens is None else _view(cache_seqlens, "cache_seqlens", "int32")
-    block_table = None if block_table is None else _view(block_table, "block_table", "int32")
+    q = as_cupy(q, "q", dt)
+    k_cache = as_cupy(k_cache, "k_cache", dt)
+    v_cache = as_cupy(v_cache, "v_cache", dt)
+    k = None if k is None else as_cupy(k, "k", dt)
+    v = None if v is None else as_cupy(v, "v", dt)
+    out = None if out is None else as_cupy(out, "out", dt)
+    cache_seqlens = None if cache_seqlens is None else as_cupy(cache_seqlens, "cache_seqlens", "int32")
+    block_table = None if block_table is None else as_cupy(block_table, "block_table", "int32")
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
                     ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if a is not None and a.device.id != q.device.id:
@@ -822,7 +803,7 @@ def _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
     from .interop import cupy_ndarray_type
     plan = _resolve_plan(prob, split_size)  # also validates split_size
     if plan.num_splits > 1 and workspace is not None:
-        workspace = _view(workspace, "workspace", checks.dtype_name(workspace))
+        workspace = as_cupy(workspace, "workspace", checks.dtype_name(workspace))
     elif workspace is not None and type(workspace) is not cupy_ndarray_type():
         opts = None  # an unused workspace of another kind: its layout is no key
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
@@ -977,8 +958,8 @@ def merge_states(o_parts, lse_parts):
         raise TypeError(f"o_parts: dtype {dt} is not supported on the GPU; supported: "
                         f"{', '.join(_CTYPE)} (float64: cupyflash.reference.merge_states)")
     import cupy
-    o_parts = _view(o_parts, "o_parts", dt)
-    lse_parts = _view(lse_parts, "lse_parts", checks.dtype_name(lse_parts))
+    o_parts = as_cupy(o_parts, "o_parts", dt)
+    lse_parts = as_cupy(lse_parts, "lse_parts", checks.dtype_name(lse_parts))
     with o_parts.device:
         o32 = o_parts if dt == "float32" else o_parts.astype(cupy.float32)
         l32 = lse_parts if lse_parts.dtype == cupy.float32 else lse_parts.astype(cupy.float32)

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from hypothesis import strategies as st
 
+from .interop import np_dtype  # the one name -> NumPy dtype map ('bfloat16': ml_dtypes'), re-exported
+
 __all__ = [
     "DTYPES", "BLOCK_SIZES", "np_dtype", "rel_error", "streaming_error_bound",
     "dtypes", "headdims", "head_counts", "seqlens", "window_sizes", "softmax_scales",
@@ -39,25 +41,6 @@ __all__ = [
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: Tile sizes used by the kernels; lengths near their multiples are drawn often.
 BLOCK_SIZES = (16, 32, 64, 128)
-
-
-def np_dtype(name) -> np.dtype:
-    """NumPy dtype for a name.
-
-    Parameters
-    ----------
-    name : str or dtype
-        ``'float16'``, ``'bfloat16'``, ``'float32'``, ``'float64'``, ...
-
-    Returns
-    -------
-    numpy.dtype
-        ``'bfloat16'`` is ml_dtypes' bfloat16 (the dtype CuPy uses for bf16).
-    """
-    if str(name) == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 # ----------------------------------------------------------------------------------------------

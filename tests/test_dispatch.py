@@ -408,7 +408,7 @@ def test_valid_input_reaches_plan_then_launch_in_that_order(monkeypatch):
         raise ValueError("problem: no prefill kernel (test)")
 
     monkeypatch.setattr(dispatch, "launch_plan", no_plan)
-    monkeypatch.setattr(api, "_view", lambda a, name, dtype: a)  # no device memory on a CPU
+    monkeypatch.setattr(api, "as_cupy", lambda a, name, dtype=None: a)  # no device memory on a CPU
     pytest.importorskip("cupy")
     with pytest.raises(ValueError, match="no prefill kernel"):
         api.flash_attn_func(F(Q), F(K), F(K))
@@ -523,7 +523,7 @@ def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
     launched = []
     monkeypatch.setattr(interop, "_CUPY_NDARRAY", FakeDevArray)  # the fakes play cupy.ndarray
     monkeypatch.setattr(api, "_current_device", lambda: 0)
-    monkeypatch.setattr(api, "_view", lambda a, name, dtype: a)
+    monkeypatch.setattr(api, "as_cupy", lambda a, name, dtype=None: a)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: FakeDevArray(shape, "float32"))
     monkeypatch.setattr(jit, "get_kernel", lambda spec: lambda *a, **k: launched.append(spec))
     q, k, v, out = FakeDevArray(Q), FakeDevArray(K), FakeDevArray(K), FakeDevArray(Q)
