@@ -335,10 +335,22 @@ def _seeds():
 # ----------------------------------------------------------------------------------------------
 # Composite cases
 # ----------------------------------------------------------------------------------------------
+class _MaskedCall:
+    """The keyword arguments shared by dense and varlen cases."""
+    softmax_scale: float | None
+    causal: bool
+    window_size: tuple
+
+    def kwargs(self) -> dict:
+        """``softmax_scale``, ``causal``, ``window_size`` as keyword arguments."""
+        return dict(softmax_scale=self.softmax_scale, causal=self.causal,
+                    window_size=self.window_size)
+
+
 @dataclass
-class AttentionCase:
+class AttentionCase(_MaskedCall):
     """A dense attention problem: ``q`` (batch, seqlen_q, nheads, d), ``k``/``v`` (batch,
-    seqlen_k, nheads_k, d) NumPy arrays of ``dtype``, plus the call's keyword arguments."""
+    seqlen_k, nheads_k, d) NumPy arrays of one dtype, plus the call's keyword arguments."""
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
@@ -346,11 +358,6 @@ class AttentionCase:
     causal: bool
     window_size: tuple
     seed: int
-
-    def kwargs(self) -> dict:
-        """``softmax_scale``, ``causal``, ``window_size`` as keyword arguments."""
-        return dict(softmax_scale=self.softmax_scale, causal=self.causal,
-                    window_size=self.window_size)
 
 
 @st.composite
@@ -392,7 +399,7 @@ def attention_cases(draw, *, dtypes=("float64",), max_batch=2, max_seqlen_q=48,
 
 
 @dataclass
-class VarlenCase:
+class VarlenCase(_MaskedCall):
     """A packed variable-length problem: ``q`` (total_q, nheads, d), ``k``/``v`` (total_k,
     nheads_k, d), int32 ``cu_seqlens_q``/``cu_seqlens_k`` (batch + 1,), the per-sequence lengths,
     ``max_seqlen_q``/``max_seqlen_k`` and the call's keyword arguments."""
@@ -409,11 +416,6 @@ class VarlenCase:
     causal: bool
     window_size: tuple
     seed: int
-
-    def kwargs(self) -> dict:
-        """``softmax_scale``, ``causal``, ``window_size`` as keyword arguments."""
-        return dict(softmax_scale=self.softmax_scale, causal=self.causal,
-                    window_size=self.window_size)
 
 
 @st.composite
@@ -486,8 +488,24 @@ def contiguous_to_paged(cache, page_size, rng: np.random.Generator, extra_pages=
     """Scatter a contiguous cache (batch, seqlen_cache, nheads_k, d) into a pool of pages in
     shuffled order.
 
-    ``seqlen_cache`` must be a multiple of ``page_size``. The pool has
-    ``batch * seqlen_cache / page_size + extra_pages`` pages; the extra pages hold ``fill``.
+    Parameters
+    ----------
+    cache : numpy.ndarray, shape (batch, seqlen_cache, nheads_k, headdim)
+    page_size : int
+        Tokens per page; must divide ``seqlen_cache``.
+    rng : numpy.random.Generator
+        Draws the page order (the pool is shuffled, as in a real page allocator).
+    extra_pages : int
+        Unused pages added to the pool.
+    fill : scalar
+        Value of the unused pages (NaN by default: nothing may read them).
+
+    The pool has ``batch * seqlen_cache / page_size + extra_pages`` pages.
+
+    Raises
+    ------
+    ValueError
+        If ``page_size`` does not divide ``seqlen_cache``.
 
     Returns
     -------
