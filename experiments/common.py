@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import importlib
+
 import importlib.util
 import json
 import math
@@ -179,14 +179,6 @@ def impl_available(name: str) -> tuple[bool, str]:
         if not torch.cuda.is_available():
             return False, "torch sees no CUDA device"
         return True, ""
-    mod, attr = {"cupyflash": ("cupyflash.api", "flash_attn_func"),
-                 "cupyflash_decode": ("cupyflash.decode", "flash_attn_with_kvcache"),
-                 "baseline": ("cupyflash.baseline", "attention_baseline")}[name]
-    try:
-        m = importlib.import_module(mod)
-        getattr(m, attr)
-    except Exception as e:
-        return False, f"{mod}.{attr} unavailable ({type(e).__name__}: {str(e)[:200]})"
     return True, ""
 
 
@@ -457,28 +449,12 @@ def peak_extra_memory_torch(fn) -> dict:
 # explain() records
 # ------------------------------------------------------------------------------------------------
 def explain_record(*args, kind: str = "prefill", **kwargs):
-    """``dataclasses.asdict(cupyflash.explain(...))`` for the call's arguments, or
-    ``{"error": ...}`` when explain is missing or raises. ``kind="decode"`` looks for the decode
-    explain (``explain_kvcache`` in cupyflash.api or cupyflash.decode)."""
+    """``dataclasses.asdict`` of the plan for the call's arguments (``cupyflash.explain`` for
+    prefill, ``cupyflash.explain_kvcache`` for ``kind="decode"``), or ``{"error": ...}`` when
+    planning raises (recorded beside the measurement rather than aborting a sweep)."""
     try:
-        if kind == "decode":
-            fn = None
-            for mod in ("cupyflash.api", "cupyflash.decode"):
-                try:
-                    m = importlib.import_module(mod)
-                except Exception:
-                    continue
-                fn = getattr(m, "explain_kvcache", None) or getattr(m, "explain_decode", None)
-                if fn is not None:
-                    break
-            if fn is None:  # the plan straight from the decode module
-                from cupyflash import checks, decode
-
-                def fn(*a, **kw):
-                    kw.setdefault("validate", False)
-                    return decode.plan_decode(checks.check_kvcache(*a, **kw))
-        else:
-            fn = importlib.import_module("cupyflash.api").explain
+        import cupyflash
+        fn = cupyflash.explain_kvcache if kind == "decode" else cupyflash.explain
         plan = fn(*args, **kwargs)
         rec = dataclasses.asdict(plan) if dataclasses.is_dataclass(plan) else dict(plan)
         return json.loads(json.dumps(rec, default=jsonable))
