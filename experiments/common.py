@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-
 import importlib.util
 import json
 import math
