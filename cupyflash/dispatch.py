@@ -46,7 +46,8 @@ class KernelChoice:
         C++ name expression of the ``__global__`` function.
     template : dict
         Template values: ``dtype``, ``headdim`` (the compiled, padded one), ``block_m``,
-        ``block_n``, ``nwarps``, ``causal``.
+        ``block_n``, ``nwarps``, ``causal``, and for prefill ``isa`` (``"wgmma"``, ``"mma"``,
+        ``"simt"``).
     grid, block : tuple of 3 int
         Launch geometry (CTAs; threads per CTA).
     smem_bytes : int
@@ -304,40 +305,40 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
 
     if not reasons:
         feasible = [c for c in prefill.SUPPORTED if c.dtype == p.dtype and c.headdim == hd
-                    and c.smem_bytes <= max_smem_bytes]
+                    and c.smem_bytes <= max_smem_bytes and c.arch in ("", arch)]
         if not feasible:  # raises, listing every candidate's reason
             return _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes,
                                  lengths, True)
         rejected = []
     else:
         feasible, rejected = _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes)
-    tiles = tuple((c.block_m, c.block_n, c.nwarps) for c in feasible)
+    tiles = tuple((c.block_m, c.block_n, c.nwarps, c.isa) for c in feasible)
     tile = heuristics.choose_prefill_tile(p.dtype, p.headdim, p.seqlen_q, p.seqlen_k, causal,
                                           num_sms, batch_nheads=p.batch * p.nheads, tiles=tiles)
+    chosen = feasible[tiles.index(tile)]
     if reasons:
         for cfg in feasible:
-            if (cfg.block_m, cfg.block_n, cfg.nwarps) != tile:
-                name = prefill.kernel_spec(cfg.dtype, cfg.headdim, cfg.block_m, cfg.block_n,
-                                           cfg.nwarps, causal).name
-                rejected.append((0, name, (
-                    f"tile m{cfg.block_m} n{cfg.block_n} w{cfg.nwarps}: the heuristic chose "
-                    f"m{tile[0]} n{tile[1]} w{tile[2]} for seqlen_q={p.seqlen_q}, "
+            if cfg is not chosen:
+                rejected.append((0, prefill.spec_of(cfg, causal).name, (
+                    f"tile m{cfg.block_m} n{cfg.block_n} w{cfg.nwarps} {cfg.isa}: the heuristic "
+                    f"chose m{tile[0]} n{tile[1]} w{tile[2]} {tile[3]} for seqlen_q={p.seqlen_q}, "
                     f"seqlen_k={p.seqlen_k}, batch*nheads={p.batch * p.nheads}, "
                     f"num_sms={num_sms} (cupyflash.heuristics.choose_prefill_tile)")))
         rejected.sort(key=lambda r: r[0])  # stable: nearest candidates first, table order within
 
-    spec = prefill.kernel_spec(p.dtype, hd, *tile, causal)
+    spec = prefill.spec_of(chosen, causal)
     grid, block, smem = prefill.launch_config(spec, p)
     registers = spill = None
     rep_arch = None
     if report:
-        rep = jit.compile_report(spec, arch).ptxas
-        registers, spill, rep_arch = rep.registers, rep.spill_bytes, arch
+        rep_arch = spec.arch or arch
+        rep = jit.compile_report(spec, rep_arch).ptxas
+        registers, spill = rep.registers, rep.spill_bytes
     flops = hbm = None
     if predict:
         flops, hbm = _io_prediction(p, tile[0], tile[1], lengths)
     template = {"dtype": p.dtype, "headdim": hd, "block_m": tile[0], "block_n": tile[1],
-                "nwarps": tile[2], "causal": causal}
+                "nwarps": tile[2], "causal": causal, "isa": tile[3]}
     choice = KernelChoice(name=spec.name, entry=spec.entry, template=template,
                           grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block),
                           smem_bytes=int(smem), registers=registers, spill_bytes=spill,
@@ -353,8 +354,7 @@ def _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes) -> tuple:
     feasible, rejected = [], []
     for cfg in prefill.SUPPORTED:
         for c in (False, True):
-            name = prefill.kernel_spec(cfg.dtype, cfg.headdim, cfg.block_m, cfg.block_n,
-                                       cfg.nwarps, c).name
+            name = prefill.spec_of(cfg, c).name
             # rank: how near the candidate is to the problem (listed nearest first)
             if cfg.dtype != p.dtype:
                 rank, why = 4, f"dtype {cfg.dtype}; the problem is {p.dtype}"
@@ -372,6 +372,9 @@ def _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes) -> tuple:
                 rank, why = 2, ("non-causal specialisation; the problem is causal (window "
                                 "right == 0): the causal one serves it (mask known at compile "
                                 "time)")
+            elif cfg.arch not in ("", arch):
+                rank, why = 1, (f"{cfg.isa} kernel: runs on {cfg.arch} (Hopper) only; the "
+                                f"target is {arch}")
             elif cfg.smem_bytes > max_smem_bytes:
                 rank, why = 1, (f"needs {cfg.smem_bytes} B of shared memory; {arch} allows "
                                 f"{max_smem_bytes} B per block")

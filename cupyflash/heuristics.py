@@ -19,8 +19,9 @@ __all__ = ["H200_SMS", "prefill_tiles", "choose_prefill_tile"]
 H200_SMS = 132
 
 
-def prefill_tiles(dtype: str, headdim: int) -> tuple:
-    """The compiled ``(block_m, block_n, nwarps)`` tiles for ``dtype`` and ``headdim``, default first.
+def prefill_tiles(dtype: str, headdim: int, arch: str = "sm_90a") -> tuple:
+    """The compiled ``(block_m, block_n, nwarps, isa)`` tiles for ``dtype`` and ``headdim`` that
+    ``arch`` runs, default first (``isa``: ``"wgmma"`` rows run on sm_90a only).
 
     Parameters
     ----------
@@ -29,10 +30,12 @@ def prefill_tiles(dtype: str, headdim: int) -> tuple:
     headdim : int
         Actual head dim (a multiple of 8 up to 256); padded with
         :func:`cupyflash.prefill.padded_headdim`.
+    arch : str
+        Target architecture, ``"sm_90a"`` (H100/H200) by default.
 
     Returns
     -------
-    tuple of (int, int, int)
+    tuple of (int, int, int, str)
         In the order of ``cupyflash.prefill.SUPPORTED`` (its first row per (dtype, headdim) is the
         suggested default); empty when nothing is compiled for the pair.
 
@@ -43,8 +46,8 @@ def prefill_tiles(dtype: str, headdim: int) -> tuple:
     """
     from . import prefill  # pure Python; no CuPy
     hd = prefill.padded_headdim(headdim)
-    return tuple((c.block_m, c.block_n, c.nwarps) for c in prefill.SUPPORTED
-                 if c.dtype == dtype and c.headdim == hd)
+    return tuple((c.block_m, c.block_n, c.nwarps, c.isa) for c in prefill.SUPPORTED
+                 if c.dtype == dtype and c.headdim == hd and c.arch in ("", arch))
 
 
 def _first_with_block_m(tiles, block_m):
@@ -54,7 +57,7 @@ def _first_with_block_m(tiles, block_m):
 def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, causal: bool,
                         num_sms: int = H200_SMS, *, batch_nheads: int = 1,
                         tiles: tuple | None = None) -> tuple:
-    """Tile ``(block_m, block_n, nwarps)`` of the prefill kernel for one problem.
+    """Tile ``(block_m, block_n, nwarps, isa)`` of the prefill kernel for one problem.
 
     Rules, in order (each one's evidence is in the comment beside it in the code):
 
@@ -64,7 +67,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     3. Under-filled GPU: if the default makes fewer CTAs (``batch_nheads * ceil(seqlen_q /
        block_m)``) than ``num_sms``, step down to the next smaller compiled ``block_m``.
     4. Short keys: ``seqlen_k`` no longer than a smaller compiled ``block_n`` of the chosen
-       ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` if compiled).
+       ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` and ``isa`` if compiled).
 
     ``causal`` does not change the choice (causal launches skip whole tiles above the diagonal
     with any tile shape; the heaviest m-blocks run first).
@@ -83,14 +86,15 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         Streaming multiprocessors of the device (132 on an H100/H200 SXM).
     batch_nheads : int
         ``batch * nheads``: the CTAs per m-block row of the grid.
-    tiles : tuple of (int, int, int), optional
-        The candidates, default first; default :func:`prefill_tiles` ``(dtype, headdim)``. The
-        dispatcher passes the subset whose shared memory fits the device.
+    tiles : tuple of (int, int, int, str), optional
+        The candidates ``(block_m, block_n, nwarps, isa)``, default first; default
+        :func:`prefill_tiles` ``(dtype, headdim)`` (sm_90a). The dispatcher passes the subset
+        the device runs and whose shared memory fits it.
 
     Returns
     -------
-    tuple of (int, int, int)
-        ``(block_m, block_n, nwarps)``, a row of ``cupyflash.prefill.SUPPORTED``.
+    tuple of (int, int, int, str)
+        ``(block_m, block_n, nwarps, isa)``, a row of ``cupyflash.prefill.SUPPORTED``.
 
     Raises
     ------
@@ -113,6 +117,8 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # Not adopted: hd64 causal with 3 K/V stages (prefill VARIANTS, s3): +0.2-2% causal (280 vs
     # 277 at S = 4096, 304 vs 303 bf16 / 303 vs 297 fp16 at S = 16384) but -1.5% non-causal; a
     # dispatchable stages column needs dispatch.py to carry the full table key (see NOTES).
+    # On sm_90a the wgmma rows (prefill._WG_TILES, Hopper warpgroup MMA) come first for hd64 and
+    # hd128 and are taken by this rule; v3 in experiments/NOTES.md has their measurements.
     tile = tiles[0]                                              # rule 1
     block_ms = sorted({t[0] for t in tiles})
 
@@ -134,7 +140,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # Expected: when every key fits in a narrower tile, the wider one computes masked columns.
     narrower = [t for t in tiles if t[0] == tile[0] and t[1] < tile[1] and seqlen_k <= t[1]]
     if narrower:
-        same_warps = [t for t in narrower if t[2] == tile[2]]
+        same_warps = [t for t in narrower if t[2:] == tile[2:]]
         tile = min(same_warps or narrower, key=lambda t: t[1])
     return tile
 

@@ -8,7 +8,11 @@ Two paths share one preprocessed source string:
 * ``get_kernel(spec)`` compiles through CuPy (``cupy.RawModule``), so CuPy's in-memory and on-disk
   caches apply. CuPy keys its disk cache by the source string only, so every ``#include "..."`` of
   our own headers is inlined first (with ``#line`` markers so that compiler errors and profilers
-  point at the real file): editing a header changes the key.
+  point at the real file): editing a header changes the key. CuPy compiles for ``sm_<cc>`` of the
+  device and has no way to ask for an architecture-specific target, so a spec that needs one
+  (``KernelSpec.arch``, e.g. ``"sm_90a"`` for wgmma) is compiled here with NVRTC, the cubin kept
+  in CuPy's cache folder (keyed by source, entry, options and NVRTC version), and loaded with
+  ``cupy.RawModule(path=...)``.
 
 Specialisations are C++ template instantiations named by a ``KernelSpec``: its ``name`` is the
 readable cache key / log line / profiler label, its ``entry`` the C++ name expression.
@@ -41,11 +45,14 @@ class KernelSpec:
     entry : C++ name expression of the ``__global__`` function, e.g.
         ``"cf::flash_fwd_entry<cf::FlashFwd<__nv_bfloat16, 128, 128, 64, 4, true>, __nv_bfloat16>"``.
     smem_bytes : dynamic shared memory the launch needs (raised on the function if > 48 KiB).
+    arch : ``""`` (CuPy compiles for the device's ``sm_<cc>``), or the one target the kernel
+        needs, e.g. ``"sm_90a"`` (wgmma); such a spec runs only on that architecture.
     """
     name: str
     source: str
     entry: str
     smem_bytes: int = 0
+    arch: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +189,9 @@ def include_dirs() -> list[str]:
 
 
 BASE_OPTIONS = ("-std=c++17", "-default-device", "-DCUPYFLASH_NVRTC=1")
+#: What CuPy adds to every NVRTC compile of ours (cupy/cuda/compiler.py); added here too, so that
+#: the ptxas reports and the directly compiled cubins match what CuPy builds.
+CUPY_IMPLICIT_OPTIONS = ("-ftz=true",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +225,8 @@ def _compile_report_cached(code: str, entry: str, arch: str, options: tuple) -> 
     prog = nvrtc.createProgram(code, "cupyflash.cu", [], [])
     try:
         nvrtc.addNameExpression(prog, entry)
-        opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}", "--ptxas-options=-v"]
+        opts = list(BASE_OPTIONS) + list(CUPY_IMPLICIT_OPTIONS)
+        opts += [f"--gpu-architecture={arch}", "--ptxas-options=-v"]
         opts += [f"-I{d}" for d in include_dirs()] + list(options)
         try:
             nvrtc.compileProgram(prog, opts)
@@ -254,13 +265,41 @@ def get_kernel(spec: KernelSpec, options: tuple = ()):
     k = _KERNELS.get(key)
     if k is None:
         code = preprocess(spec.source)
-        opts = BASE_OPTIONS + tuple(f"-I{d}" for d in include_dirs()) + tuple(options)
-        mod = cupy.RawModule(code=code, options=opts, name_expressions=[spec.entry])
-        k = mod.get_function(spec.entry)
+        if spec.arch:
+            k = _arch_kernel(spec, code, tuple(options))
+        else:
+            opts = BASE_OPTIONS + tuple(f"-I{d}" for d in include_dirs()) + tuple(options)
+            mod = cupy.RawModule(code=code, options=opts, name_expressions=[spec.entry])
+            k = mod.get_function(spec.entry)
         if spec.smem_bytes > 48 * 1024:
             k.max_dynamic_shared_size_bytes = spec.smem_bytes
         _KERNELS[key] = k
     return k
+
+
+def _arch_kernel(spec: KernelSpec, code: str, options: tuple):
+    """``cupy.RawKernel`` of a spec with its own target (``spec.arch``): NVRTC cubin, cached on
+    disk beside CuPy's kernels as ``cupyflash_<sha256>.cubin`` (+ ``.name``, the lowered name)."""
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+    cc = cupy.cuda.Device().compute_capability
+    if spec.arch.rstrip("a") != f"sm_{cc}":
+        raise KernelSourceError(f"{spec.name} is built for {spec.arch} only; the current device is "
+                                f"sm_{cc}")
+    ident = "\n".join([code, spec.entry, spec.arch, repr(options), repr(nvrtc.getVersion()),
+                       repr(BASE_OPTIONS + CUPY_IMPLICIT_OPTIONS)])
+    digest = hashlib.sha256(ident.encode()).hexdigest()
+    folder = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    cubin_path, name_path = folder / f"cupyflash_{digest}.cubin", folder / f"cupyflash_{digest}.name"
+    if not (cubin_path.is_file() and name_path.is_file()):
+        cubin, lowered, _ = _compile_report_cached(code, spec.entry, spec.arch, options)
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, data in ((cubin_path, cubin), (name_path, lowered.encode())):
+            tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)  # atomic: concurrent processes never read half a file
+    mod = cupy.RawModule(path=str(cubin_path))
+    return mod.get_function(name_path.read_text())
 
 
 def source_hash(spec: KernelSpec) -> str:

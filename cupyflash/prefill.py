@@ -1,23 +1,28 @@
 """Tiled prefill forward kernels: the supported table, specialisation names, launch geometry and
 the launch itself.
 
-The kernels (``kernels_cu/flash_fwd.cu`` on tensor cores for float16/bfloat16,
-``kernels_cu/flash_fwd_simt.cu`` on CUDA cores for float32/float64) implement FlashAttention-2
-(Dao, arXiv 2307.08691), Algorithm 1 with the work partitioning of Sec. 3.2-3.3: one CTA per
-(``block_m`` query rows, head, batch), K/V tiles of ``block_n`` keys streamed through shared memory.
+The kernels implement FlashAttention-2 (Dao, arXiv 2307.08691), Algorithm 1 with the work
+partitioning of Sec. 3.2-3.3: one CTA per (``block_m`` query rows, head, batch), K/V tiles of
+``block_n`` keys streamed through shared memory. Three instruction sets (``PrefillConfig.isa``):
+
+* ``"wgmma"``: ``kernels_cu/flash_fwd_wgmma.cu``, Hopper's warpgroup MMA (sm_90a only), with the
+  intra-warpgroup overlap of softmax and P V of FlashAttention-3 (Shah et al., arXiv 2407.08608,
+  Sec. 3.2); float16/bfloat16, head dims 64 and 128;
+* ``"mma"``: ``kernels_cu/flash_fwd.cu``, mma.sync m16n8k16 (sm_80+), float16/bfloat16, every head dim;
+* ``"simt"``: ``kernels_cu/flash_fwd_simt.cu``, CUDA cores, float32/float64.
 
 Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU):
 
 * :data:`SUPPORTED` is the table of compiled configurations (a tuple of :class:`PrefillConfig`);
-  within one (dtype, headdim) the first row is the suggested default, and (block_m, block_n,
-  nwarps) is unique, so a tile names one row. :data:`VARIANTS` holds experimental rows with
+  within one (dtype, headdim) the first row is the suggested default (the first one the device
+  can run), and (block_m, block_n, nwarps, isa) is unique, so a tile names one row. :data:`VARIANTS` holds experimental rows with
   another pipeline depth (``stages``) or register working set (``sub_n``) than the plain kernel
   (2 stages, whole tile); the dispatcher never picks them, ``experiments/sweep_prefill_variants.py``
   measures them, and a variant that wins replaces the SUPPORTED row of its tile.
 * :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one.
-* :func:`kernel_spec` names a specialisation (``fwd_bf16_hd128_m128_n64_w8_causal``,
-  ``fwd_bf16_hd128_m128_n64_w4_s3_sub32``, ``fwdsimt_f64_hd64_m32_n32``) and returns its
-  :class:`cupyflash.jit.KernelSpec`.
+* :func:`kernel_spec` names a specialisation (``fwdwg_bf16_hd128_m128_n64_causal``,
+  ``fwd_bf16_hd128_m128_n64_w8_causal``, ``fwd_bf16_hd128_m128_n64_w4_s3_sub32``,
+  ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.jit.KernelSpec`.
 * :func:`launch_config` gives (grid, block, dynamic shared memory) for a spec and a problem.
 """
 from __future__ import annotations
@@ -46,7 +51,12 @@ SIMT_DTYPES = ("float32", "float64")
 MAX_SMEM_BYTES = 227 * 1024
 
 TC_SOURCE = "flash_fwd.cu"
+WG_SOURCE = "flash_fwd_wgmma.cu"
 SIMT_SOURCE = "flash_fwd_simt.cu"
+#: The architecture the wgmma kernels are compiled for (and the only one that runs them).
+WG_ARCH = "sm_90a"
+#: Instruction sets of the prefill kernels (``PrefillConfig.isa``).
+ISAS = ("wgmma", "mma", "simt")
 SIMT_THREADS = 128
 
 #: Name suffixes of the kernel's ``OPT`` bit flags (kernels_cu/flash_fwd.cu), in name order.
@@ -75,6 +85,8 @@ class PrefillConfig:
     opt : instruction-level options (tensor cores), bit flags of the kernel's ``OPT``
         (:data:`OPT_FLAGS`): 1 fast exp2 (``fx``), 2 skip the rescale when no row max moved
         (``rs``), 4 prefetched Q K^T fragments (``pf``); 0 = plain.
+    isa : ``"wgmma"`` (Hopper warpgroup MMA, :data:`WG_SOURCE`, runs on :data:`WG_ARCH` only;
+        ``nwarps = 4 * block_m / 64``), ``"mma"`` (mma.sync) or ``"simt"`` (CUDA cores).
     """
     dtype: str
     headdim: int
@@ -86,6 +98,7 @@ class PrefillConfig:
     stages: int = 2
     sub_n: int = 0
     opt: int = 0
+    isa: str = "mma"
 
     def __post_init__(self):
         if self.sub_n == 0:
@@ -100,15 +113,25 @@ class PrefillConfig:
     def threads(self) -> int:
         return 32 * self.nwarps
 
+    @property
+    def arch(self) -> str:
+        """The one architecture that runs this row (:data:`WG_ARCH` for wgmma), else ``""``
+        (any sm_80+ device)."""
+        return WG_ARCH if self.isa == "wgmma" else ""
 
-def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int = 2) -> int:
+
+def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int = 2,
+               isa: str = "mma") -> int:
     """Dynamic shared memory of a configuration, bytes.
 
-    Tensor cores: Q tile + ``stages`` stages of K and V tiles, rows padded by 16 bytes
-    (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles and the P tile, rows padded by 16 bytes
-    (``SimtTraits::kSmemBytes``).
+    wgmma: Q tile + two K and two V tiles (128-byte swizzled, unpadded) + 1024 bytes to align the
+    base (``WgmmaFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K and V tiles, rows
+    padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles and the P tile,
+    rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
+    if isa == "wgmma":
+        return (block_m + 4 * block_n) * headdim * isz + 1024
     pad = 16 // isz
     row = headdim + pad
     if dtype in TC_DTYPES:
@@ -169,11 +192,27 @@ _TC_VARIANTS = (
 # 257-279; fx/rs add 0-1% (noise) and fx changes results below 2^-126, so only pf is adopted.
 _TC_ROW_OPTS = {(128, 128, 64, 4): (2, 64, 4)}
 
+# Hopper wgmma rows (kernels_cu/flash_fwd_wgmma.cu, sm_90a only): headdim -> (block_m, block_n),
+# nwarps = block_m / 16 (one warpgroup per 64 rows). Listed before the mma.sync rows of their head
+# dim, so rule 1 of cupyflash.heuristics.choose_prefill_tile picks them on sm_90a devices; the
+# dispatcher rejects them elsewhere. ptxas (sm_90a, 256 threads): hd64 128x128 254 registers,
+# hd128 128x64 203, no spills, no wgmma serialisation warning.
+_WG_TILES = {64: ((128, 128),), 128: ((128, 64),)}
+# Experimental wgmma rows (sweeps only): hd128 128x128 needs 255 registers and spills 32 bytes.
+_WG_VARIANTS = ((128, 128, 128),)
+
+
+def _wg_row(dtype: str, hd: int, bm: int, bn: int) -> PrefillConfig:
+    return PrefillConfig(dtype, hd, bm, bn, bm // 16, smem_bytes(dtype, hd, bm, bn, isa="wgmma"),
+                         WG_SOURCE, isa="wgmma")
+
 
 def _build_table() -> tuple:
     rows = []
     for dtype in TC_DTYPES:
         for hd in HEADDIMS:
+            for bm, bn in _WG_TILES.get(hd, ()):
+                rows.append(_wg_row(dtype, hd, bm, bn))
             for bm, bn, nw in _TC_TILES[hd]:
                 st, sub, opt = _TC_ROW_OPTS.get((hd, bm, bn, nw), (2, bn, 0))
                 rows.append(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn, st),
@@ -182,14 +221,15 @@ def _build_table() -> tuple:
         for hd in HEADDIMS:
             for bm, bn in _SIMT_TILES[dtype][hd]:
                 rows.append(PrefillConfig(dtype, hd, bm, bn, SIMT_THREADS // 32,
-                                          smem_bytes(dtype, hd, bm, bn), SIMT_SOURCE))
+                                          smem_bytes(dtype, hd, bm, bn), SIMT_SOURCE, isa="simt"))
     return tuple(rows)
 
 
 def _build_variants() -> tuple:
     return tuple(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn, st), TC_SOURCE,
                                st, sub, opt)
-                 for dtype in TC_DTYPES for hd, bm, bn, nw, st, sub, opt in _TC_VARIANTS)
+                 for dtype in TC_DTYPES for hd, bm, bn, nw, st, sub, opt in _TC_VARIANTS) + \
+        tuple(_wg_row(dtype, hd, bm, bn) for dtype in TC_DTYPES for hd, bm, bn in _WG_VARIANTS)
 
 
 #: The supported table: every compiled configuration the dispatcher may choose.
@@ -214,6 +254,8 @@ def padded_headdim(d: int) -> int:
 
 def _name(cfg: PrefillConfig, causal: bool) -> str:
     suffix = "_causal" if causal else ""
+    if cfg.isa == "wgmma":
+        return f"fwdwg_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
     if cfg.dtype in TC_DTYPES:
         pipe = (f"_s{cfg.stages}" if cfg.stages != 2 else "") + \
                (f"_sub{cfg.sub_n}" if cfg.sub_n != cfg.block_n else "") + \
@@ -226,7 +268,9 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
 def _entry(cfg: PrefillConfig, causal: bool) -> str:
     # The shared entry (kernels_cu/common/fwd_entry.cuh) instantiated with one CTA's algorithm.
     c, t = ("true" if causal else "false"), _CTYPE[cfg.dtype]
-    if cfg.dtype in TC_DTYPES:
+    if cfg.isa == "wgmma":
+        block = f"cf::FlashFwdWgmma<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {c}>"
+    elif cfg.dtype in TC_DTYPES:
         pipe = "" if cfg.plain else f", {cfg.stages}, {cfg.sub_n}" + (f", {cfg.opt}" if cfg.opt else "")
         block = (f"cf::FlashFwd<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {cfg.nwarps}, "
                  f"{c}{pipe}>")
@@ -235,9 +279,9 @@ def _entry(cfg: PrefillConfig, causal: bool) -> str:
     return f"cf::flash_fwd_entry<{block}, {t}>"
 
 
-_BY_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps): c for c in SUPPORTED}
-_BY_FULL_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt): c
-                for c in SUPPORTED + VARIANTS}
+_BY_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.isa): c for c in SUPPORTED}
+_BY_FULL_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt,
+                 c.isa): c for c in SUPPORTED + VARIANTS}
 _BY_NAME: dict = {}
 for _c in SUPPORTED + VARIANTS:
     for _causal in (False, True):
@@ -247,33 +291,43 @@ del _c, _causal
 
 def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: int,
                 causal: bool, *, stages: int | None = None,
-                sub_n: int | None = None, opt: int | None = None) -> jit.KernelSpec:
+                sub_n: int | None = None, opt: int | None = None,
+                isa: str | None = None) -> jit.KernelSpec:
     """The :class:`~cupyflash.jit.KernelSpec` of one specialisation.
 
-    Without ``stages`` / ``sub_n`` / ``opt``: the :data:`SUPPORTED` row of that tile. With any:
-    the row of :data:`SUPPORTED` or :data:`VARIANTS` with exactly those values (the others
-    defaulting to 2 stages / ``sub_n = block_n`` / ``opt = 0``).
+    ``isa``: ``"wgmma"``, ``"mma"`` or ``"simt"``; default ``"simt"`` for float32/float64 and
+    ``"mma"`` for float16/bfloat16 (a wgmma row must be asked for by name, or through
+    :func:`spec_of`). Without ``stages`` / ``sub_n`` / ``opt``: the :data:`SUPPORTED` row of that
+    tile (for wgmma, which has no pipeline knobs, a :data:`VARIANTS` tile too). With any: the row of :data:`SUPPORTED` or :data:`VARIANTS` with exactly those values
+    (the others defaulting to 2 stages / ``sub_n = block_n`` / ``opt = 0``).
 
     Raises
     ------
     ValueError
         If the combination is not in the table (the message lists the tiles that are).
     """
+    if isa is None:
+        isa = "simt" if dtype in SIMT_DTYPES else "mma"
     plain = stages is None and sub_n is None and opt is None
     if plain:
-        cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps))
+        cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, isa))
+        if cfg is None and isa == "wgmma":  # wgmma rows have no pipeline knobs: a variant tile
+            cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, 2, block_n, 0, isa))
     else:
         cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps,
                                 2 if stages is None else stages,
                                 block_n if sub_n is None else sub_n,
-                                0 if opt is None else opt))
+                                0 if opt is None else opt, isa))
     if cfg is None:
-        have = [_name(c, False)[len(f"fwd_{_SHORT.get(dtype, dtype)}_hd{hd_padded}_"):]
-                if c.dtype in TC_DTYPES else f"m{c.block_m}_n{c.block_n}_w{c.nwarps}"
+        have = [f"m{c.block_m}_n{c.block_n}_w{c.nwarps}"
+                + (f" ({c.isa})" if c.isa == "wgmma" else
+                   _name(c, False)[len(f"fwd_{_SHORT.get(dtype, dtype)}_hd{hd_padded}_"
+                                       f"m{c.block_m}_n{c.block_n}_w{c.nwarps}"):]
+                   if c.dtype in TC_DTYPES else "")
                 for c in SUPPORTED + VARIANTS if c.dtype == dtype and c.headdim == hd_padded]
         extra = "" if plain else f", stages {stages}, sub_n {sub_n}, opt {opt}"
         raise ValueError(f"prefill tile: ({dtype}, hd{hd_padded}, m{block_m}, n{block_n}, w{nwarps}"
-                         f"{extra}) is not compiled; compiled for this dtype/headdim: "
+                         f"{extra}, isa {isa}) is not compiled; compiled for this dtype/headdim: "
                          f"{have or 'none'}")
     return spec_of(cfg, causal)
 
@@ -281,7 +335,8 @@ def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: 
 def spec_of(cfg: PrefillConfig, causal: bool) -> jit.KernelSpec:
     """The :class:`~cupyflash.jit.KernelSpec` of a :data:`SUPPORTED` or :data:`VARIANTS` row."""
     return jit.KernelSpec(name=_name(cfg, bool(causal)), source=cfg.source,
-                          entry=_entry(cfg, bool(causal)), smem_bytes=cfg.smem_bytes)
+                          entry=_entry(cfg, bool(causal)), smem_bytes=cfg.smem_bytes,
+                          arch=cfg.arch)
 
 
 def all_specs() -> tuple:

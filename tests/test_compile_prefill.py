@@ -5,8 +5,11 @@
   for ``sm_80`` one specialisation per kernel file is compiled by default, because all of them
   for both architectures take over 2 minutes on 2 cores. ``CUPYFLASH_COMPILE_ALL_ARCHS=1``
   compiles every specialisation for ``sm_80`` too (all had zero spills when the table was set).
-* Tensor-core specialisations have zero spill bytes (the ptxas report); every report has a
-  register count; the CUDA-core (float32/float64) reports are printed, not asserted.
+  The wgmma kernels (``KernelSpec.arch == "sm_90a"``) are built for sm_90a only.
+* Tensor-core specialisations of the supported table have zero spill bytes (the ptxas report),
+  and no wgmma kernel has its wgmma pipeline serialised by ptxas (warnings C7513 / C7515);
+  every report has a register count; the CUDA-core (float32/float64) reports and the
+  experimental rows' spills are printed, not asserted.
 * The table: names unique, shared memory within 227 KiB and equal to the kernel traits' formula,
   every compiled head dim offered with >= 2 tiles per dtype, padded head dims, argument packing.
 """
@@ -28,11 +31,12 @@ def _compile_all(specs, arch):
 def reports():
     specs = prefill.all_specs() + prefill.variant_specs()
     out = {"sm_90a": _compile_all(specs, "sm_90a")}
+    specs80 = [s for s in specs if not s.arch]
     if os.environ.get("CUPYFLASH_COMPILE_ALL_ARCHS") == "1":
-        out["sm_80"] = _compile_all(specs, "sm_80")
+        out["sm_80"] = _compile_all(specs80, "sm_80")
     else:
         one_per_file = {}
-        for s in specs:  # the largest-smem causal tile of each file: the hardest to fit
+        for s in specs80:  # the largest-smem causal tile of each file: the hardest to fit
             if s.name.endswith("_causal"):
                 cur = one_per_file.get(s.source)
                 if cur is None or s.smem_bytes > cur.smem_bytes:
@@ -44,19 +48,31 @@ def reports():
 def test_every_spec_compiles(reports):
     names = {s.name for s in prefill.all_specs() + prefill.variant_specs()}
     assert set(reports["sm_90a"]) == names
-    assert {s.source for s in prefill.all_specs()} == {prefill.TC_SOURCE, prefill.SIMT_SOURCE}
+    assert {s.source for s in prefill.all_specs()} == {prefill.TC_SOURCE, prefill.SIMT_SOURCE,
+                                                       prefill.WG_SOURCE}
     assert len(reports["sm_80"]) >= 2
+    assert all(s.arch == "sm_90a" for s in prefill.all_specs() if s.source == prefill.WG_SOURCE)
+
+
+def test_wgmma_pipeline_is_not_serialised(reports):
+    wg = {n: r for n, r in reports["sm_90a"].items() if n.startswith("fwdwg_")}
+    assert wg
+    for name, r in wg.items():
+        assert "C7513" not in r.log and "C7515" not in r.log and "serialized" not in r.log, \
+            f"{name}: ptxas serialised the wgmma pipeline:\n{r.log}"
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_tensor_core_specs_do_not_spill(reports, arch):
+    supported = {s.name for s in prefill.all_specs()}
     lines, spilled = [], []
     for name, r in sorted(reports[arch].items()):
         p = r.ptxas
         assert 0 < p.registers <= 255, name
         lines.append(f"{arch} {name:44s} regs={p.registers:3d} spill={p.spill_stores}/{p.spill_loads}"
                      f" stack={p.stack_bytes}")
-        if name.startswith("fwd_") and p.spill_bytes:
+        if name.startswith("fwd") and not name.startswith("fwdsimt") and p.spill_bytes \
+                and name in supported:
             spilled.append(lines[-1])
     print("\n".join(lines))
     assert not spilled, "tensor-core specialisations spill:\n" + "\n".join(spilled)
@@ -66,13 +82,19 @@ def test_table_is_consistent():
     specs = prefill.all_specs()
     names = [s.name for s in specs]
     assert len(names) == len(set(names)) == 2 * len(prefill.SUPPORTED)
-    keys = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps) for c in prefill.SUPPORTED]
+    keys = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.isa) for c in prefill.SUPPORTED]
     assert len(keys) == len(set(keys))
     for c in prefill.SUPPORTED:
         assert c.smem_bytes <= prefill.MAX_SMEM_BYTES, c
-        assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n)
+        assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n,
+                                                  isa=c.isa)
         assert c.headdim in prefill.HEADDIMS
-        if c.dtype in prefill.TC_DTYPES:
+        if c.isa == "wgmma":
+            assert c.source == prefill.WG_SOURCE and c.dtype in prefill.TC_DTYPES
+            assert c.block_m == 16 * c.nwarps and c.block_m % 64 == 0 and c.headdim in (64, 128)
+            assert c.arch == "sm_90a"
+        elif c.dtype in prefill.TC_DTYPES:
+            assert c.isa == "mma" and c.arch == ""
             assert c.source == prefill.TC_SOURCE
             assert c.block_m % (16 * c.nwarps) == 0 and c.block_m // (16 * c.nwarps) in (1, 2)
             assert c.block_n % 16 == 0
@@ -88,15 +110,24 @@ def test_variants_are_consistent():
     rows = prefill.SUPPORTED + prefill.VARIANTS
     names = [s.name for s in prefill.all_specs() + prefill.variant_specs()]
     assert len(names) == len(set(names)) == 2 * len(rows)
-    full = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt)
+    full = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt, c.isa)
             for c in rows]
     assert len(full) == len(set(full))
     with_opts = prefill._TC_ROW_OPTS  # supported rows that carry measured pipeline options
     for c in prefill.SUPPORTED:
         tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
-        if c.dtype in prefill.TC_DTYPES:
+        if c.isa == "mma":
             assert (c.stages, c.sub_n, c.opt) == with_opts.get(tile, (2, c.block_n, 0)), c
     for c in prefill.VARIANTS:
+        if c.isa == "wgmma":  # other wgmma tiles: no pipeline knobs
+            assert c.plain and c.source == prefill.WG_SOURCE and c.arch == "sm_90a"
+            assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n,
+                                                      isa="wgmma") <= prefill.MAX_SMEM_BYTES
+            for causal in (False, True):
+                spec = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps,
+                                           causal, isa="wgmma")
+                assert prefill.config_of(spec) == (c, causal)
+            continue
         tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
         assert c.dtype in prefill.TC_DTYPES and c.source == prefill.TC_SOURCE
         assert not c.plain or tile in with_opts, c  # a plain variant only beside an optioned row
@@ -116,13 +147,25 @@ def test_variants_are_consistent():
 def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
     # v1 H200 sweep (experiments/NOTES.md): hd128 128x64x4 315-321 TFLOP/s vs 295-299 for
     # 128x32x4; hd96 128x64x4 297-304 vs 234-242 for 128x64x8
+    # (the mma.sync rows; on sm_90a the wgmma rows come first, see test_wgmma_rows_lead_on_sm90a)
     from cupyflash import heuristics
     for hd in (96, 128):
         for dtype in ("bfloat16", "float16"):
-            assert heuristics.prefill_tiles(dtype, hd)[0] == (128, 64, 4)
+            tiles = heuristics.prefill_tiles(dtype, hd, "sm_80")
+            assert tiles[0] == (128, 64, 4, "mma")
             for causal in (False, True):
                 assert heuristics.choose_prefill_tile(dtype, hd, 4096, 4096, causal,
-                                                      batch_nheads=64) == (128, 64, 4)
+                                                      batch_nheads=64, tiles=tiles) == tiles[0]
+
+
+def test_wgmma_rows_lead_on_sm90a():
+    from cupyflash import heuristics
+    for hd, tile in ((64, (128, 128, 8, "wgmma")), (128, (128, 64, 8, "wgmma"))):
+        for dtype in ("bfloat16", "float16"):
+            assert heuristics.prefill_tiles(dtype, hd)[0] == tile
+            for causal in (False, True):
+                assert heuristics.choose_prefill_tile(dtype, hd, 4096, 4096, causal,
+                                                      batch_nheads=64) == tile
 
 
 def test_smem_formula_matches_kernel_traits():

@@ -36,11 +36,19 @@ def test_chosen_tile_is_always_a_compiled_row():
 
 def test_prefill_tiles_follow_the_table():
     for cfg in prefill.SUPPORTED:
-        assert (cfg.block_m, cfg.block_n, cfg.nwarps) in heuristics.prefill_tiles(cfg.dtype,
-                                                                                   cfg.headdim)
+        tile = (cfg.block_m, cfg.block_n, cfg.nwarps, cfg.isa)
+        assert tile in heuristics.prefill_tiles(cfg.dtype, cfg.headdim)
+        # wgmma rows are offered for sm_90a only
+        assert (tile in heuristics.prefill_tiles(cfg.dtype, cfg.headdim, "sm_80")) == \
+            (cfg.isa != "wgmma")
     first = next(c for c in prefill.SUPPORTED if c.dtype == "bfloat16" and c.headdim == 128)
+    assert first.isa == "wgmma"
     assert heuristics.prefill_tiles("bfloat16", 120)[0] == (first.block_m, first.block_n,
-                                                            first.nwarps)
+                                                            first.nwarps, "wgmma")
+    first80 = next(c for c in prefill.SUPPORTED if c.dtype == "bfloat16" and c.headdim == 128
+                   and c.isa == "mma")
+    assert heuristics.prefill_tiles("bfloat16", 120, "sm_80")[0] == (
+        first80.block_m, first80.block_n, first80.nwarps, "mma")
     assert heuristics.prefill_tiles("int8", 64) == ()
 
 
@@ -107,10 +115,10 @@ def test_plan_fields(dtype, causal, window):
     t = plan.kernel.template
     tile = heuristics.choose_prefill_tile(dtype, p.headdim, p.seqlen_q, p.seqlen_k, p.causal,
                                           132, batch_nheads=p.batch * p.nheads)
-    assert (t["block_m"], t["block_n"], t["nwarps"]) == tile
+    assert (t["block_m"], t["block_n"], t["nwarps"], t["isa"]) == tile
     assert t == {"dtype": dtype, "headdim": prefill.padded_headdim(120), "block_m": tile[0],
-                 "block_n": tile[1], "nwarps": tile[2], "causal": p.causal}
-    spec = prefill.kernel_spec(dtype, t["headdim"], *tile, p.causal)
+                 "block_n": tile[1], "nwarps": tile[2], "causal": p.causal, "isa": tile[3]}
+    spec = prefill.kernel_spec(dtype, t["headdim"], *tile[:3], p.causal, isa=tile[3])
     assert plan.kernel.spec == spec and plan.name == spec.name and plan.kernel.entry == spec.entry
     grid, block, smem = prefill.launch_config(spec, p)
     assert (plan.grid, plan.block, plan.smem_bytes) == (tuple(grid), tuple(block), smem)
@@ -219,7 +227,13 @@ def test_explain_numpy_arrays_without_gpu():
     k = np.zeros((2, 1500, 4, 128), bf16)
     plan = api.explain(q, k, k, causal=True, arch="sm_90a")
     assert isinstance(plan, dispatch.Plan)
-    assert plan.name.startswith("fwd_bf16_hd128_") and plan.name.endswith("_causal")
+    # Hopper: the wgmma kernel; an sm_80 target gets the mma.sync one and says why not wgmma
+    assert plan.name.startswith("fwdwg_bf16_hd128_") and plan.name.endswith("_causal")
+    assert plan.template["isa"] == "wgmma" and plan.kernel.spec.arch == "sm_90a"
+    plan80 = api.explain(q, k, k, causal=True, arch="sm_80")
+    assert plan80.name.startswith("fwd_bf16_hd128_") and plan80.template["isa"] == "mma"
+    assert plan80.kernel.arch == "sm_80"
+    assert any(n == plan.name and "sm_90a (Hopper) only" in r for n, r in plan80.rejected)
     rep = jit.compile_report(plan.kernel.spec, "sm_90a").ptxas
     assert plan.registers == rep.registers > 0
     assert plan.spill_bytes == rep.spill_bytes == 0  # tensor-core variants never spill

@@ -536,7 +536,8 @@ def _cfg(dtype, hd, bm, bn, nw, stages=2, sub_n=None, opt=0):
     sub_n = bn if sub_n is None else sub_n
     key = (dtype, hd, bm, bn, nw, stages, sub_n, opt)
     for c in prefill.SUPPORTED + prefill.VARIANTS:
-        if (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt) == key:
+        if c.isa == "mma" and (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages,
+                               c.sub_n, c.opt) == key:
             return c
     return prefill.PrefillConfig(dtype, hd, bm, bn, nw, prefill.smem_bytes(dtype, hd, bm, bn, stages),
                                  prefill.TC_SOURCE, stages, sub_n, opt)
@@ -600,7 +601,7 @@ def test_every_tensor_core_row_has_an_emulated_pipeline_shape():
     """Each (rows per warp, stages, sub-tiles) combination of the table is emulated above."""
     shape = lambda c: (c.block_m // (16 * c.nwarps), c.stages, c.block_n // c.sub_n)
     emulated = {shape(_cfg(dtype, *tile)) for dtype, tile, *_ in CASES}
-    table = {shape(c) for c in prefill.SUPPORTED + prefill.VARIANTS if c.dtype in prefill.TC_DTYPES}
+    table = {shape(c) for c in prefill.SUPPORTED + prefill.VARIANTS if c.isa == "mma"}
     assert table <= emulated, table - emulated
 
 

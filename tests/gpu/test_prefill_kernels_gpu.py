@@ -174,8 +174,7 @@ def test_dense(dtype_name, headdim, cfg_index, scenario):
     vh = _randn(rng, (2, sk, hk, headdim), dtype_name)
     q, k, v = (cupy.asarray(x) for x in (qh, kh, vh))
     problem = checks.check_attention(q, k, v, causal=causal, window_size=window)
-    spec = prefill.kernel_spec(cfg.dtype, cfg.headdim, cfg.block_m, cfg.block_n, cfg.nwarps,
-                               problem.causal)
+    spec = prefill.spec_of(cfg, problem.causal)
     out1, lse1 = _launch(spec, q, k, v, problem)
     out2, lse2 = _launch(spec, q, k, v, problem)
     assert _bits(out1) == _bits(out2) and _bits(lse1) == _bits(lse2), f"{spec.name}: runs differ"
@@ -198,7 +197,7 @@ def test_strided_views_and_scale(dtype_name, headdim):
     problem = checks.check_attention(q, k, v, softmax_scale=0.3, causal=True)
     for cfg in _configs(dtype_name, headdim):
         big[...] = _nan_array(big.shape, dtype_name)
-        spec = prefill.kernel_spec(cfg.dtype, cfg.headdim, cfg.block_m, cfg.block_n, cfg.nwarps, True)
+        spec = prefill.spec_of(cfg, True)
         _, lse = _launch(spec, q, k, v, problem, out=out)
         host = cupy.asnumpy(big).astype(np.float64)
         pad = np.ones(host.shape, bool)
@@ -228,7 +227,7 @@ def test_varlen(dtype_name, headdim, causal):
     cq, ck = cupy.asarray(cu_q), cupy.asarray(cu_k)
     problem = checks.check_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=causal)
     for cfg in _configs(dtype_name, headdim):
-        spec = prefill.kernel_spec(cfg.dtype, cfg.headdim, cfg.block_m, cfg.block_n, cfg.nwarps, causal)
+        spec = prefill.spec_of(cfg, causal)
         out1, lse1 = _launch(spec, q, k, v, problem, cu_q=cq, cu_k=ck)
         out2, lse2 = _launch(spec, q, k, v, problem, cu_q=cq, cu_k=ck)
         assert _bits(out1) == _bits(out2) and _bits(lse1) == _bits(lse2)
@@ -260,7 +259,7 @@ def test_offsets_beyond_2_pow_31():
     q, k, v = (cupy.random.standard_normal((1, s, 1, d), dtype=np.float32).astype(dt) for _ in range(3))
     problem = checks.check_attention(q, k, v, causal=True, window_size=(win, 0))
     cfg = _configs("bfloat16", d)[0]
-    spec = prefill.kernel_spec(cfg.dtype, cfg.headdim, cfg.block_m, cfg.block_n, cfg.nwarps, True)
+    spec = prefill.spec_of(cfg, True)
     out, lse = _launch(spec, q, k, v, problem)
     qt = cupy.asnumpy(q[:, -tail:])
     kt, vt = cupy.asnumpy(k[:, -(tail + win):]), cupy.asnumpy(v[:, -(tail + win):])

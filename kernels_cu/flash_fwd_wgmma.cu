@@ -1,0 +1,333 @@
+// Tiled prefill forward on Hopper's warpgroup tensor cores (wgmma.mma_async, sm_90a only),
+// fp16 / bf16 inputs, fp32 accumulation.
+//
+// The algorithm is the one of flash_fwd.cu (FlashAttention-2, Dao, arXiv 2307.08691, Algorithm 1,
+// Sec. 3.1-3.3): one CTA per (BLOCK_M query rows, head, batch), K/V tiles streamed through shared
+// memory, the online softmax in registers with exp2 and softmax_scale * log2(e) folded into one
+// FFMA, P reused from registers as the A operand of P V, the output normalised once at the end.
+// What changes is the matrix instruction and, with it, the schedule (FlashAttention-3, Shah et al.,
+// arXiv 2407.08608, Sec. 3.1-3.2):
+//   * each warpgroup (4 warps, 128 threads) owns 64 query rows; S = Q K^T is
+//     wgmma.m64n{BLOCK_N}k16 with Q and K read by the tensor cores straight from shared memory
+//     (128-byte swizzled tiles, common/wgmma.cuh), O += P V is wgmma.m64n{HEADDIM}k16 with P from
+//     registers and V from shared memory (MN-major);
+//   * intra-warpgroup pipelining (FA3 Sec. 3.2, Algorithm 2): in iteration j the warpgroup issues
+//     S_{j+1} = Q K_{j+1}^T and O += P_j V_j asynchronously, then runs the softmax of S_{j+1} on
+//     the CUDA cores while the tensor cores work on P_j V_j; O is rescaled once P_j V_j is done;
+//   * K_{j+2} and V_{j+1} are copied (cp.async, all threads) while tile j is consumed, one
+//     __syncthreads per tile. No warp specialisation and no TMA: the copies are the generic-proxy
+//     cp.async of flash_fwd.cu into a swizzled layout, made visible to wgmma with
+//     fence.proxy.async before the barrier.
+// Causal / sliding-window: key tiles outside every row's range are skipped by the loop bounds
+// (common/mask.cuh KeyTiles); tiles that straddle a boundary evaluate the mask. Rows past the
+// sequence end and head-dim columns past the actual head dim are zero-filled by the copies.
+#include "common/dtype.cuh"
+#include "common/params.cuh"
+#include "common/mask.cuh"
+#include "common/online_softmax.cuh"
+#include "common/mma.cuh"
+#include "common/wgmma.cuh"
+#include "common/fwd_entry.cuh"
+
+namespace cf {
+
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N>
+struct WgmmaFwdTraits {
+    static constexpr int kWarpgroups = BLOCK_M / 64;
+    static constexpr int kThreads = 128 * kWarpgroups;
+    static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;    // Q tile
+    static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;   // one K or one V tile
+    // Q, two K buffers, two V buffers, and 1024 bytes to align the base to the swizzle repeat.
+    // cupyflash/prefill.py computes the same number.
+    static constexpr int kSmemBytes = kQBytes + 4 * kKVBytes + 1024;
+    static constexpr int kSAcc = BLOCK_N / 2;                 // S floats per thread (64 x BLOCK_N)
+    static constexpr int kOAcc = HEADDIM / 2;                 // O floats per thread (64 x HEADDIM)
+    static constexpr int kQKSteps = HEADDIM / 16;             // k16 steps of Q K^T
+    static constexpr int kPVSteps = BLOCK_N / 16;             // k16 steps of P V
+    static constexpr int kNTiles = BLOCK_N / 8;               // 8-key column groups of S
+    static constexpr int kDTiles = HEADDIM / 8;               // 8-column groups of O
+
+    static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
+    static_assert(HEADDIM == 64 || HEADDIM == 128, "compiled head dims: 64, 128 (one or two 128-byte swizzle tiles)");
+    static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two warpgroups");
+    static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
+};
+
+// Global -> shared copy of one [ROWS x HEADDIM] tile with 16-byte cp.async into the 128-byte
+// swizzled layout of common/wgmma.cuh: chunk c (16 bytes) of row r goes to column tile c / 8, row
+// r, chunk position (c % 8) ^ (r % 8). Consecutive threads take consecutive chunks of a row
+// (coalesced reads; the 8 chunks of a row land in 8 distinct bank groups). Rows >= rows_valid and
+// chunks >= chunks_valid are zero-filled without reading global memory.
+template <int ROWS, int HEADDIM, int THREADS>
+struct SwizzledTileLoader {
+    static constexpr int kChunks = HEADDIM / 8;
+    static constexpr int kRowsPerPass = THREADS / kChunks;
+    static constexpr int kPasses = ROWS / kRowsPerPass;
+    static_assert(THREADS % kChunks == 0 && ROWS % kRowsPerPass == 0 && kRowsPerPass % 8 == 0,
+                  "loader layout: whole passes of a multiple of 8 rows");
+
+    int r0, c;
+    uint32_t s_off;  // byte offset of (r0, c) inside a tile; r0 % 8 is the same in every pass
+
+    __device__ __forceinline__ explicit SwizzledTileLoader(int tid)
+        : r0(tid / kChunks), c(tid % kChunks),
+          s_off((uint32_t)((tid % kChunks) / 8 * ROWS * 128 + (tid / kChunks) * 128
+                           + ((((tid % kChunks) & 7) ^ ((tid / kChunks) & 7)) << 4))) {}
+
+    template <typename T>
+    __device__ __forceinline__ void load(uint32_t s_tile, const T* g_tile, int64_t row_stride,
+                                         int rows_valid, int chunks_valid, const T* g_safe) const {
+        int64_t thread_off = (int64_t)r0 * row_stride + c * 8;
+        asm volatile("" : "+l"(thread_off));  // one 64-bit offset, not one per pass
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+            const int r = r0 + pass * kRowsPerPass;
+            const bool ok = r < rows_valid && c < chunks_valid;
+            const T* src = ok ? g_tile + (int64_t)(pass * kRowsPerPass) * row_stride + thread_off : g_safe;
+            cp_async_16(s_tile + s_off + (uint32_t)(pass * kRowsPerPass * 128), src, ok);
+        }
+    }
+};
+
+// The online-softmax step of one S tile for this thread's two rows (row0, row0 + 8): mask (on
+// boundary tiles), row max over the quad, m_i / l_i update, P = exp2(S * scale_log2 - m) packed
+// to 16 bits in A-fragment order, and the factor alpha that rescales the old O
+// (common/online_softmax.cuh: safe_max, rescale_factor, prob_fma, with exp2f).
+template <typename T, int BLOCK_N, int NT>
+__device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], uint32_t (&pf)[BLOCK_N / 16][4],
+                                                float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
+                                                bool mask, int row0, int k0, int t, const FwdParams& p,
+                                                int seqlen_q, int seqlen_k, bool causal,
+                                                float scale_log2) {
+    // s is only read: the S accumulator registers are never written by ordinary instructions
+    // while a wgmma group is pending (ptxas would serialise the wgmma pipeline, C7515).
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        KeyRange r{0, 1 << 30};
+        if (mask) r = visible_keys(row0 + 8 * hh, seqlen_q, seqlen_k, causal, p.window_left,
+                                   p.window_right);
+        const int lo = r.lo - k0 - 2 * t, hi = r.hi - k0 - 2 * t;  // visible: lo <= 8i + e < hi
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (8 * i + e >= lo && 8 * i + e < hi) mx = fmaxf(mx, s[4 * i + 2 * hh + e]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // hold one row
+        const float m_new = fmaxf(m_i[hh], mx * scale_log2);
+        const float m_ref = safe_max(m_new);
+        alpha[hh] = exp2f(m_i[hh] - m_ref);
+        float rowsum = 0.f;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+            float pe[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float x = (8 * i + e >= lo && 8 * i + e < hi) ? s[4 * i + 2 * hh + e] : -INFINITY;
+                pe[e] = exp2f(fmaf(x, scale_log2, -m_ref));
+                rowsum += pe[e];
+            }
+            // keys 8i + 2t, +1 of row g + 8 hh -> A register (i & 1) * 2 + hh of k-step i / 2
+            pf[i >> 1][(i & 1) * 2 + hh] = pack2<T>(pe[0], pe[1]);
+        }
+        l_i[hh] = l_i[hh] * alpha[hh] + rowsum;
+        m_i[hh] = m_new;
+    }
+}
+
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL>
+__device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
+    using Tr = WgmmaFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N>;
+    using MmaS = Wgmma<T, BLOCK_N>;   // S (64 x BLOCK_N) = Q K^T
+    using MmaO = Wgmma<T, HEADDIM>;   // O (64 x HEADDIM) += P V
+    constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t sQ = (smem_u32addr(smem_raw) + 1023u) & ~1023u;  // swizzle repeat alignment
+    const uint32_t sK = sQ + Tr::kQBytes;                            // K buffers 0, 1
+    const uint32_t sV = sK + 2 * Tr::kKVBytes;                       // V buffers 0, 1
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+
+    // ---- which (m-block, head, batch) this CTA computes; causal runs the heavy blocks first ----
+    const int m_block = CAUSAL ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const FwdSeq seq = fwd_seq(p, b, h);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const int m0 = m_block * BLOCK_M;
+    if (m0 >= seqlen_q) return;
+    const T* q_base = static_cast<const T*>(p.q) + seq.q_off;
+    const T* k_base = static_cast<const T*>(p.k) + seq.k_off;
+    const T* v_base = static_cast<const T*>(p.v) + seq.v_off;
+    const int chunks_valid = p.headdim / 8;
+    const KeyTiles<BLOCK_N> tiles(m0, min(m0 + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, CAUSAL,
+                                  p.window_left, p.window_right);
+    const int n_block_min = tiles.n_block_min;
+    const int n_tiles = tiles.n_block_max - tiles.n_block_min;
+
+    const SwizzledTileLoader<BLOCK_M, HEADDIM, Tr::kThreads> q_loader(tid);
+    const SwizzledTileLoader<BLOCK_N, HEADDIM, Tr::kThreads> kv_loader(tid);
+    auto load_k = [&](int i, uint32_t buf) {  // K of tile n_block_min + i into K buffer buf
+        const int n0 = (n_block_min + i) * BLOCK_N;
+        kv_loader.load(sK + buf * Tr::kKVBytes, k_base + (int64_t)n0 * p.k_row_stride,
+                       p.k_row_stride, seqlen_k - n0, chunks_valid, k_base);
+    };
+    auto load_v = [&](int i, uint32_t buf) {
+        const int n0 = (n_block_min + i) * BLOCK_N;
+        kv_loader.load(sV + buf * Tr::kKVBytes, v_base + (int64_t)n0 * p.v_row_stride,
+                       p.v_row_stride, seqlen_k - n0, chunks_valid, v_base);
+    };
+    // Descriptors: one base per operand and call, made opaque so that the compiler cannot hoist
+    // one 64-bit descriptor per k-step out of the KV loop (that costs 2 registers each); the
+    // k-step offsets are added to the address field (in 16-byte units; shared addresses stay
+    // below 2^18 bytes, so the 14-bit field never carries).
+    const uint32_t sQ_wg = sQ + (uint32_t)(wg * 64 * 128);  // this warpgroup's 64 rows
+    auto opaque = [](uint64_t d) { asm volatile("" : "+l"(d)); return d; };
+    // S = Q K^T from K buffer buf (issued, committed, not waited for).
+    auto issue_qk = [&](float (&s)[Tr::kSAcc], uint32_t buf) {
+        const uint64_t dq = opaque(wgmma_desc_sw128(sQ_wg, 16, 1024));
+        const uint64_t dk = opaque(wgmma_desc_sw128(sK + buf * Tr::kKVBytes, 16, 1024));
+#pragma unroll
+        for (int ks = 0; ks < Tr::kQKSteps; ++ks) {
+            // k-step ks: column tile ks / 4, 32 bytes per k-step inside the 128-byte row
+            const uint64_t qo = (uint64_t)(((ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32) >> 4);
+            const uint64_t ko = (uint64_t)(((ks >> 2) * BLOCK_N * 128 + (ks & 3) * 32) >> 4);
+            MmaS::ss(s, dq + qo, dk + ko, ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+    };
+    // O += P V from V buffer buf (issued, committed, not waited for).
+    auto issue_pv = [&](float (&o)[Tr::kOAcc], uint32_t (&pf)[Tr::kPVSteps][4], uint32_t buf) {
+#if defined(CF_WG_VDESC_SWAP)  // device probe only (scratch): the other reading of LBO / SBO
+        const uint64_t dv = opaque(wgmma_desc_sw128(sV + buf * Tr::kKVBytes, 1024, (uint32_t)(BLOCK_N * 128)));
+#else
+        const uint64_t dv = opaque(wgmma_desc_sw128(sV + buf * Tr::kKVBytes, (uint32_t)(BLOCK_N * 128), 1024));
+#endif
+#pragma unroll
+        for (int kk = 0; kk < Tr::kPVSteps; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
+            MmaO::rs_tn(o, pf[kk], dv + (uint64_t)((kk * 16 * 128) >> 4), 1);
+        wgmma_commit();
+    };
+
+    // acc O (unnormalised), m_i (running max, log2 domain), l_i (this thread's partial row sum)
+    // for the rows row0 and row0 + 8 of this thread.
+    const int row0 = m0 + wg * 64 + warp_in_wg * 16 + g;
+    float o[Tr::kOAcc];
+#pragma unroll
+    for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
+    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+    const float scale_log2 = p.scale_log2;
+
+    if (n_tiles > 0) {
+        // ---- prologue: Q and K_0; S_0 while V_0 and K_1 are copied; softmax of S_0 ----
+        q_loader.load(sQ, q_base + (int64_t)m0 * p.q_row_stride, p.q_row_stride, seqlen_q - m0,
+                      chunks_valid, q_base);
+        load_k(0, 0);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        uint32_t p_cur[Tr::kPVSteps][4];
+        {
+            float s[Tr::kSAcc];
+            wgmma_fence();
+            issue_qk(s, 0);
+            load_v(0, 0);
+            if (n_tiles > 1) load_k(1, 1);
+            cp_async_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operand(s);
+            float alpha[2];
+            wg_softmax_step<T, BLOCK_N, NT>(s, p_cur, m_i, l_i, alpha, tiles.needs_mask(n_block_min),
+                                            row0, n_block_min * BLOCK_N, t, p, seqlen_q, seqlen_k,
+                                            CAUSAL, scale_log2);
+        }
+
+        // ---- main loop: iteration i consumes V_i (P_i V_i) and K_{i+1} (S_{i+1}) ----
+        for (int i = 0; i < n_tiles; ++i) {
+            // V_i and K_{i+1} have landed (this thread's copies; the barrier makes them
+            // everyone's); every warp is done with K_i and V_{i-1} (their wgmma groups were
+            // waited for before the barrier), so their buffers may be refilled.
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();
+            const bool has_next = i + 1 < n_tiles;
+            float s[Tr::kSAcc];
+            wgmma_fence();
+            if (has_next) issue_qk(s, (uint32_t)((i + 1) & 1));
+            issue_pv(o, p_cur, (uint32_t)(i & 1));
+            if (i + 2 < n_tiles) load_k(i + 2, (uint32_t)(i & 1));
+            if (has_next) load_v(i + 1, (uint32_t)((i + 1) & 1));
+            cp_async_commit();
+            if (has_next) {
+                uint32_t p_next[Tr::kPVSteps][4];
+                float alpha[2];
+                wgmma_wait<1>();                   // S_{i+1} is done; P_i V_i may still run
+                wgmma_fence_operand(s);
+                const int nb = n_block_min + i + 1;
+                wg_softmax_step<T, BLOCK_N, NT>(s, p_next, m_i, l_i, alpha, tiles.needs_mask(nb),
+                                                row0, nb * BLOCK_N, t, p, seqlen_q, seqlen_k,
+                                                CAUSAL, scale_log2);
+                wgmma_wait<0>();                   // P_i V_i is done: O and P_i are free
+                // P_i is read by the P_i V_i group until here: keeping it live to this point
+                // stops the compiler from building P_{i+1} in P_i's registers (ptxas would then
+                // serialise the wgmma pipeline, C7513).
+                wgmma_fence_operand(p_cur);
+                wgmma_fence_operand(o);
+#pragma unroll
+                for (int d = 0; d < DT; ++d) {
+                    o[4 * d + 0] *= alpha[0];
+                    o[4 * d + 1] *= alpha[0];
+                    o[4 * d + 2] *= alpha[1];
+                    o[4 * d + 3] *= alpha[1];
+                }
+#pragma unroll
+                for (int kk = 0; kk < Tr::kPVSteps; ++kk)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) p_cur[kk][e] = p_next[kk][e];
+            } else {
+                wgmma_wait<0>();
+                wgmma_fence_operand(o);
+            }
+        }
+    }
+
+    // ---- epilogue: l_i summed over the quad; out = O / l (0 for an empty row); LSE ----
+    T* o_base = static_cast<T*>(p.o) + seq.o_off;
+    float* lse_base = p.lse + seq.lse_off;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float l = l_i[hh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = inv_normaliser(l);
+        const int row = row0 + 8 * hh;
+        if (row < seqlen_q) {
+            T* o_row = o_base + (int64_t)row * p.o_row_stride;
+#pragma unroll
+            for (int d = 0; d < DT; ++d) {
+                const int col = d * 8 + 2 * t;
+                if (col < p.headdim)
+                    *reinterpret_cast<uint32_t*>(o_row + col) =
+                        pack2<T>(o[4 * d + 2 * hh] * inv, o[4 * d + 2 * hh + 1] * inv);
+            }
+            if (t == 0) lse_base[row] = lse_from(m_i[hh], l);
+        }
+    }
+}
+
+// One CTA of the wgmma forward, for the shared entry cf::flash_fwd_entry
+// (common/fwd_entry.cuh): the name expression is
+// cf::flash_fwd_entry<cf::FlashFwdWgmma<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL>, T>.
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL>
+struct FlashFwdWgmma {
+    static constexpr int kThreads = WgmmaFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N>::kThreads;
+    static __device__ __forceinline__ void run(const FwdParams& p) {
+        flash_fwd_wgmma_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL>(p);
+    }
+};
+
+}  // namespace cf
