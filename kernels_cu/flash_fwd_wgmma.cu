@@ -201,11 +201,7 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
     };
     // O += P V from V buffer buf (issued, committed, not waited for).
     auto issue_pv = [&](float (&o)[Tr::kOAcc], uint32_t (&pf)[Tr::kPVSteps][4], uint32_t buf) {
-#if defined(CF_WG_VDESC_SWAP)  // device probe only (scratch): the other reading of LBO / SBO
-        const uint64_t dv = opaque(wgmma_desc_sw128(sV + buf * Tr::kKVBytes, 1024, (uint32_t)(BLOCK_N * 128)));
-#else
         const uint64_t dv = opaque(wgmma_desc_sw128(sV + buf * Tr::kKVBytes, (uint32_t)(BLOCK_N * 128), 1024));
-#endif
 #pragma unroll
         for (int kk = 0; kk < Tr::kPVSteps; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
             MmaO::rs_tn(o, pf[kk], dv + (uint64_t)((kk * 16 * 128) >> 4), 1);
