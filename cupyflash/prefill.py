@@ -106,8 +106,9 @@ class PrefillConfig:
 
     @property
     def plain(self) -> bool:
-        """True for the default pipeline (2 stages, whole-tile working set)."""
-        return self.stages == 2 and self.sub_n == self.block_n and self.opt == 0
+        """True for the default pipeline (mma: 2 stages, wgmma: 3; whole-tile working set)."""
+        return (self.stages == (3 if self.isa == "wgmma" else 2) and self.sub_n == self.block_n
+                and self.opt == 0)
 
     @property
     def threads(self) -> int:
@@ -124,14 +125,14 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
                isa: str = "mma") -> int:
     """Dynamic shared memory of a configuration, bytes.
 
-    wgmma: Q tile + two K and two V tiles (128-byte swizzled, unpadded) + 1024 bytes to align the
-    base (``WgmmaFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K and V tiles, rows
+    wgmma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), 4 *
+    ``stages`` mbarriers and 1024 bytes to align the base (``WgmmaFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K and V tiles, rows
     padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles and the P tile,
     rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
     if isa == "wgmma":
-        return (block_m + 4 * block_n) * headdim * isz + 1024
+        return (block_m + 2 * stages * block_n) * headdim * isz + 32 * stages + 1024
     pad = 16 // isz
     row = headdim + pad
     if dtype in TC_DTYPES:
@@ -202,9 +203,10 @@ _WG_TILES = {64: ((128, 128),), 128: ((128, 64),)}
 _WG_VARIANTS = ((128, 128, 128),)
 
 
-def _wg_row(dtype: str, hd: int, bm: int, bn: int) -> PrefillConfig:
-    return PrefillConfig(dtype, hd, bm, bn, bm // 16, smem_bytes(dtype, hd, bm, bn, isa="wgmma"),
-                         WG_SOURCE, isa="wgmma")
+def _wg_row(dtype: str, hd: int, bm: int, bn: int, stages: int = 3) -> PrefillConfig:
+    return PrefillConfig(dtype, hd, bm, bn, bm // 16,
+                         smem_bytes(dtype, hd, bm, bn, stages, isa="wgmma"), WG_SOURCE,
+                         stages=stages, isa="wgmma")
 
 
 def _build_table() -> tuple:
@@ -255,7 +257,8 @@ def padded_headdim(d: int) -> int:
 def _name(cfg: PrefillConfig, causal: bool) -> str:
     suffix = "_causal" if causal else ""
     if cfg.isa == "wgmma":
-        return f"fwdwg_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
+        return (f"fwdwg_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
+                + (f"_s{cfg.stages}" if cfg.stages != 3 else "") + suffix)
     if cfg.dtype in TC_DTYPES:
         pipe = (f"_s{cfg.stages}" if cfg.stages != 2 else "") + \
                (f"_sub{cfg.sub_n}" if cfg.sub_n != cfg.block_n else "") + \
@@ -269,7 +272,8 @@ def _entry(cfg: PrefillConfig, causal: bool) -> str:
     # The shared entry (kernels_cu/common/fwd_entry.cuh) instantiated with one CTA's algorithm.
     c, t = ("true" if causal else "false"), _CTYPE[cfg.dtype]
     if cfg.isa == "wgmma":
-        block = f"cf::FlashFwdWgmma<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {c}>"
+        block = (f"cf::FlashFwdWgmma<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {c}, "
+                 f"{cfg.stages}>")
     elif cfg.dtype in TC_DTYPES:
         pipe = "" if cfg.plain else f", {cfg.stages}, {cfg.sub_n}" + (f", {cfg.opt}" if cfg.opt else "")
         block = (f"cf::FlashFwd<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {cfg.nwarps}, "
@@ -311,8 +315,8 @@ def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: 
     plain = stages is None and sub_n is None and opt is None
     if plain:
         cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, isa))
-        if cfg is None and isa == "wgmma":  # wgmma rows have no pipeline knobs: a variant tile
-            cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, 2, block_n, 0, isa))
+        if cfg is None and isa == "wgmma":  # a wgmma variant tile (3 stages)
+            cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, 3, block_n, 0, isa))
     else:
         cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps,
                                 2 if stages is None else stages,

@@ -31,15 +31,15 @@
 
 namespace cf {
 
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N>
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES>
 struct WgmmaFwdTraits {
     static constexpr int kWarpgroups = BLOCK_M / 64;
     static constexpr int kThreads = 128 * kWarpgroups;
     static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;    // Q tile
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;   // one K or one V tile
-    // Q, two K buffers, two V buffers, and 1024 bytes to align the base to the swizzle repeat.
-    // cupyflash/prefill.py computes the same number.
-    static constexpr int kSmemBytes = kQBytes + 4 * kKVBytes + 1024;
+    // Q, STAGES K and STAGES V tiles, 4 * STAGES mbarriers, and 1024 bytes to align the base to
+    // the swizzle repeat. cupyflash/prefill.py computes the same number.
+    static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 32 * STAGES + 1024;
     static constexpr int kSAcc = BLOCK_N / 2;                 // S floats per thread (64 x BLOCK_N)
     static constexpr int kOAcc = HEADDIM / 2;                 // O floats per thread (64 x HEADDIM)
     static constexpr int kQKSteps = HEADDIM / 16;             // k16 steps of Q K^T
@@ -51,6 +51,7 @@ struct WgmmaFwdTraits {
     static_assert(HEADDIM == 64 || HEADDIM == 128, "compiled head dims: 64, 128 (one or two 128-byte swizzle tiles)");
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two warpgroups");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
+    static_assert(STAGES >= 2 && STAGES <= 4, "K/V ring of 2..4 tiles");
 };
 
 // Global -> shared copy of one [ROWS x HEADDIM] tile with 16-byte cp.async into the 128-byte
@@ -136,17 +137,25 @@ __device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], u
     }
 }
 
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL>
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
 __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
-    using Tr = WgmmaFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N>;
+    using Tr = WgmmaFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, STAGES>;
     using MmaS = Wgmma<T, BLOCK_N>;   // S (64 x BLOCK_N) = Q K^T
     using MmaO = Wgmma<T, HEADDIM>;   // O (64 x HEADDIM) += P V
-    constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles;
+    constexpr int NT = Tr::kNTiles, DT = Tr::kDTiles, S = STAGES;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t sQ = (smem_u32addr(smem_raw) + 1023u) & ~1023u;  // swizzle repeat alignment
-    const uint32_t sK = sQ + Tr::kQBytes;                            // K buffers 0, 1
-    const uint32_t sV = sK + 2 * Tr::kKVBytes;                       // V buffers 0, 1
+    const uint32_t sK = sQ + Tr::kQBytes;                            // K ring: S tiles
+    const uint32_t sV = sK + S * Tr::kKVBytes;                       // V ring: S tiles
+    // mbarriers, 8 bytes each: full_k[S], full_v[S] (the copies of a tile have landed: one
+    // cp.async-triggered arrival per thread), empty_k[S], empty_v[S] (every thread's wgmma that
+    // read the tile has completed: one arrival per thread).
+    const uint32_t bars = sV + S * Tr::kKVBytes;
+    auto full_k = [&](int st) { return bars + 8u * (uint32_t)st; };
+    auto full_v = [&](int st) { return bars + 8u * (uint32_t)(S + st); };
+    auto empty_k = [&](int st) { return bars + 8u * (uint32_t)(2 * S + st); };
+    auto empty_v = [&](int st) { return bars + 8u * (uint32_t)(3 * S + st); };
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
@@ -170,26 +179,39 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
 
     const SwizzledTileLoader<BLOCK_M, HEADDIM, Tr::kThreads> q_loader(tid);
     const SwizzledTileLoader<BLOCK_N, HEADDIM, Tr::kThreads> kv_loader(tid);
-    auto load_k = [&](int i, uint32_t buf) {  // K of tile n_block_min + i into K buffer buf
-        const int n0 = (n_block_min + i) * BLOCK_N;
-        kv_loader.load(sK + buf * Tr::kKVBytes, k_base + (int64_t)n0 * p.k_row_stride,
+    // Producer side (every thread copies its share): tile j's K into ring slot j % S, after every
+    // thread released tile j - S of that slot; the copies then arrive on full_k[j % S]. Same for V.
+    auto load_k = [&](int j) {
+        const int st = j % S;
+        if (j >= S) mbarrier_wait(empty_k(st), (uint32_t)((j / S - 1) & 1));
+        const int n0 = (n_block_min + j) * BLOCK_N;
+        kv_loader.load(sK + (uint32_t)st * Tr::kKVBytes, k_base + (int64_t)n0 * p.k_row_stride,
                        p.k_row_stride, seqlen_k - n0, chunks_valid, k_base);
+        cp_async_mbarrier_arrive(full_k(st));
     };
-    auto load_v = [&](int i, uint32_t buf) {
-        const int n0 = (n_block_min + i) * BLOCK_N;
-        kv_loader.load(sV + buf * Tr::kKVBytes, v_base + (int64_t)n0 * p.v_row_stride,
+    auto load_v = [&](int j) {
+        const int st = j % S;
+        if (j >= S) mbarrier_wait(empty_v(st), (uint32_t)((j / S - 1) & 1));
+        const int n0 = (n_block_min + j) * BLOCK_N;
+        kv_loader.load(sV + (uint32_t)st * Tr::kKVBytes, v_base + (int64_t)n0 * p.v_row_stride,
                        p.v_row_stride, seqlen_k - n0, chunks_valid, v_base);
+        cp_async_mbarrier_arrive(full_v(st));
     };
+    // Consumer side: wait until tile j's K (V) has landed, then make it visible to the async
+    // proxy that wgmma reads through.
+    auto wait_k = [&](int j) { mbarrier_wait(full_k(j % S), (uint32_t)((j / S) & 1)); fence_proxy_async(); };
+    auto wait_v = [&](int j) { mbarrier_wait(full_v(j % S), (uint32_t)((j / S) & 1)); fence_proxy_async(); };
+
     // Descriptors: one base per operand and call, made opaque so that the compiler cannot hoist
     // one 64-bit descriptor per k-step out of the KV loop (that costs 2 registers each); the
     // k-step offsets are added to the address field (in 16-byte units; shared addresses stay
     // below 2^18 bytes, so the 14-bit field never carries).
     const uint32_t sQ_wg = sQ + (uint32_t)(wg * 64 * 128);  // this warpgroup's 64 rows
     auto opaque = [](uint64_t d) { asm volatile("" : "+l"(d)); return d; };
-    // S = Q K^T from K buffer buf (issued, committed, not waited for).
-    auto issue_qk = [&](float (&s)[Tr::kSAcc], uint32_t buf) {
+    // S = Q K^T of tile j (issued, committed, not waited for).
+    auto issue_qk = [&](float (&s)[Tr::kSAcc], int j) {
         const uint64_t dq = opaque(wgmma_desc_sw128(sQ_wg, 16, 1024));
-        const uint64_t dk = opaque(wgmma_desc_sw128(sK + buf * Tr::kKVBytes, 16, 1024));
+        const uint64_t dk = opaque(wgmma_desc_sw128(sK + (uint32_t)(j % S) * Tr::kKVBytes, 16, 1024));
 #pragma unroll
         for (int ks = 0; ks < Tr::kQKSteps; ++ks) {
             // k-step ks: column tile ks / 4, 32 bytes per k-step inside the 128-byte row
@@ -199,9 +221,10 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
         }
         wgmma_commit();
     };
-    // O += P V from V buffer buf (issued, committed, not waited for).
-    auto issue_pv = [&](float (&o)[Tr::kOAcc], uint32_t (&pf)[Tr::kPVSteps][4], uint32_t buf) {
-        const uint64_t dv = opaque(wgmma_desc_sw128(sV + buf * Tr::kKVBytes, (uint32_t)(BLOCK_N * 128), 1024));
+    // O += P V of tile j (issued, committed, not waited for).
+    auto issue_pv = [&](float (&o)[Tr::kOAcc], uint32_t (&pf)[Tr::kPVSteps][4], int j) {
+        const uint64_t dv = opaque(wgmma_desc_sw128(sV + (uint32_t)(j % S) * Tr::kKVBytes,
+                                                    (uint32_t)(BLOCK_N * 128), 1024));
 #pragma unroll
         for (int kk = 0; kk < Tr::kPVSteps; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
             MmaO::rs_tn(o, pf[kk], dv + (uint64_t)((kk * 16 * 128) >> 4), 1);
@@ -218,51 +241,66 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
     const float scale_log2 = p.scale_log2;
 
     if (n_tiles > 0) {
-        // ---- prologue: Q and K_0; S_0 while V_0 and K_1 are copied; softmax of S_0 ----
+        if (tid == 0) {
+            for (int st = 0; st < S; ++st) {
+                mbarrier_init(full_k(st), Tr::kThreads);
+                mbarrier_init(full_v(st), Tr::kThreads);
+                mbarrier_init(empty_k(st), Tr::kThreads);
+                mbarrier_init(empty_v(st), Tr::kThreads);
+            }
+        }
+        __syncthreads();  // the barriers are initialised before anyone arrives on them
+        // ---- prologue: Q (waited for with a CTA barrier, once), K_0, then the "slots" t =
+        // 0 .. S - 2 (slot t = K_{t+1} and V_t: what iteration t consumes) ----
         q_loader.load(sQ, q_base + (int64_t)m0 * p.q_row_stride, p.q_row_stride, seqlen_q - m0,
                       chunks_valid, q_base);
-        load_k(0, 0);
         cp_async_commit();
-        cp_async_wait<0>();
+        load_k(0);
+        for (int tt = 0; tt < S - 1; ++tt) {
+            if (tt + 1 < n_tiles) load_k(tt + 1);
+            if (tt < n_tiles) load_v(tt);
+        }
+        cp_async_wait<0>();  // the Q group (K/V copies are tracked by the mbarriers)
         fence_proxy_async();
-        __syncthreads();
+        __syncthreads();  // Q (no mbarrier) has landed for every thread
         uint32_t p_cur[Tr::kPVSteps][4];
         {
             float s[Tr::kSAcc];
+            wait_k(0);
             wgmma_fence();
             issue_qk(s, 0);
-            load_v(0, 0);
-            if (n_tiles > 1) load_k(1, 1);
-            cp_async_commit();
             wgmma_wait<0>();
             wgmma_fence_operand(s);
+            mbarrier_arrive(empty_k(0));
             float alpha[2];
             wg_softmax_step<T, BLOCK_N, NT>(s, p_cur, m_i, l_i, alpha, tiles.needs_mask(n_block_min),
                                             row0, n_block_min * BLOCK_N, t, p, seqlen_q, seqlen_k,
                                             CAUSAL, scale_log2);
         }
+        // Warpgroup ping-pong (FlashAttention-3 Sec. 3.1): the two warpgroups take turns issuing
+        // their GEMMs (named barriers 1 and 2), so that one's softmax overlaps the other's GEMMs
+        // instead of both computing softmax while the tensor cores idle. Warpgroup 1 hands the
+        // first turn to warpgroup 0.
+        constexpr int kPingPong = Tr::kWarpgroups == 2;
+        if (kPingPong && wg == 1) named_barrier_arrive(1, 256);
 
         // ---- main loop: iteration i consumes V_i (P_i V_i) and K_{i+1} (S_{i+1}) ----
         for (int i = 0; i < n_tiles; ++i) {
-            // V_i and K_{i+1} have landed (this thread's copies; the barrier makes them
-            // everyone's); every warp is done with K_i and V_{i-1} (their wgmma groups were
-            // waited for before the barrier), so their buffers may be refilled.
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();
             const bool has_next = i + 1 < n_tiles;
+            if (has_next) wait_k(i + 1);
+            wait_v(i);
+            if (kPingPong) named_barrier_sync(1 + wg, 256);           // my turn
             float s[Tr::kSAcc];
             wgmma_fence();
-            if (has_next) issue_qk(s, (uint32_t)((i + 1) & 1));
-            issue_pv(o, p_cur, (uint32_t)(i & 1));
-            if (i + 2 < n_tiles) load_k(i + 2, (uint32_t)(i & 1));
-            if (has_next) load_v(i + 1, (uint32_t)((i + 1) & 1));
-            cp_async_commit();
+            if (has_next) issue_qk(s, i + 1);
+            issue_pv(o, p_cur, i);
+            if (kPingPong) named_barrier_arrive(1 + (wg ^ 1), 256);   // the other's turn
             if (has_next) {
                 uint32_t p_next[Tr::kPVSteps][4];
                 float alpha[2];
                 wgmma_wait<1>();                   // S_{i+1} is done; P_i V_i may still run
                 wgmma_fence_operand(s);
+                mbarrier_arrive(empty_k((i + 1) % S));
                 const int nb = n_block_min + i + 1;
                 wg_softmax_step<T, BLOCK_N, NT>(s, p_next, m_i, l_i, alpha, tiles.needs_mask(nb),
                                                 row0, nb * BLOCK_N, t, p, seqlen_q, seqlen_k,
@@ -273,6 +311,7 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
                 // serialise the wgmma pipeline, C7513).
                 wgmma_fence_operand(p_cur);
                 wgmma_fence_operand(o);
+                mbarrier_arrive(empty_v(i % S));
 #pragma unroll
                 for (int d = 0; d < DT; ++d) {
                     o[4 * d + 0] *= alpha[0];
@@ -287,8 +326,15 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
             } else {
                 wgmma_wait<0>();
                 wgmma_fence_operand(o);
+                mbarrier_arrive(empty_v(i % S));
             }
+            // Refill: slot i + S - 1 (K_{i+S}, V_{i+S-1}); their ring slots held K_i and
+            // V_{i-1}, which both warpgroups released before the end of iteration i - 1.
+            if (i + S < n_tiles) load_k(i + S);
+            if (i + S - 1 < n_tiles) load_v(i + S - 1);
         }
+        // Warpgroup 1 handed over one more turn than warpgroup 0 takes in the loop.
+        if (kPingPong && wg == 0) named_barrier_sync(1, 256);
     }
 
     // ---- epilogue: l_i summed over the quad; out = O / l (0 for an empty row); LSE ----
@@ -317,12 +363,12 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
 
 // One CTA of the wgmma forward, for the shared entry cf::flash_fwd_entry
 // (common/fwd_entry.cuh): the name expression is
-// cf::flash_fwd_entry<cf::FlashFwdWgmma<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL>, T>.
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL>
+// cf::flash_fwd_entry<cf::FlashFwdWgmma<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES>, T>.
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
 struct FlashFwdWgmma {
-    static constexpr int kThreads = WgmmaFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N>::kThreads;
+    static constexpr int kThreads = WgmmaFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, STAGES>::kThreads;
     static __device__ __forceinline__ void run(const FwdParams& p) {
-        flash_fwd_wgmma_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL>(p);
+        flash_fwd_wgmma_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES>(p);
     }
 };
 
