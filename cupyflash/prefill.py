@@ -194,13 +194,15 @@ _TC_VARIANTS = (
 _TC_ROW_OPTS = {(128, 128, 64, 4): (2, 64, 4)}
 
 # Hopper wgmma rows (kernels_cu/flash_fwd_wgmma.cu, sm_90a only): headdim -> (block_m, block_n),
-# nwarps = block_m / 16 (one warpgroup per 64 rows). Listed before the mma.sync rows of their head
-# dim, so rule 1 of cupyflash.heuristics.choose_prefill_tile picks them on sm_90a devices; the
-# dispatcher rejects them elsewhere. ptxas (sm_90a, 256 threads): hd64 128x128 254 registers,
-# hd128 128x64 203, no spills, no wgmma serialisation warning.
-_WG_TILES = {64: ((128, 128),), 128: ((128, 64),)}
-# Experimental wgmma rows (sweeps only): hd128 128x128 needs 255 registers and spills 32 bytes.
-_WG_VARIANTS = ((128, 128, 128),)
+# nwarps = block_m / 16 (one warpgroup per 64 rows), a 3-tile K/V ring. Listed before the mma.sync
+# rows of their head dim, so rule 1 of cupyflash.heuristics.choose_prefill_tile picks them on
+# sm_90a devices; the dispatcher rejects them elsewhere. ptxas (sm_90a, 256 threads): hd128
+# 128x128 255 registers, no spills, no wgmma serialisation. H200 (experiments/NOTES.md v3):
+# hd128 128x128 400-411 TFLOP/s vs 358-369 for 128x64 and 326-332 for the mma.sync default;
+# hd64 128x128 275-284, below mma.sync's 128x64x4 (311-313), so hd64 keeps mma.sync.
+_WG_TILES = {128: ((128, 128),)}
+# Experimental wgmma rows (sweeps only): (headdim, block_m, block_n, stages).
+_WG_VARIANTS = ((128, 128, 64, 3), (64, 128, 128, 3), (128, 128, 128, 2), (128, 128, 64, 2))
 
 
 def _wg_row(dtype: str, hd: int, bm: int, bn: int, stages: int = 3) -> PrefillConfig:
@@ -231,7 +233,7 @@ def _build_variants() -> tuple:
     return tuple(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn, st), TC_SOURCE,
                                st, sub, opt)
                  for dtype in TC_DTYPES for hd, bm, bn, nw, st, sub, opt in _TC_VARIANTS) + \
-        tuple(_wg_row(dtype, hd, bm, bn) for dtype in TC_DTYPES for hd, bm, bn in _WG_VARIANTS)
+        tuple(_wg_row(dtype, hd, bm, bn, st) for dtype in TC_DTYPES for hd, bm, bn, st in _WG_VARIANTS)
 
 
 #: The supported table: every compiled configuration the dispatcher may choose.

@@ -94,47 +94,73 @@ struct SwizzledTileLoader {
 // boundary tiles), row max over the quad, m_i / l_i update, P = exp2(S * scale_log2 - m) packed
 // to 16 bits in A-fragment order, and the factor alpha that rescales the old O
 // (common/online_softmax.cuh: safe_max, rescale_factor, prob_fma, with exp2f).
-template <typename T, int BLOCK_N, int NT>
+template <typename T, int BLOCK_N, int NT, bool MASK>
 __device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], uint32_t (&pf)[BLOCK_N / 16][4],
                                                 float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
-                                                bool mask, int row0, int k0, int t, const FwdParams& p,
+                                                int row0, int k0, int t, const FwdParams& p,
                                                 int seqlen_q, int seqlen_k, bool causal,
                                                 float scale_log2) {
     // s is only read: the S accumulator registers are never written by ordinary instructions
     // while a wgmma group is pending (ptxas would serialise the wgmma pipeline, C7515).
+    // The row max and row sum use kAcc independent partial results each (and both rows are
+    // interleaved), so that they are not one chain of BLOCK_N / 4 dependent instructions:
+    // with 2 warps per scheduler nothing else would hide that latency.
+    constexpr int kAcc = 2;
+    int lo[2] = {0, 0}, hi[2] = {0, 0};  // visible: lo <= 8i + e < hi (MASK only)
+    if constexpr (MASK) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const KeyRange r = visible_keys(row0 + 8 * hh, seqlen_q, seqlen_k, causal,
+                                            p.window_left, p.window_right);
+            lo[hh] = r.lo - k0 - 2 * t;
+            hi[hh] = r.hi - k0 - 2 * t;
+        }
+    }
+    auto score = [&](int i, int hh, int e) {
+        const float x = s[4 * i + 2 * hh + e];
+        if constexpr (MASK) return (8 * i + e >= lo[hh] && 8 * i + e < hi[hh]) ? x : -INFINITY;
+        else return x;
+    };
+    float mp[2][kAcc];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int a = 0; a < kAcc; ++a) mp[hh][a] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            mp[hh][i % kAcc] = fmaxf(mp[hh][i % kAcc], fmaxf(score(i, hh, 0), score(i, hh, 1)));
+    float m_ref[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        KeyRange r{0, 1 << 30};
-        if (mask) r = visible_keys(row0 + 8 * hh, seqlen_q, seqlen_k, causal, p.window_left,
-                                   p.window_right);
-        const int lo = r.lo - k0 - 2 * t, hi = r.hi - k0 - 2 * t;  // visible: lo <= 8i + e < hi
-        float mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (8 * i + e >= lo && 8 * i + e < hi) mx = fmaxf(mx, s[4 * i + 2 * hh + e]);
+        float mx = fmaxf(mp[hh][0], mp[hh][1]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // hold one row
         const float m_new = fmaxf(m_i[hh], mx * scale_log2);
-        const float m_ref = safe_max(m_new);
-        alpha[hh] = exp2f(m_i[hh] - m_ref);
-        float rowsum = 0.f;
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            float pe[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float x = (8 * i + e >= lo && 8 * i + e < hi) ? s[4 * i + 2 * hh + e] : -INFINITY;
-                pe[e] = exp2f(fmaf(x, scale_log2, -m_ref));
-                rowsum += pe[e];
-            }
-            // keys 8i + 2t, +1 of row g + 8 hh -> A register (i & 1) * 2 + hh of k-step i / 2
-            pf[i >> 1][(i & 1) * 2 + hh] = pack2<T>(pe[0], pe[1]);
-        }
-        l_i[hh] = l_i[hh] * alpha[hh] + rowsum;
+        m_ref[hh] = safe_max(m_new);
+        alpha[hh] = exp2f(m_i[hh] - m_ref[hh]);              // rescale_factor(m_i, m_new)
         m_i[hh] = m_new;
     }
+    float sp[2][kAcc];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int a = 0; a < kAcc; ++a) sp[hh][a] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            // prob_fma (common/online_softmax.cuh) with exp2f
+            const float p0 = exp2f(fmaf(score(i, hh, 0), scale_log2, -m_ref[hh]));
+            const float p1 = exp2f(fmaf(score(i, hh, 1), scale_log2, -m_ref[hh]));
+            sp[hh][i % kAcc] += p0 + p1;
+            // keys 8i + 2t, +1 of row g + 8 hh -> A register (i & 1) * 2 + hh of k-step i / 2
+            pf[i >> 1][(i & 1) * 2 + hh] = pack2<T>(p0, p1);
+        }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+        l_i[hh] = l_i[hh] * alpha[hh] + (sp[hh][0] + sp[hh][1]);
 }
 
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
@@ -239,6 +265,16 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
     for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
     float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
     const float scale_log2 = p.scale_log2;
+    // The online-softmax step of key tile nb; the mask is evaluated only on boundary tiles.
+    auto softmax = [&](const float (&s)[Tr::kSAcc], uint32_t (&pf)[Tr::kPVSteps][4],
+                       float (&alpha)[2], int nb) {
+        if (tiles.needs_mask(nb))
+            wg_softmax_step<T, BLOCK_N, NT, true>(s, pf, m_i, l_i, alpha, row0, nb * BLOCK_N, t, p,
+                                                  seqlen_q, seqlen_k, CAUSAL, scale_log2);
+        else
+            wg_softmax_step<T, BLOCK_N, NT, false>(s, pf, m_i, l_i, alpha, row0, nb * BLOCK_N, t, p,
+                                                   seqlen_q, seqlen_k, CAUSAL, scale_log2);
+    };
 
     if (n_tiles > 0) {
         if (tid == 0) {
@@ -273,9 +309,7 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
             wgmma_fence_operand(s);
             mbarrier_arrive(empty_k(0));
             float alpha[2];
-            wg_softmax_step<T, BLOCK_N, NT>(s, p_cur, m_i, l_i, alpha, tiles.needs_mask(n_block_min),
-                                            row0, n_block_min * BLOCK_N, t, p, seqlen_q, seqlen_k,
-                                            CAUSAL, scale_log2);
+            softmax(s, p_cur, alpha, n_block_min);
         }
         // Warpgroup ping-pong (FlashAttention-3 Sec. 3.1): the two warpgroups take turns issuing
         // their GEMMs (named barriers 1 and 2), so that one's softmax overlaps the other's GEMMs
@@ -302,9 +336,7 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
                 wgmma_fence_operand(s);
                 mbarrier_arrive(empty_k((i + 1) % S));
                 const int nb = n_block_min + i + 1;
-                wg_softmax_step<T, BLOCK_N, NT>(s, p_next, m_i, l_i, alpha, tiles.needs_mask(nb),
-                                                row0, nb * BLOCK_N, t, p, seqlen_q, seqlen_k,
-                                                CAUSAL, scale_log2);
+                softmax(s, p_next, alpha, nb);
                 wgmma_wait<0>();                   // P_i V_i is done: O and P_i are free
                 // P_i is read by the P_i V_i group until here: keeping it live to this point
                 // stops the compiler from building P_{i+1} in P_i's registers (ptxas would then

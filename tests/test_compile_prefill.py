@@ -87,7 +87,7 @@ def test_table_is_consistent():
     for c in prefill.SUPPORTED:
         assert c.smem_bytes <= prefill.MAX_SMEM_BYTES, c
         assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n,
-                                                  isa=c.isa)
+                                                  c.stages, isa=c.isa)
         assert c.headdim in prefill.HEADDIMS
         if c.isa == "wgmma":
             assert c.source == prefill.WG_SOURCE and c.dtype in prefill.TC_DTYPES
@@ -119,13 +119,13 @@ def test_variants_are_consistent():
         if c.isa == "mma":
             assert (c.stages, c.sub_n, c.opt) == with_opts.get(tile, (2, c.block_n, 0)), c
     for c in prefill.VARIANTS:
-        if c.isa == "wgmma":  # other wgmma tiles: no pipeline knobs
-            assert c.plain and c.source == prefill.WG_SOURCE and c.arch == "sm_90a"
+        if c.isa == "wgmma":  # other wgmma tiles and ring depths
+            assert c.source == prefill.WG_SOURCE and c.arch == "sm_90a" and c.opt == 0
             assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n,
-                                                      isa="wgmma") <= prefill.MAX_SMEM_BYTES
+                                                      c.stages, isa="wgmma") <= prefill.MAX_SMEM_BYTES
             for causal in (False, True):
                 spec = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps,
-                                           causal, isa="wgmma")
+                                           causal, stages=c.stages, isa="wgmma")
                 assert prefill.config_of(spec) == (c, causal)
             continue
         tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
@@ -160,7 +160,7 @@ def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
 
 def test_wgmma_rows_lead_on_sm90a():
     from cupyflash import heuristics
-    for hd, tile in ((64, (128, 128, 8, "wgmma")), (128, (128, 64, 8, "wgmma"))):
+    for hd, tile in ((128, (128, 128, 8, "wgmma")), (64, (128, 64, 4, "mma"))):
         for dtype in ("bfloat16", "float16"):
             assert heuristics.prefill_tiles(dtype, hd)[0] == tile
             for causal in (False, True):
