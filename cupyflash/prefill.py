@@ -196,13 +196,14 @@ _TC_ROW_OPTS = {(128, 128, 64, 4): (2, 64, 4)}
 # Hopper wgmma rows (kernels_cu/flash_fwd_wgmma.cu, sm_90a only): headdim -> (block_m, block_n),
 # nwarps = block_m / 16 (one warpgroup per 64 rows), a 3-tile K/V ring. Listed before the mma.sync
 # rows of their head dim, so rule 1 of cupyflash.heuristics.choose_prefill_tile picks them on
-# sm_90a devices; the dispatcher rejects them elsewhere. ptxas (sm_90a, 256 threads): hd128
-# 128x128 255 registers, no spills, no wgmma serialisation. H200 (experiments/NOTES.md v3):
-# hd128 128x128 400-411 TFLOP/s vs 358-369 for 128x64 and 326-332 for the mma.sync default;
-# hd64 128x128 275-284, below mma.sync's 128x64x4 (311-313), so hd64 keeps mma.sync.
-_WG_TILES = {128: ((128, 128),)}
+# sm_90a devices; the dispatcher rejects them elsewhere. ptxas (sm_90a, 256 threads): 255 / 254
+# registers, no spills, no wgmma serialisation. H200, bf16, 16k tokens (experiments/NOTES.md v3c):
+# hd128 128x128 475-501 TFLOP/s non-causal, 422-505 causal (mma.sync default 326-331 / 286-304;
+# 128x64 wgmma 366-377); hd64 128x128 308-317 non-causal (mma.sync 128x64x4 310-314), 291-326
+# causal (mma.sync 281-305). The 2-tile rings (s2) lost 20-25% and were dropped.
+_WG_TILES = {64: ((128, 128),), 128: ((128, 128),)}
 # Experimental wgmma rows (sweeps only): (headdim, block_m, block_n, stages).
-_WG_VARIANTS = ((128, 128, 64, 3), (64, 128, 128, 3), (128, 128, 128, 2), (128, 128, 64, 2))
+_WG_VARIANTS = ((128, 128, 64, 3),)
 
 
 def _wg_row(dtype: str, hd: int, bm: int, bn: int, stages: int = 3) -> PrefillConfig:

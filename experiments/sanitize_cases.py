@@ -30,6 +30,21 @@ def main():
             q, k, v = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt), rand((2, 133, 2, d), dt)
             for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
                 cf.flash_attn_func(q, k, v, causal=causal, window_size=window)
+    # the Hopper wgmma kernels: the dispatcher takes them for large problems only, so they are
+    # launched directly here (ragged tails, GQA, causal and window masks, a padded head dim)
+    from cupyflash import checks, dispatch, prefill
+    if dispatch.default_arch() == prefill.WG_ARCH:
+        for cfg in prefill.SUPPORTED:
+            if cfg.isa != "wgmma" or (small and cfg.dtype != "bfloat16"):
+                continue
+            dt = bf16 if cfg.dtype == "bfloat16" else cp.float16
+            d = cfg.headdim - 8
+            q, k, v = rand((2, 200, 4, d), dt), rand((2, 333, 2, d), dt), rand((2, 333, 2, d), dt)
+            for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (40, 8))):
+                pr = checks.check_attention(q, k, v, causal=causal, window_size=window)
+                out = cp.empty_like(q)
+                lse = cp.empty((2, 4, 200), cp.float32)
+                prefill.launch(prefill.spec_of(cfg, pr.causal), q, k, v, out, lse, problem=pr)
     # varlen
     cu = cp.asarray(np.array([0, 5, 5, 70], dtype=np.int32))
     q = rand((70, 4, 64), cp.float16)

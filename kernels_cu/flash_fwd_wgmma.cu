@@ -14,10 +14,17 @@
 //   * intra-warpgroup pipelining (FA3 Sec. 3.2, Algorithm 2): in iteration j the warpgroup issues
 //     S_{j+1} = Q K_{j+1}^T and O += P_j V_j asynchronously, then runs the softmax of S_{j+1} on
 //     the CUDA cores while the tensor cores work on P_j V_j; O is rescaled once P_j V_j is done;
-//   * K_{j+2} and V_{j+1} are copied (cp.async, all threads) while tile j is consumed, one
-//     __syncthreads per tile. No warp specialisation and no TMA: the copies are the generic-proxy
-//     cp.async of flash_fwd.cu into a swizzled layout, made visible to wgmma with
-//     fence.proxy.async before the barrier.
+//   * warpgroup ping-pong (FA3 Sec. 3.1): the two warpgroups issue their GEMMs in turn (named
+//     barriers 1 and 2), so one warpgroup's softmax overlaps the other's GEMMs;
+//   * a ring of STAGES K and V tiles filled by cp.async from all threads, tracked by mbarriers
+//     instead of CTA barriers: each thread's copies arrive on the tile's "full" barrier when they
+//     land (cp.async.mbarrier.arrive.noinc), each thread arrives on its "empty" barrier when the
+//     wgmma that read the tile has completed, and a slot is refilled only after its empty barrier
+//     completed. Tiles are loaded STAGES - 1 iterations before they are consumed. No warp
+//     specialisation and no TMA: the copies are generic-proxy writes, made visible to wgmma with
+//     fence.proxy.async by the consuming thread after its wait.
+// Measured on the H200 (experiments/NOTES.md v3): each of ping-pong + mbarrier ring and the
+// softmax's independent reduction chains added ~20%; a ring of 2 tiles loses 20-25% against 3.
 // Causal / sliding-window: key tiles outside every row's range are skipped by the loop bounds
 // (common/mask.cuh KeyTiles); tiles that straddle a boundary evaluate the mask. Rows past the
 // sequence end and head-dim columns past the actual head dim are zero-filled by the copies.

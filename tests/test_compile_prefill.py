@@ -160,7 +160,7 @@ def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
 
 def test_wgmma_rows_lead_on_sm90a():
     from cupyflash import heuristics
-    for hd, tile in ((128, (128, 128, 8, "wgmma")), (64, (128, 64, 4, "mma"))):
+    for hd, tile in ((128, (128, 128, 8, "wgmma")), (64, (128, 128, 8, "wgmma"))):
         for dtype in ("bfloat16", "float16"):
             assert heuristics.prefill_tiles(dtype, hd)[0] == tile
             for causal in (False, True):
