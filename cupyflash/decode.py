@@ -148,8 +148,11 @@ def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int,
 #: ``.L2::256B`` prefetch-size hint on the K/V copies, and per-row 1-D bulk copies
 #: (``cp.async.bulk`` + one mbarrier per stage, sm_90 only; not with the L2 hints).
 FLAG_FUSED_COMBINE, FLAG_EVICT_FIRST, FLAG_PREFETCH_256, FLAG_BULK_COPY = 1, 2, 4, 8
+#: Warp-local pipeline (contiguous caches only): each warp copies and waits for its own key rows
+#: of every tile, so the tile loop has no CTA barrier (``decode_flags::kWarpLocal``).
+FLAG_WARP_LOCAL = 16
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
-                (FLAG_PREFETCH_256, "_pf256"), (FLAG_BULK_COPY, "_bulk"))
+                (FLAG_PREFETCH_256, "_pf256"), (FLAG_BULK_COPY, "_bulk"), (FLAG_WARP_LOCAL, "_wl"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48; never measurably slower).
@@ -166,8 +169,11 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     ...; the default :data:`DEFAULT_FLAGS` is what the public functions launch);
     ``block_n``/``nwarps``/``stages`` override :data:`SPLIT_CONFIGS` (experiments).
     """
-    if not isinstance(flags, int) or flags < 0 or flags >= 16:
-        raise ValueError(f"flags: expected an int in [0, 16), got {flags!r}")
+    if not isinstance(flags, int) or flags < 0 or flags >= 32:
+        raise ValueError(f"flags: expected an int in [0, 32), got {flags!r}")
+    if flags & FLAG_WARP_LOCAL and (paged or flags & FLAG_BULK_COPY):
+        raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches without bulk copies, "
+                         f"got flags={flags}, paged={paged}")
     if flags & FLAG_BULK_COPY and flags & (FLAG_EVICT_FIRST | FLAG_PREFETCH_256):
         raise ValueError(f"flags: FLAG_BULK_COPY does not combine with the L2 hints, got {flags}")
     if dtype not in DTYPES:

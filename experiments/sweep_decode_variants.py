@@ -32,9 +32,11 @@ SMEM_PER_SM, RESERVED = 233472, 1024
 
 
 def variants():
-    from cupyflash.decode import FLAG_BULK_COPY, FLAG_FUSED_COMBINE, SplitVariant as V
-    F, B = FLAG_FUSED_COMBINE, FLAG_BULK_COPY
+    from cupyflash.decode import FLAG_BULK_COPY, FLAG_FUSED_COMBINE, FLAG_WARP_LOCAL, SplitVariant as V
+    F, B, W = FLAG_FUSED_COMBINE, FLAG_BULK_COPY, FLAG_WARP_LOCAL
     contiguous = [
+        # v3 candidates (experiments/NOTES.md "v3 decode plan"): warp-local pipeline
+        V(64, 4, 3, F | W), V(64, 4, 4, F | W), V(128, 8, 3, F | W), V(64, 4, 6, F | W),
         V(64, 4, 3, F),                   # v2 default kernel (fused combine), 2 blocks/SM fit
         V(64, 4, 3, F, 1),                # heads-first grid order (v1: +-0.5%)
         V(128, 8, 3, F),                  # v1 best at b16 x 16k / b16 x 1k (unfused there)

@@ -78,6 +78,10 @@ constexpr int kPrefetch256 = 4;
 // Replaces ~16 cp.async per thread and tile with BLOCK_N / 16 bulk copies per lane of warp 0.
 // Needs 8 * STAGES more bytes of dynamic shared memory (the barriers, after the page ids).
 constexpr int kBulkCopy = 8;
+// Warp-local pipeline (contiguous caches, cp.async path): each warp copies the key rows it owns
+// (its BLOCK_N / NWARPS keys of every tile) and waits only for its own copies (cp.async wait +
+// __syncwarp), so the loop has no CTA barrier and the warps stream independently.
+constexpr int kWarpLocal = 16;
 }  // namespace decode_flags
 
 // ---- mbarrier and bulk-copy helpers (sm_90; used only with decode_flags::kBulkCopy) ----------
@@ -216,6 +220,10 @@ struct DecodeTraits {
     // chunk and visits rows tid / kChunksPerRow + c * kRowsPerPass, c < kCopiesPerThread.
     static_assert(kThreads % kChunksPerRow == 0, "a thread copies one column chunk of its rows");
     static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    // Warp-local copies (decode_flags::kWarpLocal): a warp copies its own kKeysPerWarp rows,
+    // lane l column chunk l % kChunksPerRow of rows l / kChunksPerRow + c * kWarpRowsPerPass.
+    static constexpr int kWarpRowsPerPass = kChunksPerRow >= 32 ? 1 : 32 / kChunksPerRow;
+    static constexpr int kWarpCopies = kKeysPerWarp * kChunksPerRow / 32;
 };
 
 // Runtime values of the split kernel that DecodeParams does not carry.
@@ -248,6 +256,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     using Tr = DecodeTraits<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr bool BULK = (FLAGS & decode_flags::kBulkCopy) != 0;
+    constexpr bool WL = (FLAGS & decode_flags::kWarpLocal) != 0;
+    static_assert(!WL || (!PAGED && !BULK), "warp-local copies: contiguous caches, cp.async path");
+    static_assert(!WL || (32 % Tr::kChunksPerRow == 0 || Tr::kChunksPerRow == 32),
+                  "warp-local copies: whole rows per pass of a warp");
     static_assert(!BULK || (FLAGS & (decode_flags::kEvictFirst | decode_flags::kPrefetch256)) == 0,
                   "the L2 hints apply to the cp.async path only");
     static_assert(!BULK || BLOCK_N % 32 == 0, "bulk copies: whole rows per lane of warp 0");
@@ -296,8 +308,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
 
     // ---- K/V tile copy: 16-byte cp.async, zero-fill past len / headdim / for bad page ids ----
     // This thread copies column chunk `col` of rows row0 + c * kRowsPerPass of every tile.
-    const int row0 = tid / Tr::kChunksPerRow;
-    const int col = (tid % Tr::kChunksPerRow) * Tr::kVec;
+    const int row0 = WL ? warp * Tr::kKeysPerWarp + lane / Tr::kChunksPerRow : tid / Tr::kChunksPerRow;
+    const int col = ((WL ? lane : tid) % Tr::kChunksPerRow) * Tr::kVec;
     const bool col_ok = col < p.headdim;
     const T* kbase = reinterpret_cast<const T*>(p.k);
     const T* vbase = reinterpret_cast<const T*>(p.v);
@@ -395,9 +407,11 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         T* sK = sStages + stage * Tr::kStageElems;
         T* sV = sK + Tr::kTileElems;
         const int* ids = sPage + (tile & 1) * BLOCK_N;
+        constexpr int kCopies = WL ? Tr::kWarpCopies : Tr::kCopiesPerThread;
+        constexpr int kPass = WL ? Tr::kWarpRowsPerPass : Tr::kRowsPerPass;
 #pragma unroll
-        for (int c = 0; c < Tr::kCopiesPerThread; ++c) {
-            const int row = row0 + c * Tr::kRowsPerPass;
+        for (int c = 0; c < kCopies; ++c) {
+            const int row = row0 + c * kPass;
             const int j = tile * BLOCK_N + row;
             bool valid = j < len && col_ok;
             int64_t koff = 0, voff = 0;
@@ -459,6 +473,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         }
         __syncthreads();  // barriers initialised, padding zeroed, before any copy is issued
     }
+    if constexpr (WL) __syncthreads();  // the Q tile (written by all threads) is visible
     fetch_pages(tile_begin);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -472,7 +487,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             decode_bulk::mbar_wait(sBar + 8u * (it % STAGES), (uint32_t)(it / STAGES) & 1u);
         else
             cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
-        __syncthreads();              // everyone's have; everyone is done with stage it - 1
+        if constexpr (WL)
+            __syncwarp();             // the warp's have (its rows only); it is done with it - 1
+        else
+            __syncthreads();          // everyone's have; everyone is done with stage it - 1
         if (it + STAGES - 1 < n_iter)
             load_tile((it + STAGES - 1) % STAGES, tile_begin + it + STAGES - 1);
         cp_async_commit();            // (possibly empty) group keeps the wait count uniform

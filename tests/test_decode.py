@@ -91,7 +91,7 @@ def test_spec_names_and_table():
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
     assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=16)
+        decode.split_kernel_spec("bfloat16", 128, False, flags=32)
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_BULK_COPY | 2)
     assert decode.split_kernel_spec("float16", 64, False).name == \

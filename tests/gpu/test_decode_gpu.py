@@ -404,12 +404,31 @@ _VARIANTS = [decode.SplitVariant(64, 4, 3), decode.SplitVariant(64, 4, 3, _F),
              decode.SplitVariant(128, 4, 3, _F),
              decode.SplitVariant(128, 4, 3, _F | decode.FLAG_BULK_COPY),
              decode.SplitVariant(128, 4, 2, _F | decode.FLAG_BULK_COPY)]
+# v3 candidates: the warp-local pipeline (contiguous caches only)
+_W = decode.FLAG_WARP_LOCAL
+_WL_VARIANTS = [decode.SplitVariant(64, 4, 3, _F | _W), decode.SplitVariant(64, 4, 4, _F | _W),
+                decode.SplitVariant(128, 8, 3, _F | _W), decode.SplitVariant(64, 4, 6, _F | _W),
+                decode.SplitVariant(64, 4, 3, _W)]
 
 
 @pytest.mark.parametrize("var", _VARIANTS, ids=lambda v: v.name)
 @pytest.mark.parametrize("page", [0, 16, 128])
 def test_split_variants_match_reference(var, page):
     _check_variant(var, page)
+
+
+@pytest.mark.parametrize("var", _WL_VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("hk,h,d", [(2, 8, 128), (3, 12, 72), (1, 16, 128)])
+def test_warp_local_variants_match_reference(var, hk, h, d):
+    """Warp-local copies: contiguous caches, GQA 4 / 16, a padded head dim (72 in hd128)."""
+    _check_variant(var, 0, hk=hk, h=h, d=d)
+
+
+def test_warp_local_rejects_paged_and_bulk():
+    with pytest.raises(ValueError, match="FLAG_WARP_LOCAL"):
+        decode.split_kernel_spec("bfloat16", 128, True, flags=_W)
+    with pytest.raises(ValueError, match="FLAG_WARP_LOCAL"):
+        decode.split_kernel_spec("bfloat16", 128, False, flags=_W | decode.FLAG_BULK_COPY)
 
 
 _BULK_VARIANTS = [v for v in _VARIANTS if v.flags & decode.FLAG_BULK_COPY]
