@@ -64,7 +64,8 @@ from .interop import as_cupy, np_dtype
 from .heuristics import H200_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
 
 __all__ = [
-    "DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS", "DecodeLaunch",
+    "DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS", "CONTIGUOUS_SPLIT_CONFIGS",
+    "split_config", "DecodeLaunch",
     "MAX_SPLITS", "MIN_TILES_PER_SPLIT", "launch_config",
     "padded_headdim", "split_smem_bytes", "kernel_spec", "split_kernel_spec",
     "combine_kernel_spec", "append_kernel_spec", "all_specs", "choose_num_splits",
@@ -108,6 +109,21 @@ class SplitConfig:
 #: blocks fit on an H200 SM with ~140 KB of copies in flight per SM (Little's law at ~4.4 TB/s
 #: and ~1-2 us of latency asks for 35-70 KB per SM).
 SPLIT_CONFIGS = {64: SplitConfig(128, 4, 3), 128: SplitConfig(64, 4, 3), 256: SplitConfig(32, 2, 3)}
+#: Contiguous caches where another tile measured faster (H200, sweep_decode_variants.py v2 and v3,
+#: bf16, 32/8 heads, graph-timed TB/s; experiments/NOTES.md): hd128 128 keys x 8 warps x 3 stages
+#: (214 KB, one block per SM, the heuristic's target for contiguous caches): b16 x 1k 2.90-2.94
+#: vs 2.66-2.69 for 64 x 4, b1 x 8k 2.00-2.02 vs 1.80-1.83, b1 x 128k 3.82-3.86 vs 3.79-3.83,
+#: b16 x 16k 4.10-4.13 vs 4.06-4.09, b64 x 16k within 1%. Paged caches keep SPLIT_CONFIGS (two
+#: blocks per SM hide their page-id loads, and 214 KB leaves room for one).
+CONTIGUOUS_SPLIT_CONFIGS = {128: SplitConfig(128, 8, 3)}
+
+
+def split_config(headdim: int, paged: bool) -> SplitConfig:
+    """The split kernel's tile for a compiled head dim and cache layout (the launch path's and
+    :func:`split_kernel_spec`'s default)."""
+    if not paged and headdim in CONTIGUOUS_SPLIT_CONFIGS:
+        return CONTIGUOUS_SPLIT_CONFIGS[headdim]
+    return SPLIT_CONFIGS[headdim]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +183,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256`` for the ``flags`` bits (:data:`FLAG_FUSED_COMBINE`,
     ...; the default :data:`DEFAULT_FLAGS` is what the public functions launch);
-    ``block_n``/``nwarps``/``stages`` override :data:`SPLIT_CONFIGS` (experiments).
+    ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
     """
     if not isinstance(flags, int) or flags < 0 or flags >= 32:
         raise ValueError(f"flags: expected an int in [0, 32), got {flags!r}")
@@ -180,7 +196,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
         raise TypeError(f"dtype: {dtype} has no decode kernel; supported: {', '.join(DTYPES)}")
     if headdim not in HEADDIMS:
         raise ValueError(f"headdim: compiled head dims are {HEADDIMS}, got {headdim}")
-    cfg = SPLIT_CONFIGS[headdim]
+    cfg = split_config(headdim, paged)
     bn = cfg.block_n if block_n is None else block_n
     nw = cfg.nwarps if nwarps is None else nwarps
     st = cfg.stages if stages is None else stages
@@ -325,7 +341,13 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     if hd != p.headdim:
         reasons.append(f"headdim {p.headdim} runs in the hd{hd} kernel (padding columns are "
                        "zero-filled in shared memory, not read)")
-    cfg = SPLIT_CONFIGS[hd]
+    cfg = split_config(hd, p.paged)
+    if split_smem_bytes(p.dtype, hd, cfg.block_n, 2) > max_smem_per_block and \
+            cfg != SPLIT_CONFIGS[hd]:
+        reasons.append(f"the {cfg.block_n}-key contiguous-cache tile does not fit the device's "
+                       f"{max_smem_per_block} bytes of shared memory per block: using the "
+                       f"{SPLIT_CONFIGS[hd].block_n}-key tile")
+        cfg = SPLIT_CONFIGS[hd]
     stages = cfg.stages
     while stages > 2 and split_smem_bytes(p.dtype, hd, cfg.block_n, stages) > max_smem_per_block:
         stages -= 1
@@ -336,7 +358,8 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     if smem > max_smem_per_block:
         raise ValueError(f"headdim: the hd{hd} decode kernel needs {smem} bytes of shared memory, "
                          f"the device allows {max_smem_per_block}")
-    spec = split_kernel_spec(p.dtype, hd, p.paged, stages=stages)
+    spec = split_kernel_spec(p.dtype, hd, p.paged, block_n=cfg.block_n, nwarps=cfg.nwarps,
+                             stages=stages)
     ctas_per_sm = max(1, smem_per_sm // (smem + _SMEM_RESERVED_PER_BLOCK))
     # Blocks per SM that the split count fills (heuristics.choose_num_splits, measured): one for
     # contiguous caches, two (where they fit) for paged caches.

@@ -101,10 +101,15 @@ def test_spec_names_and_table():
     specs = decode.all_specs()
     names = [x.name for x in specs]
     assert len(names) == len(set(names)) == 12 + 3 + 2
-    for x in specs:  # two blocks per H200 SM, within the per-block opt-in limit
+    for x in specs:  # within the per-block opt-in limit; paged: two blocks per H200 SM
         assert x.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
-        if x.name.startswith("decode_split"):
+        if x.name.startswith("decode_split") and "_paged" in x.name:
             assert 2 * (x.smem_bytes + 1024) <= decode.H200_SMEM_PER_SM
+    # contiguous hd128: the measured 128-key x 8-warp tile (one block per SM)
+    assert decode.split_kernel_spec("bfloat16", 128, False).name == \
+        "decode_split_bf16_hd128_n128_w8_g16_s3_fused"
+    assert decode.split_kernel_spec("bfloat16", 128, True).name == \
+        "decode_split_bf16_hd128_n64_w4_g16_s3_paged_fused"
     with pytest.raises(TypeError, match="dtype"):
         decode.split_kernel_spec("float32", 128, False)
     with pytest.raises(ValueError, match="headdim"):
@@ -452,8 +457,8 @@ def _problem(**kw):
 
 def test_plan_llama_decode():
     p = decode.launch_config(_problem())
-    assert p.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused"
-    assert p.grid == (16, 1, 8) and p.block == (128, 1, 1)
+    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused"
+    assert p.grid == (16, 1, 8) and p.block == (256, 1, 1)
     assert p.num_splits == 16 and p.combine is None and p.append is None  # fused combine
     # fp32 partials, then int32 counters (batch, nheads_k, row_chunks)
     assert p.counter_elems == 8
@@ -481,10 +486,15 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
     assert p.row_chunks == 2 and p.grid[2] == 16 and p.template["headdim"] == 128
     assert p.kernel.endswith("_paged_fused") and p.append == "decode_append_b16_paged"
     q = decode.launch_config(_problem(seqlen_cache=1000), split_size=100)
-    assert q.split_tiles == 2 and q.num_splits == 8  # ceil(1000/64)=16 tiles / 2
-    # an sm_86-like device (99 KB per block) gets two stages
+    assert q.split_tiles == 1 and q.num_splits == 8  # ceil(1000/128)=8 tiles / 1
+    qp = decode.launch_config(_problem(seqlen_cache=1024, paged=True, page_size=16,
+                                       num_pages=64, max_pages_per_seq=64), split_size=100)
+    assert qp.split_tiles == 2 and qp.num_splits == 8  # ceil(1024/64)=16 tiles / 2
+    # an sm_86-like device (99 KB per block): the 64-key tile with two stages
     r = decode.launch_config(_problem(), max_smem_per_block=101376, smem_per_sm=102400)
     assert r.template["stages"] == 2 and r.smem_bytes <= 101376
+    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused"
+    assert any("does not fit" in x for x in r.reasons)
     with pytest.raises(ValueError, match="split_size"):
         decode.launch_config(_problem(), split_size=0)
 
@@ -497,7 +507,7 @@ def test_explain_kvcache_on_host_arrays():
     assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
     assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused" in names and "num_splits" in names
-    assert "decode_split_fp16_hd128_n64_w4_g16_s3_fused" in names
+    assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
 
 
