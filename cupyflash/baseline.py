@@ -182,7 +182,7 @@ def attention_baseline(q, k, v, softmax_scale=None, causal=False, window_size=(-
     kern = jit.get_kernel(softmax_spec(p.dtype))
     kern((rows,), (SOFTMAX_THREADS,),
          (s, probs, lse, np.int64(rows), np.int32(Sq), np.int32(Sk), np.int32(p.causal),
-          np.int32(p.window_size[0]), np.int32(p.window_size[1]), np.float64(p.softmax_scale)))
+          *(np.int32(w) for w in checks.kernel_window(p)), np.float64(p.softmax_scale)))
     del s
     # 3. O = P V.
     vh = _heads_major(v, v.dtype)

@@ -37,7 +37,7 @@ from .interop import is_device_array  # (imports no CuPy)
 __all__ = [
     "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
     "check_attention", "check_varlen", "check_kvcache", "check_merge", "resolve_softmax_scale",
-    "check_last_dim_contiguous", "check_window_size", "dtype_name", "to_host",
+    "check_last_dim_contiguous", "check_window_size", "kernel_window", "dtype_name", "to_host",
 ]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -296,6 +296,24 @@ def to_host(x) -> np.ndarray:
             x = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
         return cupy.asnumpy(x)
     return np.asarray(x)
+
+
+def kernel_window(problem) -> tuple:
+    """``(left, right)`` of ``problem.window_size`` as the kernels take it (int32 arguments).
+
+    A bound that no query row can reach is replaced by -1 (unbounded): the same mask, and the
+    kernels' ``row + seqlen_k - seqlen_q +- window`` (int32) cannot overflow for windows up to
+    2^31 - 1 ("no limit" written as INT_MAX). ``left`` is unreachable when ``left >= seqlen_k -
+    1`` (every row's first visible key is then key 0), ``right`` when ``right >= seqlen_q - 1``
+    (every row's last visible key is then the last key); ``seqlen_*`` are the maxima for varlen
+    problems. 0 (causal) and -1 are kept as they are.
+    """
+    left, right = problem.window_size
+    if left > 0 and left >= problem.seqlen_k - 1:
+        left = -1
+    if right > 0 and right >= problem.seqlen_q - 1:
+        right = -1
+    return int(left), int(right)
 
 
 def resolve_softmax_scale(softmax_scale, headdim: int) -> float:

@@ -441,7 +441,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     report : bool
         Compile with NVRTC (no GPU needed) and fill registers / spills.
     num_sms, smem_per_sm, max_smem_per_block : int or None
-        Device limits; default the current device's, else the H200's.
+        Device limits; default the current device's, else the H200's (132 SMs), with the shared
+        memory of ``arch`` when one other than sm_90/sm_90a is named.
     """
     from . import dispatch
     if not isinstance(problem, checks.DecodeProblem):
@@ -449,9 +450,12 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                         f"{type(problem).__name__}")
     try:
         lim = _device_limits()
-    except Exception:  # no CuPy / no device: plan for an H200
+    except Exception:  # no CuPy / no device: plan for an H200, or for `arch`'s shared memory
         lim = dict(num_sms=H200_SMS, smem_per_sm=H200_SMEM_PER_SM,
                    max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN)
+        if arch is not None and arch not in ("sm_90", "sm_90a"):
+            lim["max_smem_per_block"] = dispatch.max_smem_bytes_for_arch(arch)
+            lim["smem_per_sm"] = lim["max_smem_per_block"] + _SMEM_RESERVED_PER_BLOCK
     num_sms = lim["num_sms"] if num_sms is None else num_sms
     smem_per_sm = lim["smem_per_sm"] if smem_per_sm is None else smem_per_sm
     max_smem_per_block = lim["max_smem_per_block"] if max_smem_per_block is None \
@@ -474,7 +478,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     def tmpl(spec):
         return dict(t) if spec.name == la.kernel else {"dtype": p.dtype}
 
-    split_spec = split_kernel_spec(p.dtype, t["headdim"], p.paged, stages=t["stages"])
+    split_spec = split_kernel_spec(p.dtype, t["headdim"], p.paged, block_n=t["block_n"],
+                                   nwarps=t["nwarps"], stages=t["stages"])
     main = choice(split_spec, la.grid, la.block, la.smem_bytes)
     extra = []
     if la.append is not None:
@@ -888,8 +893,9 @@ class _KVCacheLaunch:
         if out is None:
             out = _ContiguousLayout(q.shape, q.dtype)
         t = plan.template
-        self.split_kernel = jit.get_kernel(split_kernel_spec(prob.dtype, t["headdim"],
-                                                             prob.paged, stages=t["stages"]))
+        self.split_kernel = jit.get_kernel(split_kernel_spec(
+            prob.dtype, t["headdim"], prob.paged, block_n=t["block_n"], nwarps=t["nwarps"],
+            stages=t["stages"]))
         qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
         lse_bs, lse_hs = (h * sq, sq) if return_lse else (0, 0)  # contiguous (b, h, sq)
         bt_bs = _estrides(block_table)[0] if block_table is not None else 0

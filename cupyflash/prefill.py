@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from . import jit
+from . import checks, jit
 
 __all__ = [
     "PrefillConfig", "SUPPORTED", "VARIANTS", "OPT_FLAGS", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
@@ -452,7 +452,7 @@ def args_template(spec: jit.KernelSpec, q, k, v, out, lse_strides: tuple, *, pro
                    0, ls[0])
     else:
         strides = qs[:3] + ks[:3] + vs[:3] + os_[:3] + ls[:2]
-    left, right = problem.window_size
+    left, right = checks.kernel_window(problem)  # unreachable bounds as -1: no int32 overflow
     scale = float(problem.softmax_scale)
     sizes = (np.int32(problem.batch), np.int32(problem.nheads), np.int32(problem.nheads_k),
              np.int32(problem.nheads // problem.nheads_k),

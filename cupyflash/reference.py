@@ -89,8 +89,10 @@ def attention_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1)) ->
         Bad ``window_size`` (see :func:`cupyflash.checks.check_window_size`).
     """
     window = checks.check_window_size(window_size, checks._check_bool(causal, "causal"))
-    return visible(np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :],
-                   seqlen_q, seqlen_k, window)
+    vis = visible(np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :],
+                  seqlen_q, seqlen_k, window)
+    # (an unbounded window leaves the row index out of `visible`: broadcast to the full shape)
+    return np.broadcast_to(vis, (seqlen_q, seqlen_k)).copy()
 
 
 # ----------------------------------------------------------------------------------------------

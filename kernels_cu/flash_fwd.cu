@@ -160,23 +160,17 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;         // mma groupID, threadID_in_group
 
-    // ---- which (m-block, head, batch) this CTA computes; causal runs the heavy blocks first ----
-    const int m_block = CAUSAL ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const FwdSeq seq = fwd_seq(p, b, h);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const int m0 = m_block * BLOCK_M;
-    if (m0 >= seqlen_q) return;
-    const T* q_base = static_cast<const T*>(p.q) + seq.q_off;
-    const T* k_base = static_cast<const T*>(p.k) + seq.k_off;
-    const T* v_base = static_cast<const T*>(p.v) + seq.v_off;
-    T* o_base = static_cast<T*>(p.o) + seq.o_off;
-    float* lse_base = p.lse + seq.lse_off;
+    // ---- this CTA's rows, sequence and key tiles [n_block_min, n_block_max) (common/fwd_entry.cuh) ----
+    const FwdCta<T, BLOCK_M, BLOCK_N, CAUSAL> cta(p);
+    if (cta.empty()) return;
+    const int seqlen_q = cta.seq.seqlen_q, seqlen_k = cta.seq.seqlen_k, m0 = cta.m0;
+    const T* q_base = cta.q;
+    const T* k_base = cta.k;
+    const T* v_base = cta.v;
+    T* o_base = cta.o;
+    float* lse_base = cta.lse;
     const int chunks_valid = p.headdim / 8;
-
-    // ---- key tiles this block visits: [n_block_min, n_block_max) (common/mask.cuh) ----
-    const KeyTiles<BLOCK_N> tiles(m0, min(m0 + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, CAUSAL,
-                                  p.window_left, p.window_right);
+    const KeyTiles<BLOCK_N>& tiles = cta.tiles;
     const int n_block_min = tiles.n_block_min, n_block_max = tiles.n_block_max;
 
     // ---- prologue: Q tile (group 0), then K, V of the first kStages - 1 tiles (2 groups each;

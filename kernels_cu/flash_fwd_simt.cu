@@ -75,20 +75,15 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tr = tid / TC, tc = tid % TC;
 
-    const int m_block = CAUSAL ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const FwdSeq seq = fwd_seq(p, b, h);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const int m0 = m_block * BLOCK_M;
-    if (m0 >= seqlen_q) return;
-    const T* q_base = static_cast<const T*>(p.q) + seq.q_off;
-    const T* k_base = static_cast<const T*>(p.k) + seq.k_off;
-    const T* v_base = static_cast<const T*>(p.v) + seq.v_off;
-    T* o_base = static_cast<T*>(p.o) + seq.o_off;
-    float* lse_base = p.lse + seq.lse_off;
-
-    const KeyTiles<BLOCK_N> tiles(m0, min(m0 + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, CAUSAL,
-                                  p.window_left, p.window_right);
+    const FwdCta<T, BLOCK_M, BLOCK_N, CAUSAL> cta(p);  // rows, sequence, key tiles (fwd_entry.cuh)
+    if (cta.empty()) return;
+    const int seqlen_q = cta.seq.seqlen_q, seqlen_k = cta.seq.seqlen_k, m0 = cta.m0;
+    const T* q_base = cta.q;
+    const T* k_base = cta.k;
+    const T* v_base = cta.v;
+    T* o_base = cta.o;
+    float* lse_base = cta.lse;
+    const KeyTiles<BLOCK_N>& tiles = cta.tiles;
     // scale * log2(e), in T: the float64 path takes it from the float64 softmax_scale.
     const T scale_log2 = sizeof(T) == 8 ? T(p.softmax_scale_d * 1.4426950408889634073599246810019)
                                         : T(p.scale_log2);

@@ -59,6 +59,9 @@ struct WgmmaFwdTraits {
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two warpgroups");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
     static_assert(STAGES >= 2 && STAGES <= 4, "K/V ring of 2..4 tiles");
+    // sm_90's opt-in limit; also keeps every shared address below 2^18, the reach of the
+    // descriptors' 14-bit (address >> 4) field (common/wgmma.cuh)
+    static_assert(kSmemBytes <= 227 * 1024, "shared memory of the configuration");
 };
 
 // Global -> shared copy of one [ROWS x HEADDIM] tile with 16-byte cp.async into the 128-byte
@@ -194,19 +197,15 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
     const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
 
-    // ---- which (m-block, head, batch) this CTA computes; causal runs the heavy blocks first ----
-    const int m_block = CAUSAL ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const FwdSeq seq = fwd_seq(p, b, h);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const int m0 = m_block * BLOCK_M;
-    if (m0 >= seqlen_q) return;
-    const T* q_base = static_cast<const T*>(p.q) + seq.q_off;
-    const T* k_base = static_cast<const T*>(p.k) + seq.k_off;
-    const T* v_base = static_cast<const T*>(p.v) + seq.v_off;
+    // ---- this CTA's rows, sequence and key tiles (common/fwd_entry.cuh) ----
+    const FwdCta<T, BLOCK_M, BLOCK_N, CAUSAL> cta(p);
+    if (cta.empty()) return;
+    const int seqlen_q = cta.seq.seqlen_q, seqlen_k = cta.seq.seqlen_k, m0 = cta.m0;
+    const T* q_base = cta.q;
+    const T* k_base = cta.k;
+    const T* v_base = cta.v;
+    const KeyTiles<BLOCK_N>& tiles = cta.tiles;
     const int chunks_valid = p.headdim / 8;
-    const KeyTiles<BLOCK_N> tiles(m0, min(m0 + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, CAUSAL,
-                                  p.window_left, p.window_right);
     const int n_block_min = tiles.n_block_min;
     const int n_tiles = tiles.n_block_max - tiles.n_block_min;
 
@@ -332,6 +331,10 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
             wait_v(i);
             if (kPingPong) named_barrier_sync(1 + wg, 256);           // my turn
             float s[Tr::kSAcc];
+            // O and P_i were last written by ordinary instructions (rescale, copy): keep those
+            // writes before the wgmma fence (PTX: registers of a wgmma written before it).
+            wgmma_fence_operand(o);
+            wgmma_fence_operand(p_cur);
             wgmma_fence();
             if (has_next) issue_qk(s, i + 1);
             issue_pv(o, p_cur, i);
@@ -377,8 +380,8 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
     }
 
     // ---- epilogue: l_i summed over the quad; out = O / l (0 for an empty row); LSE ----
-    T* o_base = static_cast<T*>(p.o) + seq.o_off;
-    float* lse_base = p.lse + seq.lse_off;
+    T* o_base = cta.o;
+    float* lse_base = cta.lse;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         float l = l_i[hh];

@@ -348,3 +348,34 @@ def test_checks_does_not_import_cupy():
     code = ("import sys, cupyflash.checks, cupyflash.reference; "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel_window: unreachable window bounds reach the kernels as -1 (no int32 overflow there)
+# ----------------------------------------------------------------------------------------------
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+class _Win:
+    def __init__(self, sq, sk, window):
+        self.seqlen_q, self.seqlen_k, self.window_size = sq, sk, window
+
+
+_BOUND = st.one_of(st.integers(-1, 45), st.sampled_from([2 ** 31 - 1, 2 ** 31 - 2, 2 ** 30]))
+
+
+@given(sq=st.integers(0, 40), sk=st.integers(0, 40), left=_BOUND, right=_BOUND)
+def test_kernel_window_keeps_the_mask(sq, sk, left, right):
+    kl, kr = checks.kernel_window(_Win(sq, sk, (left, right)))
+    assert kl in (left, -1) and kr in (right, -1)
+    assert -1 <= kl < max(sk, 1) and -1 <= kr < max(sq, 1)  # small enough for int32 arithmetic
+    same = reference.attention_mask(sq, sk, window_size=(kl, kr))
+    want = reference.attention_mask(sq, sk, window_size=(left, right))
+    assert np.array_equal(same, want)
+
+
+def test_kernel_window_examples():
+    assert checks.kernel_window(_Win(128, 128, (-1, 2 ** 31 - 1))) == (-1, -1)
+    assert checks.kernel_window(_Win(128, 64, (2 ** 31 - 1, 0))) == (-1, 0)  # causal kept
+    assert checks.kernel_window(_Win(128, 64, (16, 8))) == (16, 8)
+    assert checks.kernel_window(_Win(1, 64, (5, 0))) == (5, 0)

@@ -666,3 +666,21 @@ def test_fragment_addressing_computes_qk_and_pv(headdim, block_n, nwarps):
                 for rh in range(2):
                     for x in range(2):
                         assert np.isclose(acc[dt][lane, 2 * rh + x], O_ref[g + 8 * rh, dt * 8 + 2 * t + x])
+
+
+def test_plan_spec_matches_the_launch_geometry_on_small_smem_devices():
+    # sm_86-like limits: the contiguous 128-key tile does not fit, the 64-key tile is planned,
+    # and every place that names the kernel names that one (explain and the launch path both
+    # rebuild the spec from the template)
+    for kw in (dict(), dict(max_smem_per_block=101376, smem_per_sm=102400)):
+        la = decode.launch_config(_problem(), **kw)
+        t = la.template
+        spec = decode.split_kernel_spec(t["dtype"], t["headdim"], False, block_n=t["block_n"],
+                                        nwarps=t["nwarps"], stages=t["stages"])
+        assert spec.name == la.kernel and la.block == (32 * t["nwarps"], 1, 1)
+        assert spec.smem_bytes == la.smem_bytes
+    q = np.zeros((1, 1, 32, 128), np.float16)
+    kc = np.zeros((1, 4096, 8, 128), np.float16)
+    p86 = decode.explain_kvcache(q, kc, kc, arch="sm_86", report=False)
+    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused" and p86.block == (128, 1, 1)
+    assert p86.smem_bytes <= 99 * 1024

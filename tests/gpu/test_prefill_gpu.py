@@ -564,3 +564,23 @@ def test_torch_tensors_and_sdpa(dtype, causal):
     assert err <= 2 * err_sdpa + atol, f"ours {err:.3g} vs torch SDPA {err_sdpa:.3g}"
     lse_h = cupy.asnumpy(lse).astype(np.float64)
     assert np.allclose(lse_h, lse_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+@pytest.mark.parametrize("window", [(-1, 2 ** 31 - 1), (2 ** 31 - 1, 2 ** 31 - 1), (2 ** 31 - 1, 0)])
+def test_int_max_window_means_unbounded(dtype_name, window):
+    """A window of 2^31 - 1 ("no limit" as INT_MAX) gives the unbounded result (the kernels'
+    int32 row + shift +- window would wrap without checks.kernel_window), S_q > S_k included."""
+    rng = np.random.default_rng(23)
+    dt = np_dtype(dtype_name)
+    for sq, sk in ((300, 300), (333, 100)):
+        qh, kh, vh = (rng.standard_normal((2, s, 4, 128)).astype(dt) for s in (sq, sk, sk))
+        out, lse = flash_attn_func(*(cupy.asarray(x) for x in (qh, kh, vh)), window_size=window,
+                                   return_lse=True)
+        ref, ref_lse = reference.attention_reference(qh, kh, vh, causal=window[1] == 0)
+        got = cupy.asnumpy(out).astype(np.float64)
+        assert not np.isnan(got).any()
+        tol = 3e-2 if dtype_name == "bfloat16" else 1e-5
+        assert testing.rel_error(got, ref) < tol, (window, sq, sk)
+        fin = np.isfinite(ref_lse)
+        assert np.array_equal(np.isfinite(cupy.asnumpy(lse)), fin)
