@@ -2,7 +2,10 @@
 
 ``flash_attn_func`` / ``flash_attn_varlen_func`` compute exact softmax attention with the tiled
 forward pass of FlashAttention-2 (Dao, arXiv 2307.08691, Sec. 3.1, Algorithm 1): the
-``seqlen_q x seqlen_k`` score matrix never reaches device memory. ``explain`` returns what such a
+``seqlen_q x seqlen_k`` score matrix never reaches device memory. On Hopper (sm_90a) head dims
+64 and 128 (float16/bfloat16) run on warpgroup MMA with FlashAttention-3's scheduling (Shah et
+al., arXiv 2407.08608, Sec. 3.1 ping-pong and Sec. 3.2 intra-warpgroup overlap); elsewhere
+mma.sync (tensor cores) or CUDA cores (float32/float64). ``explain`` names the kernel. ``explain`` returns what such a
 call would launch (:class:`cupyflash.dispatch.Plan`) without launching anything; it also works on
 NumPy arrays, on a machine without a GPU.
 
@@ -168,7 +171,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     ``out[b, i, h] = sum_j softmax_j(softmax_scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]``
     over the keys ``j`` that query row ``i`` may see, with ``g = nheads // nheads_k`` (GQA/MQA).
     FlashAttention-2, arXiv 2307.08691, Sec. 3.1 (online softmax, unscaled accumulator normalised
-    once at the end) and Algorithm 1.
+    once at the end) and Algorithm 1; on sm_90a devices, head dims 64 and 128 in float16/bfloat16
+    use the warpgroup-MMA kernel with FlashAttention-3's softmax/GEMM overlap (arXiv 2407.08608,
+    Sec. 3.1-3.2). The result is the same function (tested against the same float64 reference).
 
     Parameters
     ----------
