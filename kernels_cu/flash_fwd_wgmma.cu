@@ -211,24 +211,21 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
 
     const SwizzledTileLoader<BLOCK_M, HEADDIM, Tr::kThreads> q_loader(tid);
     const SwizzledTileLoader<BLOCK_N, HEADDIM, Tr::kThreads> kv_loader(tid);
-    // Producer side (every thread copies its share): tile j's K into ring slot j % S, after every
-    // thread released tile j - S of that slot; the copies then arrive on full_k[j % S]. Same for V.
-    auto load_k = [&](int j) {
+    // Producer side (every thread copies its share): tile j of K (v = false) or V (v = true) into
+    // ring slot j % S, after every thread released tile j - S of that slot; the copies then
+    // arrive on the slot's full barrier. (v is a constant at every call site.)
+    auto load_tile = [&](int j, bool v) {
         const int st = j % S;
-        if (j >= S) mbarrier_wait(empty_k(st), (uint32_t)((j / S - 1) & 1));
+        if (j >= S) mbarrier_wait(v ? empty_v(st) : empty_k(st), (uint32_t)((j / S - 1) & 1));
+        const T* base = v ? v_base : k_base;
+        const int64_t stride = v ? p.v_row_stride : p.k_row_stride;
         const int n0 = (n_block_min + j) * BLOCK_N;
-        kv_loader.load(sK + (uint32_t)st * Tr::kKVBytes, k_base + (int64_t)n0 * p.k_row_stride,
-                       p.k_row_stride, seqlen_k - n0, chunks_valid, k_base);
-        cp_async_mbarrier_arrive(full_k(st));
+        kv_loader.load((v ? sV : sK) + (uint32_t)st * Tr::kKVBytes, base + (int64_t)n0 * stride,
+                       stride, seqlen_k - n0, chunks_valid, base);
+        cp_async_mbarrier_arrive(v ? full_v(st) : full_k(st));
     };
-    auto load_v = [&](int j) {
-        const int st = j % S;
-        if (j >= S) mbarrier_wait(empty_v(st), (uint32_t)((j / S - 1) & 1));
-        const int n0 = (n_block_min + j) * BLOCK_N;
-        kv_loader.load(sV + (uint32_t)st * Tr::kKVBytes, v_base + (int64_t)n0 * p.v_row_stride,
-                       p.v_row_stride, seqlen_k - n0, chunks_valid, v_base);
-        cp_async_mbarrier_arrive(full_v(st));
-    };
+    auto load_k = [&](int j) { load_tile(j, false); };
+    auto load_v = [&](int j) { load_tile(j, true); };
     // Consumer side: wait until tile j's K (V) has landed, then make it visible to the async
     // proxy that wgmma reads through.
     auto wait_k = [&](int j) { mbarrier_wait(full_k(j % S), (uint32_t)((j / S) & 1)); fence_proxy_async(); };
