@@ -148,27 +148,26 @@ def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int,
                      flags: int = 0) -> int:
     """Dynamic shared memory of the split kernel (mirrors ``DecodeTraits::kSmemBytes``).
 
-    Q tile ``GROUP x (headdim + 8)`` plus ``stages`` x (K and V tiles of ``block_n x (headdim +
-    8)``), 16-bit elements; rows are padded by 16 bytes so that ``ldmatrix`` is conflict-free;
-    then two ``block_n`` int32 arrays of prefetched page ids (paged caches); with
-    :data:`FLAG_BULK_COPY`, one 8-byte mbarrier per stage.
+    Q tile ``GROUP x (headdim + 8)`` (rows padded by 16 bytes: conflict-free ``ldmatrix``) plus
+    ``stages`` x (K and V tiles of ``block_n x headdim``, unpadded rows with 16-byte chunks
+    XOR-swizzled inside 128-byte groups), 16-bit elements; then two ``block_n`` int32 arrays of
+    prefetched page ids (paged caches). ``flags`` do not change it.
     """
     e = np_dtype(dtype).itemsize
-    row = headdim + 16 // e
-    bars = 8 * stages if flags & FLAG_BULK_COPY else 0
-    return (GROUP * row + stages * 2 * block_n * row) * e + 2 * block_n * 4 + bars
+    return (GROUP * (headdim + 16 // e) + stages * 2 * block_n * headdim) * e + 2 * block_n * 4
 
 
 #: Bits of the split kernel's FLAGS template parameter (``decode_flags`` in flash_decode.cu) and
-#: their name suffixes: the fused last-block-done combine, the L2 evict_first policy and the
-#: ``.L2::256B`` prefetch-size hint on the K/V copies, and per-row 1-D bulk copies
-#: (``cp.async.bulk`` + one mbarrier per stage, sm_90 only; not with the L2 hints).
-FLAG_FUSED_COMBINE, FLAG_EVICT_FIRST, FLAG_PREFETCH_256, FLAG_BULK_COPY = 1, 2, 4, 8
+#: their name suffixes: the fused last-block-done combine, the L2 evict_first policy, and the
+#: ``.L2::256B`` / ``.L2::128B`` prefetch-size hints on the K/V copies (one at most). Bit 8 was
+#: a per-row bulk-copy variant, removed after it measured 2x slower (experiments/NOTES.md v2).
+FLAG_FUSED_COMBINE, FLAG_EVICT_FIRST, FLAG_PREFETCH_256, FLAG_PREFETCH_128 = 1, 2, 4, 8
 #: Warp-local pipeline (contiguous caches only): each warp copies and waits for its own key rows
 #: of every tile, so the tile loop has no CTA barrier (``decode_flags::kWarpLocal``).
 FLAG_WARP_LOCAL = 16
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
-                (FLAG_PREFETCH_256, "_pf256"), (FLAG_BULK_COPY, "_bulk"), (FLAG_WARP_LOCAL, "_wl"))
+                (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
+                (FLAG_WARP_LOCAL, "_wl"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48; never measurably slower).
@@ -187,11 +186,12 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     """
     if not isinstance(flags, int) or flags < 0 or flags >= 32:
         raise ValueError(f"flags: expected an int in [0, 32), got {flags!r}")
-    if flags & FLAG_WARP_LOCAL and (paged or flags & FLAG_BULK_COPY):
-        raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches without bulk copies, "
-                         f"got flags={flags}, paged={paged}")
-    if flags & FLAG_BULK_COPY and flags & (FLAG_EVICT_FIRST | FLAG_PREFETCH_256):
-        raise ValueError(f"flags: FLAG_BULK_COPY does not combine with the L2 hints, got {flags}")
+    if flags & FLAG_WARP_LOCAL and paged:
+        raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches, got flags={flags}, "
+                         f"paged={paged}")
+    if flags & FLAG_PREFETCH_256 and flags & FLAG_PREFETCH_128:
+        raise ValueError(f"flags: FLAG_PREFETCH_256 and FLAG_PREFETCH_128 exclude each other, "
+                         f"got {flags}")
     if dtype not in DTYPES:
         raise TypeError(f"dtype: {dtype} has no decode kernel; supported: {', '.join(DTYPES)}")
     if headdim not in HEADDIMS:

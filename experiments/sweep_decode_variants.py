@@ -4,7 +4,7 @@
 
 Llama-3-8B heads (32 query, 8 KV heads, d = 128), bf16, one query token, every sequence full.
 For each case (batch, seqlen_k, page_size; 0 = contiguous) and each split-kernel variant
-(cupyflash.decode.SplitVariant: tile shape, fused combine, bulk copies, grid order) x a few
+(cupyflash.decode.SplitVariant: tile shape, fused combine, L2 hints, grid order) x a few
 num_splits: time with CUDA-graph replay (20 calls per graph, best of 3 replays; L2 not flushed,
 as the first decode sweep), check the output against a float32 CuPy reference (normwise relative
 error < 1e-2, no NaN) and against the default path's output, and print TB/s of K+V bytes.
@@ -32,22 +32,17 @@ SMEM_PER_SM, RESERVED = 233472, 1024
 
 
 def variants():
-    from cupyflash.decode import FLAG_BULK_COPY, FLAG_FUSED_COMBINE, FLAG_WARP_LOCAL, SplitVariant as V
-    F, B, W = FLAG_FUSED_COMBINE, FLAG_BULK_COPY, FLAG_WARP_LOCAL
+    from cupyflash.decode import (FLAG_EVICT_FIRST, FLAG_FUSED_COMBINE, FLAG_PREFETCH_128,
+                                  FLAG_PREFETCH_256, FLAG_WARP_LOCAL, SplitVariant as V)
+    F, W, P1, P2, E = (FLAG_FUSED_COMBINE, FLAG_WARP_LOCAL, FLAG_PREFETCH_128, FLAG_PREFETCH_256,
+                       FLAG_EVICT_FIRST)
     contiguous = [
-        # v3 candidates (experiments/NOTES.md "v3 decode plan"): warp-local pipeline
-        V(64, 4, 3, F | W), V(64, 4, 4, F | W), V(128, 8, 3, F | W), V(64, 4, 6, F | W),
-        V(64, 4, 3, F),                   # v2 default kernel (fused combine), 2 blocks/SM fit
-        V(64, 4, 3, F, 1),                # heads-first grid order (v1: +-0.5%)
-        V(128, 8, 3, F),                  # v1 best at b16 x 16k / b16 x 1k (unfused there)
-        # v2 candidates (experiments/NOTES.md "v2 decode plan")
-        V(64, 4, 3, F | B),               # per-row bulk copies, mbarrier per stage
-        V(64, 4, 4, F | B),               # 1 block/SM, 3 tiles (102 KB) in flight
-        V(128, 4, 3, F),                  # 128-key tiles, 4 warps, 1 block/SM, 2 x 68 KB
-        V(128, 4, 3, F | B),
-        V(128, 4, 2, F | B),              # 1 tile in flight while one is computed (145 KB)
+        # v4 (experiments/NOTES.md "v4 decode plan"): swizzled K/V tiles; prefetch-size hints
+        V(128, 8, 3, F | P1), V(128, 8, 3, F | P2), V(128, 8, 3, F | P1 | E),
+        V(64, 4, 3, F), V(64, 4, 3, F | P1), V(64, 4, 4, F | P1),
+        V(128, 8, 3, F | W), V(128, 8, 3, F | W | P1), V(128, 4, 3, F | P1),
     ]
-    paged = [V(64, 4, 3, F), V(64, 4, 3, F | B), V(64, 4, 4, F | B), V(128, 4, 3, F | B)]
+    paged = [V(64, 4, 3, F), V(64, 4, 3, F | P1), V(128, 8, 3, F), V(128, 8, 3, F | P1)]
     return contiguous, paged
 
 

@@ -71,76 +71,15 @@ constexpr int kFusedCombine = 1;
 constexpr int kEvictFirst = 2;
 // K/V copies carry the .L2::256B prefetch-size hint.
 constexpr int kPrefetch256 = 4;
-// K/V tiles arrive by 1-D bulk copies (cp.async.bulk, the TMA engine without a tensor map; sm_90):
-// one per key row of K and of V (headdim * 2 bytes, 256 B at hd128), all issued by warp 0 (lane
-// l copies rows l, l + 32, ...), completion counted in bytes on one mbarrier per stage. Rows
-// past the sequence (or with a bad page id) are zero-filled with plain shared stores instead.
-// Replaces ~16 cp.async per thread and tile with BLOCK_N / 16 bulk copies per lane of warp 0.
-// Needs 8 * STAGES more bytes of dynamic shared memory (the barriers, after the page ids).
-constexpr int kBulkCopy = 8;
+// K/V copies carry the .L2::128B prefetch-size hint (H200, session-3 probe: +2% with the padded
+// layout; the hint CUTLASS's cp.async atoms carry). Bit 8 was the per-row bulk-copy variant
+// (removed: 2x slower, experiments/NOTES.md v2 outcome).
+constexpr int kPrefetch128 = 8;
 // Warp-local pipeline (contiguous caches, cp.async path): each warp copies the key rows it owns
 // (its BLOCK_N / NWARPS keys of every tile) and waits only for its own copies (cp.async wait +
 // __syncwarp), so the loop has no CTA barrier and the warps stream independently.
 constexpr int kWarpLocal = 16;
 }  // namespace decode_flags
-
-// ---- mbarrier and bulk-copy helpers (sm_90; used only with decode_flags::kBulkCopy) ----------
-namespace decode_bulk {
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-#endif
-}
-// Makes the initialised barriers visible to the async proxy (the bulk copies' complete_tx).
-__device__ __forceinline__ void mbar_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-// One arrival that also adds `bytes` to the transaction count of the current phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"(bar), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-    uint32_t ok = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("{\n .reg .pred p;\n"
-                 " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-#endif
-    return ok != 0;
-}
-// Waits for the phase with this parity to complete. try_wait suspends the thread for a
-// hardware time limit per call; a launch bug that never completes the phase traps (an error,
-// not a hang) after ~2^22 calls.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    for (uint32_t n = 0; !mbar_try_wait(bar, parity); ++n)
-        if (n > (1u << 22)) __trap();
-}
-// Orders this thread's earlier generic-proxy shared accesses (made visible to it by a barrier)
-// before its later async-proxy (bulk copy) writes to the same buffers.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-// Global -> shared bulk copy of `bytes` (multiple of 16; both addresses 16-byte aligned),
-// completion signalled on `bar` as complete_tx(bytes).
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
-                                         uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1], %2, [%3];\n"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#else
-    __trap();  // kBulkCopy kernels are sm_90 only (decode.py never builds them for older GPUs)
-#endif
-}
-}  // namespace decode_bulk
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
 // 16 bytes and reads nothing (src_size 0), `src` must still be a valid address.
@@ -149,19 +88,23 @@ __device__ __forceinline__ void cp_async_kv(uint32_t smem_addr, const void* src,
                                             uint64_t policy) {
     const int n = valid ? 16 : 0;
     constexpr bool ef = (FLAGS & decode_flags::kEvictFirst) != 0;
-    constexpr bool pf = (FLAGS & decode_flags::kPrefetch256) != 0;
-    if constexpr (ef && pf) {
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n"
-                     :: "r"(smem_addr), "l"(src), "r"(n), "l"(policy) : "memory");
-    } else if constexpr (ef) {
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
-                     :: "r"(smem_addr), "l"(src), "r"(n), "l"(policy) : "memory");
-    } else if constexpr (pf) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
-                     :: "r"(smem_addr), "l"(src), "r"(n) : "memory");
-    } else {
-        cp_async_16(smem_addr, src, valid);
-    }
+    constexpr bool pf256 = (FLAGS & decode_flags::kPrefetch256) != 0;
+    constexpr bool pf128 = (FLAGS & decode_flags::kPrefetch128) != 0;
+    static_assert(!(pf128 && pf256), "one prefetch-size hint");
+#define CF_CP_ASYNC_KV(HINTS) \
+    asm volatile("cp.async.cg.shared.global" HINTS " [%0], [%1], 16, %2;\n" \
+                 :: "r"(smem_addr), "l"(src), "r"(n) : "memory")
+#define CF_CP_ASYNC_KV_POLICY(HINTS) \
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint" HINTS " [%0], [%1], 16, %2, %3;\n" \
+                 :: "r"(smem_addr), "l"(src), "r"(n), "l"(policy) : "memory")
+    if constexpr (ef && pf256) CF_CP_ASYNC_KV_POLICY(".L2::256B");
+    else if constexpr (ef && pf128) CF_CP_ASYNC_KV_POLICY(".L2::128B");
+    else if constexpr (ef) CF_CP_ASYNC_KV_POLICY("");
+    else if constexpr (pf256) CF_CP_ASYNC_KV(".L2::256B");
+    else if constexpr (pf128) CF_CP_ASYNC_KV(".L2::128B");
+    else cp_async_16(smem_addr, src, valid);
+#undef CF_CP_ASYNC_KV
+#undef CF_CP_ASYNC_KV_POLICY
 }
 
 // Online merge of one more partial state (o normalised, lse natural log) into a running
@@ -199,12 +142,24 @@ struct DecodeTraits {
     static constexpr int kThreads = NWARPS * 32;
     static constexpr int kVec = 16 / sizeof(T);               // elements per 16-byte copy
     static constexpr int kChunksPerRow = HEADDIM / kVec;
-    static constexpr int kRowStride = HEADDIM + kVec;         // +16 B: conflict-free ldmatrix
+    static constexpr int kQStride = HEADDIM + kVec;           // Q rows: +16 B, conflict-free
     static constexpr int kKeysPerWarp = BLOCK_N / NWARPS;
     static constexpr int kKSteps = kKeysPerWarp / 16;         // 16-key blocks per warp per tile
-    static constexpr int kTileElems = BLOCK_N * kRowStride;   // one K (or V) tile
+    // K and V tiles: rows of HEADDIM elements without padding, 16-byte chunks swizzled inside
+    // each 128-byte group (chunk c of row r stored at c ^ (r % 8); see kv_offset). A warp's
+    // copies of two whole rows then fill 512 contiguous bytes, and each 8 x 16 B ldmatrix
+    // matrix (8 consecutive rows, one logical chunk) touches 8 different bank groups. The padded
+    // rows used before (+16 B per row) split each warp's copies into extra L2 requests: 2.0 L2
+    // sector lookups per DRAM sector and 88% of DRAM peak vs 1.5 and 95% for a plain copy with
+    // the same global addresses (ncu, H200, experiments/NOTES.md v4).
+    static_assert(kChunksPerRow % 8 == 0, "K/V rows: whole 128-byte swizzle groups");
+    static constexpr int kTileElems = BLOCK_N * HEADDIM;      // one K (or V) tile
     static constexpr int kStageElems = 2 * kTileElems;        // K tile then V tile
-    static constexpr int kQElems = GROUP * kRowStride;
+    static constexpr int kQElems = GROUP * kQStride;
+    // Element offset of 16-byte chunk `chunk` of row `row` in a K or V tile.
+    static __device__ __forceinline__ int kv_offset(int row, int chunk) {
+        return row * HEADDIM + (chunk ^ (row & 7)) * kVec;
+    }
     // Page ids of the next tile to copy, double-buffered (paged caches; allocated always).
     static constexpr int kPageIdBytes = 2 * BLOCK_N * 4;
     static constexpr int kSmemBytes = (kQElems + STAGES * kStageElems) * (int)sizeof(T)
@@ -255,22 +210,15 @@ template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGE
 __device__ __forceinline__ void decode_split(const DecodeParams& p, const DecodeSplitExtra& ex) {
     using Tr = DecodeTraits<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    constexpr bool BULK = (FLAGS & decode_flags::kBulkCopy) != 0;
     constexpr bool WL = (FLAGS & decode_flags::kWarpLocal) != 0;
-    static_assert(!WL || (!PAGED && !BULK), "warp-local copies: contiguous caches, cp.async path");
+    static_assert(!WL || !PAGED, "warp-local copies: contiguous caches");
     static_assert(!WL || (32 % Tr::kChunksPerRow == 0 || Tr::kChunksPerRow == 32),
                   "warp-local copies: whole rows per pass of a warp");
-    static_assert(!BULK || (FLAGS & (decode_flags::kEvictFirst | decode_flags::kPrefetch256)) == 0,
-                  "the L2 hints apply to the cp.async path only");
-    static_assert(!BULK || BLOCK_N % 32 == 0, "bulk copies: whole rows per lane of warp 0");
-    constexpr int kBarBytes = BULK ? 8 * STAGES : 0;  // one mbarrier per stage, after sPage
-    if (decode_detail::dynamic_smem_bytes() < (unsigned)(Tr::kSmemBytes + kBarBytes))
+    if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes)
         __trap();  // launch bug, never silent
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sStages = sQ + Tr::kQElems;
     int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [2][BLOCK_N]
-    // kSmemBytes is a multiple of 8 (16-byte rows, 8 * BLOCK_N bytes of page ids)
-    const uint32_t sBar = smem_u32addr(smem_raw + Tr::kSmemBytes);  // [STAGES] uint64 (BULK)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;  // mma groupID / threadID_in_group
@@ -302,14 +250,15 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
                 val = q[b * p.q_batch_stride + qi * p.q_row_stride + h * p.q_head_stride + c];
             }
-            s[r * Tr::kRowStride + c] = val;
+            s[r * Tr::kQStride + c] = val;
         }
     }
 
     // ---- K/V tile copy: 16-byte cp.async, zero-fill past len / headdim / for bad page ids ----
     // This thread copies column chunk `col` of rows row0 + c * kRowsPerPass of every tile.
     const int row0 = WL ? warp * Tr::kKeysPerWarp + lane / Tr::kChunksPerRow : tid / Tr::kChunksPerRow;
-    const int col = ((WL ? lane : tid) % Tr::kChunksPerRow) * Tr::kVec;
+    const int chunk = (WL ? lane : tid) % Tr::kChunksPerRow;
+    const int col = chunk * Tr::kVec;
     const bool col_ok = col < p.headdim;
     const T* kbase = reinterpret_cast<const T*>(p.k);
     const T* vbase = reinterpret_cast<const T*>(p.v);
@@ -318,9 +267,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                     + (int64_t)hk * p.k_head_stride + col;
     const T* vcol = vbase + (PAGED ? 0 : (int64_t)b * p.v_batch_stride)
                     + (int64_t)hk * p.v_head_stride + col;
-    // BULK: (b, 0, hk, 0) / (page 0, row 0, hk, 0), whole rows
-    const T* k_head = kcol - col;
-    const T* v_head = vcol - col;
     // Paged: the page ids of a tile are loaded from block_table into sPage[tile & 1] one tile
     // ahead (right after the previous tile's copies are issued), so the block_table load is off
     // the copies' critical path; a __syncthreads separates each write from its reads (the
@@ -347,63 +293,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         (FLAGS & decode_flags::kEvictFirst) ? decode_detail::l2_evict_first_policy() : 0ull;
     // Issues the copies of `tile` into `stage` (sPage[tile & 1] must hold its page ids, visible
     // to every thread), then fetches the page ids of tile + 1.
-    // BULK: warp 0 issues per-row bulk copies (lane l: rows l + 32 i), zero-fills the rows that
-    // are not read, and lane 0 arms the stage's barrier with the byte count of the copies.
-    auto bulk_tile = [&](int stage, int tile) {
-        T* sK = sStages + stage * Tr::kStageElems;
-        T* sV = sK + Tr::kTileElems;
-        const int* ids = sPage + (tile & 1) * BLOCK_N;
-        const uint32_t row_bytes = (uint32_t)p.headdim * (uint32_t)sizeof(T);
-        const uint32_t bar = sBar + 8u * stage;
-        constexpr int kRowsPerLane = BLOCK_N / 32;
-        int64_t koff[kRowsPerLane], voff[kRowsPerLane];
-        bool ok[kRowsPerLane];
-        uint32_t bytes = 0;
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) {
-            const int row = lane + 32 * i;
-            const int j = tile * BLOCK_N + row;
-            ok[i] = j < len;
-            if constexpr (PAGED) {
-                const int page = ids[tile_pages ? 0 : row];
-                ok[i] = ok[i] && page >= 0 && page < p.num_pages;
-                const int in_page = j - page_slot(p, j) * p.page_size;
-                koff[i] = (int64_t)page * p.k_batch_stride + (int64_t)in_page * p.k_row_stride;
-                voff[i] = (int64_t)page * p.v_batch_stride + (int64_t)in_page * p.v_row_stride;
-            } else {
-                koff[i] = (int64_t)j * p.k_row_stride;
-                voff[i] = (int64_t)j * p.v_row_stride;
-            }
-            bytes += ok[i] ? 2u * row_bytes : 0u;
-        }
-        bytes = __reduce_add_sync(0xffffffffu, bytes);
-        decode_bulk::fence_proxy_async_smem();  // earlier generic reads/writes of this stage
-        if (lane == 0) decode_bulk::mbar_arrive_expect_tx(bar, bytes);
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) {
-            const int row = lane + 32 * i;
-            T* dk = sK + row * Tr::kRowStride;
-            T* dv = sV + row * Tr::kRowStride;
-            if (ok[i]) {
-                decode_bulk::bulk_g2s(smem_u32addr(dk), k_head + koff[i], row_bytes, bar);
-                decode_bulk::bulk_g2s(smem_u32addr(dv), v_head + voff[i], row_bytes, bar);
-            } else {  // never read from memory: zeros (V must be finite, P is 0 there)
-                const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-                for (int c = 0; c < HEADDIM; c += Tr::kVec) {
-                    *reinterpret_cast<uint4*>(dk + c) = z;
-                    *reinterpret_cast<uint4*>(dv + c) = z;
-                }
-            }
-        }
-    };
     auto load_tile = [&](int stage, int tile) {
-        if constexpr (BULK) {
-            if (warp == 0) bulk_tile(stage, tile);
-            fetch_pages(tile + 1);
-            return;
-        }
         T* sK = sStages + stage * Tr::kStageElems;
         T* sV = sK + Tr::kTileElems;
         const int* ids = sPage + (tile & 1) * BLOCK_N;
@@ -425,9 +315,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 koff = (int64_t)j * p.k_row_stride;
                 voff = (int64_t)j * p.v_row_stride;
             }
-            cp_async_kv<FLAGS>(smem_u32addr(sK + row * Tr::kRowStride + col),
+            cp_async_kv<FLAGS>(smem_u32addr(sK + Tr::kv_offset(row, chunk)),
                                valid ? kcol + koff : kbase, valid, policy);
-            cp_async_kv<FLAGS>(smem_u32addr(sV + row * Tr::kRowStride + col),
+            cp_async_kv<FLAGS>(smem_u32addr(sV + Tr::kv_offset(row, chunk)),
                                valid ? vcol + voff : vbase, valid, policy);
         }
         fetch_pages(tile + 1);
@@ -451,28 +341,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
 
-    const uint32_t sQ_addr = smem_u32addr(sQ + (lane & 15) * Tr::kRowStride + (lane >> 4) * 8);
+    const uint32_t sQ_addr = smem_u32addr(sQ + (lane & 15) * Tr::kQStride + (lane >> 4) * 8);
     const int warp_key0 = warp * Tr::kKeysPerWarp;
 
     // ---- pipeline prologue: STAGES - 1 tiles in flight ----------------------------------------
-    if constexpr (BULK) {
-        // Barriers: one arrival (warp 0's lane 0) per phase plus the copies' bytes.
-        if (tid == 0) {
-            for (int s = 0; s < STAGES; ++s) decode_bulk::mbar_init(sBar + 8u * s, 1u);
-            decode_bulk::mbar_init_fence();
-        }
-        // Padding columns [headdim, HEADDIM) are never written by the row copies: zero them in
-        // every stage once (K's multiply Q's zero padding, V's reach padding columns only).
-        if (p.headdim < HEADDIM) {
-            for (int e = tid; e < STAGES * 2 * BLOCK_N * (HEADDIM / Tr::kVec); e += Tr::kThreads) {
-                const int r = e / (HEADDIM / Tr::kVec), c = (e % (HEADDIM / Tr::kVec)) * Tr::kVec;
-                if (c >= p.headdim)
-                    *reinterpret_cast<uint4*>(sStages + r * Tr::kRowStride + c) =
-                        make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-        __syncthreads();  // barriers initialised, padding zeroed, before any copy is issued
-    }
     if constexpr (WL) __syncthreads();  // the Q tile (written by all threads) is visible
     fetch_pages(tile_begin);
 #pragma unroll
@@ -483,10 +355,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     }
 
     for (int it = 0; it < n_iter; ++it) {
-        if constexpr (BULK)  // the bulk copies of tile `it` have landed (stage use it / STAGES)
-            decode_bulk::mbar_wait(sBar + 8u * (it % STAGES), (uint32_t)(it / STAGES) & 1u);
-        else
-            cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
+        cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
         if constexpr (WL)
             __syncwarp();             // the warp's have (its rows only); it is done with it - 1
         else
@@ -515,9 +384,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             for (int kw = 0; kw < Tr::kKSteps; ++kw) {
                 // matrices: (keys 0-7, dims lo), (keys 0-7, dims hi), (keys 8-15, lo), (8-15, hi)
                 const int krow = warp_key0 + kw * 16 + (lane >> 4) * 8 + (lane & 7);
-                const int kcol = ks * 16 + ((lane >> 3) & 1) * 8;
+                const int kchunk = ks * 2 + ((lane >> 3) & 1);
                 uint32_t bk[4];
-                ldmatrix_x4(bk, smem_u32addr(sK + krow * Tr::kRowStride + kcol));
+                ldmatrix_x4(bk, smem_u32addr(sK + Tr::kv_offset(krow, kchunk)));
                 mma_m16n8k16<T>(s[kw][0], a, bk[0], bk[1]);
                 mma_m16n8k16<T>(s[kw][1], a, bk[2], bk[3]);
             }
@@ -574,9 +443,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             const int vrow = warp_key0 + kw * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
 #pragma unroll
             for (int dn = 0; dn < HEADDIM / 16; ++dn) {
-                const int vcol = dn * 16 + (lane >> 4) * 8;
+                const int vchunk = dn * 2 + (lane >> 4);
                 uint32_t bv[4];
-                ldmatrix_x4_trans(bv, smem_u32addr(sV + vrow * Tr::kRowStride + vcol));
+                ldmatrix_x4_trans(bv, smem_u32addr(sV + Tr::kv_offset(vrow, vchunk)));
                 mma_m16n8k16<T>(acc[2 * dn], pa, bv[0], bv[1]);
                 mma_m16n8k16<T>(acc[2 * dn + 1], pa, bv[2], bv[3]);
             }

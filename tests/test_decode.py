@@ -84,8 +84,9 @@ def test_spec_names_and_table():
     assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, true, 1>"
     assert decode.split_kernel_spec("bfloat16", 128, True, flags=0).name == \
         "decode_split_bf16_hd128_n64_w4_g16_s3_paged"
-    # Q tile, 3 stages of K and V tiles (rows padded by 16 B), 2 x 64 prefetched page ids
-    assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 136) * 2 + 2 * 64 * 4
+    # Q tile (rows padded by 16 B), 3 stages of K and V tiles (swizzled, unpadded rows),
+    # 2 x 64 prefetched page ids
+    assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 128) * 2 + 2 * 64 * 4
     f = decode.split_kernel_spec("bfloat16", 128, False, block_n=32, nwarps=2, stages=6,
                                  flags=decode.FLAG_FUSED_COMBINE | decode.FLAG_EVICT_FIRST)
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
@@ -93,7 +94,10 @@ def test_spec_names_and_table():
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, False, flags=32)
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_BULK_COPY | 2)
+        decode.split_kernel_spec("bfloat16", 128, False,
+                                 flags=decode.FLAG_PREFETCH_128 | decode.FLAG_PREFETCH_256)
+    with pytest.raises(ValueError, match="flags"):
+        decode.split_kernel_spec("bfloat16", 128, True, flags=decode.FLAG_WARP_LOCAL)
     assert decode.split_kernel_spec("float16", 64, False).name == \
         "decode_split_fp16_hd64_n128_w4_g16_s3_fused"
     assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
@@ -143,12 +147,12 @@ VARIANTS = [decode.SplitVariant(64, 4, 3, decode.FLAG_FUSED_COMBINE),
             decode.SplitVariant(32, 2, 6, decode.FLAG_FUSED_COMBINE),
             decode.SplitVariant(32, 2, 4), decode.SplitVariant(128, 8, 3),
             decode.SplitVariant(32, 2, 12)]
-#: v2 candidates (experiments/NOTES.md "v2 decode plan"): per-row bulk copies, 128-key tiles
-#: with 4 warps.
-_FB = decode.FLAG_FUSED_COMBINE | decode.FLAG_BULK_COPY
-VARIANTS += [decode.SplitVariant(64, 4, 3, _FB), decode.SplitVariant(64, 4, 4, _FB),
-             decode.SplitVariant(128, 4, 3, decode.FLAG_FUSED_COMBINE),
-             decode.SplitVariant(128, 4, 3, _FB), decode.SplitVariant(128, 4, 2, _FB)]
+#: v2 candidates (experiments/NOTES.md "v2 decode plan"): 128-key tiles with 4 warps; v4:
+#: the .L2::128B prefetch-size hint (with and without evict_first).
+_F = decode.FLAG_FUSED_COMBINE
+VARIANTS += [decode.SplitVariant(128, 4, 3, _F), decode.SplitVariant(128, 4, 2, _F),
+             decode.SplitVariant(128, 8, 3, _F | decode.FLAG_PREFETCH_128),
+             decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128 | decode.FLAG_EVICT_FIRST)]
 
 
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)
@@ -156,9 +160,7 @@ def test_variants_compile_without_spills(var):
     for paged in (False, True):
         spec = var.spec("bfloat16", 128, paged)
         assert spec.smem_bytes + 1024 <= decode.H200_SMEM_PER_BLOCK_OPTIN + 1024
-        # bulk copies (cp.async.bulk, mbarrier expect_tx) are sm_90 instructions
-        archs = ("sm_90a",) if var.flags & decode.FLAG_BULK_COPY else ("sm_90a", "sm_80")
-        for arch in archs:
+        for arch in ("sm_90a", "sm_80"):
             r = jit.compile_report(spec, arch)
             assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
     assert var.workspace_elems(2, 1, 32, 8, 128, 1) == 0
@@ -395,35 +397,40 @@ def test_emulated_kernel_index_math_matches_reference(case, cfg):
         assert np.array_equal(kc[both], ref_kc[both])
 
 
-@pytest.mark.parametrize("block_n", [32, 64, 128])
-@pytest.mark.parametrize("page_size", [0, 1, 16, 64, 256])
-def test_bulk_copy_rows_and_expect_tx_bytes(block_n, page_size):
-    """Mirror of bulk_tile (FLAG_BULK_COPY): lane l of warp 0 owns rows l + 32 i; every row of a
-    tile is either bulk-copied (K and V, headdim * 2 bytes each) or zero-filled, exactly once,
-    and the barrier's expect_tx equals the bytes the copies deliver (else a hang / early
-    release). Rows at or past len, or with a page id outside the pool, are zero-filled."""
-    rng = np.random.default_rng(block_n + page_size)
-    headdim, num_pages = 72, 5
-    for _ in range(20):
-        length = int(rng.integers(0, 4 * block_n))
-        tile = int(rng.integers(0, 4))
-        ids = rng.integers(-1, num_pages + 2, size=64)  # some bad ids
-        rows_seen, expect, delivered = [], 0, 0
+def _kv_offset(headdim, row, chunk):
+    """Mirror of DecodeTraits::kv_offset: element offset of 16-byte chunk `chunk` of `row`."""
+    return row * headdim + (chunk ^ (row & 7)) * 8
+
+
+@pytest.mark.parametrize("headdim,block_n,nwarps", [(64, 128, 4), (128, 64, 4), (128, 128, 8),
+                                                    (256, 32, 2)])
+def test_swizzled_kv_tile_layout(headdim, block_n, nwarps):
+    """The K/V tile layout of the split kernel (swizzled 16-byte chunks, unpadded rows):
+    * a bijection from (row, chunk) onto the tile's 16-byte slots;
+    * the copies of one warp instruction (lane l: chunk l % chunks of row l // chunks, as the
+      kernel's tid -> (row, chunk) map) fill whole 128-byte shared-memory lines, each line
+      from one 128-byte global segment (what lets L1TEX send whole-line L2 requests);
+    * every 8 x 16 B ldmatrix matrix the math reads (8 consecutive rows of one logical chunk;
+      K: krow = key0 + (lane >> 4) * 8 + (lane & 7), V: vrow = key0 + ((lane >> 3) & 1) * 8 +
+      (lane & 7)) touches 8 different 16-byte bank groups: conflict-free."""
+    chunks = headdim // 8
+    slots = {_kv_offset(headdim, r, c) for r in range(block_n) for c in range(chunks)}
+    assert slots == set(range(0, block_n * headdim, 8))
+    threads = nwarps * 32
+    for warp in range(nwarps):  # first copy pass; later passes add threads // chunks rows
+        lines = {}
         for lane in range(32):
-            lane_bytes = 0
-            for i in range(block_n // 32):
-                row = lane + 32 * i
-                j = tile * block_n + row
-                ok = j < length
-                if page_size:
-                    page = ids[j // page_size % 64]
-                    ok = ok and 0 <= page < num_pages
-                lane_bytes += 2 * headdim * 2 if ok else 0
-                delivered += 2 * headdim * 2 if ok else 0
-                rows_seen.append(row)
-            expect += lane_bytes  # __reduce_add_sync over the warp
-        assert sorted(rows_seen) == list(range(block_n))
-        assert expect == delivered and expect % 16 == 0
+            row, chunk = divmod(warp * 32 + lane, chunks)
+            dst_line = _kv_offset(headdim, row, chunk) * 2 // 128
+            lines.setdefault(dst_line, set()).add((row, chunk * 16 // 128))  # global segment
+        assert all(len(segments) == 1 for segments in lines.values())
+        assert len(lines) == 4  # 512 bytes: 4 whole lines of 8 lanes each
+    assert threads % chunks == 0
+    for key0 in range(0, block_n, 16):
+        for logical in range(chunks):
+            for rows in (range(key0, key0 + 8), range(key0 + 8, key0 + 16)):
+                banks = {(_kv_offset(headdim, r, logical) * 2 // 16) % 8 for r in rows}
+                assert len(banks) == 8, (key0, logical)
 
 
 def test_emulation_merge_of_partials_equals_reference_merge():

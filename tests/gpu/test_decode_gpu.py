@@ -397,13 +397,11 @@ _VARIANTS = [decode.SplitVariant(64, 4, 3), decode.SplitVariant(64, 4, 3, _F),
              decode.SplitVariant(64, 4, 6, _F), decode.SplitVariant(32, 2, 6, _F, 1),
              decode.SplitVariant(32, 2, 4), decode.SplitVariant(128, 8, 3),
              decode.SplitVariant(32, 2, 12),
-             # v2 candidates: per-row bulk copies (mbarrier), 128-key tiles with 4 warps
-             decode.SplitVariant(64, 4, 3, _F | decode.FLAG_BULK_COPY),
-             decode.SplitVariant(64, 4, 4, _F | decode.FLAG_BULK_COPY),
-             decode.SplitVariant(64, 4, 3, decode.FLAG_BULK_COPY, 1),
-             decode.SplitVariant(128, 4, 3, _F),
-             decode.SplitVariant(128, 4, 3, _F | decode.FLAG_BULK_COPY),
-             decode.SplitVariant(128, 4, 2, _F | decode.FLAG_BULK_COPY)]
+             # v2 candidates: 128-key tiles with 4 warps; v4: the .L2::128B hint
+             decode.SplitVariant(128, 4, 3, _F), decode.SplitVariant(128, 4, 2, _F),
+             decode.SplitVariant(128, 8, 3, _F | decode.FLAG_PREFETCH_128),
+             decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128),
+             decode.SplitVariant(64, 4, 3, decode.FLAG_PREFETCH_128 | decode.FLAG_EVICT_FIRST, 1)]
 # v3 candidates: the warp-local pipeline (contiguous caches only)
 _W = decode.FLAG_WARP_LOCAL
 _WL_VARIANTS = [decode.SplitVariant(64, 4, 3, _F | _W), decode.SplitVariant(64, 4, 4, _F | _W),
@@ -424,21 +422,18 @@ def test_warp_local_variants_match_reference(var, hk, h, d):
     _check_variant(var, 0, hk=hk, h=h, d=d)
 
 
-def test_warp_local_rejects_paged_and_bulk():
+def test_warp_local_rejects_paged():
     with pytest.raises(ValueError, match="FLAG_WARP_LOCAL"):
         decode.split_kernel_spec("bfloat16", 128, True, flags=_W)
-    with pytest.raises(ValueError, match="FLAG_WARP_LOCAL"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=_W | decode.FLAG_BULK_COPY)
 
 
-_BULK_VARIANTS = [v for v in _VARIANTS if v.flags & decode.FLAG_BULK_COPY]
-
-
-@pytest.mark.parametrize("var", _BULK_VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("var", [decode.SplitVariant(128, 8, 3, _F),
+                                 decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128)],
+                         ids=lambda v: v.name)
 @pytest.mark.parametrize("page", [0, 3, 64])
-def test_bulk_variants_padded_headdim_gqa_odd_pages(var, page):
-    """Bulk copies of 144-byte rows (headdim 72 in the hd128 kernel: padding columns zeroed
-    once per stage), GQA 4, a non-power-of-two page size (per-row page ids)."""
+def test_variants_padded_headdim_gqa_odd_pages(var, page):
+    """Swizzled K/V tiles with a padded head dim (72 in the hd128 kernel: the padding chunks
+    are zero-filled copies), GQA 4, a non-power-of-two page size (per-row page ids)."""
     _check_variant(var, page, hk=3, h=12, d=72)
 
 
