@@ -113,16 +113,21 @@ SPLIT_CONFIGS = {64: SplitConfig(128, 4, 3), 128: SplitConfig(64, 4, 3), 256: Sp
 #: bf16, 32/8 heads, graph-timed TB/s; experiments/NOTES.md): hd128 128 keys x 8 warps x 3 stages
 #: (214 KB, one block per SM, the heuristic's target for contiguous caches): b16 x 1k 2.90-2.94
 #: vs 2.66-2.69 for 64 x 4, b1 x 8k 2.00-2.02 vs 1.80-1.83, b1 x 128k 3.82-3.86 vs 3.79-3.83,
-#: b16 x 16k 4.10-4.13 vs 4.06-4.09, b64 x 16k within 1%. Paged caches keep SPLIT_CONFIGS (two
-#: blocks per SM hide their page-id loads, and 214 KB leaves room for one).
+#: b16 x 16k 4.10-4.13 vs 4.06-4.09, b64 x 16k within 1%. Paged caches whose pages hold whole
+#: tiles (``page_size % 128 == 0``: one page id per tile) use it too (v4 sweep: page 256, b16 x
+#: 16k 4.50 at one block per SM vs 4.32 for 64 x 4 at two); other paged caches keep
+#: SPLIT_CONFIGS (two blocks per SM hide their per-row page-id loads: page 16 3.81 vs 3.10).
 CONTIGUOUS_SPLIT_CONFIGS = {128: SplitConfig(128, 8, 3)}
 
 
-def split_config(headdim: int, paged: bool) -> SplitConfig:
+def split_config(headdim: int, paged: bool, page_size: int = 0) -> SplitConfig:
     """The split kernel's tile for a compiled head dim and cache layout (the launch path's and
-    :func:`split_kernel_spec`'s default)."""
-    if not paged and headdim in CONTIGUOUS_SPLIT_CONFIGS:
-        return CONTIGUOUS_SPLIT_CONFIGS[headdim]
+    :func:`split_kernel_spec`'s default): :data:`CONTIGUOUS_SPLIT_CONFIGS` for contiguous
+    caches and for paged caches whose ``page_size`` is a multiple of its ``block_n``, else
+    :data:`SPLIT_CONFIGS`."""
+    big = CONTIGUOUS_SPLIT_CONFIGS.get(headdim)
+    if big is not None and (not paged or (page_size > 0 and page_size % big.block_n == 0)):
+        return big
     return SPLIT_CONFIGS[headdim]
 
 
@@ -176,13 +181,14 @@ DEFAULT_FLAGS = FLAG_FUSED_COMBINE
 
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
                       nwarps: int | None = None, stages: int | None = None,
-                      flags: int = DEFAULT_FLAGS) -> jit.KernelSpec:
+                      flags: int = DEFAULT_FLAGS, page_size: int = 0) -> jit.KernelSpec:
     """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256`` for the ``flags`` bits (:data:`FLAG_FUSED_COMBINE`,
     ...; the default :data:`DEFAULT_FLAGS` is what the public functions launch);
-    ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
+    ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments);
+    ``page_size`` picks the paged default (:func:`split_config`).
     """
     if not isinstance(flags, int) or flags < 0 or flags >= 32:
         raise ValueError(f"flags: expected an int in [0, 32), got {flags!r}")
@@ -196,7 +202,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
         raise TypeError(f"dtype: {dtype} has no decode kernel; supported: {', '.join(DTYPES)}")
     if headdim not in HEADDIMS:
         raise ValueError(f"headdim: compiled head dims are {HEADDIMS}, got {headdim}")
-    cfg = split_config(headdim, paged)
+    cfg = split_config(headdim, paged, page_size)
     bn = cfg.block_n if block_n is None else block_n
     nw = cfg.nwarps if nwarps is None else nwarps
     st = cfg.stages if stages is None else stages
@@ -229,6 +235,8 @@ def all_specs() -> list:
     """Every specialisation the public functions can launch (the supported set, as a table)."""
     specs = [split_kernel_spec(dt, hd, pg) for dt in DTYPES for hd in HEADDIMS
              for pg in (False, True)]
+    specs += [split_kernel_spec(dt, hd, True, page_size=cfg.block_n) for dt in DTYPES
+              for hd, cfg in CONTIGUOUS_SPLIT_CONFIGS.items()]  # pages of whole tiles
     specs += [combine_kernel_spec(dt) for dt in _CTYPE]
     specs += [append_kernel_spec(pg) for pg in (False, True)]
     return specs
@@ -341,7 +349,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     if hd != p.headdim:
         reasons.append(f"headdim {p.headdim} runs in the hd{hd} kernel (padding columns are "
                        "zero-filled in shared memory, not read)")
-    cfg = split_config(hd, p.paged)
+    cfg = split_config(hd, p.paged, p.page_size)
     if split_smem_bytes(p.dtype, hd, cfg.block_n, 2) > max_smem_per_block and \
             cfg != SPLIT_CONFIGS[hd]:
         reasons.append(f"the {cfg.block_n}-key contiguous-cache tile does not fit the device's "
@@ -362,8 +370,9 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                              stages=stages)
     ctas_per_sm = max(1, smem_per_sm // (smem + _SMEM_RESERVED_PER_BLOCK))
     # Blocks per SM that the split count fills (heuristics.choose_num_splits, measured): one for
-    # contiguous caches, two (where they fit) for paged caches.
-    fill_per_sm = min(2, ctas_per_sm) if p.paged else 1
+    # contiguous caches and pages of whole tiles, two (where they fit) for per-row page ids.
+    fill_per_sm = 1 if cfg is CONTIGUOUS_SPLIT_CONFIGS.get(hd) or not p.paged \
+        else min(2, ctas_per_sm)
     rows = (p.nheads // p.nheads_k) * p.seqlen_q
     row_chunks = -(-rows // GROUP)
     if row_chunks > 1:
@@ -383,13 +392,15 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         num_splits = p.num_splits
         reasons.append(f"num_splits={num_splits} as given")
     else:
+        layout = ("contiguous" if not p.paged else "paged, one page id per tile"
+                  if fill_per_sm == 1 else "paged, per-row page ids")
         num_splits = choose_num_splits(p.batch, p.nheads_k, p.seqlen_cache, num_sms,
                                        row_chunks=row_chunks, block_n=cfg.block_n,
                                        ctas_per_sm=fill_per_sm)
         reasons.append(f"num_splits=0: heuristic: {p.batch * p.nheads_k * row_chunks} blocks "
                        f"(batch x nheads_k x row_chunks) for {num_sms * fill_per_sm} slots "
                        f"({num_sms} SMs x {fill_per_sm} block{'s' if fill_per_sm > 1 else ''}"
-                       f" per SM, {'paged' if p.paged else 'contiguous'} cache), {tiles_cap} "
+                       f" per SM, {layout} cache), {tiles_cap} "
                        f"tiles of {cfg.block_n} keys at capacity -> {num_splits} splits")
     combine = None  # the fused last-block-done combine (DEFAULT_FLAGS): no combine launch
     ws = counters = 0

@@ -104,11 +104,18 @@ def test_spec_names_and_table():
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
     specs = decode.all_specs()
     names = [x.name for x in specs]
-    assert len(names) == len(set(names)) == 12 + 3 + 2
-    for x in specs:  # within the per-block opt-in limit; paged: two blocks per H200 SM
+    # 12 split kernels, 2 paged ones for pages of whole tiles, 3 combine, 2 append
+    assert len(names) == len(set(names)) == 12 + 2 + 3 + 2
+    for x in specs:  # within the per-block opt-in limit; per-row paged: two blocks per H200 SM
         assert x.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
-        if x.name.startswith("decode_split") and "_paged" in x.name:
+        if x.name.startswith("decode_split") and "_paged" in x.name and "_n128_w8_" not in x.name:
             assert 2 * (x.smem_bytes + 1024) <= decode.H200_SMEM_PER_SM
+    # paged hd128: the 128-key tile when every tile lies in one page, else the 64-key tile
+    assert decode.split_kernel_spec("bfloat16", 128, True, page_size=256).name == \
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused"
+    for ps in (0, 16, 64, 192):
+        assert decode.split_config(128, True, ps) == decode.SPLIT_CONFIGS[128]
+    assert decode.split_config(128, True, 128) == decode.split_config(128, False)
     # contiguous hd128: the measured 128-key x 8-warp tile (one block per SM)
     assert decode.split_kernel_spec("bfloat16", 128, False).name == \
         "decode_split_bf16_hd128_n128_w8_g16_s3_fused"
@@ -480,9 +487,19 @@ def test_plan_llama_decode():
     pg = decode.launch_config(_problem(paged=True, page_size=16, num_pages=8192,
                                        max_pages_per_seq=8192))
     assert pg.num_splits == 33 and pg.kernel.endswith("_paged_fused")
-    pb = decode.launch_config(_problem(batch=16, seqlen_cache=16384, paged=True, page_size=256,
-                                       num_pages=1024, max_pages_per_seq=64))
+    pb = decode.launch_config(_problem(batch=16, seqlen_cache=16384, paged=True, page_size=64,
+                                       num_pages=4096, max_pages_per_seq=256))
     assert pb.num_splits == 2 and pb.counter_elems == 16 * 8
+    assert pb.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_paged_fused"
+    # pages of whole 128-key tiles: one page id per tile, the contiguous tile and split count
+    # (v4 sweep: page 256, b16 x 16k 4.50 TB/s at 1 split vs 4.32 for 64 x 4 at 2)
+    for ps in (128, 256):
+        pw = decode.launch_config(_problem(batch=16, seqlen_cache=16384, paged=True,
+                                           page_size=ps, num_pages=16 * 16384 // ps,
+                                           max_pages_per_seq=16384 // ps))
+        assert pw.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused"
+        assert pw.num_splits == 1 and pw.block == (256, 1, 1)
+        assert any("one page id per tile" in r for r in pw.reasons)
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
 
 
