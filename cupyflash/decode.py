@@ -25,11 +25,12 @@ TypeError); head dims that are multiples of 8 up to 256, run by the kernel compi
 or 256 (the padding columns are zero-filled in shared memory, never read from memory).
 
 Page sizes: every page size from 1 to 256 (and beyond) runs the same code and reads the same
-bytes. The page ids of a tile are loaded from ``block_table`` into shared memory one tile ahead
-(when the previous tile's copies are issued), so the lookup is off the copies' critical path;
-when ``page_size`` is a multiple of the tile's ``block_n`` (64 keys at hd128) a tile lies in one
-page and one id per tile is loaded. Powers of two compute the page slot with a shift, other
-sizes with one integer division per key row: powers of two (1, 2, 4, ..., 256) are the fast
+bytes. The page ids of a tile are copied from ``block_table`` into a shared-memory ring by 4-byte
+``cp.async``, ``stages - 1`` tiles ahead of the tile's K/V copies and waited for together with
+earlier K/V tiles, so no lookup stalls the loop; when ``page_size`` is a multiple of the tile's
+``block_n`` a tile lies in one page and one id per tile is copied. Powers of two compute the page
+slot with a shift, other sizes with one integer division per key row: powers of two (1, 2, 4,
+..., 256) are the fast
 sizes, others are expected to be within a few percent (see ``experiments/bench_decode``).
 
 CUDA graphs
@@ -155,11 +156,12 @@ def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int,
 
     Q tile ``GROUP x (headdim + 8)`` (rows padded by 16 bytes: conflict-free ``ldmatrix``) plus
     ``stages`` x (K and V tiles of ``block_n x headdim``, unpadded rows with 16-byte chunks
-    XOR-swizzled inside 128-byte groups), 16-bit elements; then two ``block_n`` int32 arrays of
-    prefetched page ids (paged caches). ``flags`` do not change it.
+    XOR-swizzled inside 128-byte groups), 16-bit elements; then a ring of ``stages`` x
+    ``block_n`` int32 page ids (paged caches; allocated always). ``flags`` do not change it.
     """
     e = np_dtype(dtype).itemsize
-    return (GROUP * (headdim + 16 // e) + stages * 2 * block_n * headdim) * e + 2 * block_n * 4
+    return ((GROUP * (headdim + 16 // e) + stages * 2 * block_n * headdim) * e
+            + stages * block_n * 4)
 
 
 #: Bits of the split kernel's FLAGS template parameter (``decode_flags`` in flash_decode.cu) and

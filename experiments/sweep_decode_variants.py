@@ -26,8 +26,8 @@ import numpy as np
 
 T0 = time.time()
 H, HK, D = 32, 8, 128
-CASES = [(1, 131072, 0), (1, 131072, 16), (16, 16384, 0), (16, 16384, 16), (16, 16384, 256),
-         (64, 16384, 0), (16, 1024, 0), (1, 8192, 0)]
+CASES = [(1, 131072, 0), (1, 131072, 16), (16, 16384, 0), (16, 16384, 16), (16, 16384, 64),
+         (16, 16384, 256), (64, 16384, 0), (16, 1024, 0), (1, 8192, 0)]
 SMEM_PER_SM, RESERVED = 233472, 1024
 
 
@@ -38,11 +38,11 @@ def variants():
                        FLAG_EVICT_FIRST)
     contiguous = [
         # v4 (experiments/NOTES.md "v4 decode plan"): swizzled K/V tiles; prefetch-size hints
-        V(128, 8, 3, F | P1), V(128, 8, 3, F | P2), V(128, 8, 3, F | P1 | E),
-        V(64, 4, 3, F), V(64, 4, 3, F | P1), V(64, 4, 4, F | P1),
-        V(128, 8, 3, F | W), V(128, 8, 3, F | W | P1), V(128, 4, 3, F | P1),
+        V(128, 8, 3, F | P1), V(128, 8, 3, F | P1 | E), V(64, 4, 3, F),
+        V(128, 8, 3, F | W), V(128, 4, 3, F),
     ]
-    paged = [V(64, 4, 3, F), V(64, 4, 3, F | P1), V(128, 8, 3, F), V(128, 8, 3, F | P1)]
+    # v6: page ids by cp.async, STAGES - 1 tiles ahead (one block per SM may now suffice)
+    paged = [V(64, 4, 3, F), V(128, 8, 3, F), V(128, 4, 3, F)]
     return contiguous, paged
 
 

@@ -160,8 +160,8 @@ struct DecodeTraits {
     static __device__ __forceinline__ int kv_offset(int row, int chunk) {
         return row * HEADDIM + (chunk ^ (row & 7)) * kVec;
     }
-    // Page ids of the next tile to copy, double-buffered (paged caches; allocated always).
-    static constexpr int kPageIdBytes = 2 * BLOCK_N * 4;
+    // Page ids of the tiles in flight, a ring of STAGES tiles (paged caches; allocated always).
+    static constexpr int kPageIdBytes = STAGES * BLOCK_N * 4;
     static constexpr int kSmemBytes = (kQElems + STAGES * kStageElems) * (int)sizeof(T)
                                       + kPageIdBytes;
     // Epilogue scratch (aliases the stage buffers once the pipeline has drained).
@@ -218,7 +218,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         __trap();  // launch bug, never silent
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sStages = sQ + Tr::kQElems;
-    int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [2][BLOCK_N]
+    int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [STAGES][BLOCK_N]
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t = lane & 3;  // mma groupID / threadID_in_group
@@ -252,36 +252,36 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                     + (int64_t)hk * p.k_head_stride + col;
     const T* vcol = vbase + (PAGED ? 0 : (int64_t)b * p.v_batch_stride)
                     + (int64_t)hk * p.v_head_stride + col;
-    // Paged: the page ids of a tile are loaded from block_table into sPage[tile & 1] one tile
-    // ahead (right after the previous tile's copies are issued), so the block_table load is off
-    // the copies' critical path; a __syncthreads separates each write from its reads (the
-    // pipeline's, and one per prologue step) and the double buffer keeps the next tile's writes
-    // away from the current tile's reads. tile_pages: every tile lies inside one page
-    // (page_size a multiple of BLOCK_N): one id per tile, sPage[buf][0]; otherwise one id per
-    // row. -1: no id (past len or past the split: zero-filled, never dereferenced).
+    // Paged: the page ids of tile t live in the ring slot sPage[t % STAGES] (tile_pages: every
+    // tile lies inside one page, page_size a multiple of BLOCK_N: one id per tile, slot[0];
+    // otherwise one id per row). They are copied from block_table by 4-byte cp.async, STAGES - 1
+    // tiles ahead of the tile's K/V copies and in the same commit group as the K/V copies issued
+    // then, so the cp.async wait that precedes a tile's K/V issue has also landed its ids: no
+    // block_table load ever stalls a thread in the loop (a synchronous load per tile cost 30%
+    // at one block per SM, experiments/NOTES.md v5). The first STAGES - 1 tiles' ids are fetched
+    // before the prologue. Slot (t + STAGES - 1) % STAGES is refilled right after the
+    // __syncthreads that ends every read of tile t - 1's ids (the same slot). Rows past len,
+    // and tiles past the split, get no copy (their slots are never read).
     const bool tile_pages = PAGED && p.page_size % BLOCK_N == 0;
     auto fetch_pages = [&](int tile) {
         if constexpr (PAGED) {
-            int* dst = sPage + (tile & 1) * BLOCK_N;
-            if (tile_pages) {
-                const int j0 = tile * BLOCK_N;
-                if (tid == 0) dst[0] = tile < tile_end && j0 < len ? page_of(p, b, j0) : -1;
-            } else {
-                for (int r = tid; r < BLOCK_N; r += Tr::kThreads) {
-                    const int j = tile * BLOCK_N + r;
-                    dst[r] = tile < tile_end && j < len ? page_of(p, b, j) : -1;
-                }
+            if (tile >= tile_end) return;
+            int* dst = sPage + (tile % STAGES) * BLOCK_N;
+            const int* row_ids = p.block_table + (int64_t)b * p.block_table_batch_stride;
+            for (int r = tid; r < (tile_pages ? 1 : BLOCK_N); r += Tr::kThreads) {
+                const int j = tile * BLOCK_N + r;
+                if (j < len) cp_async_4(smem_u32addr(dst + r), row_ids + page_slot(p, j));
             }
         }
     };
     const uint64_t policy =
         (FLAGS & decode_flags::kEvictFirst) ? decode_detail::l2_evict_first_policy() : 0ull;
-    // Issues the copies of `tile` into `stage` (sPage[tile & 1] must hold its page ids, visible
-    // to every thread), then fetches the page ids of tile + 1.
+    // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],
+    // visible to every thread), then the page-id copies of tile + STAGES - 1.
     auto load_tile = [&](int stage, int tile) {
         T* sK = sStages + stage * Tr::kStageElems;
         T* sV = sK + Tr::kTileElems;
-        const int* ids = sPage + (tile & 1) * BLOCK_N;
+        const int* ids = sPage + (tile % STAGES) * BLOCK_N;
         constexpr int kCopies = WL ? Tr::kWarpCopies : Tr::kCopiesPerThread;
         constexpr int kPass = WL ? Tr::kWarpRowsPerPass : Tr::kRowsPerPass;
 #pragma unroll
@@ -305,7 +305,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             cp_async_kv<FLAGS>(smem_u32addr(sV + Tr::kv_offset(row, chunk)),
                                valid ? vcol + voff : vbase, valid, policy);
         }
-        fetch_pages(tile + 1);
+        fetch_pages(tile + STAGES - 1);
     };
 
     // ---- per-thread rows (g and g + 8) and their visible key ranges -------------------------
@@ -330,10 +330,17 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     const int warp_key0 = warp * Tr::kKeysPerWarp;
 
     // ---- pipeline prologue: STAGES - 1 tiles in flight ----------------------------------------
-    fetch_pages(tile_begin);
+    if constexpr (PAGED) {  // the ids of the prologue's tiles, waited for once
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) fetch_pages(tile_begin + s);
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if constexpr (PAGED) __syncthreads();  // the ids of tile_begin + s are visible
+        // Paged: the prologue's ids are visible; the slot load_tile refills (that of tile
+        // tile_begin + s - 1) has been read by every thread.
+        if constexpr (PAGED) __syncthreads();
         if (s < n_iter) load_tile(s, tile_begin + s);
         cp_async_commit();
     }

@@ -85,8 +85,8 @@ def test_spec_names_and_table():
     assert decode.split_kernel_spec("bfloat16", 128, True, flags=0).name == \
         "decode_split_bf16_hd128_n64_w4_g16_s3_paged"
     # Q tile (rows padded by 16 B), 3 stages of K and V tiles (swizzled, unpadded rows),
-    # 2 x 64 prefetched page ids
-    assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 128) * 2 + 2 * 64 * 4
+    # a ring of 3 x 64 page ids
+    assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 128) * 2 + 3 * 64 * 4
     f = decode.split_kernel_spec("bfloat16", 128, False, block_n=32, nwarps=2, stages=6,
                                  flags=decode.FLAG_FUSED_COMBINE | decode.FLAG_EVICT_FIRST)
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"

@@ -112,6 +112,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* src,
                  : "memory");
 }
 
+// 4-byte cp.async (sizes below 16 exist only in the L1-allocating .ca form); no zero-fill.
+__device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem_addr), "l"(src)
+                 : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
