@@ -65,7 +65,7 @@ from .interop import as_cupy, np_dtype
 from .heuristics import H200_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
 
 __all__ = [
-    "DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS", "CONTIGUOUS_SPLIT_CONFIGS",
+    "DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS", "ONE_BLOCK_SPLIT_CONFIGS",
     "split_config", "DecodeLaunch",
     "MAX_SPLITS", "MIN_TILES_PER_SPLIT", "launch_config",
     "padded_headdim", "split_smem_bytes", "kernel_spec", "split_kernel_spec",
@@ -110,26 +110,21 @@ class SplitConfig:
 #: blocks fit on an H200 SM with ~140 KB of copies in flight per SM (Little's law at ~4.4 TB/s
 #: and ~1-2 us of latency asks for 35-70 KB per SM).
 SPLIT_CONFIGS = {64: SplitConfig(128, 4, 3), 128: SplitConfig(64, 4, 3), 256: SplitConfig(32, 2, 3)}
-#: Contiguous caches where another tile measured faster (H200, sweep_decode_variants.py v2 and v3,
-#: bf16, 32/8 heads, graph-timed TB/s; experiments/NOTES.md): hd128 128 keys x 8 warps x 3 stages
-#: (214 KB, one block per SM, the heuristic's target for contiguous caches): b16 x 1k 2.90-2.94
-#: vs 2.66-2.69 for 64 x 4, b1 x 8k 2.00-2.02 vs 1.80-1.83, b1 x 128k 3.82-3.86 vs 3.79-3.83,
-#: b16 x 16k 4.10-4.13 vs 4.06-4.09, b64 x 16k within 1%. Paged caches whose pages hold whole
-#: tiles (``page_size % 128 == 0``: one page id per tile) use it too (v4 sweep: page 256, b16 x
-#: 16k 4.50 at one block per SM vs 4.32 for 64 x 4 at two); other paged caches keep
-#: SPLIT_CONFIGS (two blocks per SM hide their per-row page-id loads: page 16 3.81 vs 3.10).
-CONTIGUOUS_SPLIT_CONFIGS = {128: SplitConfig(128, 8, 3)}
+#: Head dims where a one-block-per-SM tile measured faster, for every cache layout (H200,
+#: bf16, 32/8 heads, graph-timed TB/s; experiments/NOTES.md v2-v6): hd128 128 keys x 8 warps x
+#: 3 stages (202 KB). Contiguous (v3): b16 x 1k 2.90-2.94 vs 2.66-2.69 for 64 x 4, b1 x 8k
+#: 2.00-2.02 vs 1.80-1.83, large shapes +0.5-1%. Paged, once page ids moved to cp.async (v6):
+#: b16 x 16k page 16 / 64 / 256 4.32 / 4.32 / 4.35 vs 4.15 / 4.16 / 4.20 for 64 x 4 at two
+#: blocks per SM; b1 x 128k page 16 4.02 vs 3.82. :data:`SPLIT_CONFIGS` stays the fallback on
+#: devices whose shared memory per block is too small for it.
+ONE_BLOCK_SPLIT_CONFIGS = {128: SplitConfig(128, 8, 3)}
 
 
-def split_config(headdim: int, paged: bool, page_size: int = 0) -> SplitConfig:
-    """The split kernel's tile for a compiled head dim and cache layout (the launch path's and
-    :func:`split_kernel_spec`'s default): :data:`CONTIGUOUS_SPLIT_CONFIGS` for contiguous
-    caches and for paged caches whose ``page_size`` is a multiple of its ``block_n``, else
-    :data:`SPLIT_CONFIGS`."""
-    big = CONTIGUOUS_SPLIT_CONFIGS.get(headdim)
-    if big is not None and (not paged or (page_size > 0 and page_size % big.block_n == 0)):
-        return big
-    return SPLIT_CONFIGS[headdim]
+def split_config(headdim: int) -> SplitConfig:
+    """The split kernel's tile for a compiled head dim (the launch path's and
+    :func:`split_kernel_spec`'s default): :data:`ONE_BLOCK_SPLIT_CONFIGS` where it has one,
+    else :data:`SPLIT_CONFIGS`. The same tile serves contiguous and paged caches."""
+    return ONE_BLOCK_SPLIT_CONFIGS.get(headdim, SPLIT_CONFIGS[headdim])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,14 +178,13 @@ DEFAULT_FLAGS = FLAG_FUSED_COMBINE
 
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
                       nwarps: int | None = None, stages: int | None = None,
-                      flags: int = DEFAULT_FLAGS, page_size: int = 0) -> jit.KernelSpec:
+                      flags: int = DEFAULT_FLAGS) -> jit.KernelSpec:
     """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256`` for the ``flags`` bits (:data:`FLAG_FUSED_COMBINE`,
     ...; the default :data:`DEFAULT_FLAGS` is what the public functions launch);
-    ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments);
-    ``page_size`` picks the paged default (:func:`split_config`).
+    ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
     """
     if not isinstance(flags, int) or flags < 0 or flags >= 32:
         raise ValueError(f"flags: expected an int in [0, 32), got {flags!r}")
@@ -204,7 +198,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
         raise TypeError(f"dtype: {dtype} has no decode kernel; supported: {', '.join(DTYPES)}")
     if headdim not in HEADDIMS:
         raise ValueError(f"headdim: compiled head dims are {HEADDIMS}, got {headdim}")
-    cfg = split_config(headdim, paged, page_size)
+    cfg = split_config(headdim)
     bn = cfg.block_n if block_n is None else block_n
     nw = cfg.nwarps if nwarps is None else nwarps
     st = cfg.stages if stages is None else stages
@@ -237,8 +231,6 @@ def all_specs() -> list:
     """Every specialisation the public functions can launch (the supported set, as a table)."""
     specs = [split_kernel_spec(dt, hd, pg) for dt in DTYPES for hd in HEADDIMS
              for pg in (False, True)]
-    specs += [split_kernel_spec(dt, hd, True, page_size=cfg.block_n) for dt in DTYPES
-              for hd, cfg in CONTIGUOUS_SPLIT_CONFIGS.items()]  # pages of whole tiles
     specs += [combine_kernel_spec(dt) for dt in _CTYPE]
     specs += [append_kernel_spec(pg) for pg in (False, True)]
     return specs
@@ -351,10 +343,10 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     if hd != p.headdim:
         reasons.append(f"headdim {p.headdim} runs in the hd{hd} kernel (padding columns are "
                        "zero-filled in shared memory, not read)")
-    cfg = split_config(hd, p.paged, p.page_size)
+    cfg = split_config(hd)
     if split_smem_bytes(p.dtype, hd, cfg.block_n, 2) > max_smem_per_block and \
             cfg != SPLIT_CONFIGS[hd]:
-        reasons.append(f"the {cfg.block_n}-key contiguous-cache tile does not fit the device's "
+        reasons.append(f"the {cfg.block_n}-key one-block tile does not fit the device's "
                        f"{max_smem_per_block} bytes of shared memory per block: using the "
                        f"{SPLIT_CONFIGS[hd].block_n}-key tile")
         cfg = SPLIT_CONFIGS[hd]
@@ -372,8 +364,10 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                              stages=stages)
     ctas_per_sm = max(1, smem_per_sm // (smem + _SMEM_RESERVED_PER_BLOCK))
     # Blocks per SM that the split count fills (heuristics.choose_num_splits, measured): one for
-    # contiguous caches and pages of whole tiles, two (where they fit) for per-row page ids.
-    fill_per_sm = 1 if cfg is CONTIGUOUS_SPLIT_CONFIGS.get(hd) or not p.paged \
+    # contiguous caches and for the one-block tiles; two (where they fit) for paged caches with
+    # the other tiles (hd64, hd256 and the small-shared-memory fallback; measured before the page
+    # ids moved to cp.async, not re-measured since).
+    fill_per_sm = 1 if cfg is ONE_BLOCK_SPLIT_CONFIGS.get(hd) or not p.paged \
         else min(2, ctas_per_sm)
     rows = (p.nheads // p.nheads_k) * p.seqlen_q
     row_chunks = -(-rows // GROUP)
@@ -394,8 +388,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         num_splits = p.num_splits
         reasons.append(f"num_splits={num_splits} as given")
     else:
-        layout = ("contiguous" if not p.paged else "paged, one page id per tile"
-                  if fill_per_sm == 1 else "paged, per-row page ids")
+        layout = "paged" if p.paged else "contiguous"
         num_splits = choose_num_splits(p.batch, p.nheads_k, p.seqlen_cache, num_sms,
                                        row_chunks=row_chunks, block_n=cfg.block_n,
                                        ctas_per_sm=fill_per_sm)

@@ -80,13 +80,15 @@ def test_spec_names_and_table():
     # the public default fuses the combine (DEFAULT_FLAGS)
     s = decode.split_kernel_spec("bfloat16", 128, True)
     assert decode.DEFAULT_FLAGS == decode.FLAG_FUSED_COMBINE
-    assert s.name == "decode_split_bf16_hd128_n64_w4_g16_s3_paged_fused"
-    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, true, 1>"
+    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused"
+    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 1>"
     assert decode.split_kernel_spec("bfloat16", 128, True, flags=0).name == \
-        "decode_split_bf16_hd128_n64_w4_g16_s3_paged"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged"
     # Q tile (rows padded by 16 B), 3 stages of K and V tiles (swizzled, unpadded rows),
-    # a ring of 3 x 64 page ids
-    assert s.smem_bytes == (16 * 136 + 3 * 2 * 64 * 128) * 2 + 3 * 64 * 4
+    # a ring of 3 x 128 page ids
+    assert s.smem_bytes == (16 * 136 + 3 * 2 * 128 * 128) * 2 + 3 * 128 * 4
+    s64 = decode.split_kernel_spec("bfloat16", 128, True, block_n=64, nwarps=4)
+    assert s64.smem_bytes == (16 * 136 + 3 * 2 * 64 * 128) * 2 + 3 * 64 * 4
     f = decode.split_kernel_spec("bfloat16", 128, False, block_n=32, nwarps=2, stages=6,
                                  flags=decode.FLAG_FUSED_COMBINE | decode.FLAG_EVICT_FIRST)
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
@@ -104,23 +106,18 @@ def test_spec_names_and_table():
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
     specs = decode.all_specs()
     names = [x.name for x in specs]
-    # 12 split kernels, 2 paged ones for pages of whole tiles, 3 combine, 2 append
-    assert len(names) == len(set(names)) == 12 + 2 + 3 + 2
-    for x in specs:  # within the per-block opt-in limit; per-row paged: two blocks per H200 SM
+    assert len(names) == len(set(names)) == 12 + 3 + 2
+    for x in specs:  # within the per-block opt-in limit; other paged tiles: two blocks per SM
         assert x.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
-        if x.name.startswith("decode_split") and "_paged" in x.name and "_n128_w8_" not in x.name:
+        if x.name.startswith("decode_split") and "_paged" in x.name and "_hd128_" not in x.name:
             assert 2 * (x.smem_bytes + 1024) <= decode.H200_SMEM_PER_SM
-    # paged hd128: the 128-key tile when every tile lies in one page, else the 64-key tile
-    assert decode.split_kernel_spec("bfloat16", 128, True, page_size=256).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused"
-    for ps in (0, 16, 64, 192):
-        assert decode.split_config(128, True, ps) == decode.SPLIT_CONFIGS[128]
-    assert decode.split_config(128, True, 128) == decode.split_config(128, False)
+    assert decode.split_config(128) == decode.ONE_BLOCK_SPLIT_CONFIGS[128]
+    assert decode.split_config(64) == decode.SPLIT_CONFIGS[64]
     # contiguous hd128: the measured 128-key x 8-warp tile (one block per SM)
     assert decode.split_kernel_spec("bfloat16", 128, False).name == \
         "decode_split_bf16_hd128_n128_w8_g16_s3_fused"
     assert decode.split_kernel_spec("bfloat16", 128, True).name == \
-        "decode_split_bf16_hd128_n64_w4_g16_s3_paged_fused"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused"
     with pytest.raises(TypeError, match="dtype"):
         decode.split_kernel_spec("float32", 128, False)
     with pytest.raises(ValueError, match="headdim"):
@@ -482,24 +479,24 @@ def test_plan_llama_decode():
     p1 = decode.launch_config(_problem(batch=64, seqlen_cache=4096))
     assert p1.num_splits == 1 and p1.combine is None and p1.workspace_elems == 0
     assert p1.counter_elems == 0
-    # paged caches fill two blocks per SM (v1 sweep: page 16 at b1 x 128k, 33 splits 3.45 TB/s
-    # against 2.37 at 16)
-    pg = decode.launch_config(_problem(paged=True, page_size=16, num_pages=8192,
-                                       max_pages_per_seq=8192))
-    assert pg.num_splits == 33 and pg.kernel.endswith("_paged_fused")
-    pb = decode.launch_config(_problem(batch=16, seqlen_cache=16384, paged=True, page_size=64,
-                                       num_pages=4096, max_pages_per_seq=256))
-    assert pb.num_splits == 2 and pb.counter_elems == 16 * 8
-    assert pb.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_paged_fused"
-    # pages of whole 128-key tiles: one page id per tile, the contiguous tile and split count
-    # (v4 sweep: page 256, b16 x 16k 4.50 TB/s at 1 split vs 4.32 for 64 x 4 at 2)
-    for ps in (128, 256):
-        pw = decode.launch_config(_problem(batch=16, seqlen_cache=16384, paged=True,
-                                           page_size=ps, num_pages=16 * 16384 // ps,
+    # paged hd128 caches: the same one-block tile and split count as contiguous ones, for any
+    # page size (v6 sweep, page ids by cp.async: page 16 b1 x 128k 4.02 TB/s at 16 splits vs
+    # 3.82 for 64 x 4 at 33; b16 x 16k pages 16 / 64 / 256 4.32-4.35 at 1 split)
+    for ps in (16, 64, 128, 256, 3):
+        cap = -(-131072 // ps) * ps
+        pg = decode.launch_config(_problem(paged=True, page_size=ps, seqlen_cache=cap,
+                                           num_pages=cap // ps, max_pages_per_seq=cap // ps))
+        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused"
+        assert pg.num_splits == 16 and pg.block == (256, 1, 1)
+        pb = decode.launch_config(_problem(batch=16, seqlen_cache=16384 // ps * ps, paged=True,
+                                           page_size=ps, num_pages=16 * (16384 // ps),
                                            max_pages_per_seq=16384 // ps))
-        assert pw.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused"
-        assert pw.num_splits == 1 and pw.block == (256, 1, 1)
-        assert any("one page id per tile" in r for r in pw.reasons)
+        assert pb.num_splits == 1 and pb.counter_elems == 0
+    # other head dims' paged tiles still fill two blocks per SM
+    p64 = decode.launch_config(_problem(headdim=64, paged=True, page_size=16, num_pages=8192,
+                                        max_pages_per_seq=8192))
+    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused"
+    assert p64.num_splits == 33  # floor(2 * 132 / 8) blocks per KV head
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
 
 
@@ -513,7 +510,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
     assert q.split_tiles == 1 and q.num_splits == 8  # ceil(1000/128)=8 tiles / 1
     qp = decode.launch_config(_problem(seqlen_cache=1024, paged=True, page_size=16,
                                        num_pages=64, max_pages_per_seq=64), split_size=100)
-    assert qp.split_tiles == 2 and qp.num_splits == 8  # ceil(1024/64)=16 tiles / 2
+    assert qp.split_tiles == 1 and qp.num_splits == 8  # ceil(1024/128)=8 tiles / 1
     # an sm_86-like device (99 KB per block): the 64-key tile with two stages
     r = decode.launch_config(_problem(), max_smem_per_block=101376, smem_per_sm=102400)
     assert r.template["stages"] == 2 and r.smem_bytes <= 101376
@@ -526,7 +523,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
 def test_explain_kvcache_on_host_arrays():
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
     plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
-    assert plan.name == "decode_split_fp16_hd128_n64_w4_g16_s3_paged_fused"
+    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused"
     assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
     assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
