@@ -205,7 +205,13 @@ def _check_ndim(x, name: str, layout: str) -> tuple:
 def _check_dtype(x, name: str, dtypes) -> str:
     dt = dtype_name(x)
     if dt not in dtypes:
-        raise TypeError(f"{name}: dtype {dt} is not supported; supported: {', '.join(dtypes)}")
+        hint = ""
+        if dt == "void16" and "bfloat16" in dtypes:  # cupy.asarray(torch bfloat16 tensor)
+            hint = (" (2-byte raw 'void16' elements are what cupy.asarray() makes of a torch "
+                    "bfloat16 tensor: pass the torch tensor itself, which is viewed without a "
+                    "copy, or view the array as ml_dtypes.bfloat16)")
+        raise TypeError(f"{name}: dtype {dt} is not supported; supported: {', '.join(dtypes)}"
+                        + hint)
     return dt
 
 

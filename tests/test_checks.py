@@ -336,6 +336,17 @@ def test_dtype_name():
     assert checks.dtype_name(TorchLike()) == "bfloat16"
 
 
+def test_raw_two_byte_elements_get_a_bfloat16_hint():
+    """cupy.asarray(torch bfloat16 tensor) gives 'void16' elements: the error says what to do."""
+    q = np.zeros((1, 4, 2, 64), np.float16).view("V2")
+    k = np.zeros((1, 4, 2, 64), np.float16)
+    with pytest.raises(TypeError, match=r"^q: dtype void16 is not supported.*torch bfloat16"):
+        checks.check_attention(q, k, k)
+    with pytest.raises(TypeError, match=r"^q: dtype float64 is not supported; supported: "
+                                        r"float16, bfloat16$"):
+        checks._check_dtype(np.zeros(2), "q", ("float16", "bfloat16"))
+
+
 def test_to_host_numpy_and_lists():
     x = a(2, 3)
     assert checks.to_host(x) is x
