@@ -115,8 +115,9 @@ SPLIT_CONFIGS = {64: SplitConfig(128, 4, 3), 128: SplitConfig(64, 4, 3), 256: Sp
 #: 3 stages (202 KB). Contiguous (v3): b16 x 1k 2.90-2.94 vs 2.66-2.69 for 64 x 4, b1 x 8k
 #: 2.00-2.02 vs 1.80-1.83, large shapes +0.5-1%. Paged, once page ids moved to cp.async (v6):
 #: b16 x 16k page 16 / 64 / 256 4.32 / 4.32 / 4.35 vs 4.15 / 4.16 / 4.20 for 64 x 4 at two
-#: blocks per SM; b1 x 128k page 16 4.02 vs 3.82. :data:`SPLIT_CONFIGS` stays the fallback on
-#: devices whose shared memory per block is too small for it.
+#: blocks per SM; b1 x 128k page 16 4.02 vs 3.82. Devices whose shared memory per block holds
+#: it with two stages but not three (e.g. A100, 163 KB) run it with two (unmeasured there);
+#: :data:`SPLIT_CONFIGS` is the fallback where even two stages do not fit.
 ONE_BLOCK_SPLIT_CONFIGS = {128: SplitConfig(128, 8, 3)}
 
 
@@ -367,7 +368,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     # contiguous caches and for the one-block tiles; two (where they fit) for paged caches with
     # the other tiles (hd64, hd256 and the small-shared-memory fallback; measured before the page
     # ids moved to cp.async, not re-measured since).
-    fill_per_sm = 1 if cfg is ONE_BLOCK_SPLIT_CONFIGS.get(hd) or not p.paged \
+    fill_per_sm = 1 if cfg == ONE_BLOCK_SPLIT_CONFIGS.get(hd) or not p.paged \
         else min(2, ctas_per_sm)
     rows = (p.nheads // p.nheads_k) * p.seqlen_q
     row_chunks = -(-rows // GROUP)

@@ -200,11 +200,6 @@ __device__ __forceinline__ int page_slot(const DecodeParams& p, int j) {
     return p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size);
 }
 
-// Page id of key j of sequence b (j < the sequence's length, so the slot is inside its row).
-__device__ __forceinline__ int page_of(const DecodeParams& p, int b, int j) {
-    return __ldg(p.block_table + b * p.block_table_batch_stride + page_slot(p, j));
-}
-
 template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, bool PAGED,
           int FLAGS>
 __device__ __forceinline__ void decode_split(const DecodeParams& p, const DecodeSplitExtra& ex) {
@@ -261,7 +256,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // at one block per SM, experiments/NOTES.md v5). The first STAGES - 1 tiles' ids are fetched
     // before the prologue. Slot (t + STAGES - 1) % STAGES is refilled right after the
     // __syncthreads that ends every read of tile t - 1's ids (the same slot). Rows past len,
-    // and tiles past the split, get no copy (their slots are never read).
+    // and tiles past the split, get no copy; load_tile reads a row's slot only when j < len.
     const bool tile_pages = PAGED && p.page_size % BLOCK_N == 0;
     auto fetch_pages = [&](int tile) {
         if constexpr (PAGED) {
@@ -291,7 +286,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             bool valid = j < len && col_ok;
             int64_t koff = 0, voff = 0;
             if constexpr (PAGED) {
-                const int page = ids[tile_pages ? 0 : row];
+                const int page = j < len ? ids[tile_pages ? 0 : row] : -1;  // -1: no id
                 valid = valid && page >= 0 && page < p.num_pages;
                 const int in_page = j - page_slot(p, j) * p.page_size;
                 koff = (int64_t)page * p.k_batch_stride + (int64_t)in_page * p.k_row_stride;
