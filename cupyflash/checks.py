@@ -653,6 +653,9 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
     _check_same_dtype(k_cache, "k_cache", dt, "q")
     _check_same_dtype(v_cache, "v_cache", dt, "q")
     batch, seqlen_q, nheads, headdim = qs
+    if seqlen_q < 1:
+        raise ValueError(f"q: seqlen_q is {seqlen_q} (shape {qs}); decoding needs at least one "
+                         f"query token per sequence")
     if kcs[3] != headdim:
         raise ValueError(f"k_cache: headdim {kcs[3]} must match q headdim {headdim} "
                          f"(shape {kcs})")
@@ -674,7 +677,9 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
     else:
         num_pages = page_size = max_pages = 0
         if kcs[0] != batch:
-            raise ValueError(f"k_cache: batch {kcs[0]} must match q batch {batch} (shape {kcs})")
+            raise ValueError(f"k_cache: batch {kcs[0]} must match q batch {batch} (shape {kcs}; "
+                             f"a paged cache (num_pages, page_size, nheads_k, headdim) needs "
+                             f"block_table)")
         seqlen_cache = kcs[1]
     if (k is None) != (v is None):
         raise TypeError(f"{'v' if k is not None else 'k'}: k and v must be given together "

@@ -7,8 +7,9 @@ one or a few query tokens against a long KV cache give a 1 x S score row per hea
 bound by reading K and V, and one thread block per (batch, head) leaves most SMs idle at small
 batch. The key range of each sequence is cut into ``num_splits`` splits processed by separate
 thread blocks (each one the FlashAttention-2 forward pass, arXiv 2307.08691 Sec. 3.1, over its
-keys); each writes a normalised fp32 partial output and its LSE, and a combine kernel merges them
-exactly: ``o = sum_s w_s o_s / sum_s w_s`` with ``w_s = exp(lse_s - max lse)``.
+keys); each writes a normalised fp32 partial output and its LSE, and the last split block of each
+head to finish merges them exactly (fused combine, below): ``o = sum_s w_s o_s / sum_s w_s`` with
+``w_s = exp(lse_s - max lse)``.
 
 Kernels (``kernels_cu/flash_decode.cu``)
 ----------------------------------------
@@ -382,6 +383,8 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         _check_split_size(split_size)
         split_tiles = -(-int(split_size) // cfg.block_n)
         num_splits = max(1, -(-tiles_cap // split_tiles))
+        if p.num_splits >= 1:
+            reasons.append(f"num_splits={p.num_splits} ignored: split_size fixes the splits")
         reasons.append(f"split_size={split_size}: {split_tiles} tiles ({split_tiles * cfg.block_n}"
                        f" keys) per split, {num_splits} splits cover the capacity "
                        f"{p.seqlen_cache}; a row's result does not depend on the batch")
@@ -434,8 +437,9 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                 smem_per_sm: int | None = None, max_smem_per_block: int | None = None):
     """The :class:`cupyflash.dispatch.Plan` of a decode problem (what ``explain`` returns).
 
-    ``kernel`` is the split kernel; ``extra_kernels`` the append (if new tokens) and the combine
-    (if more than one split); ``rejected`` lists the other decode specialisations with the reason,
+    ``kernel`` is the split kernel (it also merges the splits: fused combine);
+    ``extra_kernels`` the append (if new tokens); ``rejected`` lists the other decode
+    specialisations with the reason,
     then ``("num_splits", why)`` / ``("note", ...)`` lines for the split choice.
 
     Parameters
@@ -521,15 +525,18 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
 
 def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                     softmax_scale=None, causal=True, num_splits=0, split_size=None, *,
-                    arch=None, report=True, validate=False):
+                    arch=None, report=True, validate=False, num_sms=None):
     """The :class:`cupyflash.dispatch.Plan` of a :func:`flash_attn_with_kvcache` call, without
-    running it (accepts NumPy or CUDA arrays; only shapes and dtypes are read unless
-    ``validate``). Raises what :func:`flash_attn_with_kvcache` raises for bad arguments."""
+    running it (accepts NumPy or CUDA arrays). Raises what :func:`flash_attn_with_kvcache` raises
+    for bad shapes, dtypes and options; the values of ``cache_seqlens`` and ``block_table``
+    (lengths over the capacity, page ids outside the pool) are checked only with
+    ``validate=True``, the call's default, here ``False``. ``arch`` and ``num_sms``: see
+    :func:`plan_decode` (without a GPU: an H200's 132 SMs unless ``num_sms`` is given)."""
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 softmax_scale=softmax_scale, causal=causal,
                                 num_splits=num_splits, dtypes=DTYPES, validate=validate)
     _check_split_size(split_size)
-    return plan_decode(prob, split_size=split_size, arch=arch, report=report)
+    return plan_decode(prob, split_size=split_size, arch=arch, report=report, num_sms=num_sms)
 
 
 def workspace_elems(batch: int, seqlen_q: int, nheads: int, headdim: int, num_splits: int) -> int:
@@ -598,9 +605,12 @@ def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, bloc
     ``batch * nheads_k * ceil(nheads // nheads_k * seqlen_q / 16)`` int32 arrival counters of
     the fused combine, which must be zero before the first call (see :func:`alloc_workspace`).
     Reads shapes only (``validate=False``) and the current device's SM count and shared
-    memory."""
+    memory; without a GPU (sizing offline), an H200's."""
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 num_splits=num_splits, dtypes=DTYPES, validate=False)
+    if not any(checks.is_device_array(x) for x in (q, k_cache, v_cache)):
+        _check_split_size(split_size)  # host arrays: plan for an H200 (no device is touched)
+        return launch_config(prob, split_size=split_size).workspace_elems
     return _resolve_plan(prob, split_size).workspace_elems
 
 
@@ -693,7 +703,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
     Algorithm: Flash-Decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"):
     FlashAttention-2 (arXiv 2307.08691, Sec. 3.1) over ``num_splits`` key ranges per sequence,
-    in parallel, then an exact LSE-weighted merge in fp32 (:func:`merge_states`).
+    in parallel, then an exact LSE-weighted merge in fp32 (the merge of :func:`merge_states`,
+    done by the last split block of each head: one launch).
 
     Parameters
     ----------

@@ -97,7 +97,8 @@ class Plan:
         ``(specialisation name, reason)`` for every other specialisation, nearest first (empty
         in the cached plans of the launch path, :func:`launch_plan`).
     extra_kernels : tuple of KernelChoice
-        Further launches (decode's combine kernel); empty for prefill.
+        Further launches (decode's KV-append kernel when new tokens are given; the split
+        kernels merge their partials themselves); empty for prefill.
     num_sms : int
         Streaming multiprocessors the heuristic assumed.
     """

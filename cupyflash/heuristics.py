@@ -179,22 +179,24 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
     in one wave, 2 splits in two).
 
     ``ctas_per_sm`` is the number of blocks per SM to fill, not the number that fit:
-    :func:`cupyflash.decode.launch_config` passes 1 for contiguous caches and 2 (when two fit)
-    for paged caches. Measured on the H200 (v1 sweep, bf16, 32/8 heads, hd128, n64_w4_s3 tiles
-    of ~108 KB, fused combine, CUDA-graph timed TB/s of K+V; experiments/NOTES.md "v1 outcome"):
+    :func:`cupyflash.decode.launch_config` passes 1 for contiguous caches and for hd128 paged
+    caches (its 128-key x 8-warp tile, ~200 KB, one block per SM), and 2 (when two fit) for
+    paged caches at the other head dims. Measured on the H200 (bf16, 32/8 heads, hd128, fused
+    combine, CUDA-graph timed TB/s of K+V; experiments/NOTES.md):
 
-    * contiguous, batch 1 x 128k: 16 splits 3.83, 33 splits 3.68, 66 splits 3.34 -> one block
-      per SM (the ~80 KB of copies in flight of one 3-stage block suffice; a second block
-      only adds partials and merge work); batch 1 x 8k: 16 splits 1.84, 33 1.47;
-      batch 16 x 16k: 1 split 4.11-4.13, 2 splits 4.02-4.06; batch 16 x 1k: 1 split 2.70, 2
-      splits 2.43 (fused) / 2.29.
-    * paged (page 16), batch 1 x 128k: 33 splits 3.45, 16 splits 2.37; batch 16 x 16k (page 16
-      and 256): 2 splits 3.75 / 3.94, 1 split 2.54 / 3.01 -> two blocks per SM (the page-id
-      lookups add a dependent load per tile that the second block hides).
+    * contiguous (v1, 64-key tiles of ~108 KB), batch 1 x 128k: 16 splits 3.83, 33 splits 3.68,
+      66 splits 3.34 -> one block per SM (a second block only adds partials and merge work);
+      batch 1 x 8k: 16 splits 1.84, 33 1.47; batch 16 x 16k: 1 split 4.11-4.13, 2 splits
+      4.02-4.06. Same with today's 128 x 8 tile (v6): batch 1 x 128k 16 splits 4.14-4.21, 32
+      splits 3.88-3.95, 8 splits 3.31-3.40.
+    * paged: with per-tile page-id loads (v1) two blocks per SM hid them (page 16, batch 1 x
+      128k: 33 splits 3.45, 16 splits 2.37); since the page ids arrive by cp.async with the K/V
+      copies (v6), hd128 paged caches run one block per SM like contiguous ones (page 16, batch
+      1 x 128k: 16 splits 4.02 with the 128 x 8 tile, 33 splits 3.82 with 64 x 4).
 
-    Examples (H200, Llama-3-8B heads: nheads_k = 8, hd128, ``block_n = 64``): contiguous
-    (``ctas_per_sm = 1``) batch 1 -> 16 splits (128 blocks), batch >= 9 -> 1; paged
-    (``ctas_per_sm = 2``) batch 1 -> 33 (264 blocks), batch 16 -> 2, batch >= 17 -> 1.
+    Examples (H200, Llama-3-8B heads: nheads_k = 8, hd128, ``block_n = 128``,
+    ``ctas_per_sm = 1``, contiguous or paged): batch 1 -> 16 splits (128 blocks), batch >= 9
+    -> 1. With ``ctas_per_sm = 2`` (paged hd64 / hd256): batch 1 -> 33 (264 blocks).
 
     Properties (tested): ``1 <= splits <= max(1, min(max_splits, tiles))``; non-increasing in
     ``batch``, ``nheads_k`` and ``row_chunks``; non-decreasing in ``seqlen_k``, ``num_sms`` and

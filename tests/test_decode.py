@@ -564,6 +564,29 @@ def _arrays(dtype=np.float16, d=64, paged=False):
     return q, kc, kc.copy(), np.array([3, 5], np.int32), bt
 
 
+def test_host_planning_messages_from_a_new_users_trial():
+    """What a first-time user hit on the CPU: errors naming the argument, offline sizing."""
+    q, kc, vc, cs, bt = _arrays(paged=True)
+    with pytest.raises(ValueError, match=r"^k_cache: batch 6 must match q batch 2 .*needs "
+                                         r"block_table"):
+        decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, report=False)
+    with pytest.raises(ValueError, match=r"^q: seqlen_q is 0"):
+        decode.explain_kvcache(q[:, :0], kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+    # workspace sizing without a GPU (host arrays): planned for an H200, no device touched
+    big = np.zeros((1, 8192, 2, 64), np.float16)
+    n = decode.workspace_size(q[:1], big, big, cache_seqlens=cs[:1])
+    plan = decode.explain_kvcache(q[:1], big, big, cache_seqlens=cs[:1], report=False)
+    assert n == decode.workspace_elems(1, 1, 4, 64, plan.num_splits) + 2 and plan.num_splits > 1
+    # split_size overrides num_splits, and the plan says so
+    p = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3,
+                               split_size=16, report=False)
+    assert any("num_splits=3 ignored" in r for _, r in p.rejected)
+    # the SM count of an offline plan
+    p80 = decode.explain_kvcache(q[:1], big, big, cache_seqlens=cs[:1], report=False,
+                                 num_sms=108)
+    assert p80.num_sms == 108
+
+
 @pytest.mark.parametrize("mutate,exc,match", [
     (lambda a: a.update(q=a["q"].astype(np.float32), k_cache=a["k_cache"].astype(np.float32),
                         v_cache=a["v_cache"].astype(np.float32)), TypeError, "q: dtype float32"),
