@@ -39,6 +39,32 @@ def _host(x):
     return cupy.asnumpy(x)
 
 
+def _nan_tailed_case(seed, cs, cap, hk, h, d, dtype, *, sq=1, page=0, table_seed=1,
+                     spare_pages=3):
+    """A KVCacheCase with ragged lengths ``cs`` whose cache tails (keys >= cs[b]) hold NaN:
+    K, V, then q drawn from ``default_rng(seed)``; paged (``page`` > 0) through a table
+    shuffled by ``default_rng(table_seed)`` with ``spare_pages`` unused pages."""
+    rng = np.random.default_rng(seed)
+    batch = len(cs)
+    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    tail = np.arange(cap)[None, :] >= cs[:, None]
+    kc[tail] = np.nan
+    vc[tail] = np.nan
+    q = testing.random_normal(rng, (batch, sq, h, d), dtype)
+    bt = None
+    kpool, vpool = kc, vc
+    if page:
+        kpool, bt = testing.contiguous_to_paged(kc, page, np.random.default_rng(table_seed),
+                                                spare_pages)
+        vpool, _ = testing.contiguous_to_paged(vc, page, np.random.default_rng(table_seed),
+                                               spare_pages)
+    return testing.KVCacheCase(q=q, k_cache=kpool, v_cache=vpool, k=None, v=None,
+                               cache_seqlens=cs, block_table=bt, softmax_scale=None,
+                               causal=True, page_size=page, seed=seed, k_cache_contiguous=kc,
+                               v_cache_contiguous=vc)
+
+
 _NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 
 
@@ -170,24 +196,8 @@ def test_kvcache_matches_reference(case, opts, poison_ws):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_llama_shape_long_cache(dtype, paged):
     """Llama-3-8B heads (32 / 8, hd128), ragged long caches, many tiles and splits."""
-    rng = np.random.default_rng(7)
-    batch, cap, hk, h, d = 3, 4096, 8, 32, 128
-    cs = np.array([4000, 1, 2500], np.int32)
-    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
-    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
-    tail = np.arange(cap)[None, :] >= cs[:, None]
-    kc[tail] = np.nan
-    vc[tail] = np.nan
-    q = testing.random_normal(rng, (batch, 1, h, d), dtype)
-    bt = None
-    kpool, vpool = kc, vc
-    if paged:
-        kpool, bt = testing.contiguous_to_paged(kc, 16, np.random.default_rng(1), 3)
-        vpool, _ = testing.contiguous_to_paged(vc, 16, np.random.default_rng(1), 3)
-    case = testing.KVCacheCase(q=q, k_cache=kpool, v_cache=vpool, k=None, v=None,
-                               cache_seqlens=cs, block_table=bt, softmax_scale=None, causal=True,
-                               page_size=16 if paged else 0, seed=7, k_cache_contiguous=kc,
-                               v_cache_contiguous=vc)
+    case = _nan_tailed_case(7, np.array([4000, 1, 2500], np.int32), 4096, 8, 32, 128, dtype,
+                            page=16 if paged else 0)
     for opts in (dict(num_splits=0), dict(num_splits=1), dict(num_splits=7)):
         (o, lse), _ = _run(case, dtype, **opts)
         _check_against_reference(case, o, lse, dtype)
@@ -196,18 +206,8 @@ def test_llama_shape_long_cache(dtype, paged):
 def test_edge_cases_empty_and_masked_rows():
     """cache_seqlens == 0 -> (0, -inf); seqlen_q > L (causal) -> leading rows empty; more splits
     than tiles."""
-    rng = np.random.default_rng(3)
     dtype = "bfloat16"
-    batch, cap, hk, h, d, sq = 3, 80, 2, 4, 64, 5
-    cs = np.array([0, 2, 80], np.int32)
-    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
-    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
-    kc[np.arange(cap)[None, :] >= cs[:, None]] = np.nan
-    vc[np.arange(cap)[None, :] >= cs[:, None]] = np.nan
-    q = testing.random_normal(rng, (batch, sq, h, d), dtype)
-    case = testing.KVCacheCase(q=q, k_cache=kc, v_cache=vc, k=None, v=None, cache_seqlens=cs,
-                               block_table=None, softmax_scale=None, causal=True, page_size=0,
-                               seed=3, k_cache_contiguous=kc, v_cache_contiguous=vc)
+    case = _nan_tailed_case(3, np.array([0, 2, 80], np.int32), 80, 2, 4, 64, dtype, sq=5)
     for ns in (1, 2, 50):
         (o, lse), _ = _run(case, dtype, num_splits=ns)
         _check_against_reference(case, o, lse, dtype)
@@ -438,28 +438,14 @@ def test_variants_padded_headdim_gqa_odd_pages(var, page):
 
 
 def _check_variant(var, page, hk=2, h=8, d=128):
-    rng = np.random.default_rng(19)
     dtype = "bfloat16"
     batch, cap = 3, 1024
     if page:
         cap = -(-cap // page) * page
-    cs = np.array([1000, 0, 517], np.int32)
-    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
-    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
-    tail = np.arange(cap)[None, :] >= cs[:, None]
-    kc[tail] = np.nan
-    vc[tail] = np.nan
-    q = testing.random_normal(rng, (batch, 1, h, d), dtype)
-    bt = None
-    kpool, vpool = kc, vc
-    if page:
-        kpool, bt = testing.contiguous_to_paged(kc, page, np.random.default_rng(2), 2)
-        vpool, _ = testing.contiguous_to_paged(vc, page, np.random.default_rng(2), 2)
-    case = testing.KVCacheCase(q=q, k_cache=kpool, v_cache=vpool, k=None, v=None,
-                               cache_seqlens=cs, block_table=bt, softmax_scale=None, causal=True,
-                               page_size=page, seed=19, k_cache_contiguous=kc,
-                               v_cache_contiguous=vc)
-    qd, kd, vd, csd, btd = (_dev(x) for x in (q, kpool, vpool, cs, bt))
+    case = _nan_tailed_case(19, np.array([1000, 0, 517], np.int32), cap, hk, h, d, dtype,
+                            page=page, table_seed=2, spare_pages=2)
+    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                              case.cache_seqlens, case.block_table))
     for ns in (1, 3, 7, 40):
         n = var.workspace_elems(batch, 1, h, hk, d, ns)
         ws = cupy.full(max(n, 1), np.nan, cupy.float32)
