@@ -195,15 +195,10 @@ def key_tiles(row_first, row_last, sq, sk, causal, wl, wr, bn):
     return nmin, nmax, la[0], f[1]
 
 
-def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype):
-    """One CTA of flash_fwd_block; P holds the FwdParams fields; out/lse are flat arrays."""
-    MT, NT, DT = tr.kMTiles, tr.kNTiles, tr.kDTiles
-    SUB_N = tr.kSubN
-    smem = np.full(tr.kSmemBytes // 2, np.nan, np.float32)
-    cp = AsyncCopies(smem.size)
-    sQ_base, sK_base = 0, tr.kQElems * 2
-    sV_base = sK_base + tr.kStages * tr.kKVElems * 2
-    # fwd_seq
+def fwd_seq(P, b, h):
+    """Mirror of the kernels' per-CTA sequence setup (common/fwd_entry.cuh, FwdCta): this
+    sequence's lengths (varlen: from cu_seqlens) and the element offsets of its q, o, k, v rows
+    for head h (KV head h // h_per_kv) and of its LSE row."""
     hk = h // P["h_per_kv"]
     sq, sk = P["seqlen_q"], P["seqlen_k"]
     q_tok = k_tok = 0
@@ -217,6 +212,19 @@ def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype)
     k_off = P["k"] + bk * P["kb"] + k_tok * P["kr"] + hk * P["kh"]
     v_off = P["v"] + bk * P["vb"] + k_tok * P["vr"] + hk * P["vh"]
     lse_off = bq * P["lb"] + h * P["lh"] + q_tok
+    return sq, sk, q_off, o_off, k_off, v_off, lse_off
+
+
+def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype):
+    """One CTA of flash_fwd_block; P holds the FwdParams fields; out/lse are flat arrays."""
+    MT, NT, DT = tr.kMTiles, tr.kNTiles, tr.kDTiles
+    SUB_N = tr.kSubN
+    smem = np.full(tr.kSmemBytes // 2, np.nan, np.float32)
+    cp = AsyncCopies(smem.size)
+    sQ_base, sK_base = 0, tr.kQElems * 2
+    sV_base = sK_base + tr.kStages * tr.kKVElems * 2
+    # fwd_seq
+    sq, sk, q_off, o_off, k_off, v_off, lse_off = fwd_seq(P, b, h)
     m0 = m_block * bm
     if m0 >= sq:
         return
@@ -656,18 +664,7 @@ def run_simt_cta(hd, bm, bn, isz, causal, P, gmem, lse, m_block, h, b):
     tr, tc = tid // TC, tid % TC
     smem = np.full(bm * kRow + 2 * bn * kRow + bm * kPRow, np.nan)
     sQ, sK, sV, sP = 0, bm * kRow, bm * kRow + bn * kRow, bm * kRow + 2 * bn * kRow
-    hk = h // P["h_per_kv"]
-    sq, sk = P["seqlen_q"], P["seqlen_k"]
-    q_tok = k_tok = 0
-    bq = bk = b
-    if P["cu_q"] is not None:
-        q_tok, sq, bq = P["cu_q"][b], P["cu_q"][b + 1] - P["cu_q"][b], 0
-        k_tok, sk, bk = P["cu_k"][b], P["cu_k"][b + 1] - P["cu_k"][b], 0
-    q_off = P["q"] + bq * P["qb"] + q_tok * P["qr"] + h * P["qh"]
-    o_off = P["o"] + bq * P["ob"] + q_tok * P["or"] + h * P["oh"]
-    k_off = P["k"] + bk * P["kb"] + k_tok * P["kr"] + hk * P["kh"]
-    v_off = P["v"] + bk * P["vb"] + k_tok * P["vr"] + hk * P["vh"]
-    lse_off = bq * P["lb"] + h * P["lh"] + q_tok
+    sq, sk, q_off, o_off, k_off, v_off, lse_off = fwd_seq(P, b, h)
     m0 = m_block * bm
     if m0 >= sq:
         return
