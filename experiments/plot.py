@@ -86,6 +86,17 @@ def _provenance_note(fig, recs):
     fig.text(0.99, 0.005, f"{gpu}, commit {commit}", ha="right", va="bottom", fontsize=7, color="0.4")
 
 
+def _save(fig, path: Path, recs=None) -> Path:
+    """Write ``fig`` to ``path`` (PNG, 120 dpi) and close it; with ``recs``, first note the GPU
+    and commit of the newest record in the corner."""
+    if recs is not None:
+        _provenance_note(fig, recs)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return path
+
+
 # ------------------------------------------------------------------------------------------------
 def fig1_prefill_runtime(results: Path, figures: Path, dtype: str = "bfloat16") -> list:
     recs = load(results, "bench_prefill", "prefill", need=("ms", "tflops", "seqlen"))
@@ -120,12 +131,7 @@ def fig1_prefill_runtime(results: Path, figures: Path, dtype: str = "bfloat16") 
                 ax.legend(fontsize=8)
         fig.suptitle("Prefill: 16k tokens per batch, hidden 2048" if metric == "ms"
                      else "Prefill throughput", fontsize=11)
-        _provenance_note(fig, recs)
-        fig.tight_layout()
-        p = figures / f"{fname}.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, figures / f"{fname}.png", recs))
     return paths
 
 
@@ -156,12 +162,7 @@ def fig2_memory(results: Path, figures: Path) -> list:
     ax.set_title(f"Memory beyond the output: batch {B}, {H} heads x {d}, {dt}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    _provenance_note(fig, recs)
-    fig.tight_layout()
-    p = figures / "fig2_memory.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, figures / "fig2_memory.png", recs)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,12 +223,7 @@ def fig3_hbm_bytes(results: Path, figures: Path) -> list:
     ax2.set_xlabel("measured / model")
     ax2.legend(fontsize=8)
     ax2.set_title("Nsight Compute dram__bytes vs io_model", fontsize=10)
-    _provenance_note(fig, recs)
-    fig.tight_layout()
-    p = figures / "fig3_hbm_bytes.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, figures / "fig3_hbm_bytes.png", recs)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -296,11 +292,7 @@ def fig4_roofline(results: Path, figures: Path) -> list:
     ax.set_title("Roofline: prefill (bf16 hd128, not causal) and decode (Llama-3-8B heads)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    p = figures / "fig4_roofline.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, figures / "fig4_roofline.png")]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,12 +370,7 @@ def fig5_decode(results: Path, figures: Path) -> list:
         ax.legend(fontsize=7)
     fig.suptitle("Decode, Llama-3-8B heads (32 q / 8 kv, d=128), bf16: FlashAttention alone vs split-KV",
                  fontsize=11)
-    _provenance_note(fig, recs)
-    fig.tight_layout()
-    p = figures / "fig5_decode.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, figures / "fig5_decode.png", recs)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,12 +428,7 @@ def fig6_numerics(results: Path, figures: Path) -> list:
     ax2.set_title("Overflow: streaming sums need the running max (vertical: ln(max float))", fontsize=10)
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=7)
-    _provenance_note(fig, recs)
-    fig.tight_layout()
-    p = figures / "fig6_numerics.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, figures / "fig6_numerics.png", recs)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -471,12 +453,7 @@ def fig7_tiles(results: Path, figures: Path) -> list:
         ax.set_title(f"hd{hd}, S={S}{', causal' if causal else ''} (blue: explain()'s choice)", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("Prefill tile sweep: BLOCK_M x BLOCK_N, warps (bf16, 16k tokens per batch)", fontsize=11)
-    _provenance_note(fig, recs)
-    fig.tight_layout()
-    p = figures / "fig7_tiles.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, figures / "fig7_tiles.png", recs)]
 
 
 FIGURES = {f.__name__: f for f in (fig1_prefill_runtime, fig2_memory, fig3_hbm_bytes, fig4_roofline,
