@@ -61,9 +61,10 @@ import math
 
 import numpy as np
 
-from . import checks, jit
+from . import checks, jit, launch
 from .interop import as_cupy, np_dtype
 from .heuristics import H200_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
+from .launch import MAX_CLUSTER
 
 __all__ = [
     "DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS", "ONE_BLOCK_SPLIT_CONFIGS",
@@ -169,13 +170,19 @@ FLAG_FUSED_COMBINE, FLAG_EVICT_FIRST, FLAG_PREFETCH_256, FLAG_PREFETCH_128 = 1, 
 #: Warp-local pipeline (contiguous caches only): each warp copies and waits for its own key rows
 #: of every tile, so the tile loop has no CTA barrier (``decode_flags::kWarpLocal``).
 FLAG_WARP_LOCAL = 16
+#: Cluster combine (sm_90): launched as one thread-block cluster per (batch, KV head, row chunk)
+#: holding its ``num_splits`` blocks, the blocks merge their partials through distributed shared
+#: memory (``decode_flags::kClusterCombine``); launched without clusters, the kernel runs its
+#: other paths.
+FLAG_CLUSTER_COMBINE = 32
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
-                (FLAG_WARP_LOCAL, "_wl"))
-#: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
-#: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
-#: 16 splits, b1 x 8k 1.84 vs 1.48; never measurably slower).
-DEFAULT_FLAGS = FLAG_FUSED_COMBINE
+                (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"))
+#: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the cluster combine
+#: (launched with clusters for 2-16 splits; v8, experiments/NOTES.md) and the fused
+#: last-block-done combine for more splits or without clusters (v1 sweep, H200: b1 x 128k 3.83
+#: vs 3.72 TB/s with a combine launch at 16 splits, b1 x 8k 1.84 vs 1.48).
+DEFAULT_FLAGS = FLAG_FUSED_COMBINE | FLAG_CLUSTER_COMBINE
 
 
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
@@ -188,8 +195,8 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     ...; the default :data:`DEFAULT_FLAGS` is what the public functions launch);
     ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
     """
-    if not isinstance(flags, int) or flags < 0 or flags >= 32:
-        raise ValueError(f"flags: expected an int in [0, 32), got {flags!r}")
+    if not isinstance(flags, int) or flags < 0 or flags >= 64:
+        raise ValueError(f"flags: expected an int in [0, 64), got {flags!r}")
     if flags & FLAG_WARP_LOCAL and paged:
         raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches, got flags={flags}, "
                          f"paged={paged}")
@@ -281,6 +288,8 @@ class DecodeLaunch:
     counter_elems : int32 counters at the end of the workspace (``batch * nheads_k *
         row_chunks``; 0 with one split). They must be zero before a launch; each launch leaves
         them zero (see :func:`alloc_workspace`).
+    cluster : blocks per thread-block cluster along grid x (the cluster combine: ``num_splits``
+        when ``2 <= num_splits <= max_cluster``, then no workspace is used), else 1.
     hbm_bytes, flops : I/O model at full cache capacity (cupyflash.io_model).
     reasons : why each choice was made / alternatives rejected.
     """
@@ -301,6 +310,7 @@ class DecodeLaunch:
     registers: int | None = None
     spill_bytes: int | None = None
     counter_elems: int = 0
+    cluster: int = 1
 
 
 def _check_split_size(split_size) -> None:
@@ -312,6 +322,7 @@ def _check_split_size(split_size) -> None:
 def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = None,
                   num_sms: int = H200_SMS, smem_per_sm: int = H200_SMEM_PER_SM,
                   max_smem_per_block: int = H200_SMEM_PER_BLOCK_OPTIN,
+                  max_cluster: int = MAX_CLUSTER,
                   ptxas_arch: str | None = None) -> DecodeLaunch:
     """The launch configuration of a validated decode problem (pure unless ``ptxas_arch``).
 
@@ -324,6 +335,10 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         ``problem.num_splits``.
     num_sms, smem_per_sm, max_smem_per_block : int
         Device limits (H200 defaults; the launch path passes the current device's).
+    max_cluster : int
+        Largest thread-block cluster the device runs (16 on sm_90 with the non-portable opt-in;
+        the launch path passes 1 before sm_90): the cluster combine is used for ``2 <=
+        num_splits <= max_cluster``, the fused last-block combine above that.
     ptxas_arch : str or None
         If given (e.g. ``"sm_90a"``), compile the split kernel with NVRTC and fill ``registers``
         and ``spill_bytes`` from the ptxas report (no GPU needed).
@@ -401,14 +416,22 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                        f"({num_sms} SMs x {fill_per_sm} block{'s' if fill_per_sm > 1 else ''}"
                        f" per SM, {layout} cache), {tiles_cap} "
                        f"tiles of {cfg.block_n} keys at capacity -> {num_splits} splits")
-    combine = None  # the fused last-block-done combine (DEFAULT_FLAGS): no combine launch
+    combine = None  # cluster or fused last-block-done combine (DEFAULT_FLAGS): no combine launch
     ws = counters = 0
-    if num_splits > 1:
+    cluster = 1
+    if 1 < num_splits <= max_cluster:
+        cluster = num_splits
+        reasons.append(f"{num_splits} splits: each (batch, KV head, row chunk) is one thread-block "
+                       f"cluster of {num_splits} blocks that merge their partials through "
+                       "distributed shared memory (cluster combine; no workspace)")
+    elif num_splits > 1:
         counters = p.batch * p.nheads_k * row_chunks
         ws = workspace_elems(p.batch, p.seqlen_q, p.nheads, p.headdim, num_splits) + counters
+        why = (f"more than {max_cluster} splits" if max_cluster > 1
+               else "no thread-block clusters before sm_90")
         reasons.append(f"{num_splits} splits: the last split block of each (batch, KV head, row "
                        "chunk) merges the partials (fused combine; arrival counters in the "
-                       "workspace)")
+                       f"workspace; {why}, so no cluster combine)")
     else:
         reasons.append("one split: the split kernel writes the output directly (no combine)")
     append = append_kernel_spec(p.paged).name if p.seqlen_new > 0 else None
@@ -429,7 +452,8 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         grid=(num_splits, p.batch, p.nheads_k * row_chunks), block=(cfg.nwarps * 32, 1, 1),
         smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
         combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
-        reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters)
+        reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters,
+        cluster=cluster)
 
 
 def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
@@ -459,21 +483,14 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     if not isinstance(problem, checks.DecodeProblem):
         raise TypeError(f"problem: expected cupyflash.checks.DecodeProblem, got "
                         f"{type(problem).__name__}")
-    try:
-        lim = _device_limits()
-    except Exception:  # no CuPy / no device: plan for an H200, or for `arch`'s shared memory
-        lim = dict(num_sms=H200_SMS, smem_per_sm=H200_SMEM_PER_SM,
-                   max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN)
-        if arch is not None and arch not in ("sm_90", "sm_90a"):
-            lim["max_smem_per_block"] = dispatch.max_smem_bytes_for_arch(arch)
-            lim["smem_per_sm"] = lim["max_smem_per_block"] + _SMEM_RESERVED_PER_BLOCK
+    lim = _planning_limits(arch)
     num_sms = lim["num_sms"] if num_sms is None else num_sms
     smem_per_sm = lim["smem_per_sm"] if smem_per_sm is None else smem_per_sm
     max_smem_per_block = lim["max_smem_per_block"] if max_smem_per_block is None \
         else max_smem_per_block
     arch = dispatch.default_arch() if arch is None else arch
     la = launch_config(problem, split_size=split_size, num_sms=num_sms, smem_per_sm=smem_per_sm,
-                       max_smem_per_block=max_smem_per_block)
+                       max_smem_per_block=max_smem_per_block, max_cluster=lim["max_cluster"])
     p = problem
     t = la.template
 
@@ -557,13 +574,33 @@ def _device_limits() -> dict:
     return _device_limits_of(cupy.cuda.Device().id)
 
 
+def _planning_limits(arch: str | None = None, use_device: bool = True) -> dict:
+    """The limits a plan is made for: the current device's when ``use_device`` and a GPU is
+    visible; otherwise an H200's (132 SMs, 227 KiB per block, clusters of 16), with the shared
+    memory of ``arch`` and no clusters when an architecture other than sm_90/sm_90a is named."""
+    if use_device:
+        try:
+            return _device_limits()
+        except Exception:  # no CuPy / no device
+            pass
+    lim = dict(num_sms=H200_SMS, smem_per_sm=H200_SMEM_PER_SM,
+               max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN, max_cluster=MAX_CLUSTER)
+    if arch is not None and arch not in ("sm_90", "sm_90a"):
+        from . import dispatch
+        lim["max_smem_per_block"] = dispatch.max_smem_bytes_for_arch(arch)
+        lim["smem_per_sm"] = lim["max_smem_per_block"] + _SMEM_RESERVED_PER_BLOCK
+        lim["max_cluster"] = 1
+    return lim
+
+
 @functools.lru_cache(maxsize=None)
 def _device_limits_of(dev_id: int) -> dict:
     import cupy
     a = cupy.cuda.Device(dev_id).attributes
     return dict(num_sms=a["MultiProcessorCount"],
                 smem_per_sm=a["MaxSharedMemoryPerMultiprocessor"],
-                max_smem_per_block=a["MaxSharedMemoryPerBlockOptin"])
+                max_smem_per_block=a["MaxSharedMemoryPerBlockOptin"],
+                max_cluster=MAX_CLUSTER if a["ComputeCapabilityMajor"] >= 9 else 1)
 
 
 def _estrides(x) -> tuple:
@@ -584,18 +621,19 @@ def _nullptr():
     return np.uint64(0)
 
 
-def _resolve_plan(prob, split_size):
-    """The plan on the current device (cached: the per-call host cost stays small)."""
+def _resolve_plan(prob, split_size, use_device=True):
+    """The plan on the current device, or an H200's without ``use_device`` (cached: the
+    per-call host cost stays small)."""
     _check_split_size(split_size)
-    lim = _device_limits()
+    lim = _planning_limits(use_device=use_device)
     return _plan_cached(prob, split_size, lim["num_sms"], lim["smem_per_sm"],
-                        lim["max_smem_per_block"])
+                        lim["max_smem_per_block"], lim["max_cluster"])
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_cached(prob, split_size, num_sms, smem_per_sm, max_smem_per_block):
+def _plan_cached(prob, split_size, num_sms, smem_per_sm, max_smem_per_block, max_cluster):
     return launch_config(prob, split_size=split_size, num_sms=num_sms, smem_per_sm=smem_per_sm,
-                         max_smem_per_block=max_smem_per_block)
+                         max_smem_per_block=max_smem_per_block, max_cluster=max_cluster)
 
 
 def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
@@ -608,10 +646,9 @@ def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, bloc
     memory; without a GPU (sizing offline), an H200's."""
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 num_splits=num_splits, dtypes=DTYPES, validate=False)
-    if not any(checks.is_device_array(x) for x in (q, k_cache, v_cache)):
-        _check_split_size(split_size)  # host arrays: plan for an H200 (no device is touched)
-        return launch_config(prob, split_size=split_size).workspace_elems
-    return _resolve_plan(prob, split_size).workspace_elems
+    # host arrays: plan for an H200 (no device is touched)
+    on_device = any(checks.is_device_array(x) for x in (q, k_cache, v_cache))
+    return _resolve_plan(prob, split_size, use_device=on_device).workspace_elems
 
 
 def alloc_workspace(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
@@ -854,7 +891,7 @@ def _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
     from . import dispatch
     from .interop import cupy_ndarray_type
     plan = _resolve_plan(prob, split_size)  # also validates split_size
-    if plan.num_splits > 1 and workspace is not None:
+    if plan.workspace_elems and workspace is not None:
         workspace = as_cupy(workspace, "workspace", checks.dtype_name(workspace))
     elif workspace is not None and type(workspace) is not cupy_ndarray_type():
         opts = None  # an unused workspace of another kind: its layout is no key
@@ -887,8 +924,8 @@ class _KVCacheLaunch:
         self.copy_seqlens = cache_seqlens is not None and cache_seqlens.strides[0] != 4
         b, sq, h, d = prob.batch, prob.seqlen_q, prob.nheads, prob.headdim
         self.lse_shape = (b, h, sq) if return_lse else None
-        self.ws_need = plan.workspace_elems if ns > 1 else 0
-        if ns > 1 and workspace is not None:  # checked before anything is launched
+        self.ws_need = plan.workspace_elems
+        if self.ws_need and workspace is not None:  # checked before anything is launched
             if checks.dtype_name(workspace) != "float32":
                 raise TypeError(f"workspace: expected float32, got {checks.dtype_name(workspace)}")
             if workspace.size < self.ws_need or not workspace.flags.c_contiguous:
@@ -947,7 +984,7 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
         out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty(e.lse_shape, cupy.float32) if e.lse_shape is not None else None
     ns = e.plan.num_splits
-    if ns > 1 and workspace is None:  # the fused combine's counters start at zero
+    if e.ws_need and workspace is None:  # the fused combine's counters start at zero
         workspace = cupy.empty(e.ws_need, cupy.float32)
         if e.counters_nbytes:
             cupy.cuda.runtime.memsetAsync(workspace.data.ptr + e.counters_bytes, 0,
@@ -960,6 +997,11 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
         cs = cache_seqlens if cache_seqlens is not None else _NULL
         lse_arg = lse if lse is not None else _NULL
         p = e.plan
+        if p.cluster > 1:  # cluster combine: the blocks of each cluster write out and lse
+            head = (q, k_cache, v_cache, cs, bt, out, lse_arg, _NULL, _NULL)
+            launch.launch(e.split_kernel, p.grid, p.block, head + e.split_tail + e.split_end,
+                          shared_mem=p.smem_bytes, cluster=(p.cluster, 1, 1))
+            return (out, lse) if e.return_lse else out
         if ns > 1:  # fused combine: the last block of each group writes out and lse
             ptr = workspace.data.ptr
             head = (q, k_cache, v_cache, cs, bt, out, lse_arg, np.uint64(ptr),
@@ -1051,7 +1093,10 @@ class SplitVariant:
 
     def workspace_elems(self, batch, seqlen_q, nheads, nheads_k, headdim, num_splits) -> int:
         """float32 elements: partial O and LSE, then (fused combine) int32 counters
-        (batch, nheads_k * row_chunks), which must be zero before the first launch."""
+        (batch, nheads_k * row_chunks), which must be zero before the first launch; none when
+        the variant merges in a cluster (:data:`FLAG_CLUSTER_COMBINE`, up to 16 splits)."""
+        if self.flags & FLAG_CLUSTER_COMBINE and num_splits <= launch.MAX_CLUSTER:
+            return 0
         n = workspace_elems(batch, seqlen_q, nheads, headdim, num_splits)
         if n and self.flags & FLAG_FUSED_COMBINE:
             n += batch * nheads_k * -(-(nheads // nheads_k * seqlen_q) // GROUP)
@@ -1075,10 +1120,11 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
     b, sq, h, d, hk = prob.batch, prob.seqlen_q, prob.nheads, prob.headdim, prob.nheads_k
     spec = variant.spec(prob.dtype, padded_headdim(d), prob.paged)
     row_chunks = -(-(h // hk * sq) // GROUP)
-    fused = ns > 1 and variant.flags & FLAG_FUSED_COMBINE
+    cluster = ns if 1 < ns <= launch.MAX_CLUSTER and variant.flags & FLAG_CLUSTER_COMBINE else 1
+    fused = ns > 1 and variant.flags & FLAG_FUSED_COMBINE and cluster == 1
     rows = b * sq * h
     o_part = lse_part = counters = nul
-    if ns > 1:
+    if ns > 1 and cluster == 1:
         need = variant.workspace_elems(b, sq, h, hk, d, ns)
         if workspace is None or workspace.size < need or workspace.dtype != np.float32:
             raise ValueError(f"workspace: need a float32 array of {need} elements")
@@ -1091,7 +1137,7 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
     bt_bs = _estrides(block_table)[0] if block_table is not None else 0
     page_size = prob.page_size if prob.paged else 1
     page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
-    final = ns == 1 or fused
+    final = ns == 1 or fused or cluster > 1
     i64, i32 = np.int64, np.int32
     args = (q, k_cache, v_cache,
             cache_seqlens if cache_seqlens is not None else nul,
@@ -1106,6 +1152,12 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
             i32(row_chunks), i32(1 if prob.causal else 0),
             np.float32(prob.softmax_scale * math.log2(math.e)), counters, i32(variant.grid_order))
     grid = (ns, b, hk * row_chunks) if variant.grid_order == 0 else (hk * row_chunks, ns, b)
+    if cluster > 1:
+        if variant.grid_order != 0:
+            raise ValueError("variant: the cluster combine needs grid_order 0")
+        launch.launch(jit.get_kernel(spec), grid, (variant.nwarps * 32, 1, 1), args,
+                      shared_mem=spec.smem_bytes, cluster=(cluster, 1, 1))
+        return out
     jit.get_kernel(spec)(grid, (variant.nwarps * 32, 1, 1), args, shared_mem=spec.smem_bytes)
     if ns > 1 and not fused:
         o5 = workspace[:ns * rows * d].reshape(ns, b, sq, h, d)

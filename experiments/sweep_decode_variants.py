@@ -1,4 +1,4 @@
-"""Split-KV decode variants on one GPU call (v2 decode plan in experiments/NOTES.md; v1: H8).
+"""Split-KV decode variants on one GPU call (v8 decode plan in experiments/NOTES.md; v1: H8).
 
     PYTHONPATH=. python experiments/sweep_decode_variants.py [--quick] [--out DIR]
 
@@ -26,24 +26,36 @@ import numpy as np
 
 T0 = time.time()
 H, HK, D = 32, 8, 128
-CASES = [(1, 131072, 0), (1, 131072, 16), (16, 16384, 0), (16, 16384, 16), (16, 16384, 64),
-         (16, 16384, 256), (64, 16384, 0), (16, 1024, 0), (1, 8192, 0)]
+CASES = [(1, 131072, 0), (1, 131072, 16), (16, 16384, 0), (16, 16384, 16), (16, 16384, 256),
+         (64, 16384, 0), (16, 1024, 0), (1, 8192, 0), (1, 1024, 0), (2, 32768, 0), (4, 8192, 0),
+         (64, 1024, 0), (64, 2048, 0)]
 SMEM_PER_SM, RESERVED = 233472, 1024
 
 
 def variants():
-    from cupyflash.decode import (FLAG_EVICT_FIRST, FLAG_FUSED_COMBINE, FLAG_PREFETCH_128,
-                                  FLAG_PREFETCH_256, FLAG_WARP_LOCAL, SplitVariant as V)
-    F, W, P1, P2, E = (FLAG_FUSED_COMBINE, FLAG_WARP_LOCAL, FLAG_PREFETCH_128, FLAG_PREFETCH_256,
-                       FLAG_EVICT_FIRST)
-    contiguous = [
-        # v4 (experiments/NOTES.md "v4 decode plan"): swizzled K/V tiles; prefetch-size hints
-        V(128, 8, 3, F | P1), V(128, 8, 3, F | P1 | E), V(64, 4, 3, F),
-        V(128, 8, 3, F | W), V(128, 4, 3, F),
-    ]
-    # v6: page ids by cp.async, STAGES - 1 tiles ahead (one block per SM may now suffice)
-    paged = [V(64, 4, 3, F), V(128, 8, 3, F), V(128, 4, 3, F)]
+    from cupyflash.decode import (FLAG_CLUSTER_COMBINE, FLAG_FUSED_COMBINE, SplitVariant as V)
+    F, C = FLAG_FUSED_COMBINE, FLAG_CLUSTER_COMBINE
+    # v8 (experiments/NOTES.md "v8 decode plan"): the splits of a head merged in a thread-block
+    # cluster (C) vs by the last block to arrive (F only); two blocks per SM (64 x 4) for the
+    # multi-wave shapes
+    contiguous = [V(128, 8, 3, F | C), V(128, 8, 3, F), V(64, 4, 3, F | C)]
+    paged = [V(128, 8, 3, F | C), V(128, 8, 3, F)]
     return contiguous, paged
+
+
+def cluster_occupancy(var, dtype="bfloat16"):
+    """{cluster size: clusters resident at once} of the variant's kernel (cuOccupancyMax-
+    ActiveClusters), or {"error": ...}."""
+    from cupyflash import jit, launch
+    spec = var.spec(dtype, D, False)
+    out = {}
+    for c in (2, 4, 8, 12, 16):
+        try:
+            out[c] = launch.max_active_clusters(jit.get_kernel(spec), (var.nwarps * 32, 1, 1),
+                                                (c, 1, 1), shared_mem=spec.smem_bytes)
+        except Exception as e:  # noqa: BLE001
+            out[c] = f"{type(e).__name__}: {str(e)[:120]}"
+    return out
 
 
 def blocks_per_sm(smem):
@@ -197,6 +209,11 @@ def main(argv=None) -> int:
           flush=True)
     rng = cp.random.default_rng(0)
     table = []
+    for var in contiguous_vs:
+        if var.flags & Dm.FLAG_CLUSTER_COMBINE:
+            occ = cluster_occupancy(var)
+            print(f"# {var.name}: clusters resident at once by cluster size {occ}", flush=True)
+            fout.write(json.dumps(dict(variant=var.name, cluster_occupancy=occ, gpu=gpu)) + "\n")
 
     def emit(rec):
         rec.update(gpu=gpu, elapsed_s=round(time.time() - T0, 1))

@@ -33,6 +33,7 @@
 #include "common/mask.cuh"
 #include "common/online_softmax.cuh"
 #include "common/mma.cuh"
+#include "common/cluster.cuh"
 
 namespace cf {
 
@@ -79,6 +80,13 @@ constexpr int kPrefetch128 = 8;
 // (its BLOCK_N / NWARPS keys of every tile) and waits only for its own copies (cp.async wait +
 // __syncwarp), so the loop has no CTA barrier and the warps stream independently.
 constexpr int kWarpLocal = 16;
+// Cluster combine (sm_90): when the launch groups the num_splits blocks of each (batch, KV head,
+// row chunk) into one thread-block cluster (cluster_nctarank() == num_splits, grid_order 0),
+// each block leaves its normalised partial (fp32 O and LSE) in its own shared memory and, after
+// a cluster barrier, the blocks merge slices of the rows by reading every split's partial
+// through distributed shared memory (no workspace, no fence, no atomic, no L2 round trip).
+// A launch without clusters runs the other paths (fused combine or partials to the workspace).
+constexpr int kClusterCombine = 32;
 }  // namespace decode_flags
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
@@ -131,6 +139,22 @@ struct MergeState4 {
     }
 };
 
+// Writes a merged (row, 4 columns) item: o = acc / l in T, and the LSE (natural log; -inf for a
+// row that saw no key) once per row. Shared by the fused and the cluster combine, so the two
+// give bitwise the same output for the same parts.
+template <typename T>
+__device__ __forceinline__ void store_merged(const DecodeParams& p, const MergeState4& st, int b,
+                                             int qi, int h, int c) {
+    const float inv = inv_normaliser(st.l);
+    T* out = reinterpret_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride
+             + h * p.o_head_stride + c;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) out[x] = decode_detail::from_float<T>(st.acc[x] * inv);
+    if (c == 0 && p.lse != nullptr)
+        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + qi] =
+            st.l == 0.f ? neg_inf<float>() : st.m + logf(st.l);
+}
+
 // Compile-time shape of the split kernel; decode.py's smem formula mirrors kSmemBytes.
 template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES>
 struct DecodeTraits {
@@ -167,7 +191,13 @@ struct DecodeTraits {
     // Epilogue scratch (aliases the stage buffers once the pipeline has drained).
     static constexpr int kOStride = HEADDIM + 4;
     static constexpr int kEpilogueBytes = (NWARPS * GROUP * kOStride + 2 * NWARPS * GROUP) * 4;
-    static_assert(kEpilogueBytes <= STAGES * kStageElems * (int)sizeof(T), "epilogue fits");
+    // Cluster combine: this block's normalised partial O [GROUP][HEADDIM] and LSE [GROUP] in
+    // fp32, after the scratch (read by the other blocks of the cluster).
+    static constexpr int kPartBytes = (GROUP * HEADDIM + GROUP) * 4;
+    static_assert(kEpilogueBytes + kPartBytes <= STAGES * kStageElems * (int)sizeof(T),
+                  "epilogue fits");
+    // Largest cluster the cluster combine merges (the non-portable maximum of sm_90).
+    static constexpr int kMaxCluster = 16;
     static_assert((BLOCK_N * kChunksPerRow) % kThreads == 0, "whole copies per thread");
     static constexpr int kCopiesPerThread = BLOCK_N * kChunksPerRow / kThreads;
     // Copy i = tid + c * kThreads of a tile is row i / kChunksPerRow, column chunk
@@ -488,6 +518,16 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     __syncthreads();
 
     const bool direct = p.num_splits == 1;  // single split: write the final output in T
+    bool in_cluster = false;                // cluster combine (decode_flags::kClusterCombine)
+    if constexpr ((FLAGS & decode_flags::kClusterCombine) != 0) {
+        const unsigned nc = cluster_nctarank();
+        in_cluster = nc > 1;
+        if (in_cluster && (nc != (unsigned)p.num_splits || nc > Tr::kMaxCluster ||
+                           ex.grid_order != 0))
+            __trap();  // launch bug (decode.py launches one cluster per group), never silent
+    }
+    float* sPart = sL + NWARPS * GROUP;     // [GROUP][HEADDIM], cluster combine only
+    float* sPartL = sPart + GROUP * HEADDIM;  // [GROUP]
     for (int e = tid; e < GROUP * HEADDIM; e += Tr::kThreads) {
         const int r = e / HEADDIM, c = e % HEADDIM, rg = row_base + r;
         if (rg >= rows || c >= p.headdim) continue;
@@ -510,11 +550,48 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 decode_detail::from_float<T>(o);
             if (c == 0 && p.lse != nullptr)
                 p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + qi] = lse;
+        } else if (in_cluster) {
+            sPart[r * HEADDIM + c] = o;
+            if (c == 0) sPartL[r] = lse;
         } else {
             const int64_t prow = ((int64_t)split * p.batch + b) * p.seqlen_q + qi;
             p.o_part[(prow * p.nheads + h) * p.headdim + c] = o;
             if (c == 0)
                 p.lse_part[(((int64_t)split * p.batch + b) * p.nheads + h) * p.seqlen_q + qi] = lse;
+        }
+    }
+
+    // ---- cluster combine: the blocks of the cluster (the splits of (b, hz)) merge slices ----
+    if constexpr ((FLAGS & decode_flags::kClusterCombine) != 0) {
+        if (in_cluster) {
+            cluster_sync();  // every split's partial is in its block's shared memory
+            const int ns = p.num_splits, rank = (int)cluster_ctarank();  // rank == split
+            const int nrows = min(GROUP, rows - row_base);
+            const int hd4 = p.headdim / 4;
+            // (row, 4 columns) items, interleaved over the cluster's blocks; each reads the ns
+            // partials (all loads issued first, then merged in split order as the fused path).
+            for (int e = tid * ns + rank; e < nrows * hd4; e += Tr::kThreads * ns) {
+                const int r = e / hd4, c = (e % hd4) * 4, rg = row_base + r;
+                const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
+                const uint32_t l_addr = smem_u32addr(sPartL + r);
+                const uint32_t o_addr = smem_u32addr(sPart + r * HEADDIM + c);
+                float lp[Tr::kMaxCluster];
+                float4 op[Tr::kMaxCluster];
+#pragma unroll
+                for (int sp = 0; sp < Tr::kMaxCluster; ++sp)
+                    if (sp < ns) {
+                        lp[sp] = ld_shared_cluster_f32(map_shared_rank(l_addr, sp));
+                        op[sp] = ld_shared_cluster_v4f32(map_shared_rank(o_addr, sp));
+                    }
+                MergeState4 st;
+                st.init();
+#pragma unroll
+                for (int sp = 0; sp < Tr::kMaxCluster; ++sp)
+                    if (sp < ns) st.add(lp[sp], op[sp]);
+                store_merged<T>(p, st, b, qi, h, c);
+            }
+            cluster_sync();  // no block exits while another still reads its shared memory
+            return;
         }
     }
 
@@ -550,14 +627,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             for (int sp = 0; sp < p.num_splits; ++sp)
                 st.add(__ldcg(lp + sp * l_split),
                        __ldcg(reinterpret_cast<const float4*>(op + sp * o_split)));
-            const float inv = inv_normaliser(st.l);
-            T* out = reinterpret_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride
-                     + h * p.o_head_stride + c;
-#pragma unroll
-            for (int x = 0; x < 4; ++x) out[x] = decode_detail::from_float<T>(st.acc[x] * inv);
-            if (c == 0 && p.lse != nullptr)
-                p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + qi] =
-                    st.l == 0.f ? neg_inf<float>() : st.m + logf(st.l);
+            store_merged<T>(p, st, b, qi, h, c);
         }
     }
 }

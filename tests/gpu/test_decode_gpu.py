@@ -459,3 +459,74 @@ def _check_variant(var, page, hk=2, h=8, d=128):
             _check_against_reference(case, out, lse, dtype)
         if var.flags & _F and ns > 1:
             assert bool((ws[base:n].view(cupy.int32) == 0).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# Cluster combine (v8): the splits of a head merged through distributed shared memory
+# ----------------------------------------------------------------------------------------------
+_C = decode.FLAG_CLUSTER_COMBINE
+
+
+@pytest.mark.parametrize("d,block_n,nwarps", [(128, 128, 8), (64, 128, 4), (256, 32, 2),
+                                              (72, 64, 4)])
+@pytest.mark.parametrize("page,sq", [(0, 1), (16, 1), (0, 5), (3, 2)])
+def test_cluster_combine_bitwise_equals_fused(d, block_n, nwarps, page, sq):
+    """For every cluster size 2-16 (odd ones included), with ragged NaN-tailed caches, an empty
+    sequence, GQA 4 and several query rows (two row chunks at sq = 5): the cluster combine
+    matches the reference and gives bitwise the output and LSE of the fused last-block combine
+    (same parts, same merge order, same arithmetic). The workspace of the cluster launch is
+    NaN-poisoned and must stay untouched."""
+    dtype = "bfloat16"
+    hk, h, cap = 2, 8, 1200
+    if page:
+        cap = -(-cap // page) * page
+    case = _nan_tailed_case(23, np.array([1100, 0, 311], np.int32), cap, hk, h, d, dtype,
+                            sq=sq, page=page, table_seed=5, spare_pages=2)
+    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                              case.cache_seqlens, case.block_table))
+    cl = decode.SplitVariant(block_n, nwarps, 3, _F | _C)
+    fu = decode.SplitVariant(block_n, nwarps, 3, _F)
+    batch = qd.shape[0]
+    for ns in (2, 3, 7, 8, 12, 16):
+        assert cl.workspace_elems(batch, sq, h, hk, d, ns) == 0
+        n = fu.workspace_elems(batch, sq, h, hk, d, ns)
+        ws = cupy.zeros(n, cupy.float32)
+        ws[:ns * batch * sq * h * (d + 1)] = np.nan
+        poison = cupy.full(64, np.nan, cupy.float32)
+        res = []
+        for var, w in ((cl, poison), (fu, ws)):
+            out = _nan_like(qd)
+            lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
+            decode.run_split_variant(var, qd, kd, vd, csd, btd, out, w, num_splits=ns, lse=lse)
+            _check_against_reference(case, out, lse, dtype)
+            res.append((_host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)))
+        assert np.array_equal(res[0][0], res[1][0]), ns
+        assert np.array_equal(res[0][1], res[1][1]), ns
+        assert bool(cupy.isnan(poison).all())
+
+
+def test_public_path_uses_cluster_combine_without_workspace():
+    """Llama-3-8B heads at batch 1: the heuristic's 16 splits run as clusters of 16 (explain
+    says so, no workspace), the result matches the reference, and a CUDA graph replays it."""
+    dtype = "bfloat16"
+    case = _nan_tailed_case(29, np.array([3000], np.int32), 4096, 8, 32, 128, dtype)
+    q, kc, vc, _, _, cs, bt = (_dev(x) for x in case.args())
+    plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, report=False)
+    assert plan.num_splits == 16
+    assert any("cluster of 16 blocks" in why for _, why in plan.rejected)
+    assert decode.workspace_size(q, kc, vc, cache_seqlens=cs) == 0
+    out = _nan_like(q)
+    o, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, return_lse=True, out=out)
+    _check_against_reference(case, o, lse, dtype)
+    out2 = _nan_like(q)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, out=out2, validate=False)
+        s.synchronize()
+        out2.fill(0)
+        s.begin_capture()
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, out=out2, validate=False)
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+    assert np.array_equal(_host(out2).view(np.uint16), _host(o).view(np.uint16))

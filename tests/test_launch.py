@@ -1,0 +1,67 @@
+"""cupyflash.launch on the CPU: the ctypes mirrors of cuda.h's launch structures, argument
+conversion, and the checks that run before the driver is touched."""
+import ctypes
+from pathlib import Path
+import re
+
+import numpy as np
+import pytest
+
+from cupyflash import launch
+
+
+def test_structures_match_cuda_h_layout():
+    # CUlaunchAttribute: 4-byte id, 4 bytes of padding, 64-byte value union
+    assert ctypes.sizeof(launch._AttrValue) == 64
+    assert ctypes.sizeof(launch._Attr) == 72 and launch._Attr.value.offset == 8
+    # CUlaunchConfig: 7 unsigned ints, then the stream handle aligned to 8 bytes
+    assert launch._Config.stream.offset == 32 and launch._Config.attrs.offset == 40
+    assert launch._Config.num_attrs.offset == 48 and ctypes.sizeof(launch._Config) == 56
+
+
+def test_enum_values_match_the_header_when_present():
+    """The enum values used are those of cuda.h (checked against the installed header)."""
+    heads = [Path(p) for p in ("/usr/local/cuda/include/cuda.h",)]
+    try:
+        import nvidia.cu13  # noqa: F401  (pip's CUDA 13 headers)
+        heads += list(Path(nvidia.cu13.__path__[0]).glob("include/cuda.h"))
+    except Exception:  # noqa: BLE001
+        pass
+    heads = [h for h in heads if h.is_file()]
+    if not heads:
+        pytest.skip("no cuda.h installed")
+    text = heads[0].read_text(errors="replace")
+    for name, val in (("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION",
+                       launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
+                      ("CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
+                       launch.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)):
+        m = re.search(rf"\b{name}\s*=\s*(\d+)", text)
+        assert m and int(m.group(1)) == val, name
+
+
+def test_config_holds_grid_block_cluster():
+    cfg, attrs = launch._config((16, 2, 8), (256, 1, 1), 202496, 0, (16, 1, 1))
+    assert tuple(cfg.grid) == (16, 2, 8) and tuple(cfg.block) == (256, 1, 1)
+    assert cfg.shared_mem_bytes == 202496 and cfg.num_attrs == 1
+    assert attrs[0].id == launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert tuple(attrs[0].value.cluster_dim) == (16, 1, 1)
+
+
+def test_kernel_arguments_convert_numpy_scalars():
+    args = (np.uint64(0xDEADBEEF0), np.int64(-3), np.int32(7), np.float32(0.5))
+    ptrs, keep = launch.kernel_arguments(args)
+    assert len(ptrs) == 4
+    assert ctypes.cast(ptrs[0], ctypes.POINTER(ctypes.c_uint64)).contents.value == 0xDEADBEEF0
+    assert ctypes.cast(ptrs[1], ctypes.POINTER(ctypes.c_int64)).contents.value == -3
+    assert ctypes.cast(ptrs[2], ctypes.POINTER(ctypes.c_int32)).contents.value == 7
+    assert ctypes.cast(ptrs[3], ctypes.POINTER(ctypes.c_float)).contents.value == 0.5
+    with pytest.raises(TypeError, match="kernel argument 1"):
+        launch.kernel_arguments((np.int32(1), 5))  # a Python int has no C type
+
+
+@pytest.mark.parametrize("cluster,match", [((3, 1, 1), "dividing the grid"),
+                                           ((0, 1, 1), "positive"),
+                                           ((32, 1, 1), "at most 16")])
+def test_launch_checks_cluster_before_the_driver(cluster, match):
+    with pytest.raises(ValueError, match=match):
+        launch.launch(object(), (32, 1, 1), (32, 1, 1), (), cluster=cluster)
