@@ -64,7 +64,6 @@ import numpy as np
 from . import checks, jit, launch
 from .interop import as_cupy, np_dtype
 from .heuristics import H200_SMS, MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
-from .launch import MAX_CLUSTER
 
 __all__ = [
     "DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS", "ONE_BLOCK_SPLIT_CONFIGS",
@@ -170,19 +169,25 @@ FLAG_FUSED_COMBINE, FLAG_EVICT_FIRST, FLAG_PREFETCH_256, FLAG_PREFETCH_128 = 1, 
 #: Warp-local pipeline (contiguous caches only): each warp copies and waits for its own key rows
 #: of every tile, so the tile loop has no CTA barrier (``decode_flags::kWarpLocal``).
 FLAG_WARP_LOCAL = 16
-#: Cluster combine (sm_90): launched as one thread-block cluster per (batch, KV head, row chunk)
-#: holding its ``num_splits`` blocks, the blocks merge their partials through distributed shared
-#: memory (``decode_flags::kClusterCombine``); launched without clusters, the kernel runs its
-#: other paths.
+#: Cluster combine (sm_90; experiments only): launched as one thread-block cluster per (batch,
+#: KV head, row chunk) holding its ``num_splits`` blocks (:func:`run_split_variant`, up to 16),
+#: the blocks merge their partials through distributed shared memory
+#: (``decode_flags::kClusterCombine``); launched without clusters, the kernel runs its other
+#: paths. Not used by the public functions: on the H200 clusters of 4-16 blocks at one block per
+#: SM leave 12-20 SMs idle (GPC granularity), so the split counts that fill the GPU need a
+#: second wave (v8, experiments/NOTES.md).
 FLAG_CLUSTER_COMBINE = 32
+#: Fused combine with one ``atom.acq_rel.gpu`` arrival by thread 0 after a ``__syncthreads``
+#: instead of a ``__threadfence`` in every thread (``decode_flags::kReleaseArrive``).
+FLAG_RELEASE_ARRIVE = 64
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
-                (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"))
-#: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the cluster combine
-#: (launched with clusters for 2-16 splits; v8, experiments/NOTES.md) and the fused
-#: last-block-done combine for more splits or without clusters (v1 sweep, H200: b1 x 128k 3.83
-#: vs 3.72 TB/s with a combine launch at 16 splits, b1 x 8k 1.84 vs 1.48).
-DEFAULT_FLAGS = FLAG_FUSED_COMBINE | FLAG_CLUSTER_COMBINE
+                (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
+                (FLAG_RELEASE_ARRIVE, "_rel"))
+#: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
+#: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
+#: 16 splits, b1 x 8k 1.84 vs 1.48) with the release/acquire arrival (v9, experiments/NOTES.md).
+DEFAULT_FLAGS = FLAG_FUSED_COMBINE | FLAG_RELEASE_ARRIVE
 
 
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
@@ -195,8 +200,8 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     ...; the default :data:`DEFAULT_FLAGS` is what the public functions launch);
     ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
     """
-    if not isinstance(flags, int) or flags < 0 or flags >= 64:
-        raise ValueError(f"flags: expected an int in [0, 64), got {flags!r}")
+    if not isinstance(flags, int) or flags < 0 or flags >= 128:
+        raise ValueError(f"flags: expected an int in [0, 128), got {flags!r}")
     if flags & FLAG_WARP_LOCAL and paged:
         raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches, got flags={flags}, "
                          f"paged={paged}")
@@ -288,8 +293,6 @@ class DecodeLaunch:
     counter_elems : int32 counters at the end of the workspace (``batch * nheads_k *
         row_chunks``; 0 with one split). They must be zero before a launch; each launch leaves
         them zero (see :func:`alloc_workspace`).
-    cluster : blocks per thread-block cluster along grid x (the cluster combine: ``num_splits``
-        when ``2 <= num_splits <= max_cluster``, then no workspace is used), else 1.
     hbm_bytes, flops : I/O model at full cache capacity (cupyflash.io_model).
     reasons : why each choice was made / alternatives rejected.
     """
@@ -310,7 +313,6 @@ class DecodeLaunch:
     registers: int | None = None
     spill_bytes: int | None = None
     counter_elems: int = 0
-    cluster: int = 1
 
 
 def _check_split_size(split_size) -> None:
@@ -322,7 +324,6 @@ def _check_split_size(split_size) -> None:
 def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = None,
                   num_sms: int = H200_SMS, smem_per_sm: int = H200_SMEM_PER_SM,
                   max_smem_per_block: int = H200_SMEM_PER_BLOCK_OPTIN,
-                  max_cluster: int = MAX_CLUSTER,
                   ptxas_arch: str | None = None) -> DecodeLaunch:
     """The launch configuration of a validated decode problem (pure unless ``ptxas_arch``).
 
@@ -335,10 +336,6 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         ``problem.num_splits``.
     num_sms, smem_per_sm, max_smem_per_block : int
         Device limits (H200 defaults; the launch path passes the current device's).
-    max_cluster : int
-        Largest thread-block cluster the device runs (16 on sm_90 with the non-portable opt-in;
-        the launch path passes 1 before sm_90): the cluster combine is used for ``2 <=
-        num_splits <= max_cluster``, the fused last-block combine above that.
     ptxas_arch : str or None
         If given (e.g. ``"sm_90a"``), compile the split kernel with NVRTC and fill ``registers``
         and ``spill_bytes`` from the ptxas report (no GPU needed).
@@ -416,22 +413,14 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                        f"({num_sms} SMs x {fill_per_sm} block{'s' if fill_per_sm > 1 else ''}"
                        f" per SM, {layout} cache), {tiles_cap} "
                        f"tiles of {cfg.block_n} keys at capacity -> {num_splits} splits")
-    combine = None  # cluster or fused last-block-done combine (DEFAULT_FLAGS): no combine launch
+    combine = None  # the fused last-block-done combine (DEFAULT_FLAGS): no combine launch
     ws = counters = 0
-    cluster = 1
-    if 1 < num_splits <= max_cluster:
-        cluster = num_splits
-        reasons.append(f"{num_splits} splits: each (batch, KV head, row chunk) is one thread-block "
-                       f"cluster of {num_splits} blocks that merge their partials through "
-                       "distributed shared memory (cluster combine; no workspace)")
-    elif num_splits > 1:
+    if num_splits > 1:
         counters = p.batch * p.nheads_k * row_chunks
         ws = workspace_elems(p.batch, p.seqlen_q, p.nheads, p.headdim, num_splits) + counters
-        why = (f"more than {max_cluster} splits" if max_cluster > 1
-               else "no thread-block clusters before sm_90")
         reasons.append(f"{num_splits} splits: the last split block of each (batch, KV head, row "
                        "chunk) merges the partials (fused combine; arrival counters in the "
-                       f"workspace; {why}, so no cluster combine)")
+                       "workspace)")
     else:
         reasons.append("one split: the split kernel writes the output directly (no combine)")
     append = append_kernel_spec(p.paged).name if p.seqlen_new > 0 else None
@@ -452,8 +441,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         grid=(num_splits, p.batch, p.nheads_k * row_chunks), block=(cfg.nwarps * 32, 1, 1),
         smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
         combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
-        reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters,
-        cluster=cluster)
+        reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters)
 
 
 def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
@@ -490,7 +478,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
         else max_smem_per_block
     arch = dispatch.default_arch() if arch is None else arch
     la = launch_config(problem, split_size=split_size, num_sms=num_sms, smem_per_sm=smem_per_sm,
-                       max_smem_per_block=max_smem_per_block, max_cluster=lim["max_cluster"])
+                       max_smem_per_block=max_smem_per_block)
     p = problem
     t = la.template
 
@@ -576,20 +564,19 @@ def _device_limits() -> dict:
 
 def _planning_limits(arch: str | None = None, use_device: bool = True) -> dict:
     """The limits a plan is made for: the current device's when ``use_device`` and a GPU is
-    visible; otherwise an H200's (132 SMs, 227 KiB per block, clusters of 16), with the shared
-    memory of ``arch`` and no clusters when an architecture other than sm_90/sm_90a is named."""
+    visible; otherwise an H200's (132 SMs, 227 KiB per block), with the shared memory of
+    ``arch`` when an architecture other than sm_90/sm_90a is named."""
     if use_device:
         try:
             return _device_limits()
         except Exception:  # no CuPy / no device
             pass
     lim = dict(num_sms=H200_SMS, smem_per_sm=H200_SMEM_PER_SM,
-               max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN, max_cluster=MAX_CLUSTER)
+               max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN)
     if arch is not None and arch not in ("sm_90", "sm_90a"):
         from . import dispatch
         lim["max_smem_per_block"] = dispatch.max_smem_bytes_for_arch(arch)
         lim["smem_per_sm"] = lim["max_smem_per_block"] + _SMEM_RESERVED_PER_BLOCK
-        lim["max_cluster"] = 1
     return lim
 
 
@@ -599,8 +586,7 @@ def _device_limits_of(dev_id: int) -> dict:
     a = cupy.cuda.Device(dev_id).attributes
     return dict(num_sms=a["MultiProcessorCount"],
                 smem_per_sm=a["MaxSharedMemoryPerMultiprocessor"],
-                max_smem_per_block=a["MaxSharedMemoryPerBlockOptin"],
-                max_cluster=MAX_CLUSTER if a["ComputeCapabilityMajor"] >= 9 else 1)
+                max_smem_per_block=a["MaxSharedMemoryPerBlockOptin"])
 
 
 def _estrides(x) -> tuple:
@@ -627,13 +613,13 @@ def _resolve_plan(prob, split_size, use_device=True):
     _check_split_size(split_size)
     lim = _planning_limits(use_device=use_device)
     return _plan_cached(prob, split_size, lim["num_sms"], lim["smem_per_sm"],
-                        lim["max_smem_per_block"], lim["max_cluster"])
+                        lim["max_smem_per_block"])
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_cached(prob, split_size, num_sms, smem_per_sm, max_smem_per_block, max_cluster):
+def _plan_cached(prob, split_size, num_sms, smem_per_sm, max_smem_per_block):
     return launch_config(prob, split_size=split_size, num_sms=num_sms, smem_per_sm=smem_per_sm,
-                         max_smem_per_block=max_smem_per_block, max_cluster=max_cluster)
+                         max_smem_per_block=max_smem_per_block)
 
 
 def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
@@ -997,11 +983,6 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
         cs = cache_seqlens if cache_seqlens is not None else _NULL
         lse_arg = lse if lse is not None else _NULL
         p = e.plan
-        if p.cluster > 1:  # cluster combine: the blocks of each cluster write out and lse
-            head = (q, k_cache, v_cache, cs, bt, out, lse_arg, _NULL, _NULL)
-            launch.launch(e.split_kernel, p.grid, p.block, head + e.split_tail + e.split_end,
-                          shared_mem=p.smem_bytes, cluster=(p.cluster, 1, 1))
-            return (out, lse) if e.return_lse else out
         if ns > 1:  # fused combine: the last block of each group writes out and lse
             ptr = workspace.data.ptr
             head = (q, k_cache, v_cache, cs, bt, out, lse_arg, np.uint64(ptr),

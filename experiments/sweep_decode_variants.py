@@ -28,18 +28,19 @@ T0 = time.time()
 H, HK, D = 32, 8, 128
 CASES = [(1, 131072, 0), (1, 131072, 16), (16, 16384, 0), (16, 16384, 16), (16, 16384, 256),
          (64, 16384, 0), (16, 1024, 0), (1, 8192, 0), (1, 1024, 0), (2, 32768, 0), (4, 8192, 0),
-         (64, 1024, 0), (64, 2048, 0)]
+         (64, 1024, 0), (64, 2048, 0), (64, 2048, 16), (1, 4096, 0)]
 SMEM_PER_SM, RESERVED = 233472, 1024
 
 
 def variants():
-    from cupyflash.decode import (FLAG_CLUSTER_COMBINE, FLAG_FUSED_COMBINE, SplitVariant as V)
-    F, C = FLAG_FUSED_COMBINE, FLAG_CLUSTER_COMBINE
-    # v8 (experiments/NOTES.md "v8 decode plan"): the splits of a head merged in a thread-block
-    # cluster (C) vs by the last block to arrive (F only); two blocks per SM (64 x 4) for the
-    # multi-wave shapes
-    contiguous = [V(128, 8, 3, F | C), V(128, 8, 3, F), V(64, 4, 3, F | C)]
-    paged = [V(128, 8, 3, F | C), V(128, 8, 3, F)]
+    from cupyflash.decode import (FLAG_CLUSTER_COMBINE, FLAG_FUSED_COMBINE, FLAG_RELEASE_ARRIVE,
+                                  SplitVariant as V)
+    F, C, R = FLAG_FUSED_COMBINE, FLAG_CLUSTER_COMBINE, FLAG_RELEASE_ARRIVE
+    # v9 (experiments/NOTES.md "v9 decode plan"): the fused combine's arrival by one
+    # release/acquire atomic (R) vs fences in every thread; v8: the splits of a head merged in a
+    # thread-block cluster (C); two blocks per SM (64 x 4) for the multi-wave shapes
+    contiguous = [V(128, 8, 3, F | R), V(128, 8, 3, F), V(128, 8, 3, F | C | R), V(64, 4, 3, F | R)]
+    paged = [V(128, 8, 3, F | R), V(128, 8, 3, F), V(64, 4, 3, F | R)]
     return contiguous, paged
 
 
@@ -63,13 +64,16 @@ def blocks_per_sm(smem):
 
 
 def split_candidates(batch, seqlen, cps, block_n):
-    """num_splits: one full wave of resident blocks, half and twice that (and 1 if small)."""
+    """num_splits: one full wave of resident blocks, half and twice that (and 1 if small; and 2
+    and 4 tiles per split when the tiles are few)."""
     ctas = batch * HK
     fill = max(1, (132 * cps) // ctas)
     tiles = -(-seqlen // block_n)
     out = {fill, max(1, fill // 2), min(2 * fill, 128)}
     if fill < 8:  # unsplit is hopeless when one wave needs >= 8 splits
         out.add(1)
+    if tiles <= 4 * fill:  # few tiles per split: also 2 and 4 tiles per split
+        out |= {max(1, tiles // 2), max(1, tiles // 4)}
     return sorted(s for s in out if s <= max(1, tiles))
 
 

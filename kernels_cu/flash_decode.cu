@@ -87,6 +87,11 @@ constexpr int kWarpLocal = 16;
 // through distributed shared memory (no workspace, no fence, no atomic, no L2 round trip).
 // A launch without clusters runs the other paths (fused combine or partials to the workspace).
 constexpr int kClusterCombine = 32;
+// Fused combine with one release/acquire arrival per block: after a __syncthreads, thread 0
+// alone increments the counter with atom.acq_rel.gpu (releasing the block's partial writes,
+// which the barrier ordered before it, and acquiring the other blocks' for the last one), instead
+// of a __threadfence() (fence.sc.gpu) in every thread, a relaxed atomic and a second fence.
+constexpr int kReleaseArrive = 64;
 }  // namespace decode_flags
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
@@ -115,6 +120,14 @@ __device__ __forceinline__ void cp_async_kv(uint32_t smem_addr, const void* src,
 #undef CF_CP_ASYNC_KV_POLICY
 }
 
+// Arrival at a split group's counter: old value; acq_rel at GPU scope (see kReleaseArrive).
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* counter, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+                 : "=r"(old) : "l"(counter), "r"(v) : "memory");
+    return old;
+}
+
 // Online merge of one more partial state (o normalised, lse natural log) into a running
 // (m, l, acc): the combine of Flash-Decoding done in one pass over the parts. Parts with
 // lse = -inf are skipped (their o is not used). Result o = acc / l, lse = m + log(l).
@@ -130,11 +143,13 @@ struct MergeState4 {
         const float m_new = fmaxf(m, lse);
         const float f = expf(m - m_new);   // m = -inf (first part): 0
         const float w = expf(lse - m_new);
-        l = l * f + w;
-        acc[0] = acc[0] * f + w * o.x;
-        acc[1] = acc[1] * f + w * o.y;
-        acc[2] = acc[2] * f + w * o.z;
-        acc[3] = acc[3] * f + w * o.w;
+        // explicit roundings: the same result wherever the compiler inlines this (the fused and
+        // the cluster combine give bitwise the same output)
+        l = __fmaf_rn(l, f, w);
+        acc[0] = __fmaf_rn(w, o.x, __fmul_rn(acc[0], f));
+        acc[1] = __fmaf_rn(w, o.y, __fmul_rn(acc[1], f));
+        acc[2] = __fmaf_rn(w, o.z, __fmul_rn(acc[2], f));
+        acc[3] = __fmaf_rn(w, o.w, __fmul_rn(acc[3], f));
         m = m_new;
     }
 };
@@ -598,18 +613,22 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // ---- fused combine: the last split block of (b, hz) to arrive merges all splits --------
     if constexpr ((FLAGS & decode_flags::kFusedCombine) != 0) {
         if (direct) return;
-        __threadfence();  // this thread's partials are visible device-wide before the arrival
-        __syncthreads();  // every thread's are
+        constexpr bool kRel = (FLAGS & decode_flags::kReleaseArrive) != 0;
+        if constexpr (!kRel)
+            __threadfence();  // this thread's partials are visible device-wide before the arrival
+        __syncthreads();  // every thread's are (kRel: ordered before thread 0's release)
         int* flag = reinterpret_cast<int*>(smem_raw);  // the Q tile is dead
         if (tid == 0) {
             int* counter = ex.counters + ((int64_t)b * p.nheads_k * p.num_row_chunks + hz);
-            const int last = atomicAdd(counter, 1) == p.num_splits - 1;
+            const int old = kRel ? atomic_add_acq_rel_gpu(counter, 1) : atomicAdd(counter, 1);
+            const int last = old == p.num_splits - 1;
             if (last) atomicExch(counter, 0);  // all splits arrived: ready for the next launch
             *flag = last;
         }
-        __syncthreads();
+        __syncthreads();  // kRel: the acquire of thread 0 is ordered before every thread's reads
         if (*flag == 0) return;
-        __threadfence();  // acquire: the other blocks' partials are read after their arrival
+        if constexpr (!kRel)
+            __threadfence();  // acquire: the other blocks' partials are read after their arrival
         // One (row, 4 columns) item per thread and pass; the parts are read through L2 (ld.cg).
         const int nrows = min(GROUP, rows - row_base);
         const int hd4 = p.headdim / 4;

@@ -77,11 +77,14 @@ def test_heuristic_rejects_bad_arguments():
 # Specs
 # ----------------------------------------------------------------------------------------------
 def test_spec_names_and_table():
-    # the public default: cluster combine, fused combine beyond 16 splits (DEFAULT_FLAGS)
+    # the public default: fused combine with the release/acquire arrival (DEFAULT_FLAGS)
     s = decode.split_kernel_spec("bfloat16", 128, True)
-    assert decode.DEFAULT_FLAGS == decode.FLAG_FUSED_COMBINE | decode.FLAG_CLUSTER_COMBINE
-    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_cluster"
-    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 33>"
+    assert decode.DEFAULT_FLAGS == decode.FLAG_FUSED_COMBINE | decode.FLAG_RELEASE_ARRIVE
+    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel"
+    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 65>"
+    c = decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_FUSED_COMBINE
+                                 | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)
+    assert c.name == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_cluster_rel"
     assert decode.split_kernel_spec("bfloat16", 128, True, flags=0).name == \
         "decode_split_bf16_hd128_n128_w8_g16_s3_paged"
     # Q tile (rows padded by 16 B), 3 stages of K and V tiles (swizzled, unpadded rows),
@@ -94,14 +97,14 @@ def test_spec_names_and_table():
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
     assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=64)
+        decode.split_kernel_spec("bfloat16", 128, False, flags=128)
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, False,
                                  flags=decode.FLAG_PREFETCH_128 | decode.FLAG_PREFETCH_256)
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, True, flags=decode.FLAG_WARP_LOCAL)
     assert decode.split_kernel_spec("float16", 64, False).name == \
-        "decode_split_fp16_hd64_n128_w4_g16_s3_fused_cluster"
+        "decode_split_fp16_hd64_n128_w4_g16_s3_fused_rel"
     assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
     specs = decode.all_specs()
@@ -115,9 +118,9 @@ def test_spec_names_and_table():
     assert decode.split_config(64) == decode.SPLIT_CONFIGS[64]
     # contiguous hd128: the measured 128-key x 8-warp tile (one block per SM)
     assert decode.split_kernel_spec("bfloat16", 128, False).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_fused_cluster"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel"
     assert decode.split_kernel_spec("bfloat16", 128, True).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_cluster"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel"
     with pytest.raises(TypeError, match="dtype"):
         decode.split_kernel_spec("float32", 128, False)
     with pytest.raises(ValueError, match="headdim"):
@@ -468,21 +471,14 @@ def _problem(**kw):
 
 def test_plan_llama_decode():
     p = decode.launch_config(_problem())
-    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_cluster"
+    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel"
     assert p.grid == (16, 1, 8) and p.block == (256, 1, 1)
-    # 16 splits: one cluster of 16 blocks per KV head merges them; no workspace, no launch
-    assert p.num_splits == 16 and p.combine is None and p.append is None and p.cluster == 16
-    assert p.counter_elems == 0 and p.workspace_elems == 0
-    assert any("heuristic" in r for r in p.reasons)
-    assert any("cluster combine" in r for r in p.reasons)
-    # more splits than the largest cluster, or no clusters (before sm_90): the fused combine,
+    assert p.num_splits == 16 and p.combine is None and p.append is None  # fused combine
     # fp32 partials, then int32 counters (batch, nheads_k, row_chunks)
-    for kw in (dict(), dict(max_cluster=1)):
-        pf = decode.launch_config(_problem(num_splits=17 if not kw else 16), **kw)
-        assert pf.cluster == 1 and pf.counter_elems == 8
-        assert pf.workspace_elems == pf.num_splits * 1 * 1 * 32 * 129 + 8
-        assert any("fused combine" in r for r in pf.reasons)
-    assert decode.launch_config(_problem(num_splits=2)).cluster == 2
+    assert p.counter_elems == 8
+    assert p.workspace_elems == 16 * 1 * 1 * 32 * 129 + 8
+    assert any("heuristic" in r for r in p.reasons)
+    assert any("fused combine" in r for r in p.reasons)
     p1 = decode.launch_config(_problem(batch=64, seqlen_cache=4096))
     assert p1.num_splits == 1 and p1.combine is None and p1.workspace_elems == 0
     assert p1.counter_elems == 0
@@ -493,8 +489,8 @@ def test_plan_llama_decode():
         cap = -(-131072 // ps) * ps
         pg = decode.launch_config(_problem(paged=True, page_size=ps, seqlen_cache=cap,
                                            num_pages=cap // ps, max_pages_per_seq=cap // ps))
-        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_cluster"
-        assert pg.num_splits == 16 and pg.block == (256, 1, 1) and pg.cluster == 16
+        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel"
+        assert pg.num_splits == 16 and pg.block == (256, 1, 1)
         pb = decode.launch_config(_problem(batch=16, seqlen_cache=16384 // ps * ps, paged=True,
                                            page_size=ps, num_pages=16 * (16384 // ps),
                                            max_pages_per_seq=16384 // ps))
@@ -502,8 +498,8 @@ def test_plan_llama_decode():
     # other head dims' paged tiles still fill two blocks per SM
     p64 = decode.launch_config(_problem(headdim=64, paged=True, page_size=16, num_pages=8192,
                                         max_pages_per_seq=8192))
-    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_cluster"
-    assert p64.num_splits == 33 and p64.cluster == 1  # floor(2 * 132 / 8) blocks per KV head
+    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_rel"
+    assert p64.num_splits == 33  # floor(2 * 132 / 8) blocks per KV head
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
 
 
@@ -512,7 +508,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
                                     paged=True, page_size=3, seqlen_cache=300,
                                     num_pages=200, max_pages_per_seq=100, seqlen_new=2))
     assert p.row_chunks == 2 and p.grid[2] == 16 and p.template["headdim"] == 128
-    assert p.kernel.endswith("_paged_fused_cluster") and p.append == "decode_append_b16_paged"
+    assert p.kernel.endswith("_paged_fused_rel") and p.append == "decode_append_b16_paged"
     q = decode.launch_config(_problem(seqlen_cache=1000), split_size=100)
     assert q.split_tiles == 1 and q.num_splits == 8  # ceil(1000/128)=8 tiles / 1
     qp = decode.launch_config(_problem(seqlen_cache=1024, paged=True, page_size=16,
@@ -521,7 +517,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
     # an sm_86-like device (99 KB per block): the 64-key tile with two stages
     r = decode.launch_config(_problem(), max_smem_per_block=101376, smem_per_sm=102400)
     assert r.template["stages"] == 2 and r.smem_bytes <= 101376
-    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_cluster"
+    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel"
     assert any("does not fit" in x for x in r.reasons)
     with pytest.raises(ValueError, match="split_size"):
         decode.launch_config(_problem(), split_size=0)
@@ -530,13 +526,13 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
 def test_explain_kvcache_on_host_arrays():
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
     plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
-    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_cluster"
+    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel"
     assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
-    assert [e.name for e in plan.extra_kernels] == []  # cluster combine: no combine launch
+    assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
-    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_cluster" in names
+    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel" in names
     assert "num_splits" in names
-    assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_cluster" in names
+    assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
 
 
@@ -584,9 +580,7 @@ def test_host_planning_messages_from_a_new_users_trial():
     big = np.zeros((1, 8192, 2, 64), np.float16)
     n = decode.workspace_size(q[:1], big, big, cache_seqlens=cs[:1])
     plan = decode.explain_kvcache(q[:1], big, big, cache_seqlens=cs[:1], report=False)
-    assert n == 0 and plan.num_splits == 16  # clusters of 16 merge without a workspace
-    n40 = decode.workspace_size(q[:1], big, big, cache_seqlens=cs[:1], num_splits=40)
-    assert n40 == decode.workspace_elems(1, 1, 4, 64, 40) + 2
+    assert n == decode.workspace_elems(1, 1, 4, 64, plan.num_splits) + 2 and plan.num_splits > 1
     # split_size overrides num_splits, and the plan says so
     p = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3,
                                split_size=16, report=False)
@@ -736,5 +730,5 @@ def test_plan_spec_matches_the_launch_geometry_on_small_smem_devices():
     q = np.zeros((1, 1, 32, 128), np.float16)
     kc = np.zeros((1, 4096, 8, 128), np.float16)
     p86 = decode.explain_kvcache(q, kc, kc, arch="sm_86", report=False)
-    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused_cluster" and p86.block == (128, 1, 1)
+    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused_rel" and p86.block == (128, 1, 1)
     assert p86.smem_bytes <= 99 * 1024

@@ -462,20 +462,23 @@ def _check_variant(var, page, hk=2, h=8, d=128):
 
 
 # ----------------------------------------------------------------------------------------------
-# Cluster combine (v8): the splits of a head merged through distributed shared memory
+# Merge protocols (v8, v9): fused combine with per-thread fences or one release/acquire arrival,
+# cluster combine through distributed shared memory
 # ----------------------------------------------------------------------------------------------
-_C = decode.FLAG_CLUSTER_COMBINE
+_C, _R = decode.FLAG_CLUSTER_COMBINE, decode.FLAG_RELEASE_ARRIVE
 
 
 @pytest.mark.parametrize("d,block_n,nwarps", [(128, 128, 8), (64, 128, 4), (256, 32, 2),
                                               (72, 64, 4)])
 @pytest.mark.parametrize("page,sq", [(0, 1), (16, 1), (0, 5), (3, 2)])
-def test_cluster_combine_bitwise_equals_fused(d, block_n, nwarps, page, sq):
-    """For every cluster size 2-16 (odd ones included), with ragged NaN-tailed caches, an empty
-    sequence, GQA 4 and several query rows (two row chunks at sq = 5): the cluster combine
-    matches the reference and gives bitwise the output and LSE of the fused last-block combine
-    (same parts, same merge order, same arithmetic). The workspace of the cluster launch is
-    NaN-poisoned and must stay untouched."""
+def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
+    """For split counts 2-16 (odd ones and more splits than tiles included), ragged NaN-tailed
+    caches, an empty sequence, GQA 4 and several query rows (two row chunks at sq = 5): the fused
+    combine with per-thread fences, with the release/acquire arrival, and the cluster combine
+    (up to 16 splits; above, the same kernel falls back to its fused path) all match the
+    reference and give bitwise the same output and LSE (same parts, same merge order, explicit
+    roundings). The cluster launch never touches its NaN-poisoned workspace; the fused launches
+    leave their counters at zero."""
     dtype = "bfloat16"
     hk, h, cap = 2, 8, 1200
     if page:
@@ -484,49 +487,26 @@ def test_cluster_combine_bitwise_equals_fused(d, block_n, nwarps, page, sq):
                             sq=sq, page=page, table_seed=5, spare_pages=2)
     qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
                                               case.cache_seqlens, case.block_table))
-    cl = decode.SplitVariant(block_n, nwarps, 3, _F | _C)
-    fu = decode.SplitVariant(block_n, nwarps, 3, _F)
     batch = qd.shape[0]
-    for ns in (2, 3, 7, 8, 12, 16):
-        assert cl.workspace_elems(batch, sq, h, hk, d, ns) == 0
-        n = fu.workspace_elems(batch, sq, h, hk, d, ns)
-        ws = cupy.zeros(n, cupy.float32)
-        ws[:ns * batch * sq * h * (d + 1)] = np.nan
-        poison = cupy.full(64, np.nan, cupy.float32)
+    variants = [decode.SplitVariant(block_n, nwarps, 3, fl) for fl in (_F, _F | _R, _F | _C | _R)]
+    for ns in (2, 3, 7, 8, 12, 16, 19):
         res = []
-        for var, w in ((cl, poison), (fu, ws)):
-            out = _nan_like(qd)
-            lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
-            decode.run_split_variant(var, qd, kd, vd, csd, btd, out, w, num_splits=ns, lse=lse)
-            _check_against_reference(case, out, lse, dtype)
+        for var in variants:
+            n = var.workspace_elems(batch, sq, h, hk, d, ns)
+            parts = 0 if n == 0 else ns * batch * sq * h * (d + 1)
+            ws = cupy.zeros(max(n, 64), cupy.float32)
+            ws[:max(parts, 64 if n == 0 else 0)] = np.nan
+            for rep in range(2):  # the second launch reuses the counters the first one reset
+                out = _nan_like(qd)
+                lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
+                decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns,
+                                         lse=lse)
+                _check_against_reference(case, out, lse, dtype)
+            if n == 0:
+                assert var.flags & _C and ns <= 16 and bool(cupy.isnan(ws[:64]).all())
+            else:
+                assert bool((ws[parts:n].view(cupy.int32) == 0).all())
             res.append((_host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)))
-        assert np.array_equal(res[0][0], res[1][0]), ns
-        assert np.array_equal(res[0][1], res[1][1]), ns
-        assert bool(cupy.isnan(poison).all())
-
-
-def test_public_path_uses_cluster_combine_without_workspace():
-    """Llama-3-8B heads at batch 1: the heuristic's 16 splits run as clusters of 16 (explain
-    says so, no workspace), the result matches the reference, and a CUDA graph replays it."""
-    dtype = "bfloat16"
-    case = _nan_tailed_case(29, np.array([3000], np.int32), 4096, 8, 32, 128, dtype)
-    q, kc, vc, _, _, cs, bt = (_dev(x) for x in case.args())
-    plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, report=False)
-    assert plan.num_splits == 16
-    assert any("cluster of 16 blocks" in why for _, why in plan.rejected)
-    assert decode.workspace_size(q, kc, vc, cache_seqlens=cs) == 0
-    out = _nan_like(q)
-    o, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, return_lse=True, out=out)
-    _check_against_reference(case, o, lse, dtype)
-    out2 = _nan_like(q)
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, out=out2, validate=False)
-        s.synchronize()
-        out2.fill(0)
-        s.begin_capture()
-        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, out=out2, validate=False)
-        g = s.end_capture()
-        g.launch(s)
-        s.synchronize()
-    assert np.array_equal(_host(out2).view(np.uint16), _host(o).view(np.uint16))
+        for o, l in res[1:]:
+            assert np.array_equal(o, res[0][0]), ns
+            assert np.array_equal(l, res[0][1]), ns
