@@ -46,11 +46,18 @@ so it can be captured in a CUDA graph. The number of splits depends only on shap
 Fused combine
 -------------
 With more than one split, the split kernel also merges: each block writes its fp32 partial,
-then increments an arrival counter of its (batch, KV head, row chunk) in the workspace; the
+then one thread increments an arrival counter of its (batch, KV head, row chunk) in the
+workspace with a release/acquire atomic (``atom.acq_rel.gpu``, after a block barrier); the
 block that arrives last reads all the partials (through L2) and writes the output and LSE,
 then resets the counter to zero. There is no combine launch (H200, v1 sweep: +3% at batch 1 x
-128k, +24% at batch 1 x 8k). The counters must be zero before a launch: :func:`alloc_workspace`
-returns a zero-filled workspace, a workspace allocated inside the call has its counters zeroed
+128k, +24% at batch 1 x 8k). Merging the splits of a head through distributed shared memory in
+one thread-block cluster (``FLAG_CLUSTER_COMBINE``, :mod:`cupyflash.launch`) is a measured
+variant, not the default: on the H200 it is ~1 us faster where its clusters fit one wave, but
+clusters of 4-16 blocks leave 12-20 SMs idle, so the split counts that fill the GPU run a
+second wave (experiments/NOTES.md v8).
+
+The counters must be zero before a launch: :func:`alloc_workspace` returns a zero-filled
+workspace, a workspace allocated inside the call has its counters zeroed
 (``cudaMemsetAsync``), and every complete launch leaves them zero.
 """
 from __future__ import annotations
@@ -118,7 +125,10 @@ SPLIT_CONFIGS = {64: SplitConfig(128, 4, 3), 128: SplitConfig(64, 4, 3), 256: Sp
 #: b16 x 16k page 16 / 64 / 256 4.32 / 4.32 / 4.35 vs 4.15 / 4.16 / 4.20 for 64 x 4 at two
 #: blocks per SM; b1 x 128k page 16 4.02 vs 3.82. Devices whose shared memory per block holds
 #: it with two stages but not three (e.g. A100, 163 KB) run it with two (unmeasured there);
-#: :data:`SPLIT_CONFIGS` is the fallback where even two stages do not fit.
+#: :data:`SPLIT_CONFIGS` is the fallback where even two stages do not fit. With the heuristic
+#: (``num_splits=0``, no ``split_size``), a problem whose unsplit blocks (batch x nheads_k x
+#: row_chunks) already exceed the SMs runs the :data:`SPLIT_CONFIGS` tile at two blocks per SM
+#: instead (several waves: v9, b64 x 1k / 2k +8% / +4%, paged page 16 b64 x 2k +9%).
 ONE_BLOCK_SPLIT_CONFIGS = {128: SplitConfig(128, 8, 3)}
 
 
@@ -245,6 +255,10 @@ def all_specs() -> list:
     """Every specialisation the public functions can launch (the supported set, as a table)."""
     specs = [split_kernel_spec(dt, hd, pg) for dt in DTYPES for hd in HEADDIMS
              for pg in (False, True)]
+    # the two-blocks-per-SM tile of head dims with a one-block tile (several waves)
+    specs += [split_kernel_spec(dt, hd, pg, block_n=SPLIT_CONFIGS[hd].block_n,
+                                nwarps=SPLIT_CONFIGS[hd].nwarps, stages=SPLIT_CONFIGS[hd].stages)
+              for dt in DTYPES for hd in ONE_BLOCK_SPLIT_CONFIGS for pg in (False, True)]
     specs += [combine_kernel_spec(dt) for dt in _CTYPE]
     specs += [append_kernel_spec(pg) for pg in (False, True)]
     return specs
@@ -358,6 +372,18 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         reasons.append(f"headdim {p.headdim} runs in the hd{hd} kernel (padding columns are "
                        "zero-filled in shared memory, not read)")
     cfg = split_config(hd)
+    rows = (p.nheads // p.nheads_k) * p.seqlen_q
+    row_chunks = -(-rows // GROUP)
+    unsplit_ctas = p.batch * p.nheads_k * row_chunks
+    if cfg != SPLIT_CONFIGS[hd] and unsplit_ctas > num_sms and split_size is None \
+            and p.num_splits == 0:
+        # several waves of blocks even unsplit: two blocks per SM overlap one block's first
+        # copies with the other's stream (heuristic mode only: an explicit num_splits or
+        # split_size keeps the tile, so a row's result does not depend on the batch) (H200, v9 sweep, hd128: b64 x 1k 72.1 vs 78.1 us,
+        # b64 x 2k 130.2 vs 135.0, paged page 16 134.2 vs 145.8, b64 x 16k 4.53 vs 4.52 TB/s)
+        reasons.append(f"{unsplit_ctas} blocks (batch x nheads_k x row_chunks) > {num_sms} SMs: "
+                       f"the {SPLIT_CONFIGS[hd].block_n}-key tile, two blocks per SM")
+        cfg = SPLIT_CONFIGS[hd]
     if split_smem_bytes(p.dtype, hd, cfg.block_n, 2) > max_smem_per_block and \
             cfg != SPLIT_CONFIGS[hd]:
         reasons.append(f"the {cfg.block_n}-key one-block tile does not fit the device's "
@@ -383,8 +409,6 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     # ids moved to cp.async, not re-measured since).
     fill_per_sm = 1 if cfg == ONE_BLOCK_SPLIT_CONFIGS.get(hd) or not p.paged \
         else min(2, ctas_per_sm)
-    rows = (p.nheads // p.nheads_k) * p.seqlen_q
-    row_chunks = -(-rows // GROUP)
     if row_chunks > 1:
         reasons.append(f"{rows} query rows per KV head (GQA {p.nheads // p.nheads_k} x seqlen_q "
                        f"{p.seqlen_q}) > {GROUP}: {row_chunks} blocks per KV head, each reads "

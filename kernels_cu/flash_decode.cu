@@ -10,7 +10,9 @@
 //                         against each tile with tensor cores (mma.m16n8k16, fp32 accumulate), so
 //                         one read of the cache serves the whole group. It writes the normalised
 //                         partial output and its LSE in fp32 to the workspace, or the final output
-//                         directly when there is a single split.
+//                         directly when there is a single split; with decode_flags, the last block
+//                         of a head merges the partials (fused combine, the default), or the blocks
+//                         of a thread-block cluster merge them through distributed shared memory.
 //   decode_combine_kernel merges the splits exactly (LSE-weighted, natural log) in fp32 and
 //                         writes the output in T and the LSE; also the public merge_states.
 //   decode_append_kernel  writes new k/v tokens at cache_seqlens[b] (contiguous or paged), in

@@ -36,8 +36,15 @@ def test_heuristic_documented_examples():
     assert decode.choose_num_splits(16, 8, 16384, ctas_per_sm=2) == 2
     assert decode.choose_num_splits(17, 8, 16384, ctas_per_sm=2) == 1
     assert decode.choose_num_splits(64, 8, 16384) == 1
-    # short caches: at least MIN_TILES_PER_SPLIT tiles per split
-    assert decode.choose_num_splits(1, 8, 1024) == 16 // decode.MIN_TILES_PER_SPLIT
+    # MIN_TILES_PER_SPLIT tiles per split, except that a short cache may still be cut into up
+    # to SHORT_CACHE_SPLITS splits (v9 sweep: b1 x 1k, 8 tiles of 128 keys, best at 8 splits)
+    assert decode.choose_num_splits(1, 8, 1024, block_n=128) == 8
+    assert decode.choose_num_splits(1, 8, 512, block_n=128) == 4
+    assert decode.choose_num_splits(1, 8, 4096, block_n=128) == 8
+    assert decode.choose_num_splits(1, 8, 8192, block_n=128) == 16
+    assert decode.choose_num_splits(1, 8, 1024) == 8  # 16 tiles of 64 keys: min(16, 8)
+    assert decode.choose_num_splits(1, 8, 1024, short_cache_splits=1) == \
+        16 // decode.MIN_TILES_PER_SPLIT
     assert decode.choose_num_splits(1, 1, 0) == 1
     assert decode.choose_num_splits(1, 1, 64) == 1
 
@@ -109,7 +116,7 @@ def test_spec_names_and_table():
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
     specs = decode.all_specs()
     names = [x.name for x in specs]
-    assert len(names) == len(set(names)) == 12 + 3 + 2
+    assert len(names) == len(set(names)) == 12 + 4 + 3 + 2  # + hd128's 64 x 4 tiles
     for x in specs:  # within the per-block opt-in limit; other paged tiles: two blocks per SM
         assert x.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
         if x.name.startswith("decode_split") and "_paged" in x.name and "_hd128_" not in x.name:
@@ -482,6 +489,15 @@ def test_plan_llama_decode():
     p1 = decode.launch_config(_problem(batch=64, seqlen_cache=4096))
     assert p1.num_splits == 1 and p1.combine is None and p1.workspace_elems == 0
     assert p1.counter_elems == 0
+    # 512 blocks unsplit (several waves): the 64-key tile at two blocks per SM (v9), but not
+    # with an explicit num_splits or split_size (a row's result must not depend on the batch)
+    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel"
+    assert any("two blocks per SM" in r for r in p1.reasons)
+    for kw, opts in ((dict(num_splits=1), {}), ({}, dict(split_size=4096))):
+        pe = decode.launch_config(_problem(batch=64, seqlen_cache=4096, **kw), **opts)
+        assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel"
+    assert decode.launch_config(_problem(batch=16, seqlen_cache=4096)).template["block_n"] == 128
+    assert decode.launch_config(_problem(batch=17, seqlen_cache=4096)).template["block_n"] == 64
     # paged hd128 caches: the same one-block tile and split count as contiguous ones, for any
     # page size (v6 sweep, page ids by cp.async: page 16 b1 x 128k 4.02 TB/s at 16 splits vs
     # 3.82 for 64 x 4 at 33; b16 x 16k pages 16 / 64 / 256 4.32-4.35 at 1 split)

@@ -510,3 +510,21 @@ def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
         for o, l in res[1:]:
             assert np.array_equal(o, res[0][0]), ns
             assert np.array_equal(l, res[0][1]), ns
+
+
+@pytest.mark.parametrize("page", [0, 16])
+def test_several_waves_run_the_two_blocks_per_sm_tile(page):
+    """More unsplit blocks than SMs (batch 20 x 8 KV heads = 160 > 132 on an H200): the
+    heuristic runs hd128 with the 64-key tile at two blocks per SM (v9); ragged NaN-tailed
+    caches still match the reference."""
+    dtype = "bfloat16"
+    cs = np.random.default_rng(31).integers(0, 700, 20).astype(np.int32)
+    cs[0], cs[1] = 0, 1
+    case = _nan_tailed_case(31, cs, 704, 8, 32, 128, dtype, page=page)
+    q, kc, vc, _, _, csd, bt = (_dev(x) for x in case.args())
+    plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=csd, block_table=bt, report=False)
+    nsm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    if 20 * 8 > nsm:
+        assert "_n64_w4_" in plan.name, plan.name
+    (o, lse), _ = _run(case, dtype)
+    _check_against_reference(case, o, lse, dtype)
