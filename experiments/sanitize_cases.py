@@ -61,6 +61,22 @@ def main():
         table = cp.asarray(rng.permutation(64)[:3 * 19].reshape(3, 19).astype(np.int32))
         cf.flash_attn_with_kvcache(rand((3, 1, 8, 128), dt), pool_k, pool_v, cache_seqlens=lens,
                                    block_table=table, num_splits=0)
+    # decode: more unsplit blocks than SMs (the 64-key tile, two blocks per SM), and the cluster
+    # combine variant (distributed shared memory; sm_90 only)
+    from cupyflash import decode
+    b = cp.cuda.Device().attributes["MultiProcessorCount"] // 8 + 1
+    kc, vc = rand((b, 200, 8, 128), bf16), rand((b, 200, 8, 128), bf16)
+    lens = cp.asarray(rng.integers(0, 201, b).astype(np.int32))
+    cf.flash_attn_with_kvcache(rand((b, 1, 32, 128), bf16), kc, vc, cache_seqlens=lens)
+    if cp.cuda.Device().compute_capability >= "90":
+        var = decode.SplitVariant(128, 8, 3, decode.FLAG_FUSED_COMBINE
+                                  | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)
+        kc, vc = rand((2, 900, 2, 128), bf16), rand((2, 900, 2, 128), bf16)
+        lens = cp.asarray(np.array([0, 877], dtype=np.int32))
+        qd = rand((2, 2, 8, 128), bf16)
+        for ns in (3, 8):
+            decode.run_split_variant(var, qd, kc, vc, lens, None, cp.empty_like(qd), None,
+                                     num_splits=ns, lse=cp.empty((2, 8, 2), cp.float32))
     cp.cuda.runtime.deviceSynchronize()
     print("sanitize cases: done")
 
