@@ -68,7 +68,7 @@ def main():
     kc, vc = rand((b, 200, 8, 128), bf16), rand((b, 200, 8, 128), bf16)
     lens = cp.asarray(rng.integers(0, 201, b).astype(np.int32))
     cf.flash_attn_with_kvcache(rand((b, 1, 32, 128), bf16), kc, vc, cache_seqlens=lens)
-    if cp.cuda.Device().compute_capability >= "90":
+    if int(cp.cuda.Device().compute_capability) >= 90:
         var = decode.SplitVariant(128, 8, 3, decode.FLAG_FUSED_COMBINE
                                   | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)
         kc, vc = rand((2, 900, 2, 128), bf16), rand((2, 900, 2, 128), bf16)
