@@ -627,6 +627,15 @@ def _check_cache_alignment(x, name: str) -> None:
                          f"{x.data.ptr:#x}, strides {x.strides} bytes); pass a contiguous cache")
 
 
+def _check_workspace_alignment(ws) -> None:
+    """The split kernel moves the fp32 partials as 16-byte vectors: the workspace must start on a
+    16-byte boundary (any array CuPy allocates does; a slice such as ``ws[1:]`` does not)."""
+    if ws.data.ptr % 16:
+        raise ValueError(f"workspace: must start on a 16-byte boundary (pointer "
+                         f"{ws.data.ptr:#x}); pass an array from alloc_workspace or cupy.zeros, "
+                         "not an offset slice")
+
+
 def _nullptr():
     return np.uint64(0)
 
@@ -796,8 +805,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     workspace : float32 CUDA array or None
         Scratch for the fp32 partials and the fused combine's int32 counters, at least
         :func:`workspace_size` elements, from :func:`alloc_workspace` (or zero-filled once: the
-        counters at its end must start at zero; each launch leaves them zero); allocated per
-        call if None. Pass it (with ``out`` and ``validate=False``) to capture in a CUDA graph.
+        counters at its end must start at zero; each launch leaves them zero), contiguous and
+        16-byte aligned; allocated per call if None. Pass it (with ``out`` and
+        ``validate=False``) to capture in a CUDA graph.
 
     Returns
     -------
@@ -813,7 +823,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         :func:`cupyflash.checks.check_kvcache`, a workspace that is not float32.
     ValueError
         From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
-        ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small.
+        ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small or not
+        16-byte aligned.
     """
     opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
     if opts is not None and validate is False:  # the warm path (dispatch.LAUNCH_CACHE)
@@ -882,7 +893,8 @@ def _cached_call(opts, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
     for a in arrays:
         if a is not None and a.data.device_id != dev:
             return None
-    if (k_cache.data.ptr | v_cache.data.ptr) % 16:
+    if (k_cache.data.ptr | v_cache.data.ptr | (workspace.data.ptr if workspace is not None
+                                                else 0)) % 16:
         return None
     import cupy
     if cupy.cuda.runtime.getDevice() == dev:
@@ -942,6 +954,7 @@ class _KVCacheLaunch:
                 raise ValueError(f"workspace: expected a contiguous float32 array of at least "
                                  f"{self.ws_need} elements (workspace_size), got shape "
                                  f"{workspace.shape}")
+            _check_workspace_alignment(workspace)
         rows = b * sq * h
         # workspace: partial O, partial LSE (fp32), then the fused combine's int32 counters
         self.o_part_bytes = 4 * ns * rows * d
@@ -1133,6 +1146,7 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
         need = variant.workspace_elems(b, sq, h, hk, d, ns)
         if workspace is None or workspace.size < need or workspace.dtype != np.float32:
             raise ValueError(f"workspace: need a float32 array of {need} elements")
+        _check_workspace_alignment(workspace)
         o_part = np.uint64(workspace.data.ptr)
         lse_part = np.uint64(workspace.data.ptr + 4 * ns * rows * d)
         if fused:

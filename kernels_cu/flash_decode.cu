@@ -207,7 +207,8 @@ struct DecodeTraits {
                                       + kPageIdBytes;
     // Epilogue scratch (aliases the stage buffers once the pipeline has drained).
     static constexpr int kOStride = HEADDIM + 4;
-    static constexpr int kEpilogueBytes = (NWARPS * GROUP * kOStride + 2 * NWARPS * GROUP) * 4;
+    static constexpr int kEpilogueBytes = (NWARPS * GROUP * kOStride + 3 * NWARPS * GROUP
+                                           + 2 * GROUP) * 4;
     // Cluster combine: this block's normalised partial O [GROUP][HEADDIM] and LSE [GROUP] in
     // fp32, after the scratch (read by the other blocks of the cluster).
     static constexpr int kPartBytes = (GROUP * HEADDIM + GROUP) * 4;
@@ -514,13 +515,18 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         l_i[rh] += __shfl_xor_sync(0xffffffffu, l_i[rh], 1);
         l_i[rh] += __shfl_xor_sync(0xffffffffu, l_i[rh], 2);
     }
+    // Only the CTA's valid rows are merged and written (b1 with GQA 4 and one token: 4 of 16).
+    const int nrows = min(GROUP, rows - row_base);
     float* sO = reinterpret_cast<float*>(sStages);               // [NWARPS][GROUP][kOStride]
     float* sM = sO + NWARPS * GROUP * Tr::kOStride;              // [NWARPS][GROUP]
     float* sL = sM + NWARPS * GROUP;                             // [NWARPS][GROUP]
+    float* sF = sL + NWARPS * GROUP;                             // [NWARPS][GROUP] warp factors
+    float* sRow = sF + NWARPS * GROUP;                           // [2][GROUP]: 1 / l, LSE
 #pragma unroll
     for (int dt = 0; dt < HEADDIM / 8; ++dt)
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
+            if (g + 8 * rh >= nrows) continue;
             float* dst = sO + (warp * GROUP + g + 8 * rh) * Tr::kOStride + dt * 8 + 2 * t;
             dst[0] = acc[dt][2 * rh];
             dst[1] = acc[dt][2 * rh + 1];
@@ -533,6 +539,23 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         }
     }
     __syncthreads();
+    // One thread per row: the row's max over the warps, each warp's rescale factor, 1 / l, LSE
+    // (computed once per row rather than once per output element).
+    if (tid < nrows) {
+        float m_tot = neg_inf<float>();
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) m_tot = fmaxf(m_tot, sM[w * GROUP + tid]);
+        float l_tot = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float f = rescale_factor(sM[w * GROUP + tid], m_tot);
+            sF[w * GROUP + tid] = f;
+            l_tot += sL[w * GROUP + tid] * f;
+        }
+        sRow[tid] = inv_normaliser(l_tot);
+        sRow[GROUP + tid] = lse_from(m_tot, l_tot);
+    }
+    __syncthreads();
 
     const bool direct = p.num_splits == 1;  // single split: write the final output in T
     bool in_cluster = false;                // cluster combine (decode_flags::kClusterCombine)
@@ -543,36 +566,45 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                            ex.grid_order != 0))
             __trap();  // launch bug (decode.py launches one cluster per group), never silent
     }
-    float* sPart = sL + NWARPS * GROUP;     // [GROUP][HEADDIM], cluster combine only
+    float* sPart = sRow + 2 * GROUP;        // [GROUP][HEADDIM], cluster combine only
     float* sPartL = sPart + GROUP * HEADDIM;  // [GROUP]
-    for (int e = tid; e < GROUP * HEADDIM; e += Tr::kThreads) {
-        const int r = e / HEADDIM, c = e % HEADDIM, rg = row_base + r;
-        if (rg >= rows || c >= p.headdim) continue;
-        float m_tot = neg_inf<float>();
-#pragma unroll
-        for (int w = 0; w < NWARPS; ++w) m_tot = fmaxf(m_tot, sM[w * GROUP + r]);
-        float l_tot = 0.f, o = 0.f;
+    // (row, 4 columns) items of the valid rows; padding columns (c >= p.headdim, a multiple of
+    // 8) are skipped. Partials leave as 16-byte stores (the workspace is 16-byte aligned).
+    constexpr int kHd4 = HEADDIM / 4;
+    for (int e = tid; e < nrows * kHd4; e += Tr::kThreads) {
+        const int r = e / kHd4, c = (e % kHd4) * 4, rg = row_base + r;
+        if (c >= p.headdim) continue;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int w = 0; w < NWARPS; ++w) {
-            const float f = rescale_factor(sM[w * GROUP + r], m_tot);
-            l_tot += sL[w * GROUP + r] * f;
-            o += sO[(w * GROUP + r) * Tr::kOStride + c] * f;
+            const float4 x = *reinterpret_cast<const float4*>(sO + (w * GROUP + r) * Tr::kOStride + c);
+            const float f = sF[w * GROUP + r];
+            o.x += x.x * f;
+            o.y += x.y * f;
+            o.z += x.z * f;
+            o.w += x.w * f;
         }
-        o *= inv_normaliser(l_tot);
-        const float lse = lse_from(m_tot, l_tot);
+        const float inv = sRow[r], lse = sRow[GROUP + r];
+        o.x *= inv;
+        o.y *= inv;
+        o.z *= inv;
+        o.w *= inv;
         const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
         if (direct) {
-            T* out = reinterpret_cast<T*>(p.o);
-            out[b * p.o_batch_stride + qi * p.o_row_stride + h * p.o_head_stride + c] =
-                decode_detail::from_float<T>(o);
+            T* out = reinterpret_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride
+                     + h * p.o_head_stride + c;
+            out[0] = decode_detail::from_float<T>(o.x);
+            out[1] = decode_detail::from_float<T>(o.y);
+            out[2] = decode_detail::from_float<T>(o.z);
+            out[3] = decode_detail::from_float<T>(o.w);
             if (c == 0 && p.lse != nullptr)
                 p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + qi] = lse;
         } else if (in_cluster) {
-            sPart[r * HEADDIM + c] = o;
+            *reinterpret_cast<float4*>(sPart + r * HEADDIM + c) = o;
             if (c == 0) sPartL[r] = lse;
         } else {
             const int64_t prow = ((int64_t)split * p.batch + b) * p.seqlen_q + qi;
-            p.o_part[(prow * p.nheads + h) * p.headdim + c] = o;
+            *reinterpret_cast<float4*>(p.o_part + (prow * p.nheads + h) * p.headdim + c) = o;
             if (c == 0)
                 p.lse_part[(((int64_t)split * p.batch + b) * p.nheads + h) * p.seqlen_q + qi] = lse;
         }
@@ -583,7 +615,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         if (in_cluster) {
             cluster_sync();  // every split's partial is in its block's shared memory
             const int ns = p.num_splits, rank = (int)cluster_ctarank();  // rank == split
-            const int nrows = min(GROUP, rows - row_base);
             const int hd4 = p.headdim / 4;
             // (row, 4 columns) items, interleaved over the cluster's blocks; each reads the ns
             // partials (all loads issued first, then merged in split order as the fused path).
@@ -632,7 +663,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         if constexpr (!kRel)
             __threadfence();  // acquire: the other blocks' partials are read after their arrival
         // One (row, 4 columns) item per thread and pass; the parts are read through L2 (ld.cg).
-        const int nrows = min(GROUP, rows - row_base);
         const int hd4 = p.headdim / 4;
         const int64_t o_split = (int64_t)p.batch * p.seqlen_q * p.nheads * p.headdim;
         const int64_t l_split = (int64_t)p.batch * p.nheads * p.seqlen_q;
@@ -644,10 +674,24 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                               * p.headdim + c;
             MergeState4 st;
             st.init();
-#pragma unroll 8
-            for (int sp = 0; sp < p.num_splits; ++sp)
-                st.add(__ldcg(lp + sp * l_split),
-                       __ldcg(reinterpret_cast<const float4*>(op + sp * o_split)));
+            // Loads first, kMergeBatch splits at a time, then the merge in split order: the
+            // early exit of MergeState4::add for empty parts would otherwise keep the compiler
+            // from issuing the next part's loads before this one's add (one L2 round trip per
+            // split: 4.2 us at 16 splits, experiments/NOTES.md v10).
+            constexpr int kMergeBatch = HEADDIM >= 256 ? 8 : 16;  // hd256: no spills
+            for (int sp0 = 0; sp0 < p.num_splits; sp0 += kMergeBatch) {
+                float lv[kMergeBatch];
+                float4 ov[kMergeBatch];
+#pragma unroll
+                for (int u = 0; u < kMergeBatch; ++u)
+                    if (sp0 + u < p.num_splits) {
+                        lv[u] = __ldcg(lp + (sp0 + u) * l_split);
+                        ov[u] = __ldcg(reinterpret_cast<const float4*>(op + (sp0 + u) * o_split));
+                    }
+#pragma unroll
+                for (int u = 0; u < kMergeBatch; ++u)
+                    if (sp0 + u < p.num_splits) st.add(lv[u], ov[u]);
+            }
             store_merged<T>(p, st, b, qi, h, c);
         }
     }

@@ -528,3 +528,20 @@ def test_several_waves_run_the_two_blocks_per_sm_tile(page):
         assert "_n64_w4_" in plan.name, plan.name
     (o, lse), _ = _run(case, dtype)
     _check_against_reference(case, o, lse, dtype)
+
+
+def test_misaligned_workspace_is_rejected_before_launch():
+    """The partials move as 16-byte vectors: a workspace that starts off a 16-byte boundary (an
+    offset slice) is a ValueError naming the argument, on the first and on a warm call."""
+    dtype = "bfloat16"
+    case = _nan_tailed_case(37, np.array([900, 5], np.int32), 1024, 2, 8, 128, dtype)
+    q, kc, vc, _, _, cs, bt = (_dev(x) for x in case.args())
+    n = decode.workspace_size(q, kc, vc, cache_seqlens=cs, num_splits=4)
+    ws = cupy.zeros(n + 4, cupy.float32)
+    out = _nan_like(q)
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, num_splits=4, out=out,
+                            workspace=ws[:n], validate=False)  # aligned: fine (and cached)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="workspace: must start on a 16-byte boundary"):
+            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, num_splits=4, out=out,
+                                    workspace=ws[1:n + 1], validate=False)
