@@ -375,8 +375,13 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     rows = (p.nheads // p.nheads_k) * p.seqlen_q
     row_chunks = -(-rows // GROUP)
     unsplit_ctas = p.batch * p.nheads_k * row_chunks
+    two_fit = smem_per_sm // (split_smem_bytes(p.dtype, hd, SPLIT_CONFIGS[hd].block_n,
+                                               SPLIT_CONFIGS[hd].stages)
+                              + _SMEM_RESERVED_PER_BLOCK) >= 2
+    several_waves = False
     if cfg != SPLIT_CONFIGS[hd] and unsplit_ctas > num_sms and split_size is None \
-            and p.num_splits == 0:
+            and p.num_splits == 0 and two_fit:
+        several_waves = True
         # several waves of blocks even unsplit: two blocks per SM overlap one block's first
         # copies with the other's stream (heuristic mode only: an explicit num_splits or
         # split_size keeps the tile, so a row's result does not depend on the batch) (H200, v9 sweep, hd128: b64 x 1k 72.1 vs 78.1 us,
@@ -409,6 +414,8 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     # ids moved to cp.async, not re-measured since).
     fill_per_sm = 1 if cfg == ONE_BLOCK_SPLIT_CONFIGS.get(hd) or not p.paged \
         else min(2, ctas_per_sm)
+    if several_waves:
+        fill_per_sm = 2
     if row_chunks > 1:
         reasons.append(f"{rows} query rows per KV head (GQA {p.nheads // p.nheads_k} x seqlen_q "
                        f"{p.seqlen_q}) > {GROUP}: {row_chunks} blocks per KV head, each reads "
@@ -915,6 +922,8 @@ def _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
     plan = _resolve_plan(prob, split_size)  # also validates split_size
     if plan.workspace_elems and workspace is not None:
         workspace = as_cupy(workspace, "workspace", checks.dtype_name(workspace))
+        # every call (the launch cache keys layouts, not pointers)
+        _check_workspace_alignment(workspace)
     elif workspace is not None and type(workspace) is not cupy_ndarray_type():
         opts = None  # an unused workspace of another kind: its layout is no key
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
@@ -954,7 +963,6 @@ class _KVCacheLaunch:
                 raise ValueError(f"workspace: expected a contiguous float32 array of at least "
                                  f"{self.ws_need} elements (workspace_size), got shape "
                                  f"{workspace.shape}")
-            _check_workspace_alignment(workspace)
         rows = b * sq * h
         # workspace: partial O, partial LSE (fp32), then the fused combine's int32 counters
         self.o_part_bytes = 4 * ns * rows * d

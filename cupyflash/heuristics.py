@@ -149,17 +149,14 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
 # Decode (Flash-Decoding): number of KV splits. Appended by the decode work (H4); the launch code
 # and the split kernel live in cupyflash/decode.py and kernels_cu/flash_decode.cu.
 # ----------------------------------------------------------------------------------------------
-__all__ += ["MIN_TILES_PER_SPLIT", "SHORT_CACHE_SPLITS", "MAX_SPLITS", "choose_num_splits"]
+__all__ += ["MIN_TILES_PER_SPLIT", "MAX_SPLITS", "choose_num_splits"]
 
-#: A split should have at least this many tiles: a block spends roughly one tile's time on its
-#: prologue (the first copies' latency) and each extra split adds fp32 partials to write and
-#: merge, so very short splits cost more than the parallelism they add.
-MIN_TILES_PER_SPLIT = 4
-#: ... except that a short cache may still be cut into up to this many splits of fewer tiles
-#: (down to one): there the latency of one split's tiles, not the merge, bounds the call (H200,
-#: v9 sweep, b1 x 1k at 8 KV heads, 8 tiles of 128 keys: 2 splits 11.6 us, 4 splits 10.4,
-#: 8 splits 9.5; b1 x 4k, 32 tiles: 8 splits 12.8 us, 16 splits 13.8).
-SHORT_CACHE_SPLITS = 8
+#: A split has at least this many tiles. One: since the merge of the splits costs one L2 round
+#: trip per batch of 16 parts (v10), a short cache is best cut into one-tile splits up to one
+#: wave of blocks (H200, v10 sweep, graph-timed, b1 at 8 KV heads, 128-key tiles: 1k keys 2 /
+#: 4 / 8 splits 11.4 / 9.2 / 8.4 us; 4k keys 8 / 16 splits 11.6 / 10.6 us). It was 4 before
+#: v10, when each extra split added a serial L2 round trip to the merge.
+MIN_TILES_PER_SPLIT = 1
 #: Upper bound on splits (workspace size; beyond ~2 blocks per SM more splits only add waves).
 MAX_SPLITS = 128
 
@@ -167,8 +164,7 @@ MAX_SPLITS = 128
 def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H200_SMS, *,
                       row_chunks: int = 1, block_n: int = 64, ctas_per_sm: int = 1,
                       max_splits: int = MAX_SPLITS,
-                      min_tiles_per_split: int = MIN_TILES_PER_SPLIT,
-                      short_cache_splits: int = SHORT_CACHE_SPLITS) -> int:
+                      min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> int:
     """Number of KV splits for a decode step (pure; Flash-Decoding's occupancy argument).
 
     The split kernel is bandwidth-bound and every block of one launch does the same amount of
@@ -177,9 +173,7 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
     splitting. Rule::
 
         splits = floor(slots / ctas)                        # fill one wave, never start a 2nd
-        cap = max(ceil(tiles / min_tiles_per_split),        # long splits ...
-                  min(tiles, short_cache_splits))           # ... unless the cache is short
-        splits = min(splits, cap, max_splits)
+        splits = min(splits, ceil(tiles / min_tiles_per_split), max_splits)
         splits = max(splits, 1)
 
     with ``tiles = ceil(seqlen_k / block_n)``. ``floor`` rather than ``ceil``: with equal blocks,
@@ -202,13 +196,13 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
       copies (v6), hd128 paged caches run one block per SM like contiguous ones (page 16, batch
       1 x 128k: 16 splits 4.02 with the 128 x 8 tile, 33 splits 3.82 with 64 x 4).
 
-    * short caches (v9, 128 x 8 tile, release/acquire arrival): batch 1 x 1k (8 tiles) 2 / 4
-      / 8 splits 11.6 / 10.4 / 9.5 us; batch 1 x 4k (32 tiles) 8 / 16 splits 12.8 / 13.8 us ->
-      ``short_cache_splits``.
+    * short caches (v10, 128 x 8 tile, merge loads batched): batch 1 x 1k (8 tiles) 2 / 4 / 8
+      splits 11.4 / 9.2 / 8.4 us; batch 1 x 4k (32 tiles) 8 / 16 splits 11.6 / 10.6 us ->
+      ``min_tiles_per_split = 1``.
 
     Examples (H200, Llama-3-8B heads: nheads_k = 8, hd128, ``block_n = 128``,
-    ``ctas_per_sm = 1``, contiguous or paged): batch 1 -> 16 splits (128 blocks) from 8k keys,
-    8 at 1k-4k; batch >= 9 -> 1. With ``ctas_per_sm = 2`` (paged hd64 / hd256): batch 1 ->
+    ``ctas_per_sm = 1``, contiguous or paged): batch 1 -> 16 splits (128 blocks) from 2k keys,
+    8 at 1k (one tile each); batch >= 9 -> 1. With ``ctas_per_sm = 2`` (paged hd64 / hd256): batch 1 ->
     33 (264 blocks).
 
     Properties (tested): ``1 <= splits <= max(1, min(max_splits, tiles))``; non-increasing in
@@ -230,8 +224,8 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
         Keys per tile of the split kernel.
     ctas_per_sm : int
         Split blocks per SM to fill (1: contiguous caches; 2: paged caches, where two fit).
-    max_splits, min_tiles_per_split, short_cache_splits : int
-        Caps (see :data:`MAX_SPLITS`, :data:`MIN_TILES_PER_SPLIT`, :data:`SHORT_CACHE_SPLITS`).
+    max_splits, min_tiles_per_split : int
+        Caps (see :data:`MAX_SPLITS`, :data:`MIN_TILES_PER_SPLIT`).
 
     Returns
     -------
@@ -241,8 +235,7 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
     for name, val in (("batch", batch), ("nheads_k", nheads_k), ("num_sms", num_sms),
                       ("row_chunks", row_chunks), ("block_n", block_n),
                       ("ctas_per_sm", ctas_per_sm), ("max_splits", max_splits),
-                      ("min_tiles_per_split", min_tiles_per_split),
-                      ("short_cache_splits", short_cache_splits)):
+                      ("min_tiles_per_split", min_tiles_per_split)):
         if int(val) < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {val}")
     if seqlen_k < 0:
@@ -251,6 +244,5 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
     ctas = batch * nheads_k * row_chunks
     slots = num_sms * ctas_per_sm
     splits = slots // ctas
-    cap = max(-(-tiles // min_tiles_per_split), min(tiles, short_cache_splits))
-    splits = min(splits, cap, max_splits)
+    splits = min(splits, -(-tiles // min_tiles_per_split), max_splits)
     return max(splits, 1)

@@ -156,6 +156,8 @@ def launch(kernel, grid, block, args, *, shared_mem: int = 0, cluster=(1, 1, 1),
         The driver refused the launch (e.g. clusters on a GPU before sm_90).
     """
     import cupy
+    if len(grid) != 3 or len(block) != 3:
+        raise ValueError(f"grid, block: expected 3 ints each, got {tuple(grid)}, {tuple(block)}")
     cluster = tuple(int(c) for c in cluster)
     if len(cluster) != 3 or min(cluster) < 1 or any(g % c for g, c in zip(grid, cluster)):
         raise ValueError(f"cluster: expected 3 positive ints dividing the grid {tuple(grid)}, "
@@ -176,6 +178,9 @@ def max_active_clusters(kernel, block, cluster, *, shared_mem: int = 0) -> int:
     """How many clusters of shape ``cluster`` of ``kernel`` can be resident on the current GPU
     at once (``cuOccupancyMaxActiveClusters``): the clusters of one wave."""
     cluster = tuple(int(c) for c in cluster)
+    if len(cluster) != 3 or min(cluster) < 1 or cluster[0] * cluster[1] * cluster[2] > MAX_CLUSTER:
+        raise ValueError(f"cluster: expected 3 positive ints, at most {MAX_CLUSTER} blocks, got "
+                         f"{cluster}")
     func = _function_ptr(kernel)
     if cluster[0] * cluster[1] * cluster[2] > MAX_PORTABLE_CLUSTER:
         _allow_non_portable(func)

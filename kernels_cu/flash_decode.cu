@@ -130,8 +130,8 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* counter, int v) {
     return old;
 }
 
-// Online merge of one more partial state (o normalised, lse natural log) into a running
-// (m, l, acc): the combine of Flash-Decoding done in one pass over the parts. Parts with
+// Online merge of partial states (o normalised, lse natural log) into a running (m, l, acc):
+// the combine of Flash-Decoding done in one pass over the parts, a batch at a time. Parts with
 // lse = -inf are skipped (their o is not used). Result o = acc / l, lse = m + log(l).
 struct MergeState4 {
     float m, l, acc[4];
@@ -140,18 +140,36 @@ struct MergeState4 {
         l = 0.f;
         acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
     }
-    __device__ __forceinline__ void add(float lse, const float4& o) {
-        if (lse == neg_inf<float>()) return;
-        const float m_new = fmaxf(m, lse);
-        const float f = expf(m - m_new);   // m = -inf (first part): 0
-        const float w = expf(lse - m_new);
-        // explicit roundings: the same result wherever the compiler inlines this (the fused and
-        // the cluster combine give bitwise the same output)
-        l = __fmaf_rn(l, f, w);
-        acc[0] = __fmaf_rn(w, o.x, __fmul_rn(acc[0], f));
-        acc[1] = __fmaf_rn(w, o.y, __fmul_rn(acc[1], f));
-        acc[2] = __fmaf_rn(w, o.z, __fmul_rn(acc[2], f));
-        acc[3] = __fmaf_rn(w, o.w, __fmul_rn(acc[3], f));
+    // Merges the first n <= N parts of a batch at once: the batch's max, then each part's weight
+    // exp(lse - max) independently (no dependent chain of exps through a running max), then one
+    // rescale of the running state. Explicit roundings (__fmaf_rn, __fadd_rn): the same result
+    // wherever the compiler inlines this, so the fused and the cluster combine agree bitwise.
+    template <int N>
+    __device__ __forceinline__ void add_batch(const float (&lse)[N], const float4 (&o)[N],
+                                              int n) {
+        float mb = neg_inf<float>();
+#pragma unroll
+        for (int u = 0; u < N; ++u)
+            if (u < n) mb = fmaxf(mb, lse[u]);
+        if (mb == neg_inf<float>()) return;  // every part of the batch is empty
+        const float m_new = fmaxf(m, mb);
+        const float f = expf(m - m_new);     // m = -inf (first batch): 0
+        float lb = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+        for (int u = 0; u < N; ++u)
+            if (u < n && lse[u] != neg_inf<float>()) {  // empty parts: o unused (may be NaN)
+                const float w = expf(lse[u] - m_new);
+                lb = __fadd_rn(lb, w);
+                a0 = __fmaf_rn(w, o[u].x, a0);
+                a1 = __fmaf_rn(w, o[u].y, a1);
+                a2 = __fmaf_rn(w, o[u].z, a2);
+                a3 = __fmaf_rn(w, o[u].w, a3);
+            }
+        l = __fmaf_rn(l, f, lb);
+        acc[0] = __fmaf_rn(acc[0], f, a0);
+        acc[1] = __fmaf_rn(acc[1], f, a1);
+        acc[2] = __fmaf_rn(acc[2], f, a2);
+        acc[3] = __fmaf_rn(acc[3], f, a3);
         m = m_new;
     }
 };
@@ -212,10 +230,15 @@ struct DecodeTraits {
     // Cluster combine: this block's normalised partial O [GROUP][HEADDIM] and LSE [GROUP] in
     // fp32, after the scratch (read by the other blocks of the cluster).
     static constexpr int kPartBytes = (GROUP * HEADDIM + GROUP) * 4;
-    static_assert(kEpilogueBytes + kPartBytes <= STAGES * kStageElems * (int)sizeof(T),
-                  "epilogue fits");
+    static_assert(kEpilogueBytes <= STAGES * kStageElems * (int)sizeof(T), "epilogue fits");
+    static constexpr bool kPartFits =
+        kEpilogueBytes + kPartBytes <= STAGES * kStageElems * (int)sizeof(T);
     // Largest cluster the cluster combine merges (the non-portable maximum of sm_90).
     static constexpr int kMaxCluster = 16;
+    // Parts loaded and merged at once by the fused and the cluster combine (MergeState4::
+    // add_batch; both use the same batches, so they give bitwise the same result); 8 at hd256,
+    // where 16 would spill.
+    static constexpr int kMergeBatch = HEADDIM >= 256 ? 8 : 16;
     static_assert((BLOCK_N * kChunksPerRow) % kThreads == 0, "whole copies per thread");
     static constexpr int kCopiesPerThread = BLOCK_N * kChunksPerRow / kThreads;
     // Copy i = tid + c * kThreads of a tile is row i / kChunksPerRow, column chunk
@@ -254,6 +277,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     using Tr = DecodeTraits<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr bool WL = (FLAGS & decode_flags::kWarpLocal) != 0;
+    static_assert(!(FLAGS & decode_flags::kClusterCombine) || Tr::kPartFits,
+                  "cluster combine: the partial fits beside the epilogue scratch");
     static_assert(!WL || !PAGED, "warp-local copies: contiguous caches");
     static_assert(!WL || (32 % Tr::kChunksPerRow == 0 || Tr::kChunksPerRow == 32),
                   "warp-local copies: whole rows per pass of a warp");
@@ -617,25 +642,25 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             const int ns = p.num_splits, rank = (int)cluster_ctarank();  // rank == split
             const int hd4 = p.headdim / 4;
             // (row, 4 columns) items, interleaved over the cluster's blocks; each reads the ns
-            // partials (all loads issued first, then merged in split order as the fused path).
+            // partials in the fused path's batches and merges them as it does.
             for (int e = tid * ns + rank; e < nrows * hd4; e += Tr::kThreads * ns) {
                 const int r = e / hd4, c = (e % hd4) * 4, rg = row_base + r;
                 const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
                 const uint32_t l_addr = smem_u32addr(sPartL + r);
                 const uint32_t o_addr = smem_u32addr(sPart + r * HEADDIM + c);
-                float lp[Tr::kMaxCluster];
-                float4 op[Tr::kMaxCluster];
-#pragma unroll
-                for (int sp = 0; sp < Tr::kMaxCluster; ++sp)
-                    if (sp < ns) {
-                        lp[sp] = ld_shared_cluster_f32(map_shared_rank(l_addr, sp));
-                        op[sp] = ld_shared_cluster_v4f32(map_shared_rank(o_addr, sp));
-                    }
                 MergeState4 st;
                 st.init();
+                for (int sp0 = 0; sp0 < ns; sp0 += Tr::kMergeBatch) {
+                    float lv[Tr::kMergeBatch];
+                    float4 ov[Tr::kMergeBatch];
 #pragma unroll
-                for (int sp = 0; sp < Tr::kMaxCluster; ++sp)
-                    if (sp < ns) st.add(lp[sp], op[sp]);
+                    for (int u = 0; u < Tr::kMergeBatch; ++u)
+                        if (sp0 + u < ns) {
+                            lv[u] = ld_shared_cluster_f32(map_shared_rank(l_addr, sp0 + u));
+                            ov[u] = ld_shared_cluster_v4f32(map_shared_rank(o_addr, sp0 + u));
+                        }
+                    st.add_batch(lv, ov, ns - sp0);
+                }
                 store_merged<T>(p, st, b, qi, h, c);
             }
             cluster_sync();  // no block exits while another still reads its shared memory
@@ -664,33 +689,32 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             __threadfence();  // acquire: the other blocks' partials are read after their arrival
         // One (row, 4 columns) item per thread and pass; the parts are read through L2 (ld.cg).
         const int hd4 = p.headdim / 4;
-        const int64_t o_split = (int64_t)p.batch * p.seqlen_q * p.nheads * p.headdim;
+        const int64_t o_split4 = (int64_t)p.batch * p.seqlen_q * p.nheads * p.headdim / 4;
         const int64_t l_split = (int64_t)p.batch * p.nheads * p.seqlen_q;
         for (int e = tid; e < nrows * hd4; e += Tr::kThreads) {
             const int r = e / hd4, c = (e % hd4) * 4, rg = row_base + r;
             const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
             const float* lp = p.lse_part + ((int64_t)b * p.nheads + h) * p.seqlen_q + qi;
-            const float* op = p.o_part + (((int64_t)b * p.seqlen_q + qi) * p.nheads + h)
-                              * p.headdim + c;
+            const float4* op = reinterpret_cast<const float4*>(
+                p.o_part + (((int64_t)b * p.seqlen_q + qi) * p.nheads + h) * p.headdim + c);
             MergeState4 st;
             st.init();
-            // Loads first, kMergeBatch splits at a time, then the merge in split order: the
-            // early exit of MergeState4::add for empty parts would otherwise keep the compiler
-            // from issuing the next part's loads before this one's add (one L2 round trip per
-            // split: 4.2 us at 16 splits, experiments/NOTES.md v10).
-            constexpr int kMergeBatch = HEADDIM >= 256 ? 8 : 16;  // hd256: no spills
-            for (int sp0 = 0; sp0 < p.num_splits; sp0 += kMergeBatch) {
-                float lv[kMergeBatch];
-                float4 ov[kMergeBatch];
+            // kMergeBatch parts' loads are issued before any of them is merged (one L2 round
+            // trip per batch; per part before v10: 4.2 us at 16 splits), with pointers advanced
+            // by a stride rather than recomputed per part.
+            for (int sp0 = 0; sp0 < p.num_splits; sp0 += Tr::kMergeBatch) {
+                float lv[Tr::kMergeBatch];
+                float4 ov[Tr::kMergeBatch];
 #pragma unroll
-                for (int u = 0; u < kMergeBatch; ++u)
+                for (int u = 0; u < Tr::kMergeBatch; ++u) {
                     if (sp0 + u < p.num_splits) {
-                        lv[u] = __ldcg(lp + (sp0 + u) * l_split);
-                        ov[u] = __ldcg(reinterpret_cast<const float4*>(op + (sp0 + u) * o_split));
+                        lv[u] = __ldcg(lp);
+                        ov[u] = __ldcg(op);
                     }
-#pragma unroll
-                for (int u = 0; u < kMergeBatch; ++u)
-                    if (sp0 + u < p.num_splits) st.add(lv[u], ov[u]);
+                    lp += l_split;
+                    op += o_split4;
+                }
+                st.add_batch(lv, ov, p.num_splits - sp0);
             }
             store_merged<T>(p, st, b, qi, h, c);
         }

@@ -36,15 +36,13 @@ def test_heuristic_documented_examples():
     assert decode.choose_num_splits(16, 8, 16384, ctas_per_sm=2) == 2
     assert decode.choose_num_splits(17, 8, 16384, ctas_per_sm=2) == 1
     assert decode.choose_num_splits(64, 8, 16384) == 1
-    # MIN_TILES_PER_SPLIT tiles per split, except that a short cache may still be cut into up
-    # to SHORT_CACHE_SPLITS splits (v9 sweep: b1 x 1k, 8 tiles of 128 keys, best at 8 splits)
+    # short caches: down to one tile per split (MIN_TILES_PER_SPLIT = 1, v10 sweep: b1 x 1k best
+    # at 8 one-tile splits, b1 x 4k at 16 two-tile splits)
+    assert decode.MIN_TILES_PER_SPLIT == 1
     assert decode.choose_num_splits(1, 8, 1024, block_n=128) == 8
     assert decode.choose_num_splits(1, 8, 512, block_n=128) == 4
-    assert decode.choose_num_splits(1, 8, 4096, block_n=128) == 8
-    assert decode.choose_num_splits(1, 8, 8192, block_n=128) == 16
-    assert decode.choose_num_splits(1, 8, 1024) == 8  # 16 tiles of 64 keys: min(16, 8)
-    assert decode.choose_num_splits(1, 8, 1024, short_cache_splits=1) == \
-        16 // decode.MIN_TILES_PER_SPLIT
+    assert decode.choose_num_splits(1, 8, 4096, block_n=128) == 16
+    assert decode.choose_num_splits(1, 8, 1024, block_n=128, min_tiles_per_split=4) == 2
     assert decode.choose_num_splits(1, 1, 0) == 1
     assert decode.choose_num_splits(1, 1, 64) == 1
 
@@ -498,6 +496,10 @@ def test_plan_llama_decode():
         assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel"
     assert decode.launch_config(_problem(batch=16, seqlen_cache=4096)).template["block_n"] == 128
     assert decode.launch_config(_problem(batch=17, seqlen_cache=4096)).template["block_n"] == 64
+    # only where two of those blocks fit an SM (an A100's 164 KB: one would; keep the 128 x 8)
+    a100 = decode.launch_config(_problem(batch=32, seqlen_cache=4096), num_sms=108,
+                                smem_per_sm=167936, max_smem_per_block=166912)
+    assert a100.template["block_n"] == 128 and a100.template["stages"] == 2
     # paged hd128 caches: the same one-block tile and split count as contiguous ones, for any
     # page size (v6 sweep, page ids by cp.async: page 16 b1 x 128k 4.02 TB/s at 16 splits vs
     # 3.82 for 64 x 4 at 33; b16 x 16k pages 16 / 64 / 256 4.32-4.35 at 1 split)

@@ -65,3 +65,10 @@ def test_kernel_arguments_convert_numpy_scalars():
 def test_launch_checks_cluster_before_the_driver(cluster, match):
     with pytest.raises(ValueError, match=match):
         launch.launch(object(), (32, 1, 1), (32, 1, 1), (), cluster=cluster)
+
+
+def test_launch_and_occupancy_check_shapes_before_the_driver():
+    with pytest.raises(ValueError, match="grid, block"):
+        launch.launch(object(), (32, 1), (32, 1, 1), ())
+    with pytest.raises(ValueError, match="at most 16"):
+        launch.max_active_clusters(object(), (32, 1, 1), (32, 1, 1))
