@@ -19,7 +19,9 @@ buffers, so ``stages - 1`` tiles are in flight while one is computed) and serves
 of that head: the ``nheads // nheads_k`` GQA heads times the ``seqlen_q`` tokens, up to
 ``GROUP = 16`` rows per block (more rows use more blocks, ``row_chunks``). Scores and ``P V`` use
 tensor cores (``mma.m16n8k16``, fp32 accumulate); the online softmax and the merges are fp32.
-With a single split it writes the final output directly (no combine launch).
+With a single split it writes the final output directly (no combine launch). When the
+unsplit blocks already exceed the SMs (several waves), the heuristic runs the 64-key tile at two
+blocks per SM (:data:`ONE_BLOCK_SPLIT_CONFIGS`).
 
 Supported: float16 and bfloat16 (tensor cores; float32/float64 caches are rejected with a
 TypeError); head dims that are multiples of 8 up to 256, run by the kernel compiled for 64, 128
@@ -48,8 +50,9 @@ Fused combine
 With more than one split, the split kernel also merges: each block writes its fp32 partial,
 then one thread increments an arrival counter of its (batch, KV head, row chunk) in the
 workspace with a release/acquire atomic (``atom.acq_rel.gpu``, after a block barrier); the
-block that arrives last reads all the partials (through L2) and writes the output and LSE,
-then resets the counter to zero. There is no combine launch (H200, v1 sweep: +3% at batch 1 x
+block that arrives last reads all the partials (through L2, the loads of 16 parts in flight
+at once, merged a batch at a time: batch max, independent weights) and writes the output and
+LSE, then resets the counter to zero. There is no combine launch (H200, v1 sweep: +3% at batch 1 x
 128k, +24% at batch 1 x 8k). Merging the splits of a head through distributed shared memory in
 one thread-block cluster (``FLAG_CLUSTER_COMBINE``, :mod:`cupyflash.launch`) is a measured
 variant, not the default: on the H200 it is ~1 us faster where its clusters fit one wave, but
