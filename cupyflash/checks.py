@@ -232,7 +232,9 @@ def _check_heads(nheads: int, nheads_k: int, kname: str) -> None:
         raise ValueError(f"{kname}: nheads ({nheads}) and nheads_k ({nheads_k}) must be positive")
     if nheads % nheads_k:
         raise ValueError(f"{kname}: nheads_k {nheads_k} must divide nheads {nheads} "
-                         f"(GQA/MQA: query head h reads KV head h // (nheads // nheads_k))")
+                         f"(GQA/MQA: query head h reads KV head h // (nheads // nheads_k)); "
+                         f"heads are read from axis 2 of (batch, seqlen, nheads, headdim): a "
+                         f"(batch, nheads, seqlen, headdim) tensor must be transposed first")
 
 
 def _check_bool(x, name: str) -> bool:
@@ -423,7 +425,8 @@ def _check_out(out, q_shape: tuple, dt: str) -> None:
 def _check_index_array(x, name: str, ndim: int, layout: str) -> tuple:
     shape = _shape(x, name)
     if len(shape) != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims ({layout}), got shape {shape}")
+        raise ValueError(f"{name}: expected {ndim} dim{'s' if ndim != 1 else ''} ({layout}), "
+                         f"got shape {shape}")
     dt = dtype_name(x)
     if dt != "int32":
         raise TypeError(f"{name}: dtype {dt} is not supported; expected int32")
@@ -741,7 +744,7 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
                 b, p = (int(i) for i in np.argwhere(bad)[0])
                 raise ValueError(f"block_table: page id block_table[{b}, {p}]={bt[b, p]} is "
                                  f"outside the pool [0, {num_pages}) (sequence {b} uses "
-                                 f"{int(used[b])} pages)")
+                                 f"{int(used[b])} page{'s' if int(used[b]) != 1 else ''})")
     return DecodeProblem(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k,
                          headdim=headdim, dtype=dt, softmax_scale=scale, causal=causal,
                          paged=paged, seqlen_cache=seqlen_cache, page_size=page_size,

@@ -20,8 +20,9 @@ of that head: the ``nheads // nheads_k`` GQA heads times the ``seqlen_q`` tokens
 ``GROUP = 16`` rows per block (more rows use more blocks, ``row_chunks``). Scores and ``P V`` use
 tensor cores (``mma.m16n8k16``, fp32 accumulate); the online softmax and the merges are fp32.
 With a single split it writes the final output directly (no combine launch). When the
-unsplit blocks already exceed the SMs (several waves), the heuristic runs the 64-key tile at two
-blocks per SM (:data:`ONE_BLOCK_SPLIT_CONFIGS`).
+unsplit blocks already exceed the SMs (several waves), the heuristic runs hd128 with the
+:data:`SPLIT_CONFIGS` tile (64 keys, two blocks per SM) instead of its one-block tile (see
+:data:`ONE_BLOCK_SPLIT_CONFIGS`).
 
 Supported: float16 and bfloat16 (tensor cores; float32/float64 caches are rejected with a
 TypeError); head dims that are multiples of 8 up to 256, run by the kernel compiled for 64, 128
@@ -33,8 +34,8 @@ bytes. The page ids of a tile are copied from ``block_table`` into a shared-memo
 earlier K/V tiles, so no lookup stalls the loop; when ``page_size`` is a multiple of the tile's
 ``block_n`` a tile lies in one page and one id per tile is copied. Powers of two compute the page
 slot with a shift, other sizes with one integer division per key row: powers of two (1, 2, 4,
-..., 256) are the fast
-sizes, others are expected to be within a few percent (see ``experiments/bench_decode``).
+..., 256) are the fast sizes, others are expected to be within a few percent (measured: pages
+of 16 and 256 in ``experiments/bench_decode.py``, 0-6% below contiguous caches).
 
 CUDA graphs
 -----------
@@ -209,8 +210,9 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
-    followed by ``_fused``/``_ef``/``_pf256`` for the ``flags`` bits (:data:`FLAG_FUSED_COMBINE`,
-    ...; the default :data:`DEFAULT_FLAGS` is what the public functions launch);
+    followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel`` for the
+    ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...; the public functions launch
+    :data:`DEFAULT_FLAGS`, ``_fused_rel``);
     ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
     """
     if not isinstance(flags, int) or flags < 0 or flags >= 128:
@@ -446,7 +448,8 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                        f"(batch x nheads_k x row_chunks) for {num_sms * fill_per_sm} slots "
                        f"({num_sms} SMs x {fill_per_sm} block{'s' if fill_per_sm > 1 else ''}"
                        f" per SM, {layout} cache), {tiles_cap} "
-                       f"tiles of {cfg.block_n} keys at capacity -> {num_splits} splits")
+                       f"tile{'s' if tiles_cap != 1 else ''} of {cfg.block_n} keys at capacity "
+                       f"-> {num_splits} split{'s' if num_splits != 1 else ''}")
     combine = None  # the fused last-block-done combine (DEFAULT_FLAGS): no combine launch
     ws = counters = 0
     if num_splits > 1:
@@ -484,9 +487,9 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     """The :class:`cupyflash.dispatch.Plan` of a decode problem (what ``explain`` returns).
 
     ``kernel`` is the split kernel (it also merges the splits: fused combine);
-    ``extra_kernels`` the append (if new tokens); ``rejected`` lists the other decode
-    specialisations with the reason,
-    then ``("num_splits", why)`` / ``("note", ...)`` lines for the split choice.
+    ``extra_kernels`` the append (if new tokens); ``rejected`` starts with the
+    ``("num_splits", why)`` / ``("note", ...)`` lines that explain the split and tile choice,
+    then lists the other decode specialisations with the reason.
 
     Parameters
     ----------
@@ -506,6 +509,10 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
         raise TypeError(f"problem: expected cupyflash.checks.DecodeProblem, got "
                         f"{type(problem).__name__}")
     lim = _planning_limits(arch)
+    for name, val in (("num_sms", num_sms), ("smem_per_sm", smem_per_sm),
+                      ("max_smem_per_block", max_smem_per_block)):
+        if val is not None and (not checks._is_int(val) or val < 1):
+            raise ValueError(f"{name}: expected an int >= 1 or None, got {val!r}")
     num_sms = lim["num_sms"] if num_sms is None else num_sms
     smem_per_sm = lim["smem_per_sm"] if smem_per_sm is None else smem_per_sm
     max_smem_per_block = lim["max_smem_per_block"] if max_smem_per_block is None \
@@ -671,8 +678,10 @@ def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, bloc
     arguments (0 when it runs as one split): the fp32 partials (:func:`workspace_elems`), then
     ``batch * nheads_k * ceil(nheads // nheads_k * seqlen_q / 16)`` int32 arrival counters of
     the fused combine, which must be zero before the first call (see :func:`alloc_workspace`).
-    Reads shapes only (``validate=False``) and the current device's SM count and shared
-    memory; without a GPU (sizing offline), an H200's."""
+    Reads shapes only (``validate=False``) and, for CUDA arrays, the current device's SM count
+    and shared memory; for host (NumPy) arrays it plans for an H200 even when a GPU is present
+    (sizing offline). A workspace sized for another GPU than the one that runs the call may be
+    too small: the call then raises ValueError before launching."""
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 num_splits=num_splits, dtypes=DTYPES, validate=False)
     # host arrays: plan for an H200 (no device is touched)
@@ -683,7 +692,8 @@ def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, bloc
 def alloc_workspace(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                     *, num_splits=0, split_size=None):
     """A zero-filled float32 CuPy workspace for calls with these arguments' shapes: pass it as
-    ``workspace=`` (with ``out=`` and ``validate=False``) to capture the call in a CUDA graph.
+    ``workspace=`` (with ``out=``, ``validate=False`` and ``return_lse=False``) to capture the
+    call in a CUDA graph.
     Never empty, so it is always a valid argument.
 
     Workspace contract: the first :func:`workspace_elems` elements hold fp32 partials (any
@@ -795,8 +805,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Bottom-right causal mask (default True, as decoding needs; note that FlashAttention's
         ``flash_attn_with_kvcache`` defaults to False).
     num_splits : int
-        0 = :func:`choose_num_splits` (from shapes and the device's SM count only); any value
-        >= 1 is honoured, including more splits than tiles (empty splits are harmless).
+        0 = :func:`choose_num_splits` (from shapes and the device's SM count and shared memory
+        only, never from ``cache_seqlens``; it may also switch hd128 to the two-blocks-per-SM
+        tile when the batch needs several waves); any value >= 1 is honoured, including more
+        splits than tiles (empty splits are harmless).
     return_lse : bool
         Also return the natural-log LSE, float32 (batch, nheads, seqlen_q); -inf for a row that
         sees no key (its output is 0).
@@ -816,8 +828,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Scratch for the fp32 partials and the fused combine's int32 counters, at least
         :func:`workspace_size` elements, from :func:`alloc_workspace` (or zero-filled once: the
         counters at its end must start at zero; each launch leaves them zero), contiguous and
-        16-byte aligned; allocated per call if None. Pass it (with ``out`` and
-        ``validate=False``) to capture in a CUDA graph.
+        16-byte aligned; allocated per call if None. Pass it (with ``out``,
+        ``validate=False`` and ``return_lse=False``) to capture in a CUDA graph.
 
     Returns
     -------
@@ -1100,10 +1112,11 @@ def merge_states(o_parts, lse_parts):
 @dataclasses.dataclass(frozen=True)
 class SplitVariant:
     """A split-kernel configuration to measure against the default: tile shape (``block_n``
-    keys, ``nwarps`` warps, ``stages`` buffers), ``flags`` (:data:`FLAG_FUSED_COMBINE`,
-    :data:`FLAG_EVICT_FIRST`, :data:`FLAG_PREFETCH_256`) and ``grid_order`` (0: grid (splits,
-    batch, nheads_k * row_chunks); 1: (nheads_k * row_chunks, splits, batch), so the blocks of
-    the KV heads of one key range are launched together)."""
+    keys, ``nwarps`` warps, ``stages`` buffers), ``flags`` (the ``FLAG_*`` bits; the public
+    path launches :data:`DEFAULT_FLAGS`, while ``flags=0`` is the unfused kernel followed by a
+    separate combine launch) and ``grid_order`` (0: grid (splits, batch, nheads_k *
+    row_chunks); 1: (nheads_k * row_chunks, splits, batch), so the blocks of the KV heads of one
+    key range are launched together)."""
     block_n: int
     nwarps: int
     stages: int

@@ -9,7 +9,7 @@ Prefill (FlashAttention-2, arXiv 2307.08691, Sec. 3.2-3.3): one CTA per (``block
 head, batch). A larger ``block_m`` reuses every K/V tile for more query rows (fewer bytes per FLOP)
 but makes fewer CTAs, and a tile taller than the sequence computes padding rows.
 
-Decode: ``choose_num_splits`` (Flash-Decoding) is appended below by the decode work (H4).
+Decode: ``choose_num_splits`` (Flash-Decoding), below.
 """
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ __all__ = ["H200_SMS", "prefill_tiles", "choose_prefill_tile"]
 
 #: Streaming multiprocessors of an H100/H200 SXM: the default when no device is visible.
 H200_SMS = 132
+
+
+def _is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool (pure: no NumPy import needed)."""
+    return hasattr(x, "__index__") and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
 def prefill_tiles(dtype: str, headdim: int, arch: str = "sm_90a") -> tuple:
@@ -146,8 +151,8 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Decode (Flash-Decoding): number of KV splits. Appended by the decode work (H4); the launch code
-# and the split kernel live in cupyflash/decode.py and kernels_cu/flash_decode.cu.
+# Decode (Flash-Decoding): number of KV splits. The launch code and the split kernel live in
+# cupyflash/decode.py and kernels_cu/flash_decode.cu.
 # ----------------------------------------------------------------------------------------------
 __all__ += ["MIN_TILES_PER_SPLIT", "MAX_SPLITS", "choose_num_splits"]
 
@@ -182,8 +187,9 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
 
     ``ctas_per_sm`` is the number of blocks per SM to fill, not the number that fit:
     :func:`cupyflash.decode.launch_config` passes 1 for contiguous caches and for hd128 paged
-    caches (its 128-key x 8-warp tile, ~200 KB, one block per SM), and 2 (when two fit) for
-    paged caches at the other head dims. Measured on the H200 (bf16, 32/8 heads, hd128, fused
+    caches (its 128-key x 8-warp tile, ~200 KB, one block per SM), 2 (when two fit) for paged
+    caches at the other head dims, and 2 whenever the unsplit blocks already exceed the SMs
+    (several waves: it then runs the two-blocks-per-SM tile, v9; the rule gives 1 split). Measured on the H200 (bf16, 32/8 heads, hd128, fused
     combine, CUDA-graph timed TB/s of K+V; experiments/NOTES.md):
 
     * contiguous (v1, 64-key tiles of ~108 KB), batch 1 x 128k: 16 splits 3.83, 33 splits 3.68,
@@ -223,7 +229,8 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
     block_n : int
         Keys per tile of the split kernel.
     ctas_per_sm : int
-        Split blocks per SM to fill (1: contiguous caches; 2: paged caches, where two fit).
+        Split blocks per SM to fill (see above: 1 for the one-block tiles, 2 where two blocks
+        per SM run).
     max_splits, min_tiles_per_split : int
         Caps (see :data:`MAX_SPLITS`, :data:`MIN_TILES_PER_SPLIT`).
 
@@ -236,13 +243,13 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
                       ("row_chunks", row_chunks), ("block_n", block_n),
                       ("ctas_per_sm", ctas_per_sm), ("max_splits", max_splits),
                       ("min_tiles_per_split", min_tiles_per_split)):
-        if int(val) < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {val}")
-    if seqlen_k < 0:
-        raise ValueError(f"seqlen_k: expected an int >= 0, got {seqlen_k}")
+        if not _is_int(val) or val < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
+    if not _is_int(seqlen_k) or seqlen_k < 0:
+        raise ValueError(f"seqlen_k: expected an int >= 0, got {seqlen_k!r}")
     tiles = -(-seqlen_k // block_n)
     ctas = batch * nheads_k * row_chunks
     slots = num_sms * ctas_per_sm
     splits = slots // ctas
     splits = min(splits, -(-tiles // min_tiles_per_split), max_splits)
-    return max(splits, 1)
+    return int(max(splits, 1))

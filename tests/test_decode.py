@@ -76,6 +76,15 @@ def test_heuristic_rejects_bad_arguments():
         decode.choose_num_splits(0, 8, 100)
     with pytest.raises(ValueError, match="seqlen_k"):
         decode.choose_num_splits(1, 8, -1)
+    # non-integers name the argument (a float batch used to return a float split count)
+    with pytest.raises(ValueError, match="^batch: expected an int >= 1, got 1.5"):
+        decode.choose_num_splits(1.5, 8, 1024)
+    with pytest.raises(ValueError, match="^nheads_k: expected an int >= 1, got 'x'"):
+        decode.choose_num_splits(1, "x", 1024)
+    with pytest.raises(ValueError, match="^seqlen_k"):
+        decode.choose_num_splits(1, 8, 10.0)
+    r = decode.choose_num_splits(np.int64(1), np.int32(8), np.int64(1024))  # 16 tiles of 64
+    assert r == 16 and type(r) is int
 
 
 # ----------------------------------------------------------------------------------------------
@@ -584,6 +593,17 @@ def _arrays(dtype=np.float16, d=64, paged=False):
         kc = np.zeros((2, 48, 2, d), dtype)
         bt = None
     return q, kc, kc.copy(), np.array([3, 5], np.int32), bt
+
+
+def test_host_planning_messages_from_a_second_users_trial():
+    """Session-4 trial: planning limits name the argument; a (b, h, s, d) tensor is a hint."""
+    q, kc, vc, cs, bt = _arrays(paged=True)
+    with pytest.raises(ValueError, match="^num_sms: expected an int >= 1 or None, got 'x'"):
+        decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_sms="x",
+                               report=False)
+    qt = np.zeros((2, 4, 1, 64), np.float16)  # (batch, nheads, seqlen, headdim): transposed
+    with pytest.raises(ValueError, match="must be transposed first"):
+        decode.explain_kvcache(qt, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
 
 
 def test_host_planning_messages_from_a_new_users_trial():
