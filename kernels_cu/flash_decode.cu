@@ -94,6 +94,10 @@ constexpr int kClusterCombine = 32;
 // which the barrier ordered before it, and acquiring the other blocks' for the last one), instead
 // of a __threadfence() (fence.sc.gpu) in every thread, a relaxed atomic and a second fence.
 constexpr int kReleaseArrive = 64;
+// K and V of a tile in separate cp.async groups (K first): the scores and probabilities of a tile
+// are computed once its K has landed, while its V is still arriving; P V waits for V (a second
+// barrier per tile). Aimed at splits of one or two tiles, where nothing else hides the V copy.
+constexpr int kKVGroups = 128;
 }  // namespace decode_flags
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
@@ -277,6 +281,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     using Tr = DecodeTraits<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr bool WL = (FLAGS & decode_flags::kWarpLocal) != 0;
+    constexpr bool KVG = (FLAGS & decode_flags::kKVGroups) != 0;
+    // cp.async groups per tile (kKVGroups: K, then V and nothing else)
+    constexpr int kGroupsPerTile = KVG ? 2 : 1;
     static_assert(!(FLAGS & decode_flags::kClusterCombine) || Tr::kPartFits,
                   "cluster combine: the partial fits beside the epilogue scratch");
     static_assert(!WL || !PAGED, "warp-local copies: contiguous caches");
@@ -370,10 +377,38 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             }
             cp_async_kv<FLAGS>(smem_u32addr(sK + Tr::kv_offset(row, chunk)),
                                valid ? kcol + koff : kbase, valid, policy);
-            cp_async_kv<FLAGS>(smem_u32addr(sV + Tr::kv_offset(row, chunk)),
-                               valid ? vcol + voff : vbase, valid, policy);
+            if constexpr (!KVG)
+                cp_async_kv<FLAGS>(smem_u32addr(sV + Tr::kv_offset(row, chunk)),
+                                   valid ? vcol + voff : vbase, valid, policy);
         }
-        fetch_pages(tile + STAGES - 1);
+        fetch_pages(tile + STAGES - 1);  // kKVGroups: in the K group (see the loop's waits)
+        if constexpr (KVG) {
+            cp_async_commit();  // the K group; the caller's commit closes the V group
+#pragma unroll
+            for (int c = 0; c < kCopies; ++c) {
+                const int row = row0 + c * kPass;
+                const int j = tile * BLOCK_N + row;
+                bool valid = j < len && col_ok;
+                int64_t voff = 0;
+                if constexpr (PAGED) {
+                    const int page = j < len ? ids[tile_pages ? 0 : row] : -1;
+                    valid = valid && page >= 0 && page < p.num_pages;
+                    const int in_page = j - page_slot(p, j) * p.page_size;
+                    voff = (int64_t)page * p.v_batch_stride + (int64_t)in_page * p.v_row_stride;
+                } else {
+                    voff = (int64_t)j * p.v_row_stride;
+                }
+                cp_async_kv<FLAGS>(smem_u32addr(sV + Tr::kv_offset(row, chunk)),
+                                   valid ? vcol + voff : vbase, valid, policy);
+            }
+        }
+    };
+    // Issues tile `tile` into `stage` if `issue`, and always kGroupsPerTile commits, so that
+    // every thread's group count is the same whatever the split's length.
+    auto issue_tile = [&](bool issue, int stage, int tile) {
+        if (issue) load_tile(stage, tile);
+        else if constexpr (KVG) cp_async_commit();
+        cp_async_commit();
     };
 
     // ---- per-thread rows (g and g + 8) and their visible key ranges -------------------------
@@ -409,8 +444,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         // Paged: the prologue's ids are visible; the slot load_tile refills (that of tile
         // tile_begin + s - 1) has been read by every thread.
         if constexpr (PAGED) __syncthreads();
-        if (s < n_iter) load_tile(s, tile_begin + s);
-        cp_async_commit();
+        issue_tile(s < n_iter, s, tile_begin + s);
     }
 
     // ---- Q tile (16 rows, zero-padded rows and columns) into shared memory, raw 16-bit copy ----
@@ -435,14 +469,15 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     if constexpr (WL) __syncthreads();
 
     for (int it = 0; it < n_iter; ++it) {
-        cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
+        // this thread's copies of tile `it` (kKVGroups: of its K) have landed
+        cp_async_wait<kGroupsPerTile * (STAGES - 1) - 1>();
         if constexpr (WL)
             __syncwarp();             // the warp's have (its rows only); it is done with it - 1
         else
             __syncthreads();          // everyone's have; everyone is done with stage it - 1
-        if (it + STAGES - 1 < n_iter)
-            load_tile((it + STAGES - 1) % STAGES, tile_begin + it + STAGES - 1);
-        cp_async_commit();            // (possibly empty) group keeps the wait count uniform
+        // (possibly empty) groups keep the wait count uniform
+        issue_tile(it + STAGES - 1 < n_iter, (it + STAGES - 1) % STAGES,
+                   tile_begin + it + STAGES - 1);
 
         const T* sK = sStages + (it % STAGES) * Tr::kStageElems;
         const T* sV = sK + Tr::kTileElems;
@@ -504,8 +539,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             for (int e = 0; e < 4; ++e) acc[dt][e] *= corr[e >> 1];
 
         // P = exp2(S - m), row sums, and O += P V (P stays in registers as the A fragment)
-#pragma unroll
-        for (int kw = 0; kw < Tr::kKSteps; ++kw) {
+        auto probs = [&](int kw) {
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -514,6 +548,19 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                     s[kw][nt][e] = pr;
                     l_i[e >> 1] += pr;
                 }
+        };
+        if constexpr (KVG) {
+            // every probability before the wait for V; then V of tile `it` has landed (the
+            // 2 (STAGES - 1) groups of tiles it + 1 ... it + STAGES - 1 may still be pending)
+#pragma unroll
+            for (int kw = 0; kw < Tr::kKSteps; ++kw) probs(kw);
+            cp_async_wait<kGroupsPerTile * (STAGES - 1)>();
+            if constexpr (WL) __syncwarp();
+            else __syncthreads();
+        }
+#pragma unroll
+        for (int kw = 0; kw < Tr::kKSteps; ++kw) {
+            if constexpr (!KVG) probs(kw);
             uint32_t pa[4];
             pa[0] = pack2<T>(s[kw][0][0], s[kw][0][1]);
             pa[1] = pack2<T>(s[kw][0][2], s[kw][0][3]);

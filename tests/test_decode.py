@@ -111,7 +111,10 @@ def test_spec_names_and_table():
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
     assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=128)
+        decode.split_kernel_spec("bfloat16", 128, False, flags=256)
+    assert decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
+                                    | decode.FLAG_KV_GROUPS).name == \
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_kvg"
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, False,
                                  flags=decode.FLAG_PREFETCH_128 | decode.FLAG_PREFETCH_256)
@@ -174,6 +177,10 @@ _F = decode.FLAG_FUSED_COMBINE
 VARIANTS += [decode.SplitVariant(128, 4, 3, _F), decode.SplitVariant(128, 4, 2, _F),
              decode.SplitVariant(128, 8, 3, _F | decode.FLAG_PREFETCH_128),
              decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128 | decode.FLAG_EVICT_FIRST)]
+#: v11: K and V in separate cp.async groups (with the default flags, and warp-local)
+VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS),
+             decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS),
+             decode.SplitVariant(128, 8, 2, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS)]
 
 
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)

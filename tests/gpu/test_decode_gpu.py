@@ -407,6 +407,14 @@ _W = decode.FLAG_WARP_LOCAL
 _WL_VARIANTS = [decode.SplitVariant(64, 4, 3, _F | _W), decode.SplitVariant(64, 4, 4, _F | _W),
                 decode.SplitVariant(128, 8, 3, _F | _W), decode.SplitVariant(64, 4, 6, _F | _W),
                 decode.SplitVariant(64, 4, 3, _W)]
+# v11: K and V of a tile in separate cp.async groups (the V wait after the probabilities)
+_KVG = decode.FLAG_KV_GROUPS
+_KVG_VARIANTS = [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _KVG),
+                 decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | _KVG),
+                 decode.SplitVariant(128, 8, 2, decode.DEFAULT_FLAGS | _KVG),
+                 decode.SplitVariant(32, 2, 6, _KVG, 1)]
+_VARIANTS += _KVG_VARIANTS
+_WL_VARIANTS += [decode.SplitVariant(64, 4, 3, _F | _W | _KVG)]
 
 
 @pytest.mark.parametrize("var", _VARIANTS, ids=lambda v: v.name)
@@ -428,7 +436,8 @@ def test_warp_local_rejects_paged():
 
 
 @pytest.mark.parametrize("var", [decode.SplitVariant(128, 8, 3, _F),
-                                 decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128)],
+                                 decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128),
+                                 decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _KVG)],
                          ids=lambda v: v.name)
 @pytest.mark.parametrize("page", [0, 3, 64])
 def test_variants_padded_headdim_gqa_odd_pages(var, page):
@@ -477,7 +486,7 @@ def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
     combine with per-thread fences, with the release/acquire arrival, and the cluster combine
     (up to 16 splits; above, the same kernel falls back to its fused path) all match the
     reference and give bitwise the same output and LSE (same parts, same merge order, explicit
-    roundings). The cluster launch never touches its NaN-poisoned workspace; the fused launches
+    roundings); so does the K/V-groups pipeline (v11: the same arithmetic, other waits). The cluster launch never touches its NaN-poisoned workspace; the fused launches
     leave their counters at zero."""
     dtype = "bfloat16"
     hk, h, cap = 2, 8, 1200
@@ -488,7 +497,8 @@ def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
     qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
                                               case.cache_seqlens, case.block_table))
     batch = qd.shape[0]
-    variants = [decode.SplitVariant(block_n, nwarps, 3, fl) for fl in (_F, _F | _R, _F | _C | _R)]
+    variants = [decode.SplitVariant(block_n, nwarps, 3, fl)
+                for fl in (_F, _F | _R, _F | _C | _R, _F | _R | _KVG)]
     for ns in (2, 3, 7, 8, 12, 16, 19):
         res = []
         for var in variants:
