@@ -148,27 +148,43 @@ struct MergeState4 {
     // exp(lse - max) independently (no dependent chain of exps through a running max), then one
     // rescale of the running state. Explicit roundings (__fmaf_rn, __fadd_rn): the same result
     // wherever the compiler inlines this, so the fused and the cluster combine agree bitwise.
+    // Branch-free (v12): parts past n and empty parts (lse = -inf; their o is unused and may be
+    // NaN) are masked by selects, so the N weights are computed back to back and the compiler
+    // does not wrap each part in a branch (v11 timeline: 0.77 us at 8 parts, 1.0 us at 16).
+    // The same operations in the same order as the branchy form: bitwise the same result.
     template <int N>
     __device__ __forceinline__ void add_batch(const float (&lse)[N], const float4 (&o)[N],
                                               int n) {
-        float mb = neg_inf<float>();
+        static_assert(N % 4 == 0, "batch: a multiple of 4 (four max chains)");
+        // four interleaved max chains (max is exact: any order gives the same value)
+        float m0 = neg_inf<float>(), m1 = m0, m2 = m0, m3 = m0;
 #pragma unroll
-        for (int u = 0; u < N; ++u)
-            if (u < n) mb = fmaxf(mb, lse[u]);
+        for (int u = 0; u < N; u += 4) {
+            m0 = fmaxf(m0, u < n ? lse[u] : neg_inf<float>());
+            m1 = fmaxf(m1, u + 1 < n ? lse[u + 1] : neg_inf<float>());
+            m2 = fmaxf(m2, u + 2 < n ? lse[u + 2] : neg_inf<float>());
+            m3 = fmaxf(m3, u + 3 < n ? lse[u + 3] : neg_inf<float>());
+        }
+        const float mb = fmaxf(fmaxf(m0, m1), fmaxf(m2, m3));
         if (mb == neg_inf<float>()) return;  // every part of the batch is empty
         const float m_new = fmaxf(m, mb);
         const float f = expf(m - m_new);     // m = -inf (first batch): 0
+        float wt[N];
+        bool ok[N];
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            ok[u] = u < n && lse[u] != neg_inf<float>();
+            wt[u] = expf(ok[u] ? lse[u] - m_new : neg_inf<float>());  // 0 where masked
+        }
         float lb = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
-        for (int u = 0; u < N; ++u)
-            if (u < n && lse[u] != neg_inf<float>()) {  // empty parts: o unused (may be NaN)
-                const float w = expf(lse[u] - m_new);
-                lb = __fadd_rn(lb, w);
-                a0 = __fmaf_rn(w, o[u].x, a0);
-                a1 = __fmaf_rn(w, o[u].y, a1);
-                a2 = __fmaf_rn(w, o[u].z, a2);
-                a3 = __fmaf_rn(w, o[u].w, a3);
-            }
+        for (int u = 0; u < N; ++u) {
+            lb = ok[u] ? __fadd_rn(lb, wt[u]) : lb;
+            a0 = ok[u] ? __fmaf_rn(wt[u], o[u].x, a0) : a0;
+            a1 = ok[u] ? __fmaf_rn(wt[u], o[u].y, a1) : a1;
+            a2 = ok[u] ? __fmaf_rn(wt[u], o[u].z, a2) : a2;
+            a3 = ok[u] ? __fmaf_rn(wt[u], o[u].w, a3) : a3;
+        }
         l = __fmaf_rn(l, f, lb);
         acc[0] = __fmaf_rn(acc[0], f, a0);
         acc[1] = __fmaf_rn(acc[1], f, a1);
