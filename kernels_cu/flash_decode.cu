@@ -137,6 +137,9 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* counter, int v) {
 // Online merge of partial states (o normalised, lse natural log) into a running (m, l, acc):
 // the combine of Flash-Decoding done in one pass over the parts, a batch at a time. Parts with
 // lse = -inf are skipped (their o is not used). Result o = acc / l, lse = m + log(l).
+// Compile-time merge batch size, passed to the generic lambdas that load and merge a batch.
+template <int N> struct MergeBatch { static constexpr int kN = N; };
+
 struct MergeState4 {
     float m, l, acc[4];
     __device__ __forceinline__ void init() {
@@ -257,7 +260,9 @@ struct DecodeTraits {
     static constexpr int kMaxCluster = 16;
     // Parts loaded and merged at once by the fused and the cluster combine (MergeState4::
     // add_batch; both use the same batches, so they give bitwise the same result); 8 at hd256,
-    // where 16 would spill.
+    // where 16 would spill. With at most half that many splits, both use the half batch (v12:
+    // fewer masked parts to step over; the same operations on the valid parts, so the same
+    // result).
     static constexpr int kMergeBatch = HEADDIM >= 256 ? 8 : 16;
     static_assert((BLOCK_N * kChunksPerRow) % kThreads == 0, "whole copies per thread");
     static constexpr int kCopiesPerThread = BLOCK_N * kChunksPerRow / kThreads;
@@ -713,17 +718,22 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 const uint32_t o_addr = smem_u32addr(sPart + r * HEADDIM + c);
                 MergeState4 st;
                 st.init();
-                for (int sp0 = 0; sp0 < ns; sp0 += Tr::kMergeBatch) {
-                    float lv[Tr::kMergeBatch];
-                    float4 ov[Tr::kMergeBatch];
+                auto merge = [&](auto batch) {
+                    constexpr int NB = decltype(batch)::kN;
+                    for (int sp0 = 0; sp0 < ns; sp0 += NB) {
+                        float lv[NB];
+                        float4 ov[NB];
 #pragma unroll
-                    for (int u = 0; u < Tr::kMergeBatch; ++u)
-                        if (sp0 + u < ns) {
-                            lv[u] = ld_shared_cluster_f32(map_shared_rank(l_addr, sp0 + u));
-                            ov[u] = ld_shared_cluster_v4f32(map_shared_rank(o_addr, sp0 + u));
-                        }
-                    st.add_batch(lv, ov, ns - sp0);
-                }
+                        for (int u = 0; u < NB; ++u)
+                            if (sp0 + u < ns) {
+                                lv[u] = ld_shared_cluster_f32(map_shared_rank(l_addr, sp0 + u));
+                                ov[u] = ld_shared_cluster_v4f32(map_shared_rank(o_addr, sp0 + u));
+                            }
+                        st.add_batch(lv, ov, ns - sp0);
+                    }
+                };
+                if (ns <= Tr::kMergeBatch / 2) merge(MergeBatch<Tr::kMergeBatch / 2>{});
+                else merge(MergeBatch<Tr::kMergeBatch>{});
                 store_merged<T>(p, st, b, qi, h, c);
             }
             cluster_sync();  // no block exits while another still reads its shared memory
@@ -765,20 +775,25 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             // kMergeBatch parts' loads are issued before any of them is merged (one L2 round
             // trip per batch; per part before v10: 4.2 us at 16 splits), with pointers advanced
             // by a stride rather than recomputed per part.
-            for (int sp0 = 0; sp0 < p.num_splits; sp0 += Tr::kMergeBatch) {
-                float lv[Tr::kMergeBatch];
-                float4 ov[Tr::kMergeBatch];
+            auto merge = [&](auto batch) {
+                constexpr int NB = decltype(batch)::kN;
+                for (int sp0 = 0; sp0 < p.num_splits; sp0 += NB) {
+                    float lv[NB];
+                    float4 ov[NB];
 #pragma unroll
-                for (int u = 0; u < Tr::kMergeBatch; ++u) {
-                    if (sp0 + u < p.num_splits) {
-                        lv[u] = __ldcg(lp);
-                        ov[u] = __ldcg(op);
+                    for (int u = 0; u < NB; ++u) {
+                        if (sp0 + u < p.num_splits) {
+                            lv[u] = __ldcg(lp);
+                            ov[u] = __ldcg(op);
+                        }
+                        lp += l_split;
+                        op += o_split4;
                     }
-                    lp += l_split;
-                    op += o_split4;
+                    st.add_batch(lv, ov, p.num_splits - sp0);
                 }
-                st.add_batch(lv, ov, p.num_splits - sp0);
-            }
+            };
+            if (p.num_splits <= Tr::kMergeBatch / 2) merge(MergeBatch<Tr::kMergeBatch / 2>{});
+            else merge(MergeBatch<Tr::kMergeBatch>{});
             store_merged<T>(p, st, b, qi, h, c);
         }
     }

@@ -164,6 +164,18 @@ def test_every_spec_compiles_without_spills(compiled):
         assert r.ptxas.shared_bytes == 0, (name, arch)  # all shared memory is dynamic
 
 
+def test_registers_allow_the_blocks_shared_memory_allows(compiled):
+    """The planner counts blocks per SM from shared memory alone (two for the 64-key hd128
+    tile); the registers must not cut that: blocks x threads x registers <= 64K per SM."""
+    for spec in decode.all_specs():
+        if not spec.name.startswith("decode_split"):
+            continue
+        nthreads = 32 * int(spec.name.split("_w")[1].split("_")[0])
+        by_smem = max(1, decode.H200_SMEM_PER_SM // (spec.smem_bytes + 1024))
+        r = compiled[(spec.name, "sm_90a")]
+        assert by_smem * nthreads * r.ptxas.registers <= 65536, (spec.name, r.ptxas.registers)
+
+
 #: The variants experiments/sweep_decode_variants.py measures (bf16 hd128, contiguous and paged).
 VARIANTS = [decode.SplitVariant(64, 4, 3, decode.FLAG_FUSED_COMBINE),
             decode.SplitVariant(64, 4, 3, decode.FLAG_EVICT_FIRST | decode.FLAG_PREFETCH_256),
