@@ -52,8 +52,9 @@ With more than one split, the split kernel also merges: each block writes its fp
 then one thread increments an arrival counter of its (batch, KV head, row chunk) in the
 workspace with a release/acquire atomic (``atom.acq_rel.gpu``, after a block barrier); the
 block that arrives last reads all the partials (through L2, the loads of 16 parts in flight
-at once, merged a batch at a time: batch max, independent weights) and writes the output and
-LSE, then resets the counter to zero. There is no combine launch (H200, v1 sweep: +3% at batch 1 x
+at once, 8 with at most 8 splits; merged a batch at a time without branches: batch max,
+independent weights, empty parts masked by selects) and writes the output and LSE, then resets
+the counter to zero. There is no combine launch (H200, v1 sweep: +3% at batch 1 x
 128k, +24% at batch 1 x 8k). Merging the splits of a head through distributed shared memory in
 one thread-block cluster (``FLAG_CLUSTER_COMBINE``, :mod:`cupyflash.launch`) is a measured
 variant, not the default: on the H200 it is ~1 us faster where its clusters fit one wave, but
