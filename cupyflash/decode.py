@@ -198,10 +198,15 @@ FLAG_RELEASE_ARRIVE = 64
 #: K and V of each tile in separate cp.async groups: a tile's scores and probabilities are
 #: computed while its V is still arriving (``decode_flags::kKVGroups``; v11, experiments/NOTES.md).
 FLAG_KV_GROUPS = 128
+#: Paged caches: the page ids of a split's first tiles are fetched for the split the block would
+#: have at full capacity while the sequence's length is read, and fetched again after it only
+#: where that guess was wrong (``decode_flags::kSpecPageIds``; v13, experiments/NOTES.md).
+FLAG_SPEC_PAGE_IDS = 256
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
                 (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
-                (FLAG_RELEASE_ARRIVE, "_rel"), (FLAG_KV_GROUPS, "_kvg"))
+                (FLAG_RELEASE_ARRIVE, "_rel"), (FLAG_KV_GROUPS, "_kvg"),
+                (FLAG_SPEC_PAGE_IDS, "_spid"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48) with the release/acquire arrival (v9, experiments/NOTES.md).
@@ -214,13 +219,13 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
-    followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg`` for the
+    followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/``_spid`` for the
     ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...; the public functions launch
     :data:`DEFAULT_FLAGS`, ``_fused_rel``);
     ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
     """
-    if not isinstance(flags, int) or flags < 0 or flags >= 256:
-        raise ValueError(f"flags: expected an int in [0, 256), got {flags!r}")
+    if not isinstance(flags, int) or flags < 0 or flags >= 512:
+        raise ValueError(f"flags: expected an int in [0, 512), got {flags!r}")
     if flags & FLAG_WARP_LOCAL and paged:
         raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches, got flags={flags}, "
                          f"paged={paged}")

@@ -14,6 +14,10 @@ Three parts, all appended to ``experiments/results/bench_decode.jsonl``:
   thread block per (sequence, KV head)) and the baseline, contiguous;
 * ``sweep="splits"``: batch 1, ``num_splits`` from 1 to 128 (figure 5, left).
 
+Besides ``cupyflash`` (the serving call: ``cache_seqlens`` a device array), the main sweep times
+``cupyflash_dense``: the same call with ``cache_seqlens=None`` (attend to the whole cache), which
+is what SDPA is given; the difference is the cost of reading the lengths on the device.
+
     python experiments/bench_decode.py --quick        # ~1 min on an H200
     python experiments/bench_decode.py                # batch {1, 16, 64}, cache 1k .. 128k
 
@@ -85,8 +89,8 @@ def measure(sweep, B, S, *, args, prov, ok_flash, ok_base, torch_impls, pages, n
             print(f"  {impl} B={B} S={S} page={page_size} splits={num_splits}: {rec['error']}")
         records.append(rec)
 
-    def explain(kc, vc, bt, ns):
-        return common.explain_record(q, kc, vc, cache_seqlens=cache_seqlens, block_table=bt,
+    def explain(kc, vc, bt, ns, cs=cache_seqlens):
+        return common.explain_record(q, kc, vc, cache_seqlens=cs, block_table=bt,
                                      causal=True, num_splits=ns, kind="decode")
 
     if sweep == "splits":
@@ -112,6 +116,9 @@ def measure(sweep, B, S, *, args, prov, ok_flash, ok_base, torch_impls, pages, n
         if ok_flash:  # FlashAttention alone: no split
             run("cupyflash_unsplit", decode_fn(q, k_cache, v_cache, cache_seqlens, None, 1), 0, 1,
                 explain(k_cache, v_cache, None, 1))
+        if ok_flash:  # the same call given what SDPA is given: a dense cache, no length array
+            run("cupyflash_dense", decode_fn(q, k_cache, v_cache, None, None, 0), 0, 0,
+                explain(k_cache, v_cache, None, 0, cs=None))
         if ok_base and B * S <= args.baseline_max_tokens:
             from cupyflash.baseline import attention_baseline
             run("baseline", lambda: attention_baseline(q, k_cache, v_cache, causal=True), 0, 0)

@@ -28,19 +28,24 @@ T0 = time.time()
 H, HK, D = 32, 8, 128
 CASES = [(1, 131072, 0), (1, 131072, 16), (16, 16384, 0), (16, 16384, 16), (16, 16384, 256),
          (64, 16384, 0), (16, 1024, 0), (1, 8192, 0), (1, 1024, 0), (2, 32768, 0), (4, 8192, 0),
-         (64, 1024, 0), (64, 2048, 0), (64, 2048, 16), (1, 4096, 0), (1, 2048, 0)]
+         (64, 1024, 0), (64, 2048, 0), (64, 2048, 16), (1, 4096, 0), (1, 2048, 0),
+         (1, 1024, 16), (1, 8192, 16), (16, 1024, 16), (1, 2048, 256)]
 SMEM_PER_SM, RESERVED = 233472, 1024
 
 
 def variants():
     from cupyflash.decode import (FLAG_CLUSTER_COMBINE, FLAG_FUSED_COMBINE, FLAG_RELEASE_ARRIVE,
+                                  FLAG_SPEC_PAGE_IDS,
                                   SplitVariant as V)
     F, C, R = FLAG_FUSED_COMBINE, FLAG_CLUSTER_COMBINE, FLAG_RELEASE_ARRIVE
     # v9 (experiments/NOTES.md "v9 decode plan"): the fused combine's arrival by one
     # release/acquire atomic (R) vs fences in every thread; v8: the splits of a head merged in a
     # thread-block cluster (C); two blocks per SM (64 x 4) for the multi-wave shapes
     contiguous = [V(128, 8, 3, F | R), V(128, 8, 3, F), V(128, 8, 3, F | C | R), V(64, 4, 3, F | R)]
-    paged = [V(128, 8, 3, F | R), V(128, 8, 3, F), V(64, 4, 3, F | R)]
+    # v13: page ids fetched speculatively while the length is read (S)
+    S = FLAG_SPEC_PAGE_IDS
+    paged = [V(128, 8, 3, F | R), V(128, 8, 3, F), V(64, 4, 3, F | R), V(128, 8, 3, F | R | S),
+             V(64, 4, 3, F | R | S)]
     return contiguous, paged
 
 

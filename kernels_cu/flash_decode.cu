@@ -98,6 +98,14 @@ constexpr int kReleaseArrive = 64;
 // are computed once its K has landed, while its V is still arriving; P V waits for V (a second
 // barrier per tile). Aimed at splits of one or two tiles, where nothing else hides the V copy.
 constexpr int kKVGroups = 128;
+// Paged caches: the page ids of the split's first tiles are fetched before the sequence's length
+// has arrived, for the split the block would have if the sequence filled its block_table row
+// (len = max_pages_per_seq * page_size). Where that guess gives this block's first tile (the
+// longest sequences of a batch, which set the call's time), the ids are in flight while the
+// length is read, one dependent round trip fewer before the first K/V copy; elsewhere they
+// are fetched again after the length, as without the flag. A wrong guess costs a few 4-byte
+// reads of block_table, never a K/V read.
+constexpr int kSpecPageIds = 256;
 }  // namespace decode_flags
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
@@ -260,10 +268,12 @@ struct DecodeTraits {
     static constexpr int kMaxCluster = 16;
     // Parts loaded and merged at once by the fused and the cluster combine (MergeState4::
     // add_batch; both use the same batches, so they give bitwise the same result); 8 at hd256,
-    // where 16 would spill. With at most half that many splits, both use the half batch (v12:
+    // where 16 would spill. With at most half that many splits, both use the half batch (v12b:
     // fewer masked parts to step over; the same operations on the valid parts, so the same
     // result).
     static constexpr int kMergeBatch = HEADDIM >= 256 ? 8 : 16;
+    // The half batch for at most kMergeBatch / 2 splits (hd256: none, the registers are short).
+    static constexpr int kMergeHalf = HEADDIM >= 256 ? kMergeBatch : kMergeBatch / 2;
     static_assert((BLOCK_N * kChunksPerRow) % kThreads == 0, "whole copies per thread");
     static constexpr int kCopiesPerThread = BLOCK_N * kChunksPerRow / kThreads;
     // Copy i = tid + c * kThreads of a tile is row i / kChunksPerRow, column chunk
@@ -286,9 +296,12 @@ struct DecodeSplitExtra {
 
 // Length (tokens, after appending) of sequence b, clamped to [0, capacity] so that a bad
 // cache_seqlens with validate=False cannot make the kernels read outside the cache.
-__device__ __forceinline__ int sequence_length(const DecodeParams& p, int b) {
-    int len = p.cache_seqlens ? p.cache_seqlens[b] + p.seqlen_new : p.seqlen_cache;
+__device__ __forceinline__ int sequence_length_from(const DecodeParams& p, int cache_seqlen) {
+    int len = p.cache_seqlens ? cache_seqlen + p.seqlen_new : p.seqlen_cache;
     return max(0, min(len, p.seqlen_cache));
+}
+__device__ __forceinline__ int sequence_length(const DecodeParams& p, int b) {
+    return sequence_length_from(p, p.cache_seqlens ? p.cache_seqlens[b] : 0);
 }
 
 // Page slot of key j in its sequence's block_table row (a shift for powers of two).
@@ -327,7 +340,35 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // Row r of the CTA is query token qi = r / h_per_kv of head hk * h_per_kv + r % h_per_kv.
 
     // ---- this split's tiles: [tile_begin, tile_end) of the sequence's ceil(len / BLOCK_N) ----
-    const int len = sequence_length(p, b);
+    // The length's load is issued here; with kSpecPageIds its first use is pinned after the
+    // speculative id copies (an empty volatile asm on it, ordered after theirs), so that the
+    // compiler does not place the add that waits for it before them.
+    int len_raw = p.cache_seqlens ? p.cache_seqlens[b] : 0;
+    const bool tile_pages = PAGED && p.page_size % BLOCK_N == 0;
+    // kSpecPageIds: the ids of the first STAGES - 1 tiles of the split for len = capacity,
+    // issued before len is used (see decode_flags::kSpecPageIds), into the ring slots
+    // tile % STAGES as the prologue's own fetch.
+    int spec_begin = -1;
+    if constexpr (PAGED && (FLAGS & decode_flags::kSpecPageIds) != 0) {
+        const int nt_g = (p.seqlen_cache + BLOCK_N - 1) / BLOCK_N;
+        const int tps_g = p.split_tiles > 0 ? p.split_tiles : (nt_g + p.num_splits - 1) / p.num_splits;
+        spec_begin = min(split * tps_g, nt_g);
+        const int spec_end = min(spec_begin + tps_g, nt_g);
+        const int* row_ids = p.block_table + (int64_t)b * p.block_table_batch_stride;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            const int tile = spec_begin + s;
+            if (tile >= spec_end) break;
+            int* dst = sPage + (tile % STAGES) * BLOCK_N;
+            for (int r = tid; r < (tile_pages ? 1 : BLOCK_N); r += Tr::kThreads) {
+                const int j = tile * BLOCK_N + r;
+                if (j < p.seqlen_cache) cp_async_4(smem_u32addr(dst + r), row_ids + page_slot(p, j));
+            }
+        }
+        cp_async_commit();
+        asm volatile("" : "+r"(len_raw));
+    }
+    const int len = sequence_length_from(p, len_raw);
     const int n_tiles = (len + BLOCK_N - 1) / BLOCK_N;
     const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles
                                                   : (n_tiles + p.num_splits - 1) / p.num_splits;
@@ -358,7 +399,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // before the prologue. Slot (t + STAGES - 1) % STAGES is refilled right after the
     // __syncthreads that ends every read of tile t - 1's ids (the same slot). Rows past len,
     // and tiles past the split, get no copy; load_tile reads a row's slot only when j < len.
-    const bool tile_pages = PAGED && p.page_size % BLOCK_N == 0;
     auto fetch_pages = [&](int tile) {
         if constexpr (PAGED) {
             if (tile >= tile_end) return;
@@ -455,9 +495,15 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
 
     // ---- pipeline prologue: STAGES - 1 tiles in flight ----------------------------------------
     if constexpr (PAGED) {  // the ids of the prologue's tiles, waited for once
+        // kSpecPageIds with the right guess: the speculative fetch covers tiles tile_begin ...
+        // (tile_end <= the guess's end, rows j < len <= capacity). Otherwise fetch them now,
+        // after the speculative copies have landed (the two may write the same slots).
+        if (tile_begin != spec_begin) {
+            if constexpr ((FLAGS & decode_flags::kSpecPageIds) != 0) cp_async_wait<0>();
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) fetch_pages(tile_begin + s);
-        cp_async_commit();
+            for (int s = 0; s < STAGES - 1; ++s) fetch_pages(tile_begin + s);
+            cp_async_commit();
+        }
         cp_async_wait<0>();
     }
 #pragma unroll
@@ -732,7 +778,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                         st.add_batch(lv, ov, ns - sp0);
                     }
                 };
-                if (ns <= Tr::kMergeBatch / 2) merge(MergeBatch<Tr::kMergeBatch / 2>{});
+                if (ns <= Tr::kMergeHalf) merge(MergeBatch<Tr::kMergeHalf>{});
                 else merge(MergeBatch<Tr::kMergeBatch>{});
                 store_merged<T>(p, st, b, qi, h, c);
             }
@@ -792,7 +838,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                     st.add_batch(lv, ov, p.num_splits - sp0);
                 }
             };
-            if (p.num_splits <= Tr::kMergeBatch / 2) merge(MergeBatch<Tr::kMergeBatch / 2>{});
+            if (p.num_splits <= Tr::kMergeHalf) merge(MergeBatch<Tr::kMergeHalf>{});
             else merge(MergeBatch<Tr::kMergeBatch>{});
             store_merged<T>(p, st, b, qi, h, c);
         }

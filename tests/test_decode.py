@@ -111,10 +111,13 @@ def test_spec_names_and_table():
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
     assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=256)
+        decode.split_kernel_spec("bfloat16", 128, False, flags=512)
     assert decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
                                     | decode.FLAG_KV_GROUPS).name == \
         "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_kvg"
+    assert decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
+                                    | decode.FLAG_SPEC_PAGE_IDS).entry == \
+        "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 321>"
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, False,
                                  flags=decode.FLAG_PREFETCH_128 | decode.FLAG_PREFETCH_256)
@@ -193,6 +196,9 @@ VARIANTS += [decode.SplitVariant(128, 4, 3, _F), decode.SplitVariant(128, 4, 2, 
 VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS),
              decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS),
              decode.SplitVariant(128, 8, 2, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS)]
+#: v13: speculative page ids
+VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS),
+             decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS)]
 
 
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)

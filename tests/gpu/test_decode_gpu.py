@@ -414,6 +414,11 @@ _KVG_VARIANTS = [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _KVG),
                  decode.SplitVariant(128, 8, 2, decode.DEFAULT_FLAGS | _KVG),
                  decode.SplitVariant(32, 2, 6, _KVG, 1)]
 _VARIANTS += _KVG_VARIANTS
+# v13: page ids fetched speculatively (for the split at full capacity) while the length is read
+_SPID = decode.FLAG_SPEC_PAGE_IDS
+_VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _SPID),
+              decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | _SPID),
+              decode.SplitVariant(32, 2, 6, _SPID, 1)]
 _WL_VARIANTS += [decode.SplitVariant(64, 4, 3, _F | _W | _KVG)]
 
 
@@ -486,7 +491,8 @@ def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
     combine with per-thread fences, with the release/acquire arrival, and the cluster combine
     (up to 16 splits; above, the same kernel falls back to its fused path) all match the
     reference and give bitwise the same output and LSE (same parts, same merge order, explicit
-    roundings); so does the K/V-groups pipeline (v11: the same arithmetic, other waits). The cluster launch never touches its NaN-poisoned workspace; the fused launches
+    roundings); so do the K/V-groups pipeline (v11: the same arithmetic, other waits) and the
+    speculative page ids (v13: the same ids, fetched earlier where the guess is right). The cluster launch never touches its NaN-poisoned workspace; the fused launches
     leave their counters at zero."""
     dtype = "bfloat16"
     hk, h, cap = 2, 8, 1200
@@ -498,7 +504,7 @@ def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
                                               case.cache_seqlens, case.block_table))
     batch = qd.shape[0]
     variants = [decode.SplitVariant(block_n, nwarps, 3, fl)
-                for fl in (_F, _F | _R, _F | _C | _R, _F | _R | _KVG)]
+                for fl in (_F, _F | _R, _F | _C | _R, _F | _R | _KVG, _F | _R | _SPID)]
     for ns in (2, 3, 7, 8, 12, 16, 19):
         res = []
         for var in variants:
@@ -520,6 +526,47 @@ def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
         for o, l in res[1:]:
             assert np.array_equal(o, res[0][0]), ns
             assert np.array_equal(l, res[0][1]), ns
+
+
+@pytest.mark.parametrize("page", [1, 16, 64, 256])
+@pytest.mark.parametrize("block_n,nwarps", [(128, 8), (64, 4)])
+def test_speculative_page_ids(page, block_n, nwarps):
+    """FLAG_SPEC_PAGE_IDS guesses each split's first tiles from the block_table width. Sequences
+    at capacity and one short of it (the guess is right), a page short, ragged and empty (the
+    guess is wrong: the ids are fetched again), NaN cache tails, and table slots past each
+    sequence's pages holding ids outside the pool (fetched by the guess, never dereferenced):
+    bitwise the output and LSE of the default flags, and the reference, for 1-19 splits."""
+    from dataclasses import replace
+    dtype = "bfloat16"
+    hk, h, d = 2, 8, 128
+    cap = -(-1030 // page) * page
+    cs = np.array([cap, cap - 1, cap - page, 517, 0], np.int32)
+    case = _nan_tailed_case(41, cs, cap, hk, h, d, dtype, page=page, table_seed=3,
+                            spare_pages=2)
+    bt = case.block_table.copy()
+    for b, n in enumerate(cs):
+        used = -(-int(n) // page)
+        bt[b, used:] = np.where(np.arange(bt.shape[1] - used) % 2 == 0, 10 ** 9, -7)
+    case = replace(case, block_table=bt)
+    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                              case.cache_seqlens, case.block_table))
+    batch = qd.shape[0]
+    variants = [decode.SplitVariant(block_n, nwarps, 3, fl)
+                for fl in (decode.DEFAULT_FLAGS, decode.DEFAULT_FLAGS | _SPID)]
+    for ns in (1, 2, 3, 8, 16, 19):
+        res = []
+        for var in variants:
+            n = var.workspace_elems(batch, 1, h, hk, d, ns)
+            ws = cupy.full(max(n, 64), np.nan, cupy.float32)
+            if n:
+                ws[ns * batch * h * (d + 1):n] = 0  # counters
+            out = _nan_like(qd)
+            lse = cupy.full((batch, h, 1), np.nan, cupy.float32)
+            decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns, lse=lse)
+            _check_against_reference(case, out, lse, dtype)
+            res.append((_host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)))
+        assert np.array_equal(res[0][0], res[1][0]), ns
+        assert np.array_equal(res[0][1], res[1][1]), ns
 
 
 @pytest.mark.parametrize("page", [0, 16])
