@@ -81,7 +81,7 @@ __all__ = [
     "DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS", "ONE_BLOCK_SPLIT_CONFIGS",
     "split_config", "DecodeLaunch",
     "MAX_SPLITS", "MIN_TILES_PER_SPLIT", "launch_config",
-    "padded_headdim", "split_smem_bytes", "kernel_spec", "split_kernel_spec",
+    "padded_headdim", "split_smem_bytes", "kernel_spec", "split_kernel_spec", "default_flags",
     "combine_kernel_spec", "append_kernel_spec", "all_specs", "choose_num_splits",
     "split_layout", "plan_decode", "workspace_elems", "workspace_size", "alloc_workspace",
     "explain_kvcache", "flash_attn_with_kvcache", "merge_states",
@@ -213,17 +213,28 @@ _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
 DEFAULT_FLAGS = FLAG_FUSED_COMBINE | FLAG_RELEASE_ARRIVE
 
 
+def default_flags(headdim: int, paged: bool) -> int:
+    """FLAGS of the split kernel the public functions launch: :data:`DEFAULT_FLAGS`, plus
+    :data:`FLAG_SPEC_PAGE_IDS` for paged caches up to hd128 (v13 sweep, H200, graph-timed:
+    b16 x 16k page 16 -1.7%, b1 x 128k page 16 -1.2%, b1 x 1k page 16 -0.2 us, nowhere slower;
+    not at hd256, whose paged kernel is at 255 registers and would spill)."""
+    return DEFAULT_FLAGS | (FLAG_SPEC_PAGE_IDS if paged and headdim <= 128 else 0)
+
+
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
                       nwarps: int | None = None, stages: int | None = None,
-                      flags: int = DEFAULT_FLAGS) -> jit.KernelSpec:
+                      flags: int | None = None) -> jit.KernelSpec:
     """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
-    followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/``_spid`` for the
-    ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...; the public functions launch
-    :data:`DEFAULT_FLAGS`, ``_fused_rel``);
-    ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
+    followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/
+    ``_spid`` for the ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
+    the public functions launch, :func:`default_flags` (``_fused_rel``, paged up to hd128
+    ``_fused_rel_spid``); ``block_n``/``nwarps``/``stages`` override :func:`split_config`
+    (experiments).
     """
+    if flags is None:
+        flags = default_flags(headdim, paged)
     if not isinstance(flags, int) or flags < 0 or flags >= 512:
         raise ValueError(f"flags: expected an int in [0, 512), got {flags!r}")
     if flags & FLAG_WARP_LOCAL and paged:
@@ -459,7 +470,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                        f" per SM, {layout} cache), {tiles_cap} "
                        f"tile{'s' if tiles_cap != 1 else ''} of {cfg.block_n} keys at capacity "
                        f"-> {num_splits} split{'s' if num_splits != 1 else ''}")
-    combine = None  # the fused last-block-done combine (DEFAULT_FLAGS): no combine launch
+    combine = None  # the fused last-block-done combine (default_flags): no combine launch
     ws = counters = 0
     if num_splits > 1:
         counters = p.batch * p.nheads_k * row_chunks
@@ -1122,7 +1133,7 @@ def merge_states(o_parts, lse_parts):
 class SplitVariant:
     """A split-kernel configuration to measure against the default: tile shape (``block_n``
     keys, ``nwarps`` warps, ``stages`` buffers), ``flags`` (the ``FLAG_*`` bits; the public
-    path launches :data:`DEFAULT_FLAGS`, while ``flags=0`` is the unfused kernel followed by a
+    path launches :func:`default_flags`, while ``flags=0`` is the unfused kernel followed by a
     separate combine launch) and ``grid_order`` (0: grid (splits, batch, nheads_k *
     row_chunks); 1: (nheads_k * row_chunks, splits, batch), so the blocks of the KV heads of one
     key range are launched together)."""

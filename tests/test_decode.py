@@ -94,8 +94,11 @@ def test_spec_names_and_table():
     # the public default: fused combine with the release/acquire arrival (DEFAULT_FLAGS)
     s = decode.split_kernel_spec("bfloat16", 128, True)
     assert decode.DEFAULT_FLAGS == decode.FLAG_FUSED_COMBINE | decode.FLAG_RELEASE_ARRIVE
-    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel"
-    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 65>"
+    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
+    assert decode.default_flags(128, True) == decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
+    assert decode.default_flags(256, True) == decode.DEFAULT_FLAGS  # hd256: registers
+    assert decode.default_flags(64, False) == decode.DEFAULT_FLAGS
+    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 321>"
     c = decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_FUSED_COMBINE
                                  | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)
     assert c.name == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_cluster_rel"
@@ -140,7 +143,7 @@ def test_spec_names_and_table():
     assert decode.split_kernel_spec("bfloat16", 128, False).name == \
         "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel"
     assert decode.split_kernel_spec("bfloat16", 128, True).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
     with pytest.raises(TypeError, match="dtype"):
         decode.split_kernel_spec("float32", 128, False)
     with pytest.raises(ValueError, match="headdim"):
@@ -541,7 +544,7 @@ def test_plan_llama_decode():
         cap = -(-131072 // ps) * ps
         pg = decode.launch_config(_problem(paged=True, page_size=ps, seqlen_cache=cap,
                                            num_pages=cap // ps, max_pages_per_seq=cap // ps))
-        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel"
+        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
         assert pg.num_splits == 16 and pg.block == (256, 1, 1)
         pb = decode.launch_config(_problem(batch=16, seqlen_cache=16384 // ps * ps, paged=True,
                                            page_size=ps, num_pages=16 * (16384 // ps),
@@ -550,7 +553,7 @@ def test_plan_llama_decode():
     # other head dims' paged tiles still fill two blocks per SM
     p64 = decode.launch_config(_problem(headdim=64, paged=True, page_size=16, num_pages=8192,
                                         max_pages_per_seq=8192))
-    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_rel"
+    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_rel_spid"
     assert p64.num_splits == 33  # floor(2 * 132 / 8) blocks per KV head
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
 
@@ -560,7 +563,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
                                     paged=True, page_size=3, seqlen_cache=300,
                                     num_pages=200, max_pages_per_seq=100, seqlen_new=2))
     assert p.row_chunks == 2 and p.grid[2] == 16 and p.template["headdim"] == 128
-    assert p.kernel.endswith("_paged_fused_rel") and p.append == "decode_append_b16_paged"
+    assert p.kernel.endswith("_paged_fused_rel_spid") and p.append == "decode_append_b16_paged"
     q = decode.launch_config(_problem(seqlen_cache=1000), split_size=100)
     assert q.split_tiles == 1 and q.num_splits == 8  # ceil(1000/128)=8 tiles / 1
     qp = decode.launch_config(_problem(seqlen_cache=1024, paged=True, page_size=16,
@@ -578,11 +581,11 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
 def test_explain_kvcache_on_host_arrays():
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
     plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
-    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel"
+    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
     assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
     assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
-    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel" in names
+    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid" in names
     assert "num_splits" in names
     assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
