@@ -798,3 +798,42 @@ def test_plan_spec_matches_the_launch_geometry_on_small_smem_devices():
     p86 = decode.explain_kvcache(q, kc, kc, arch="sm_86", report=False)
     assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused_rel" and p86.block == (128, 1, 1)
     assert p86.smem_bytes <= 99 * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# FLAG_SPEC_PAGE_IDS (v13): the split kernel's two partitions, restated (flash_decode.cu,
+# decode_split: the guess for len = capacity, then the real one)
+# ----------------------------------------------------------------------------------------------
+def _split_tiles(length, block_n, num_splits, split_tiles, split):
+    n_tiles = -(-length // block_n)
+    tps = split_tiles if split_tiles > 0 else -(-n_tiles // num_splits)
+    begin = min(split * tps, n_tiles)
+    return begin, min(begin + tps, n_tiles)
+
+
+@settings(max_examples=400, deadline=None)
+@given(page=st.sampled_from([1, 3, 16, 64, 128, 256]), max_pages=st.integers(1, 80),
+       block_n=st.sampled_from([32, 64, 128]), num_splits=st.integers(1, 40),
+       split_tiles=st.sampled_from([0, 0, 1, 2, 5]), stages=st.integers(2, 6), data=st.data())
+def test_speculative_page_ids_cover_the_prologue_when_the_guess_is_right(
+        page, max_pages, block_n, num_splits, split_tiles, stages, data):
+    """Where the guessed split (the sequence filling its block_table row) starts at the real
+    split's first tile, the speculative fetch holds every id the prologue needs: its tiles
+    reach at least as far (the real split is never longer) and its rows cover j < len; and
+    the fetch only reads table slots < max_pages_per_seq."""
+    cap = max_pages * page
+    length = data.draw(st.integers(0, cap))
+    split = data.draw(st.integers(0, num_splits - 1))
+    begin, end = _split_tiles(length, block_n, num_splits, split_tiles, split)
+    g_begin, g_end = _split_tiles(cap, block_n, num_splits, split_tiles, split)
+    if begin == g_begin:
+        assert end <= g_end
+        for s in range(stages - 1):
+            t = begin + s
+            if t < end:  # the prologue needs tile t's ids for rows j < length
+                assert t < g_end
+                rows = range(t * block_n, min((t + 1) * block_n, length))
+                assert all(j < cap for j in rows)  # fetched: rows j < cap
+    fetched_slots = {j // page for s in range(stages - 1) if g_begin + s < g_end
+                     for j in range((g_begin + s) * block_n, min((g_begin + s + 1) * block_n, cap))}
+    assert all(0 <= x < max_pages for x in fetched_slots)
