@@ -9,7 +9,8 @@ num_splits: time with CUDA-graph replay (20 calls per graph, best of 3 replays; 
 as the first decode sweep), check the output against a float32 CuPy reference (normwise relative
 error < 1e-2, no NaN) and against the default path's output, and print TB/s of K+V bytes.
 Also times torch SDPA (cuDNN and flash backends, enable_gqa=True, BHSD views of BSHD storage)
-when torch is importable. Records go to $OUT/decode_variants.jsonl (or --out; default experiments/results/).
+when torch is importable. Records are appended to $OUT/decode_variants.jsonl (or --out; default
+experiments/results/), each with the commit and the GPU.
 A deadline (--budget seconds, default 100) skips the remaining measurements, never hangs.
 """
 from __future__ import annotations
@@ -208,7 +209,10 @@ def main(argv=None) -> int:
     bf = ml_dtypes.bfloat16
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "decode_variants.jsonl")
-    fout = open(path, "w")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common
+    commit = common.provenance()["commit"]
+    fout = open(path, "a")  # appended: earlier runs in the file stay
     contiguous_vs, paged_vs = variants()
     if args.quick:
         contiguous_vs, paged_vs = contiguous_vs[:3], paged_vs[:2]
@@ -222,10 +226,11 @@ def main(argv=None) -> int:
         if var.flags & Dm.FLAG_CLUSTER_COMBINE:
             occ = cluster_occupancy(var)
             print(f"# {var.name}: clusters resident at once by cluster size {occ}", flush=True)
-            fout.write(json.dumps(dict(variant=var.name, cluster_occupancy=occ, gpu=gpu)) + "\n")
+            fout.write(json.dumps(dict(variant=var.name, cluster_occupancy=occ, gpu=gpu,
+                                       commit=commit)) + "\n")
 
     def emit(rec):
-        rec.update(gpu=gpu, elapsed_s=round(time.time() - T0, 1))
+        rec.update(gpu=gpu, commit=commit, elapsed_s=round(time.time() - T0, 1))
         fout.write(json.dumps(rec) + "\n")
         fout.flush()
 
