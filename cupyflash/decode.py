@@ -64,12 +64,24 @@ second wave (experiments/NOTES.md v8).
 The counters must be zero before a launch: :func:`alloc_workspace` returns a zero-filled
 workspace, a workspace allocated inside the call has its counters zeroed
 (``cudaMemsetAsync``), and every complete launch leaves them zero.
+
+Programmatic dependent launch
+-----------------------------
+On sm_90+ the append and split kernels are launched with programmatic stream serialization
+(:class:`cupyflash.launch.PreparedLaunch`; CUDA Programming Guide, "Programmatic Dependent
+Launch and Synchronization"): each may be scheduled while the previous kernel of the stream
+finishes, and waits (``griddepcontrol.wait``, ``kernels_cu/common/pdl.cuh``) for that kernel's
+completion and memory before its first global load, so the result is the same; what overlaps is
+the launch and block set-up. Each also lets the next kernel be scheduled early. Set
+:data:`PDL` to False (or the environment variable ``CUPYFLASH_PDL=0`` before import) to launch
+through ``cupy.RawKernel`` instead; measured in experiments/NOTES.md v15.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import os
 
 import numpy as np
 
@@ -88,6 +100,9 @@ __all__ = [
 ]
 
 SOURCE = "flash_decode.cu"
+#: Launch the append and split kernels as programmatic dependent launches on sm_90+ (see the
+#: module docstring). Read on every call; ``CUPYFLASH_PDL=0`` in the environment sets it False.
+PDL = os.environ.get("CUPYFLASH_PDL", "1") != "0"
 #: Element types of the split kernel (tensor cores).
 DTYPES = ("float16", "bfloat16")
 #: Compiled head dims; a head dim d runs with the smallest compiled one >= d.
@@ -980,7 +995,8 @@ class _KVCacheLaunch:
     once per key after the checks; :func:`_execute_kvcache` adds the pointers per call."""
     __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
                  "o_part_bytes", "counters_bytes", "counters_nbytes", "append_kernel",
-                 "append_grid", "append_tail", "split_kernel", "split_tail", "split_end")
+                 "append_grid", "append_tail", "split_kernel", "split_tail", "split_end",
+                 "append_pdl", "split_pdl")
 
     def __init__(self, prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                  return_lse, workspace):
@@ -1003,12 +1019,18 @@ class _KVCacheLaunch:
         self.o_part_bytes = 4 * ns * rows * d
         self.counters_bytes = 4 * ns * rows * (d + 1)
         self.counters_nbytes = 4 * plan.counter_elems
-        self.append_kernel = self.append_tail = self.append_grid = None
+        import cupy
+        pdl_ok = int(cupy.cuda.Device().compute_capability) >= 90
+        self.append_kernel = self.append_tail = self.append_grid = self.append_pdl = None
         if prob.seqlen_new > 0 and b > 0:
             self.append_kernel = jit.get_kernel(append_kernel_spec(prob.paged))
             self.append_grid = _append_grid(prob)
             self.append_tail = _append_tail(prob, k, v, k_cache, v_cache, block_table)
-        self.split_kernel = self.split_tail = self.split_end = None
+            if pdl_ok:
+                self.append_pdl = launch.PreparedLaunch(
+                    self.append_kernel, self.append_grid, (256, 1, 1),
+                    (_NULL,) * 6 + self.append_tail, range(6))
+        self.split_kernel = self.split_tail = self.split_end = self.split_pdl = None
         if b == 0 or sq == 0:  # no query rows: an empty grid is not launchable
             return
         if out is None:
@@ -1035,6 +1057,12 @@ class _KVCacheLaunch:
             i32(plan.row_chunks), i32(1 if prob.causal else 0),
             np.float32(prob.softmax_scale * math.log2(math.e)))
         self.split_end = (_NULL, i32(0))  # counters (one split: unused), grid_order
+        if pdl_ok:  # pointers: the 9 of the head, then the counters
+            n = 9 + len(self.split_tail)
+            self.split_pdl = launch.PreparedLaunch(
+                self.split_kernel, plan.grid, plan.block,
+                (_NULL,) * 9 + self.split_tail + self.split_end, tuple(range(9)) + (n,),
+                shared_mem=plan.smem_bytes)
 
 
 _NULL = np.uint64(0)  # a NULL pointer argument (CuPy would pass None as a NULL *argument*)
@@ -1056,6 +1084,20 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
             cupy.cuda.runtime.memsetAsync(workspace.data.ptr + e.counters_bytes, 0,
                                           e.counters_nbytes, cupy.cuda.get_current_stream().ptr)
     bt = block_table if block_table is not None else _NULL
+    pdl = PDL and e.split_pdl is not None
+    if pdl:  # programmatic dependent launches (module docstring), pointers as ints
+        stream = cupy.cuda.get_current_stream().ptr
+        bt_ptr = block_table.data.ptr if block_table is not None else 0
+        cs_ptr = cache_seqlens.data.ptr if cache_seqlens is not None else 0
+        if e.append_pdl is not None:
+            e.append_pdl((k.data.ptr, v.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cs_ptr,
+                          bt_ptr), stream)
+        ws = workspace.data.ptr if ns > 1 else 0
+        e.split_pdl((q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cs_ptr, bt_ptr,
+                     out.data.ptr, lse.data.ptr if lse is not None else 0, ws,
+                     ws + e.o_part_bytes if ns > 1 else 0, ws + e.counters_bytes if ns > 1 else 0),
+                    stream)
+        return (out, lse) if e.return_lse else out
     if e.append_tail is not None:  # append first; same stream, so the split kernel sees it
         e.append_kernel(e.append_grid, (256, 1, 1),
                         (k, v, k_cache, v_cache, cache_seqlens, bt) + e.append_tail)

@@ -1,8 +1,10 @@
-"""Kernel launches with thread-block clusters, which ``cupy.RawKernel`` cannot request.
+"""Kernel launches with thread-block clusters or programmatic dependent launch, which
+``cupy.RawKernel`` cannot request.
 
-CuPy launches through ``cuLaunchKernel``, which has no way to give a cluster shape. This module
-calls the CUDA driver's ``cuLaunchKernelEx`` (CUDA 12+) through ``ctypes`` with the launch
-attribute ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION``, on the function handle of a kernel that
+CuPy launches through ``cuLaunchKernel``, which has no way to give a cluster shape or a launch
+attribute. This module calls the CUDA driver's ``cuLaunchKernelEx`` (CUDA 12+) through ``ctypes``
+with the launch attributes ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`` and
+``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, on the function handle of a kernel that
 CuPy compiled and loaded (so CuPy's compile and disk caches still apply), on CuPy's current
 stream (so the launch is ordered with CuPy's work and can be captured in a CUDA graph).
 NVIDIA's ``cuda-bindings`` package exposes the same call; it is not a dependency of this
@@ -16,6 +18,16 @@ Thread-block clusters (CUDA Programming Guide, "Thread Block Clusters"): compute
 up to 8 blocks per cluster portably, up to 16 on H100/H200 once a kernel opts in
 (``CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED``, which :func:`launch` sets when asked
 for more than 8).
+
+Programmatic dependent launch (CUDA Programming Guide, "Programmatic Dependent Launch and
+Synchronization"; compute capability 9.0+): a kernel launched with
+``programmaticStreamSerializationAllowed = 1`` may be scheduled before the previous kernel of its
+stream has finished, once every block of that kernel has executed ``griddepcontrol.
+launch_dependents`` or exited. It must then execute ``griddepcontrol.wait`` (which returns once
+the previous grid has completed and its memory is visible) before it reads anything that kernel
+may have written. What it gains is the launch and block set-up (parameter fetch, shared-memory
+carve-out) overlapping the previous kernel's last blocks. The kernels of this library that are
+launched so (``kernels_cu/common/pdl.cuh``) wait before their first global load.
 """
 from __future__ import annotations
 
@@ -25,7 +37,7 @@ import functools
 import numpy as np
 
 __all__ = ["MAX_PORTABLE_CLUSTER", "MAX_CLUSTER", "LaunchError", "launch",
-           "max_active_clusters", "kernel_arguments"]
+           "max_active_clusters", "kernel_arguments", "PreparedLaunch"]
 
 #: Blocks per cluster that every cluster-capable GPU supports.
 MAX_PORTABLE_CLUSTER = 8
@@ -34,6 +46,7 @@ MAX_CLUSTER = 16
 
 # cuda.h enum values
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
@@ -42,8 +55,10 @@ class LaunchError(RuntimeError):
 
 
 class _AttrValue(ctypes.Union):
-    # CUlaunchAttributeValue: a union padded to 64 bytes; clusterDim is {x, y, z} unsigned ints
-    _fields_ = [("pad", ctypes.c_char * 64), ("cluster_dim", ctypes.c_uint * 3)]
+    # CUlaunchAttributeValue: a union padded to 64 bytes; clusterDim is {x, y, z} unsigned ints,
+    # programmaticStreamSerializationAllowed an int
+    _fields_ = [("pad", ctypes.c_char * 64), ("cluster_dim", ctypes.c_uint * 3),
+                ("programmatic", ctypes.c_int)]
 
 
 class _Attr(ctypes.Structure):
@@ -81,12 +96,20 @@ def _check(call: str, status: int) -> None:
         raise LaunchError(f"{call} failed: {(name.value or b'?').decode()} ({status})")
 
 
-def _config(grid, block, shared_mem: int, stream_ptr: int, cluster) -> tuple:
-    """A CUlaunchConfig (and the attribute array it points to, to keep alive)."""
-    attrs = (_Attr * 1)()
-    attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    for i in range(3):
-        attrs[0].value.cluster_dim[i] = int(cluster[i])
+def _config(grid, block, shared_mem: int, stream_ptr: int, cluster, pdl: bool = False) -> tuple:
+    """A CUlaunchConfig (and the attribute array it points to, to keep alive): the cluster
+    shape unless ``cluster`` is None, and with ``pdl`` programmatic stream serialization."""
+    attrs = (_Attr * 2)()
+    n = 0
+    if cluster is not None:
+        attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        for i in range(3):
+            attrs[n].value.cluster_dim[i] = int(cluster[i])
+        n += 1
+    if pdl:
+        attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n].value.programmatic = 1
+        n += 1
     cfg = _Config()
     for i in range(3):
         cfg.grid[i] = int(grid[i])
@@ -94,7 +117,7 @@ def _config(grid, block, shared_mem: int, stream_ptr: int, cluster) -> tuple:
     cfg.shared_mem_bytes = int(shared_mem)
     cfg.stream = stream_ptr
     cfg.attrs = attrs
-    cfg.num_attrs = 1
+    cfg.num_attrs = n
     return cfg, attrs
 
 
@@ -132,10 +155,10 @@ def _allow_non_portable(func_ptr: int) -> None:
 
 
 def launch(kernel, grid, block, args, *, shared_mem: int = 0, cluster=(1, 1, 1),
-           stream=None) -> None:
+           stream=None, pdl: bool = False) -> None:
     """Launch ``kernel`` (a ``cupy.RawKernel``) with the thread-block cluster shape ``cluster``
-    on ``stream`` (default: CuPy's current stream), like ``kernel(grid, block, args,
-    shared_mem=shared_mem)`` otherwise.
+    (and, with ``pdl``, as a programmatic dependent launch) on ``stream`` (default: CuPy's
+    current stream), like ``kernel(grid, block, args, shared_mem=shared_mem)`` otherwise.
 
     Parameters
     ----------
@@ -146,6 +169,9 @@ def launch(kernel, grid, block, args, *, shared_mem: int = 0, cluster=(1, 1, 1),
         As for ``RawKernel`` (:func:`kernel_arguments`).
     shared_mem : int
         Dynamic shared memory per block, bytes (the kernel's limit must already allow it).
+    pdl : bool
+        Programmatic stream serialization (sm_90+): the kernel must execute
+        ``griddepcontrol.wait`` before reading what the previous kernel wrote.
 
     Raises
     ------
@@ -169,9 +195,76 @@ def launch(kernel, grid, block, args, *, shared_mem: int = 0, cluster=(1, 1, 1),
     if size > MAX_PORTABLE_CLUSTER:
         _allow_non_portable(func)
     s = cupy.cuda.get_current_stream() if stream is None else stream
-    cfg, _attrs = _config(grid, block, shared_mem, s.ptr, cluster)
+    cfg, _attrs = _config(grid, block, shared_mem, s.ptr, cluster, pdl)
     params, _keep = kernel_arguments(args)
     _check("cuLaunchKernelEx", _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None))
+
+
+class PreparedLaunch:
+    """A programmatic dependent launch (see the module docstring) of one kernel whose grid,
+    block, shared memory and scalar arguments are converted once; each call supplies only the
+    pointer arguments and the stream, so that the per-call host cost stays near that of
+    ``cupy.RawKernel`` (the full conversion of :func:`kernel_arguments` takes tens of us for a
+    kernel with ~50 arguments). Calls do not share mutable state, so threads may share one.
+
+    Parameters
+    ----------
+    kernel : cupy.RawKernel
+        Loaded on the current device (the handle is taken here).
+    grid, block : tuple of 3 ints
+    args : tuple
+        The argument list as for ``RawKernel``; the entries at ``pointer_slots`` are
+        placeholders, replaced by the call's pointers (ints, 0 for NULL).
+    pointer_slots : tuple of int
+        Indices of the per-call pointer arguments.
+    shared_mem : int
+        Dynamic shared memory per block, bytes.
+    """
+
+    __slots__ = ("_func", "_grid", "_block", "_shared_mem", "_attrs", "_template", "_keep",
+                 "_slots", "_n")
+
+    def __init__(self, kernel, grid, block, args, pointer_slots, *, shared_mem: int = 0):
+        if len(grid) != 3 or len(block) != 3:
+            raise ValueError(f"grid, block: expected 3 ints each, got {tuple(grid)}, "
+                             f"{tuple(block)}")
+        self._slots = tuple(int(i) for i in pointer_slots)
+        self._n = len(args)
+        if any(not 0 <= i < self._n for i in self._slots):
+            raise ValueError(f"pointer_slots: expected indices below {self._n}, got "
+                             f"{self._slots}")
+        self._func = _function_ptr(kernel)
+        self._grid, self._block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
+        self._shared_mem = int(shared_mem)
+        _cfg, self._attrs = _config(self._grid, self._block, self._shared_mem, 0, None, True)
+        # the addresses of the converted scalars; pointer slots are filled per call
+        ptrs, self._keep = kernel_arguments(args)
+        self._template = [ptrs[i] for i in range(self._n)]
+
+    def params(self, pointers) -> tuple:
+        """``(void** array, keep-alive list)`` of the arguments with ``pointers`` (ints, in
+        ``pointer_slots`` order) in their slots."""
+        if len(pointers) != len(self._slots):
+            raise ValueError(f"pointers: expected {len(self._slots)}, got {len(pointers)}")
+        vals = [ctypes.c_uint64(int(x)) for x in pointers]
+        addrs = list(self._template)
+        for i, v in zip(self._slots, vals):
+            addrs[i] = ctypes.addressof(v)
+        return (ctypes.c_void_p * max(1, self._n))(*addrs), vals
+
+    def __call__(self, pointers, stream_ptr: int) -> None:
+        """Launch with ``pointers`` (ints, in ``pointer_slots`` order) on the stream handle
+        ``stream_ptr``."""
+        params, _vals = self.params(pointers)
+        cfg = _Config()
+        cfg.grid[0], cfg.grid[1], cfg.grid[2] = self._grid
+        cfg.block[0], cfg.block[1], cfg.block[2] = self._block
+        cfg.shared_mem_bytes = self._shared_mem
+        cfg.stream = stream_ptr
+        cfg.attrs = self._attrs
+        cfg.num_attrs = 1
+        _check("cuLaunchKernelEx", _driver().cuLaunchKernelEx(ctypes.byref(cfg), self._func,
+                                                              params, None))
 
 
 def max_active_clusters(kernel, block, cluster, *, shared_mem: int = 0) -> int:

@@ -40,13 +40,25 @@ from common import RESULTS  # noqa: E402
 H, HK, D, DTYPE = 32, 8, 128, "bfloat16"
 
 
-def decode_fn(q, kc, vc, cache_seqlens, block_table, num_splits):
+def decode_fn(q, kc, vc, cache_seqlens, block_table, num_splits, pdl=None):
+    """The timed call. ``pdl=False``: launched through cupy.RawKernel, without programmatic
+    dependent launch (cupyflash.decode.PDL), for the ablation row ``cupyflash_plain``."""
+    from cupyflash import decode
     from cupyflash.decode import flash_attn_with_kvcache
     kw = dict(cache_seqlens=cache_seqlens, block_table=block_table, causal=True,
               num_splits=num_splits)
     if "validate" in inspect.signature(flash_attn_with_kvcache).parameters:
         kw["validate"] = False  # no host copy of cache_seqlens inside the timed call
-    return lambda: flash_attn_with_kvcache(q, kc, vc, **kw)
+    if pdl is None or not hasattr(decode, "PDL"):
+        return lambda: flash_attn_with_kvcache(q, kc, vc, **kw)
+
+    def call():
+        prev, decode.PDL = decode.PDL, pdl
+        try:
+            return flash_attn_with_kvcache(q, kc, vc, **kw)
+        finally:
+            decode.PDL = prev
+    return call
 
 
 def chosen_splits(rec_explain):
@@ -119,6 +131,10 @@ def measure(sweep, B, S, *, args, prov, ok_flash, ok_base, torch_impls, pages, n
         if ok_flash:  # the same call given what SDPA is given: a dense cache, no length array
             run("cupyflash_dense", decode_fn(q, k_cache, v_cache, None, None, 0), 0, 0,
                 explain(k_cache, v_cache, None, 0, cs=None))
+        if ok_flash:  # the default call launched plainly (no programmatic dependent launch)
+            run("cupyflash_plain", decode_fn(q, k_cache, v_cache, cache_seqlens, None, 0,
+                                             pdl=False), 0, 0,
+                explain(k_cache, v_cache, None, 0))
         if ok_base and B * S <= args.baseline_max_tokens:
             from cupyflash.baseline import attention_baseline
             run("baseline", lambda: attention_baseline(q, k_cache, v_cache, causal=True), 0, 0)

@@ -285,6 +285,27 @@ def main(argv=None) -> int:
               f"{rec.get('us', float('nan')):8.1f} us {rec.get('tbps', float('nan')):5.2f} TB/s "
               f"err {rec.get('rel_err', float('nan')):.1e} {'' if rec.get('ok') else 'FAIL'}",
               flush=True)
+        if getattr(Dm, "PDL", False):  # the same public call launched plainly (no PDL)
+            out_plain = cp.full(q.shape, np.nan, dtype=cp.float32).astype(bf)
+            call_plain = lambda: Dm.flash_attn_with_kvcache(  # noqa: E731
+                q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=0, out=out_plain,
+                validate=False, workspace=ws)
+            Dm.PDL = False
+            try:
+                us = graph_time_us(call_plain)
+                same = bool((out_plain.view(cp.uint16) == out_def.view(cp.uint16)).all())
+                rec = dict(case=[B, S, ps], variant="default_plain", num_splits=rec.get("num_splits"),
+                           us=us, tbps=kv_bytes / us / 1e6, bitwise_vs_default=same, ok=same)
+            except Exception as e:  # noqa: BLE001
+                rec = dict(case=[B, S, ps], variant="default_plain",
+                           error=f"{type(e).__name__}: {e}")
+                traceback.print_exc()
+            finally:
+                Dm.PDL = True
+            emit(rec)
+            table.append(rec)
+            print(f"{label:28s} {'default_plain':28s} {rec.get('us', float('nan')):8.1f} us "
+                  f"{rec.get('tbps', float('nan')):5.2f} TB/s bitwise {rec.get('ok')}", flush=True)
 
         for var in (paged_vs if ps else contiguous_vs):
             smem = var.spec("bfloat16", D, bool(ps)).smem_bytes

@@ -17,6 +17,8 @@
 //                         writes the output in T and the LSE; also the public merge_states.
 //   decode_append_kernel  writes new k/v tokens at cache_seqlens[b] (contiguous or paged), in
 //                         place, before the split kernel runs.
+// All three wait (common/pdl.cuh) before their first global load, so that they may be launched
+// as programmatic dependent launches (decode.py does on sm_90+).
 //
 // Work split inside a CTA: warp w owns keys [w * BLOCK_N / NWARPS, (w + 1) * BLOCK_N / NWARPS)
 // of every tile and keeps its own online-softmax state (m, l, acc) for the 16 rows; the NWARPS
@@ -36,6 +38,7 @@
 #include "common/online_softmax.cuh"
 #include "common/mma.cuh"
 #include "common/cluster.cuh"
+#include "common/pdl.cuh"
 
 namespace cf {
 
@@ -325,6 +328,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                   "warp-local copies: whole rows per pass of a warp");
     if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes)
         __trap();  // launch bug, never silent
+    // Programmatic dependent launch (common/pdl.cuh): no global load before this wait; the next
+    // kernel of the stream may be scheduled from here on.
+    pdl_wait();
+    pdl_launch_dependents();
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sStages = sQ + Tr::kQElems;
     int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [STAGES][BLOCK_N]
@@ -900,6 +907,8 @@ decode_combine_kernel(const float* o_part, const float* lse_part, T* out, float*
                       long long lse_bs, long long lse_hs,
                       int num_parts, int batch, int seqlen, int nheads, int headdim) {
     constexpr int kMaxCols = 8;  // headdim <= 256
+    pdl_wait();  // common/pdl.cuh
+    pdl_launch_dependents();
     const int lane = threadIdx.x % 32;
     const long long rid = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (rid >= (long long)batch * seqlen * nheads) return;  // whole warps
@@ -963,6 +972,8 @@ decode_append_kernel(const E* k_new, const E* v_new, E* k_cache, E* v_cache,
                      long long v_bs, long long v_rs, long long v_hs, long long bt_bs,
                      int seqlen_new, int nheads_k, int headdim, int seqlen_cache,
                      int page_size, int num_pages) {
+    pdl_wait();  // common/pdl.cuh
+    pdl_launch_dependents();
     const int b = blockIdx.y;
     const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (long long)seqlen_new * nheads_k * headdim) return;

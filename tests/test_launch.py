@@ -34,7 +34,9 @@ def test_enum_values_match_the_header_when_present():
     for name, val in (("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION",
                        launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
                       ("CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
-                       launch.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)):
+                       launch.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED),
+                      ("CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION",
+                       launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)):
         m = re.search(rf"\b{name}\s*=\s*(\d+)", text)
         assert m and int(m.group(1)) == val, name
 
@@ -45,6 +47,40 @@ def test_config_holds_grid_block_cluster():
     assert cfg.shared_mem_bytes == 202496 and cfg.num_attrs == 1
     assert attrs[0].id == launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     assert tuple(attrs[0].value.cluster_dim) == (16, 1, 1)
+
+
+def test_config_pdl_attribute_alone_or_after_the_cluster():
+    cfg, attrs = launch._config((8, 1, 1), (128, 1, 1), 0, 0, None, pdl=True)
+    assert cfg.num_attrs == 1
+    assert attrs[0].id == launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    # programmaticStreamSerializationAllowed: the union's first int
+    assert launch._AttrValue.programmatic.offset == 0 and attrs[0].value.programmatic == 1
+    cfg, attrs = launch._config((8, 1, 1), (128, 1, 1), 0, 0, (2, 1, 1), pdl=True)
+    assert cfg.num_attrs == 2 and attrs[0].id == launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert attrs[1].id == launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    cfg, _ = launch._config((8, 1, 1), (128, 1, 1), 0, 0, None)
+    assert cfg.num_attrs == 0
+
+
+class _FakeKernel:
+    class kernel:  # noqa: N801 - stands in for cupy's Function (only .ptr is read)
+        ptr = 0x1234
+
+
+def test_prepared_launch_fills_pointer_slots_and_keeps_scalars():
+    args = (np.uint64(0), np.int64(-3), np.uint64(0), np.int32(7), np.float32(0.25))
+    pl = launch.PreparedLaunch(_FakeKernel(), (4, 2, 1), (256, 1, 1), args, (0, 2),
+                               shared_mem=1024)
+    for ptrs_in in ((0xAB0, 0), (0xCD0, 0xEF0)):
+        params, _keep = pl.params(ptrs_in)
+        got = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in
+               enumerate((ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int32,
+                          ctypes.c_float))]
+        assert got == [ptrs_in[0], -3, ptrs_in[1], 7, 0.25]
+    with pytest.raises(ValueError, match="pointers: expected 2"):
+        pl.params((1,))
+    with pytest.raises(ValueError, match="pointer_slots"):
+        launch.PreparedLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), args, (5,))
 
 
 def test_kernel_arguments_convert_numpy_scalars():

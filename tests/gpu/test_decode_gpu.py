@@ -602,3 +602,143 @@ def test_misaligned_workspace_is_rejected_before_launch():
         with pytest.raises(ValueError, match="workspace: must start on a 16-byte boundary"):
             flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, num_splits=4, out=out,
                                     workspace=ws[1:n + 1], validate=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Programmatic dependent launch (decode.PDL, sm_90+)
+# ----------------------------------------------------------------------------------------------
+_PDL_SRC = r"""
+// Lets the next kernel of the stream be scheduled at once, waits `ns` nanoseconds, then copies
+// n 16-bit words src -> dst for two buffers (the late writer a dependent kernel must wait for).
+extern "C" __global__ void late_copy2(const unsigned short* s1, unsigned short* d1,
+                                      const unsigned short* s2, unsigned short* d2,
+                                      long long n, unsigned long long ns) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        d1[i] = s1[i];
+        d2[i] = s2[i];
+    }
+}
+// A dependent kernel that does NOT wait: what it reads shows whether it overlapped the writer.
+extern "C" __global__ void read_first(const unsigned short* src, unsigned short* out) {
+    out[0] = src[0];
+}
+"""
+
+
+def _skip_unless_pdl():
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+
+
+@pytest.mark.parametrize("page,ns", [(0, 0), (0, 1), (16, 0), (64, 3)])
+def test_pdl_launch_waits_for_the_previous_kernel(page, ns):
+    """The split kernel, launched as a programmatic dependent launch, may start before the
+    previous kernel of its stream has finished; it must not read the caches before that kernel's
+    writes land. The previous kernel here lets dependents be scheduled at once, waits 200 us, then
+    writes the real K/V over NaN. Control: a dependent kernel without the wait reads the NaN (the
+    launches do overlap in this test). The decode output matches the reference of the real
+    caches, and equals bitwise the same call launched plainly after a synchronisation."""
+    from cupyflash import launch
+    _skip_unless_pdl()
+    assert decode.PDL, "PDL is the default on sm_90+"
+    dtype = "bfloat16"
+    case = _nan_tailed_case(31 + page + ns, np.array([700, 1024, 1], np.int32), 1024, 2, 8, 128,
+                            dtype, page=page)
+    q, kc_real, vc_real, _, _, cs, bt = (_dev(x) for x in case.args())
+    mod = cupy.RawModule(code=_PDL_SRC)
+    late, read_first = mod.get_function("late_copy2"), mod.get_function("read_first")
+    kc, vc = _nan_like(kc_real), _nan_like(vc_real)
+    n = np.int64(kc.size)
+    wait_ns = np.uint64(200_000)
+    opts = dict(cache_seqlens=cs, block_table=bt, num_splits=ns, return_lse=True,
+                validate=False)
+    flash_attn_with_kvcache(q, kc_real, vc_real, **opts)  # compile and cache the launch first
+    cupy.cuda.Device().synchronize()
+
+    # control: a dependent launch that does not wait sees the NaN the late writer replaces
+    seen = cupy.zeros(1, cupy.uint16)
+    late((132,), (256,), (kc_real.view(cupy.uint16), kc.view(cupy.uint16),
+                          vc_real.view(cupy.uint16), vc.view(cupy.uint16), n, wait_ns))
+    launch.launch(read_first, (1, 1, 1), (1, 1, 1), (kc.view(cupy.uint16), seen), pdl=True)
+    cupy.cuda.Device().synchronize()
+    assert int(seen[0]) == _NAN_BITS[dtype], "the dependent launch did not overlap the writer"
+    assert bool((kc.view(cupy.uint16) == kc_real.view(cupy.uint16)).all())
+
+    kc.view(cupy.uint16).fill(_NAN_BITS[dtype])
+    vc.view(cupy.uint16).fill(_NAN_BITS[dtype])
+    out = _nan_like(q)
+    late((132,), (256,), (kc_real.view(cupy.uint16), kc.view(cupy.uint16),
+                          vc_real.view(cupy.uint16), vc.view(cupy.uint16), n, wait_ns))
+    _, lse = flash_attn_with_kvcache(q, kc, vc, out=out, **opts)
+    cupy.cuda.Device().synchronize()
+    _check_against_reference(case, out, lse, dtype)
+    decode.PDL = False
+    try:
+        plain, plain_lse = flash_attn_with_kvcache(q, kc, vc, **opts)
+    finally:
+        decode.PDL = True
+    assert np.array_equal(_host(plain).view(np.uint16), _host(out).view(np.uint16))
+    assert np.array_equal(cupy.asnumpy(plain_lse), cupy.asnumpy(lse))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_pdl_in_a_graph_after_a_writer_and_with_append(paged):
+    """In a captured graph, a kernel that writes q, then the decode call with an append (two
+    programmatic dependent launches: append, split), replayed twice with new values written into
+    the source of q between replays: each replay equals a plain eager call on the new q."""
+    _skip_unless_pdl()
+    dtype = "float16"
+    rng = np.random.default_rng(41)
+    batch, cap, hk, h, d, new = 2, 640, 2, 8, 64, 3
+    cs = np.array([300, 600], np.int32)
+    kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
+    knew = testing.random_normal(rng, (batch, new, hk, d), dtype)
+    vnew = testing.random_normal(rng, (batch, new, hk, d), dtype)
+    bt = None
+    if paged:
+        kc, bt = testing.contiguous_to_paged(kc, 32, np.random.default_rng(5), 1)
+        vc, _ = testing.contiguous_to_paged(vc, 32, np.random.default_rng(5), 1)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        kcd, vcd, kd, vd, csd, btd = (_dev(x) for x in (kc, vc, knew, vnew, cs, bt))
+        kc0, vc0 = kcd.copy(), vcd.copy()
+        q_src = _dev(testing.random_normal(rng, (batch, 1, h, d), dtype))
+        q = cupy.empty_like(q_src)
+        ws = decode.alloc_workspace(q, kcd, vcd, kd, vd, csd, btd, num_splits=4)
+        out = cupy.empty_like(q)
+        call = dict(cache_seqlens=csd, block_table=btd, num_splits=4, out=out, validate=False,
+                    workspace=ws)
+        q[...] = q_src
+        flash_attn_with_kvcache(q, kcd, vcd, kd, vd, **call)  # compile and cache first
+        stream.synchronize()
+        copy = cupy.ElementwiseKernel("T x", "T y", "y = x", "cupyflash_test_copy")
+        copy(q_src, q)
+        stream.begin_capture()
+        copy(q_src, q)  # a kernel writing q, then append + split
+        flash_attn_with_kvcache(q, kcd, vcd, kd, vd, **call)
+        graph = stream.end_capture()
+        for rep in range(2):
+            q_src[...] = _dev(testing.random_normal(rng, q.shape, dtype))
+            kcd[...] = kc0
+            vcd[...] = vc0
+            out.view(cupy.uint16).fill(_NAN_BITS[dtype])
+            graph.launch(stream)
+            stream.synchronize()
+            got = _host(out).copy()
+            kcd[...] = kc0
+            vcd[...] = vc0
+            decode.PDL = False
+            try:
+                want = flash_attn_with_kvcache(q_src.copy(), kcd, vcd, kd, vd, cache_seqlens=csd,
+                                               block_table=btd, num_splits=4)
+            finally:
+                decode.PDL = True
+            stream.synchronize()
+            assert not np.isnan(got.astype(np.float32)).any(), rep
+            assert np.array_equal(got.view(np.uint16), _host(want).view(np.uint16)), rep
