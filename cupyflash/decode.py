@@ -217,11 +217,18 @@ FLAG_KV_GROUPS = 128
 #: have at full capacity while the sequence's length is read, and fetched again after it only
 #: where that guess was wrong (``decode_flags::kSpecPageIds``; v13, experiments/NOTES.md).
 FLAG_SPEC_PAGE_IDS = 256
+#: Programmatic dependent launch: where the split kernel lets the next kernel of the stream be
+#: scheduled (``griddepcontrol.launch_dependents``). Default: at entry, right after its wait.
+#: ``FLAG_PDL_LATE_TRIGGER``: after its main loop (before the epilogue and merge);
+#: ``FLAG_PDL_NO_TRIGGER``: never (implicitly when its blocks exit). Ignored by plain launches.
+FLAG_PDL_LATE_TRIGGER = 512
+FLAG_PDL_NO_TRIGGER = 1024
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
                 (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
                 (FLAG_RELEASE_ARRIVE, "_rel"), (FLAG_KV_GROUPS, "_kvg"),
-                (FLAG_SPEC_PAGE_IDS, "_spid"))
+                (FLAG_SPEC_PAGE_IDS, "_spid"), (FLAG_PDL_LATE_TRIGGER, "_trlate"),
+                (FLAG_PDL_NO_TRIGGER, "_trnone"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48) with the release/acquire arrival (v9, experiments/NOTES.md).
@@ -250,8 +257,10 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     """
     if flags is None:
         flags = default_flags(headdim, paged)
-    if not isinstance(flags, int) or flags < 0 or flags >= 512:
-        raise ValueError(f"flags: expected an int in [0, 512), got {flags!r}")
+    if not isinstance(flags, int) or flags < 0 or flags >= 2048:
+        raise ValueError(f"flags: expected an int in [0, 2048), got {flags!r}")
+    if flags & FLAG_PDL_LATE_TRIGGER and flags & FLAG_PDL_NO_TRIGGER:
+        raise ValueError("flags: FLAG_PDL_LATE_TRIGGER and FLAG_PDL_NO_TRIGGER exclude each other")
     if flags & FLAG_WARP_LOCAL and paged:
         raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches, got flags={flags}, "
                          f"paged={paged}")
@@ -1184,12 +1193,13 @@ class SplitVariant:
     stages: int
     flags: int = 0
     grid_order: int = 0
+    pdl: bool = False  # launched as a programmatic dependent launch (sm_90+)
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n}_w{self.nwarps}_s{self.stages}"
                 + "".join(sfx for bit, sfx in _FLAG_SUFFIX if self.flags & bit)
-                + ("_hfirst" if self.grid_order else ""))
+                + ("_hfirst" if self.grid_order else "") + ("_pdl" if self.pdl else ""))
 
     def spec(self, dtype: str, headdim: int, paged: bool) -> jit.KernelSpec:
         return split_kernel_spec(dtype, headdim, paged, block_n=self.block_n, nwarps=self.nwarps,
@@ -1263,7 +1273,11 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
         launch.launch(jit.get_kernel(spec), grid, (variant.nwarps * 32, 1, 1), args,
                       shared_mem=spec.smem_bytes, cluster=(cluster, 1, 1))
         return out
-    jit.get_kernel(spec)(grid, (variant.nwarps * 32, 1, 1), args, shared_mem=spec.smem_bytes)
+    if variant.pdl:
+        launch.launch(jit.get_kernel(spec), grid, (variant.nwarps * 32, 1, 1), args,
+                      shared_mem=spec.smem_bytes, cluster=None, pdl=True)
+    else:
+        jit.get_kernel(spec)(grid, (variant.nwarps * 32, 1, 1), args, shared_mem=spec.smem_bytes)
     if ns > 1 and not fused:
         o5 = workspace[:ns * rows * d].reshape(ns, b, sq, h, d)
         l4 = workspace[ns * rows * d:ns * rows * (d + 1)].reshape(ns, b, h, sq)

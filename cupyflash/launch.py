@@ -165,6 +165,7 @@ def launch(kernel, grid, block, args, *, shared_mem: int = 0, cluster=(1, 1, 1),
     kernel : cupy.RawKernel
     grid, block, cluster : tuple of 3 ints
         ``grid`` in blocks; each of its dimensions must be a multiple of ``cluster``'s.
+        ``cluster=None``: no cluster attribute at all.
     args : tuple
         As for ``RawKernel`` (:func:`kernel_arguments`).
     shared_mem : int
@@ -184,7 +185,10 @@ def launch(kernel, grid, block, args, *, shared_mem: int = 0, cluster=(1, 1, 1),
     import cupy
     if len(grid) != 3 or len(block) != 3:
         raise ValueError(f"grid, block: expected 3 ints each, got {tuple(grid)}, {tuple(block)}")
-    cluster = tuple(int(c) for c in cluster)
+    if cluster is None:  # no cluster attribute
+        cluster_attr, cluster = None, (1, 1, 1)
+    else:
+        cluster_attr = cluster = tuple(int(c) for c in cluster)
     if len(cluster) != 3 or min(cluster) < 1 or any(g % c for g, c in zip(grid, cluster)):
         raise ValueError(f"cluster: expected 3 positive ints dividing the grid {tuple(grid)}, "
                          f"got {cluster}")
@@ -195,7 +199,7 @@ def launch(kernel, grid, block, args, *, shared_mem: int = 0, cluster=(1, 1, 1),
     if size > MAX_PORTABLE_CLUSTER:
         _allow_non_portable(func)
     s = cupy.cuda.get_current_stream() if stream is None else stream
-    cfg, _attrs = _config(grid, block, shared_mem, s.ptr, cluster, pdl)
+    cfg, _attrs = _config(grid, block, shared_mem, s.ptr, cluster_attr, pdl)
     params, _keep = kernel_arguments(args)
     _check("cuLaunchKernelEx", _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None))
 

@@ -47,6 +47,12 @@ def variants():
     S = FLAG_SPEC_PAGE_IDS
     paged = [V(128, 8, 3, F | R), V(128, 8, 3, F), V(64, 4, 3, F | R), V(128, 8, 3, F | R | S),
              V(64, 4, 3, F | R | S)]
+    # v15: programmatic dependent launch, the next kernel let be scheduled at entry (default),
+    # after the loop (L) or never explicitly (N)
+    from cupyflash.decode import FLAG_PDL_LATE_TRIGGER as L, FLAG_PDL_NO_TRIGGER as N
+    contiguous += [V(bn, w, 3, F | R | t, pdl=True) for bn, w in ((128, 8), (64, 4))
+                   for t in (0, L, N)]
+    paged += [V(128, 8, 3, F | R | S | t, pdl=True) for t in (0, L, N)]
     return contiguous, paged
 
 
@@ -200,6 +206,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get(
         "OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="only the variants whose name contains one of these strings")
+    ap.add_argument("--cases", nargs="+", default=None,
+                    help="only these cases, as batch,seqlen,page (e.g. 16,1024,0)")
+    ap.add_argument("--default-splits-only", action="store_true",
+                    help="time each variant at the public heuristic's num_splits only")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -216,6 +228,12 @@ def main(argv=None) -> int:
     contiguous_vs, paged_vs = variants()
     if args.quick:
         contiguous_vs, paged_vs = contiguous_vs[:3], paged_vs[:2]
+    if args.variants:
+        contiguous_vs = [v for v in contiguous_vs if any(x in v.name for x in args.variants)]
+        paged_vs = [v for v in paged_vs if any(x in v.name for x in args.variants)]
+    cases = CASES
+    if args.cases:
+        cases = [tuple(int(x) for x in c.split(",")) for c in args.cases]
     dev = cp.cuda.Device()
     gpu = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"# {gpu}, {dev.attributes['MultiProcessorCount']} SMs; budget {args.budget:.0f} s",
@@ -235,11 +253,11 @@ def main(argv=None) -> int:
         fout.flush()
 
     # one cache buffer, reused: largest case B * S
-    max_tok = max(B * S for B, S, _ in CASES)
+    max_tok = max(B * S for B, S, _ in cases)
     kbuf = rng.standard_normal((max_tok, HK, D), dtype=cp.float32).astype(bf)
     vbuf = rng.standard_normal((max_tok, HK, D), dtype=cp.float32).astype(bf)
     torch_cache = {}
-    for B, S, ps in CASES:
+    for B, S, ps in cases:
         if time.time() - T0 > args.budget:
             print(f"# budget: skipping case B={B} S={S} page={ps}", flush=True)
             emit(dict(case=[B, S, ps], skipped="budget"))
@@ -269,9 +287,11 @@ def main(argv=None) -> int:
         call = lambda: Dm.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt,  # noqa: E731
                                                   num_splits=0, out=out_def, validate=False,
                                                   workspace=ws)
+        def_ns = def_bn = None
         try:
             us = graph_time_us(call)
             plan = Dm.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+            def_ns, def_bn = plan.num_splits, plan.template["block_n"]
             err = rel(out_def, ref)
             rec = dict(case=[B, S, ps], variant="default", num_splits=plan.num_splits, us=us,
                        tbps=kv_bytes / us / 1e6, rel_err=err,
@@ -310,7 +330,10 @@ def main(argv=None) -> int:
         for var in (paged_vs if ps else contiguous_vs):
             smem = var.spec("bfloat16", D, bool(ps)).smem_bytes
             cps = blocks_per_sm(smem)
-            for ns in split_candidates(B, S, cps, var.block_n):
+            cands = split_candidates(B, S, cps, var.block_n)
+            if args.default_splits_only:
+                cands = [def_ns] if def_ns and var.block_n == def_bn else []
+            for ns in cands:
                 if time.time() - T0 > args.budget:
                     break
                 out = cp.full(q.shape, np.nan, dtype=cp.float32).astype(bf)

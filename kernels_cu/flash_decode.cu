@@ -109,6 +109,11 @@ constexpr int kKVGroups = 128;
 // are fetched again after the length, as without the flag. A wrong guess costs a few 4-byte
 // reads of block_table, never a K/V read.
 constexpr int kSpecPageIds = 256;
+// Programmatic dependent launch (common/pdl.cuh): where the next kernel of the stream is let
+// be scheduled. Default: at entry, after the wait. kPdlLateTrigger: after the main loop (the
+// epilogue and merge remain); kPdlNoTrigger: never explicitly (implicitly when the blocks exit).
+constexpr int kPdlLateTrigger = 512;
+constexpr int kPdlNoTrigger = 1024;
 }  // namespace decode_flags
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
@@ -329,9 +334,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes)
         __trap();  // launch bug, never silent
     // Programmatic dependent launch (common/pdl.cuh): no global load before this wait; the next
-    // kernel of the stream may be scheduled from here on.
+    // kernel of the stream may be scheduled from here on (decode_flags: or after the loop).
     pdl_wait();
-    pdl_launch_dependents();
+    constexpr int kTrigger = FLAGS & (decode_flags::kPdlLateTrigger | decode_flags::kPdlNoTrigger);
+    if constexpr (kTrigger == 0) pdl_launch_dependents();
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sStages = sQ + Tr::kQElems;
     int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [STAGES][BLOCK_N]
@@ -654,6 +660,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     }
 
     // ---- epilogue: merge the NWARPS warp states, normalise, write --------------------------
+    if constexpr ((FLAGS & decode_flags::kPdlLateTrigger) != 0) pdl_launch_dependents();
     cp_async_wait<0>();
     __syncthreads();  // stage buffers are free: reuse them as fp32 scratch
 #pragma unroll

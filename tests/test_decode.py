@@ -114,7 +114,10 @@ def test_spec_names_and_table():
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
     assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=512)
+        decode.split_kernel_spec("bfloat16", 128, False, flags=2048)
+    with pytest.raises(ValueError, match="exclude"):
+        decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_PDL_LATE_TRIGGER
+                                 | decode.FLAG_PDL_NO_TRIGGER)
     assert decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
                                     | decode.FLAG_KV_GROUPS).name == \
         "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_kvg"
@@ -202,6 +205,10 @@ VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_K
 #: v13: speculative page ids
 VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS),
              decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS)]
+#: v15: where the next kernel is let be scheduled under programmatic dependent launch
+VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=True)
+             for bn, w in ((128, 8), (64, 4))
+             for t in (0, decode.FLAG_PDL_LATE_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
 
 
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)

@@ -420,6 +420,12 @@ _VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _SPID),
               decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | _SPID),
               decode.SplitVariant(32, 2, 6, _SPID, 1)]
 _WL_VARIANTS += [decode.SplitVariant(64, 4, 3, _F | _W | _KVG)]
+# v15: programmatic dependent launches, the next kernel let be scheduled at entry, after the
+# loop, or at exit (launched on sm_90+ only: _check_variant skips them elsewhere)
+_PDL_VARIANTS = [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=True)
+                 for bn, w in ((128, 8), (64, 4))
+                 for t in (0, decode.FLAG_PDL_LATE_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
+_VARIANTS += _PDL_VARIANTS
 
 
 @pytest.mark.parametrize("var", _VARIANTS, ids=lambda v: v.name)
@@ -452,6 +458,8 @@ def test_variants_padded_headdim_gqa_odd_pages(var, page):
 
 
 def _check_variant(var, page, hk=2, h=8, d=128):
+    if var.pdl:
+        _skip_unless_pdl()
     dtype = "bfloat16"
     batch, cap = 3, 1024
     if page:
