@@ -72,7 +72,10 @@ On sm_90+ the append and split kernels are launched with programmatic stream ser
 Launch and Synchronization"): each may be scheduled while the previous kernel of the stream
 finishes, and waits (``griddepcontrol.wait``, ``kernels_cu/common/pdl.cuh``) for that kernel's
 completion and memory before its first global load, so the result is the same; what overlaps is
-the launch and block set-up. Each also lets the next kernel be scheduled early. Set
+the launch and block set-up. The split kernel lets the next kernel be scheduled once its main
+loop is done (the append kernel at entry), so the next launch overlaps its epilogue and merge.
+H200, graph-timed (experiments/NOTES.md v15): 0.5-0.7 us faster at batch 1 up to 8k keys
+(6.6 vs 7.2 us at 1k), 0.7 us at b16 x 1k, within noise from 16k keys up. Set
 :data:`PDL` to False (or the environment variable ``CUPYFLASH_PDL=0`` before import) to launch
 through ``cupy.RawKernel`` instead; measured in experiments/NOTES.md v15.
 """
@@ -218,16 +221,17 @@ FLAG_KV_GROUPS = 128
 #: where that guess was wrong (``decode_flags::kSpecPageIds``; v13, experiments/NOTES.md).
 FLAG_SPEC_PAGE_IDS = 256
 #: Programmatic dependent launch: where the split kernel lets the next kernel of the stream be
-#: scheduled (``griddepcontrol.launch_dependents``). Default: at entry, right after its wait.
-#: ``FLAG_PDL_LATE_TRIGGER``: after its main loop (before the epilogue and merge);
-#: ``FLAG_PDL_NO_TRIGGER``: never (implicitly when its blocks exit). Ignored by plain launches.
-FLAG_PDL_LATE_TRIGGER = 512
+#: scheduled (``griddepcontrol.launch_dependents``). Default: after its main loop (before the
+#: epilogue and merge). ``FLAG_PDL_EARLY_TRIGGER``: at entry, right after its wait (v15: 1% slower
+#: where one wave of 128 blocks streams for long); ``FLAG_PDL_NO_TRIGGER``: never (implicitly when
+#: its blocks exit; v15b: keeps less of the gain). Ignored by plain launches.
+FLAG_PDL_EARLY_TRIGGER = 512
 FLAG_PDL_NO_TRIGGER = 1024
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
                 (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
                 (FLAG_RELEASE_ARRIVE, "_rel"), (FLAG_KV_GROUPS, "_kvg"),
-                (FLAG_SPEC_PAGE_IDS, "_spid"), (FLAG_PDL_LATE_TRIGGER, "_trlate"),
+                (FLAG_SPEC_PAGE_IDS, "_spid"), (FLAG_PDL_EARLY_TRIGGER, "_trearly"),
                 (FLAG_PDL_NO_TRIGGER, "_trnone"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
@@ -259,8 +263,8 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
         flags = default_flags(headdim, paged)
     if not isinstance(flags, int) or flags < 0 or flags >= 2048:
         raise ValueError(f"flags: expected an int in [0, 2048), got {flags!r}")
-    if flags & FLAG_PDL_LATE_TRIGGER and flags & FLAG_PDL_NO_TRIGGER:
-        raise ValueError("flags: FLAG_PDL_LATE_TRIGGER and FLAG_PDL_NO_TRIGGER exclude each other")
+    if flags & FLAG_PDL_EARLY_TRIGGER and flags & FLAG_PDL_NO_TRIGGER:
+        raise ValueError("flags: FLAG_PDL_EARLY_TRIGGER and FLAG_PDL_NO_TRIGGER exclude each other")
     if flags & FLAG_WARP_LOCAL and paged:
         raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches, got flags={flags}, "
                          f"paged={paged}")

@@ -47,12 +47,12 @@ def variants():
     S = FLAG_SPEC_PAGE_IDS
     paged = [V(128, 8, 3, F | R), V(128, 8, 3, F), V(64, 4, 3, F | R), V(128, 8, 3, F | R | S),
              V(64, 4, 3, F | R | S)]
-    # v15: programmatic dependent launch, the next kernel let be scheduled at entry (default),
-    # after the loop (L) or never explicitly (N)
-    from cupyflash.decode import FLAG_PDL_LATE_TRIGGER as L, FLAG_PDL_NO_TRIGGER as N
+    # v15: programmatic dependent launch, the next kernel let be scheduled after the loop
+    # (default), at entry (E) or never explicitly (N)
+    from cupyflash.decode import FLAG_PDL_EARLY_TRIGGER as E, FLAG_PDL_NO_TRIGGER as N
     contiguous += [V(bn, w, 3, F | R | t, pdl=True) for bn, w in ((128, 8), (64, 4))
-                   for t in (0, L, N)]
-    paged += [V(128, 8, 3, F | R | S | t, pdl=True) for t in (0, L, N)]
+                   for t in (0, E, N)]
+    paged += [V(128, 8, 3, F | R | S | t, pdl=True) for t in (0, E, N)]
     return contiguous, paged
 
 

@@ -110,9 +110,9 @@ constexpr int kKVGroups = 128;
 // reads of block_table, never a K/V read.
 constexpr int kSpecPageIds = 256;
 // Programmatic dependent launch (common/pdl.cuh): where the next kernel of the stream is let
-// be scheduled. Default: at entry, after the wait. kPdlLateTrigger: after the main loop (the
-// epilogue and merge remain); kPdlNoTrigger: never explicitly (implicitly when the blocks exit).
-constexpr int kPdlLateTrigger = 512;
+// be scheduled. Default: after the main loop (the epilogue and merge remain). kPdlEarlyTrigger:
+// at entry, after the wait; kPdlNoTrigger: never explicitly (implicitly when the blocks exit).
+constexpr int kPdlEarlyTrigger = 512;
 constexpr int kPdlNoTrigger = 1024;
 }  // namespace decode_flags
 
@@ -333,11 +333,13 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                   "warp-local copies: whole rows per pass of a warp");
     if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes)
         __trap();  // launch bug, never silent
-    // Programmatic dependent launch (common/pdl.cuh): no global load before this wait; the next
-    // kernel of the stream may be scheduled from here on (decode_flags: or after the loop).
+    // Programmatic dependent launch (common/pdl.cuh): no global load before this wait. The next
+    // kernel of the stream is let be scheduled after the main loop (decode_flags: or here).
     pdl_wait();
-    constexpr int kTrigger = FLAGS & (decode_flags::kPdlLateTrigger | decode_flags::kPdlNoTrigger);
-    if constexpr (kTrigger == 0) pdl_launch_dependents();
+    constexpr bool kEarlyTrigger = (FLAGS & decode_flags::kPdlEarlyTrigger) != 0;
+    constexpr bool kLateTrigger = (FLAGS & (decode_flags::kPdlEarlyTrigger
+                                            | decode_flags::kPdlNoTrigger)) == 0;
+    if constexpr (kEarlyTrigger) pdl_launch_dependents();
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sStages = sQ + Tr::kQElems;
     int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [STAGES][BLOCK_N]
@@ -660,7 +662,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     }
 
     // ---- epilogue: merge the NWARPS warp states, normalise, write --------------------------
-    if constexpr ((FLAGS & decode_flags::kPdlLateTrigger) != 0) pdl_launch_dependents();
+    if constexpr (kLateTrigger) pdl_launch_dependents();
     cp_async_wait<0>();
     __syncthreads();  // stage buffers are free: reuse them as fp32 scratch
 #pragma unroll

@@ -116,7 +116,7 @@ def test_spec_names_and_table():
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, False, flags=2048)
     with pytest.raises(ValueError, match="exclude"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_PDL_LATE_TRIGGER
+        decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_PDL_EARLY_TRIGGER
                                  | decode.FLAG_PDL_NO_TRIGGER)
     assert decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
                                     | decode.FLAG_KV_GROUPS).name == \
@@ -208,7 +208,7 @@ VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_S
 #: v15: where the next kernel is let be scheduled under programmatic dependent launch
 VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=True)
              for bn, w in ((128, 8), (64, 4))
-             for t in (0, decode.FLAG_PDL_LATE_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
+             for t in (0, decode.FLAG_PDL_EARLY_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
 
 
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)

@@ -420,11 +420,11 @@ _VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _SPID),
               decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | _SPID),
               decode.SplitVariant(32, 2, 6, _SPID, 1)]
 _WL_VARIANTS += [decode.SplitVariant(64, 4, 3, _F | _W | _KVG)]
-# v15: programmatic dependent launches, the next kernel let be scheduled at entry, after the
-# loop, or at exit (launched on sm_90+ only: _check_variant skips them elsewhere)
+# v15: programmatic dependent launches, the next kernel let be scheduled after the loop (the
+# default), at entry, or at exit (launched on sm_90+ only: _check_variant skips them elsewhere)
 _PDL_VARIANTS = [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=True)
                  for bn, w in ((128, 8), (64, 4))
-                 for t in (0, decode.FLAG_PDL_LATE_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
+                 for t in (0, decode.FLAG_PDL_EARLY_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
 _VARIANTS += _PDL_VARIANTS
 
 
