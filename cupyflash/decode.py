@@ -35,7 +35,7 @@ earlier K/V tiles, so no lookup stalls the loop; when ``page_size`` is a multipl
 ``block_n`` a tile lies in one page and one id per tile is copied. Powers of two compute the page
 slot with a shift, other sizes with one integer division per key row: powers of two (1, 2, 4,
 ..., 256) are the fast sizes, others are expected to be within a few percent (measured: pages
-of 16 and 256 in ``experiments/bench_decode.py``, 0-6% below contiguous caches).
+of 16 and 256 in ``experiments/bench_decode.py``, 0-4% below contiguous caches on the H200).
 
 CUDA graphs
 -----------

@@ -363,23 +363,27 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // kSpecPageIds: the ids of the first STAGES - 1 tiles of the split for len = capacity,
     // issued before len is used (see decode_flags::kSpecPageIds), into the ring slots
     // tile % STAGES as the prologue's own fetch.
+    // Paged: 4-byte cp.async copies of the page ids of `tile` (if tile < tile_end) into its ring
+    // slot sPage[tile % STAGES]: one id per row j < n_keys, or one per tile when tile_pages.
+    auto fetch_page_ids = [&](int tile, int tile_end, int n_keys) {
+        if constexpr (PAGED) {
+            if (tile >= tile_end) return;
+            int* dst = sPage + (tile % STAGES) * BLOCK_N;
+            const int* row_ids = p.block_table + (int64_t)b * p.block_table_batch_stride;
+            for (int r = tid; r < (tile_pages ? 1 : BLOCK_N); r += Tr::kThreads) {
+                const int j = tile * BLOCK_N + r;
+                if (j < n_keys) cp_async_4(smem_u32addr(dst + r), row_ids + page_slot(p, j));
+            }
+        }
+    };
     int spec_begin = -1;
     if constexpr (PAGED && (FLAGS & decode_flags::kSpecPageIds) != 0) {
         const int nt_g = (p.seqlen_cache + BLOCK_N - 1) / BLOCK_N;
         const int tps_g = p.split_tiles > 0 ? p.split_tiles : (nt_g + p.num_splits - 1) / p.num_splits;
         spec_begin = min(split * tps_g, nt_g);
         const int spec_end = min(spec_begin + tps_g, nt_g);
-        const int* row_ids = p.block_table + (int64_t)b * p.block_table_batch_stride;
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            const int tile = spec_begin + s;
-            if (tile >= spec_end) break;
-            int* dst = sPage + (tile % STAGES) * BLOCK_N;
-            for (int r = tid; r < (tile_pages ? 1 : BLOCK_N); r += Tr::kThreads) {
-                const int j = tile * BLOCK_N + r;
-                if (j < p.seqlen_cache) cp_async_4(smem_u32addr(dst + r), row_ids + page_slot(p, j));
-            }
-        }
+        for (int s = 0; s < STAGES - 1; ++s) fetch_page_ids(spec_begin + s, spec_end, p.seqlen_cache);
         cp_async_commit();
         asm volatile("" : "+r"(len_raw));
     }
@@ -414,17 +418,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // before the prologue. Slot (t + STAGES - 1) % STAGES is refilled right after the
     // __syncthreads that ends every read of tile t - 1's ids (the same slot). Rows past len,
     // and tiles past the split, get no copy; load_tile reads a row's slot only when j < len.
-    auto fetch_pages = [&](int tile) {
-        if constexpr (PAGED) {
-            if (tile >= tile_end) return;
-            int* dst = sPage + (tile % STAGES) * BLOCK_N;
-            const int* row_ids = p.block_table + (int64_t)b * p.block_table_batch_stride;
-            for (int r = tid; r < (tile_pages ? 1 : BLOCK_N); r += Tr::kThreads) {
-                const int j = tile * BLOCK_N + r;
-                if (j < len) cp_async_4(smem_u32addr(dst + r), row_ids + page_slot(p, j));
-            }
-        }
-    };
+    auto fetch_pages = [&](int tile) { fetch_page_ids(tile, tile_end, len); };
     const uint64_t policy =
         (FLAGS & decode_flags::kEvictFirst) ? decode_detail::l2_evict_first_policy() : 0ull;
     // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],
