@@ -53,6 +53,10 @@ def variants():
     contiguous += [V(bn, w, 3, F | R | t, pdl=True) for bn, w in ((128, 8), (64, 4))
                    for t in (0, E, N)]
     paged += [V(128, 8, 3, F | R | S | t, pdl=True) for t in (0, E, N)]
+    # v16: the KV heads of one sequence launched next to each other (grid_order 1), as cuDNN's
+    # grid orders its blocks (v16 ncu)
+    contiguous += [V(bn, w, 3, F | R, 1, pdl=True) for bn, w in ((128, 8), (64, 4))]
+    paged += [V(128, 8, 3, F | R | S, 1, pdl=True)]
     return contiguous, paged
 
 
