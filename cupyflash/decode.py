@@ -13,7 +13,11 @@ head to finish merges them exactly (fused combine, below): ``o = sum_s w_s o_s /
 
 Kernels (``kernels_cu/flash_decode.cu``)
 ----------------------------------------
-``decode_split_kernel``: grid ``(num_splits, batch, nheads_k * row_chunks)``. One block reads
+``decode_split_kernel``: grid ``(nheads_k * row_chunks, num_splits, batch)``: the blocks of the KV
+heads of one sequence and key range are launched next to each other, so the neighbouring
+256-byte pieces of each cache row (one per KV head) are read at the same time and each DRAM
+page is opened once (v16, experiments/NOTES.md: 1-1.5% at b64 x 1k-2k, where the blocks run
+in two waves; cuDNN orders its grid the same way). One block reads
 each K/V tile of its KV head once (16-byte ``cp.async`` copies into a ring of ``stages`` shared
 buffers, so ``stages - 1`` tiles are in flight while one is computed) and serves every query row
 of that head: the ``nheads // nheads_k`` GQA heads times the ``seqlen_q`` tokens, up to
@@ -348,9 +352,10 @@ class DecodeLaunch:
     :func:`plan_decode` turns it into a :class:`cupyflash.dispatch.Plan` for ``explain``).
 
     kernel, template : split-kernel specialisation name and its template values.
-    grid, block, smem_bytes : launch shape of the split kernel (dynamic shared memory, bytes).
+    grid, block, smem_bytes : launch shape of the split kernel (dynamic shared memory, bytes);
+        grid ``(nheads_k * row_chunks, num_splits, batch)`` (the kernel's grid_order 1).
     registers, spill_bytes : from the ptxas report (None unless requested).
-    num_splits : blocks along the key axis (grid x).
+    num_splits : blocks along the key axis (grid y).
     split_tiles : fixed tiles per split (``split_size`` mode), 0 = each sequence's tiles divided
         into ``num_splits`` equal parts.
     row_chunks : blocks per KV head along the query rows.
@@ -523,7 +528,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         kernel=spec.name,
         template=dict(dtype=p.dtype, headdim=hd, block_n=cfg.block_n, nwarps=cfg.nwarps,
                       group=GROUP, stages=stages, paged=p.paged),
-        grid=(num_splits, p.batch, p.nheads_k * row_chunks), block=(cfg.nwarps * 32, 1, 1),
+        grid=(p.nheads_k * row_chunks, num_splits, p.batch), block=(cfg.nwarps * 32, 1, 1),
         smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
         combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
         reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters)
@@ -1069,7 +1074,7 @@ class _KVCacheLaunch:
             i32(page_shift), i32(prob.num_pages), i32(ns), i32(plan.split_tiles),
             i32(plan.row_chunks), i32(1 if prob.causal else 0),
             np.float32(prob.softmax_scale * math.log2(math.e)))
-        self.split_end = (_NULL, i32(0))  # counters (one split: unused), grid_order
+        self.split_end = (_NULL, i32(1))  # counters (one split: unused), grid_order 1
         if pdl_ok:  # pointers: the 9 of the head, then the counters
             n = 9 + len(self.split_tail)
             self.split_pdl = launch.PreparedLaunch(
