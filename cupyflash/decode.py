@@ -13,11 +13,13 @@ head to finish merges them exactly (fused combine, below): ``o = sum_s w_s o_s /
 
 Kernels (``kernels_cu/flash_decode.cu``)
 ----------------------------------------
-``decode_split_kernel``: grid ``(nheads_k * row_chunks, num_splits, batch)``: the blocks of the KV
-heads of one sequence and key range are launched next to each other, so the neighbouring
-256-byte pieces of each cache row (one per KV head) are read at the same time and each DRAM
-page is opened once (v16, experiments/NOTES.md: 1-1.5% at b64 x 1k-2k, where the blocks run
-in two waves; cuDNN orders its grid the same way). One block reads
+``decode_split_kernel``: grid ``(nheads_k * row_chunks, num_splits, batch)`` for contiguous
+caches: the blocks of the KV heads of one sequence and key range are launched next to each
+other, so the neighbouring 256-byte pieces of each cache row (one per KV head) are read at the
+same time and each DRAM page is opened once (v16, experiments/NOTES.md: 1-1.5% at b64 x 1k-2k,
+where the blocks run in two waves; cuDNN orders its grid the same way); ``(num_splits, batch,
+nheads_k * row_chunks)`` for paged caches, where that order measured 0.5-2.8% slower. One block
+reads
 each K/V tile of its KV head once (16-byte ``cp.async`` copies into a ring of ``stages`` shared
 buffers, so ``stages - 1`` tiles are in flight while one is computed) and serves every query row
 of that head: the ``nheads // nheads_k`` GQA heads times the ``seqlen_q`` tokens, up to
@@ -353,9 +355,10 @@ class DecodeLaunch:
 
     kernel, template : split-kernel specialisation name and its template values.
     grid, block, smem_bytes : launch shape of the split kernel (dynamic shared memory, bytes);
-        grid ``(nheads_k * row_chunks, num_splits, batch)`` (the kernel's grid_order 1).
+        grid ``(nheads_k * row_chunks, num_splits, batch)`` for contiguous caches (the kernel's
+        grid_order 1), ``(num_splits, batch, nheads_k * row_chunks)`` for paged ones.
     registers, spill_bytes : from the ptxas report (None unless requested).
-    num_splits : blocks along the key axis (grid y).
+    num_splits : blocks along the key axis (grid y, paged: grid x).
     split_tiles : fixed tiles per split (``split_size`` mode), 0 = each sequence's tiles divided
         into ``num_splits`` equal parts.
     row_chunks : blocks per KV head along the query rows.
@@ -528,10 +531,25 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         kernel=spec.name,
         template=dict(dtype=p.dtype, headdim=hd, block_n=cfg.block_n, nwarps=cfg.nwarps,
                       group=GROUP, stages=stages, paged=p.paged),
-        grid=(p.nheads_k * row_chunks, num_splits, p.batch), block=(cfg.nwarps * 32, 1, 1),
+        grid=_split_grid(p.paged, num_splits, p.batch, p.nheads_k * row_chunks),
+        block=(cfg.nwarps * 32, 1, 1),
         smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
         combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
         reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters)
+
+
+def _grid_order(paged: bool) -> int:
+    """The split kernel's block order on the public path: heads first (1) for contiguous caches,
+    (splits, batch, heads) (0) for paged ones (v16 outcome, experiments/NOTES.md: heads first is
+    1-1.5% faster at b64 x 1k-2k contiguous but 0.5-2.8% slower with pages of 16 and 256)."""
+    return 0 if paged else 1
+
+
+def _split_grid(paged: bool, num_splits: int, batch: int, head_blocks: int) -> tuple:
+    """The split kernel's grid in :func:`_grid_order` (``head_blocks = nheads_k * row_chunks``)."""
+    if _grid_order(paged):
+        return (head_blocks, num_splits, batch)
+    return (num_splits, batch, head_blocks)
 
 
 def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
@@ -1074,7 +1092,8 @@ class _KVCacheLaunch:
             i32(page_shift), i32(prob.num_pages), i32(ns), i32(plan.split_tiles),
             i32(plan.row_chunks), i32(1 if prob.causal else 0),
             np.float32(prob.softmax_scale * math.log2(math.e)))
-        self.split_end = (_NULL, i32(1))  # counters (one split: unused), grid_order 1
+        # counters (one split: unused), grid order (_grid_order)
+        self.split_end = (_NULL, i32(_grid_order(prob.paged)))
         if pdl_ok:  # pointers: the 9 of the head, then the counters
             n = 9 + len(self.split_tail)
             self.split_pdl = launch.PreparedLaunch(

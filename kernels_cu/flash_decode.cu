@@ -3,8 +3,9 @@
 // forward pass of arXiv 2307.08691, Algorithm 1, over a range of keys).
 //
 // Three kernels:
-//   decode_split_kernel   grid (nheads_k * row_chunks, num_splits, batch) as decode.py launches it
-//                         (grid_order 1; 0: (num_splits, batch, ...)). One CTA streams the
+//   decode_split_kernel   grid (nheads_k * row_chunks, num_splits, batch) (grid_order 1, how
+//                         decode.py launches contiguous caches) or (num_splits, batch, nheads_k *
+//                         row_chunks) (grid_order 0, paged caches). One CTA streams the
 //                         K/V tiles of one split of one sequence and one KV head through a
 //                         cp.async ring of STAGES shared-memory buffers, and computes every query
 //                         row that reads that KV head (GQA group x seqlen_q rows, up to GROUP = 16)

@@ -569,7 +569,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
     p = decode.launch_config(_problem(nheads=64, nheads_k=8, seqlen_q=4, headdim=96,
                                     paged=True, page_size=3, seqlen_cache=300,
                                     num_pages=200, max_pages_per_seq=100, seqlen_new=2))
-    assert p.row_chunks == 2 and p.grid[0] == 16 and p.template["headdim"] == 128
+    assert p.row_chunks == 2 and p.grid[2] == 16 and p.template["headdim"] == 128
     assert p.kernel.endswith("_paged_fused_rel_spid") and p.append == "decode_append_b16_paged"
     q = decode.launch_config(_problem(seqlen_cache=1000), split_size=100)
     assert q.split_tiles == 1 and q.num_splits == 8  # ceil(1000/128)=8 tiles / 1
@@ -589,7 +589,7 @@ def test_explain_kvcache_on_host_arrays():
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
     plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
     assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
-    assert plan.num_splits == 3 and plan.grid == (2, 3, 2) and plan.spill_bytes == 0
+    assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
     assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
     assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid" in names
