@@ -12,6 +12,13 @@ Also times torch SDPA (cuDNN and flash backends, enable_gqa=True, BHSD views of 
 when torch is importable. Records are appended to $OUT/decode_variants.jsonl (or --out; default
 experiments/results/), each with the commit and the GPU.
 A deadline (--budget seconds, default 100) skips the remaining measurements, never hangs.
+Each case also times the public call with programmatic dependent launch off (``default_plain``,
+bitwise compared with ``default``). Filters: ``--variants`` (name substrings), ``--cases``
+(``batch,seqlen,page`` triples), ``--default-splits-only`` (each variant at the public
+heuristic's split count, when its tile is the heuristic's). For example (NOTES v15b-v16):
+
+    PYTHONPATH=. python experiments/sweep_decode_variants.py --default-splits-only \
+        --variants fused_rel_pdl hfirst_pdl spid_pdl --cases 64,1024,0 16,1024,0 1,1024,0
 """
 from __future__ import annotations
 
