@@ -1,0 +1,267 @@
+"""Per-kernel Nsight Compute profile of cupyflash's decode call beside torch SDPA's cuDNN
+backend at the same shapes (experiments/NOTES.md v14, v16: why cuDNN streams the short caches
+faster).
+
+For each (batch, seqlen_k) this script runs itself in *driver* mode under
+
+    ncu --clock-control none --profile-from-start off --print-units base --csv \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section SchedulerStats --metrics <METRICS>  python ncu_decode.py --driver ...
+
+The driver builds one Llama-3-8B decode problem (32 query heads, 8 KV heads, headdim 128, bf16,
+one query token, every sequence full), calls cupyflash (``cache_seqlens`` on the device, the
+heuristic's ``num_splits``) and SDPA/cuDNN (``enable_gqa=True`` on transposed views of the same
+memory, as ``bench_decode.py``) once each untimed, then once each between
+``cudaProfilerStart`` / ``cudaProfilerStop``. ncu flushes the caches before every kernel, so the
+durations are cold and serialised (programmatic dependent launch does not overlap anything
+here). One record per profiled kernel: its grid, block, registers, shared memory, duration,
+DRAM throughput (% of peak) and bytes, issue rate and executed warp instructions.
+
+    python experiments/ncu_decode.py                       # b64 x 1k, b16 x 2k, b16 x 1k, b1 x 1k
+    python experiments/ncu_decode.py --shapes 64,1024
+    python experiments/ncu_decode.py --import-csv ncu.csv --shapes 64,1024 16,2048 --commit SHA
+
+``--import-csv`` parses a CSV that ncu wrote for the same calls elsewhere (the v16 table was
+captured so: per shape, cupyflash's call, then cuDNN's), assigns the kernels to ``--shapes`` in
+call order (a shape starts at each cupyflash kernel: the call without an append is one kernel)
+and appends the records with the commit given. Appends to
+``experiments/results/ncu_decode.jsonl``; skips with a message when ncu or torch is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import RESULTS  # noqa: E402
+import exp_hbm  # noqa: E402  (find_ncu, the child-process handling)
+
+H, HK, D, DTYPE = 32, 8, 128, "bfloat16"
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats")
+METRICS = ("dram__bytes_read.sum", "smsp__inst_executed.sum", "gpu__time_duration.sum")
+#: record field <- ncu metric name (sections and METRICS), numbers parsed without separators
+FIELDS = {
+    "duration_ns": "gpu__time_duration.sum",
+    "dram_bytes_read": "dram__bytes_read.sum",
+    "warp_instructions": "smsp__inst_executed.sum",
+    "dram_throughput_pct": "DRAM Throughput",
+    "registers_per_thread": "Registers Per Thread",
+    "dynamic_smem_bytes": "Dynamic Shared Memory Per Block",
+    "achieved_occupancy_pct": "Achieved Occupancy",
+    "issued_warps_per_scheduler": "Issued Warp Per Scheduler",
+    "sm_frequency_hz": "SM Frequency",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver: one untimed and one profiled call of each implementation
+# ------------------------------------------------------------------------------------------------
+def driver(batch: int, seqlen: int) -> int:
+    import cupy
+    from cupyflash.decode import flash_attn_with_kvcache
+    q = common.random_normal((batch, 1, H, D), DTYPE, seed=1)
+    kc = common.random_normal((batch, seqlen, HK, D), DTYPE, seed=2)
+    vc = common.random_normal((batch, seqlen, HK, D), DTYPE, seed=3)
+    cs = cupy.full((batch,), seqlen, dtype=cupy.int32)
+    fns = [lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True,
+                                           validate=False)]
+    try:
+        fns.append(common.torch_sdpa(q, kc, vc, "cudnn", causal=False, enable_gqa=True))
+    except Exception as e:  # noqa: BLE001
+        print(f"ncu_decode: torch cuDNN unavailable: {type(e).__name__}: {e}", flush=True)
+    def sync():
+        cupy.cuda.Device().synchronize()
+        if len(fns) > 1:  # torch's stream too
+            import torch
+            torch.cuda.synchronize()
+
+    for fn in fns:
+        fn()
+    sync()
+    for fn in fns:
+        cupy.cuda.runtime.profilerStart()
+        fn()
+        sync()
+        cupy.cuda.runtime.profilerStop()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent: run the driver under ncu; parse its CSV into one record per kernel
+# ------------------------------------------------------------------------------------------------
+#: unit -> factor to the base unit (bytes, nanoseconds, hertz); others (%, counts) are kept
+_SCALE = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9,
+          "ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6,
+          "hz": 1, "khz": 1e3, "mhz": 1e6, "ghz": 1e9}
+
+
+def _number(text: str, unit: str = ""):
+    t = (text or "").replace(",", "").strip()
+    if not t or t == "n/a":
+        return None
+    try:
+        v = float(t) * _SCALE.get((unit or "").strip().lower(), 1)
+    except ValueError:
+        return None
+    return int(v) if float(v).is_integer() else v
+
+
+def impl_of(kernel_name: str) -> str:
+    """``cupyflash`` for this library's kernels (``cf::``), ``torch_cudnn`` for cuDNN's,
+    ``other`` otherwise."""
+    if "cf::" in kernel_name:
+        return "cupyflash"
+    if "cudnn" in kernel_name:
+        return "torch_cudnn"
+    return "other"
+
+
+def parse_kernels(text: str) -> list:
+    """One dict per profiled kernel of ncu's ``--csv --page details`` output (the ``ID`` order):
+    ``id``, ``kernel``, ``impl``, ``grid``, ``block`` (tuples), and the :data:`FIELDS` found.
+    Raises ValueError when the text has no ncu CSV header or no kernel rows."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError("no ncu CSV header in output:\n" + "\n".join(lines[-30:]))
+    rows = csv.DictReader(io.StringIO("\n".join(l for l in lines[start:] if l.startswith('"'))))
+    by_name = {v: k for k, v in FIELDS.items()}
+    kernels = {}
+    for r in rows:
+        kid = r.get("ID")
+        if kid is None or r.get("Metric Name") is None:
+            continue
+        k = kernels.setdefault(kid, {
+            "id": int(kid) if kid.isdigit() else kid, "kernel": r.get("Kernel Name", "?"),
+            "grid": _dims(r.get("Grid Size")), "block": _dims(r.get("Block Size"))})
+        field = by_name.get(r["Metric Name"])
+        if field is not None:
+            v = _number(r.get("Metric Value"), r.get("Metric Unit"))
+            if v is not None:
+                k[field] = v
+    if not kernels:
+        raise ValueError("ncu CSV has no kernel rows:\n" + "\n".join(lines[-30:]))
+    out = [kernels[k] for k in sorted(kernels, key=lambda x: int(x) if x.isdigit() else 0)]
+    for k in out:
+        k["impl"] = impl_of(k["kernel"])
+    return out
+
+
+def split_by_call(kernels) -> list:
+    """The kernels of several shapes' profiled calls, grouped per shape: a group starts at each
+    cupyflash kernel (per shape the driver profiles cupyflash's one-kernel call first)."""
+    groups = []
+    for k in kernels:
+        if k["impl"] == "cupyflash" or not groups:
+            groups.append([])
+        groups[-1].append(k)
+    return groups
+
+
+def _dims(text):
+    nums = [int(x) for x in (text or "").strip("() ").split(",") if x.strip().isdigit()]
+    return tuple(nums) if len(nums) == 3 else None
+
+
+def measure(ncu: str, batch: int, seqlen: int, timeout: float) -> tuple:
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--print-units", "base",
+           "--csv", "--page", "details", *[a for s in SECTIONS for a in ("--section", s)],
+           "--metrics", ",".join(METRICS), sys.executable, str(Path(__file__).resolve()),
+           "--driver", "--batch", str(batch), "--seqlen", str(seqlen)]
+    env = dict(os.environ, PYTHONPATH=str(common.ROOT), PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    exp_hbm._CHILD[0] = p
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        exp_hbm._kill_child()
+        raise TimeoutError(f"ncu run exceeded {timeout:.0f} s") from None
+    finally:
+        exp_hbm._CHILD[0] = None
+    return parse_kernels(out + "\n" + err), round(time.time() - t0, 1), p.returncode
+
+
+def records(kernels, batch, seqlen, base) -> list:
+    kv_bytes = 2 * batch * seqlen * HK * D * 2
+    return [dict(base, what="ncu_decode", batch=batch, seqlen_k=seqlen, nheads=H, nheads_k=HK,
+                 headdim=D, dtype=DTYPE, kv_bytes=kv_bytes, **k) for k in kernels]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--seqlen", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", nargs="+", default=["64,1024", "16,2048", "16,1024", "1,1024"],
+                    help="batch,seqlen_k pairs")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per profiled run")
+    ap.add_argument("--import-csv", type=Path, default=None)
+    ap.add_argument("--commit", default=None, help="with --import-csv: the commit that ran")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="with --import-csv")
+    ap.add_argument("--source", default=None, help="with --import-csv: how the CSV was made")
+    ap.add_argument("--out", type=Path, default=RESULTS / "ncu_decode.jsonl")
+    args = ap.parse_args(argv)
+    if args.driver:
+        return driver(args.batch, args.seqlen)
+    shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes]
+    if args.import_csv is not None:
+        if not args.commit:
+            ap.error("--import-csv needs --commit")
+        groups = split_by_call(parse_kernels(args.import_csv.read_text()))
+        if len(groups) != len(shapes):
+            ap.error(f"--import-csv: {len(groups)} cupyflash calls in the CSV, {len(shapes)} "
+                     "--shapes")
+        base = {"gpu": args.gpu, "commit": args.commit,
+                "source": args.source or f"imported {args.import_csv.name}",
+                "clock_control": "none", "cache_control": "all"}
+        recs = [r for (b, sq), ks in zip(shapes, groups) for r in records(ks, b, sq, base)]
+        common.append_jsonl(args.out, recs)
+        print(f"ncu_decode: {len(recs)} kernel records -> {args.out}")
+        return 0
+
+    signal.signal(signal.SIGTERM, exp_hbm._on_term)
+    if not common.have_gpu():
+        print("ncu_decode: no CUDA GPU here; nothing to measure")
+        return 0
+    ncu = exp_hbm.find_ncu()
+    if ncu is None:
+        print("ncu_decode: Nsight Compute (ncu) not found; skipping")
+        return 0
+    prov = common.provenance()
+    n = 0
+    for batch, seqlen in shapes:
+        base = {"gpu": prov.get("gpu"), "commit": prov["commit"], "provenance": prov, "ncu": ncu,
+                "clock_control": "none", "cache_control": "all"}
+        try:
+            ks, secs, rc = measure(ncu, batch, seqlen, args.timeout)
+            recs = records(ks, batch, seqlen, dict(base, ncu_seconds=secs, ncu_rc=rc))
+        except Exception as e:  # noqa: BLE001
+            recs = [dict(base, what="ncu_decode", batch=batch, seqlen_k=seqlen,
+                         error=f"{type(e).__name__}: {str(e)[:1500]}")]
+        for r in recs:
+            if "error" in r:
+                print(f"  B={batch} S={seqlen}: {r['error'][:600]}", flush=True)
+            else:
+                print(f"  B={batch} S={seqlen} {r['impl']:12s} grid {r['grid']} block "
+                      f"{r['block']} {r.get('duration_ns', 0) / 1e3:7.2f} us DRAM "
+                      f"{r.get('dram_throughput_pct', float('nan'))}% "
+                      f"{r.get('warp_instructions', 0) / 1e6:.1f} M warp instructions", flush=True)
+        common.append_jsonl(args.out, recs)
+        n += len(recs)
+    print(f"ncu_decode: wrote {n} records to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
