@@ -616,89 +616,136 @@ def test_misaligned_workspace_is_rejected_before_launch():
 # Programmatic dependent launch (decode.PDL, sm_90+)
 # ----------------------------------------------------------------------------------------------
 _PDL_SRC = r"""
-// Lets the next kernel of the stream be scheduled at once, waits `ns` nanoseconds, then copies
-// n 16-bit words src -> dst for two buffers (the late writer a dependent kernel must wait for).
-extern "C" __global__ void late_copy2(const unsigned short* s1, unsigned short* d1,
-                                      const unsigned short* s2, unsigned short* d2,
-                                      long long n, unsigned long long ns) {
+// The late writer a dependent kernel must wait for: lets the next kernel of the stream be
+// scheduled at once, waits `ns` nanoseconds, then copies n_i 32-bit words s_i -> d_i for up to
+// four buffers (n_i = 0: unused).
+extern "C" __global__ void late_copy(const unsigned* s0, unsigned* d0, long long n0,
+                                     const unsigned* s1, unsigned* d1, long long n1,
+                                     const unsigned* s2, unsigned* d2, long long n2,
+                                     const unsigned* s3, unsigned* d3, long long n3,
+                                     unsigned long long ns) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        d1[i] = s1[i];
-        d2[i] = s2[i];
-    }
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    for (long long i = i0; i < n0; i += stride) d0[i] = s0[i];
+    for (long long i = i0; i < n1; i += stride) d1[i] = s1[i];
+    for (long long i = i0; i < n2; i += stride) d2[i] = s2[i];
+    for (long long i = i0; i < n3; i += stride) d3[i] = s3[i];
 }
 // A dependent kernel that does NOT wait: what it reads shows whether it overlapped the writer.
-extern "C" __global__ void read_first(const unsigned short* src, unsigned short* out) {
+extern "C" __global__ void read_first(const unsigned* src, unsigned* out) {
     out[0] = src[0];
 }
 """
+_LATE_NS = np.uint64(2_000_000)  # 2 ms: far longer than the host's enqueue of the next call
 
 
 def _skip_unless_pdl():
     if int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs sm_90+")
+    if not decode.PDL:
+        pytest.skip("decode.PDL is off (CUPYFLASH_PDL=0)")
+
+
+def _late_copy(kernel, pairs, unused):
+    """Launch the late writer over (src, dst) CuPy array pairs (up to four, contiguous, sizes in
+    bytes a multiple of 4), plainly, on the current stream; ``unused``: a uint32 array for the
+    unused slots (allocated by the caller: nothing is allocated here, so it can be captured)."""
+    args = []
+    for src, dst in pairs:
+        assert src.nbytes == dst.nbytes and src.nbytes % 4 == 0
+        args += [src.reshape(-1).view(cupy.uint32), dst.reshape(-1).view(cupy.uint32),
+                 np.int64(src.nbytes // 4)]
+    args += [unused, unused, np.int64(0)] * (4 - len(pairs))
+    kernel((132,), (256,), tuple(args) + (_LATE_NS,))
+
+
+class _PdlOff:
+    """``with _PdlOff():`` runs a block with decode.PDL False, restoring the previous value."""
+
+    def __enter__(self):
+        self.prev, decode.PDL = decode.PDL, False
+
+    def __exit__(self, *exc):
+        decode.PDL = self.prev
 
 
 @pytest.mark.parametrize("page,ns", [(0, 0), (0, 1), (16, 0), (64, 3)])
 def test_pdl_launch_waits_for_the_previous_kernel(page, ns):
     """The split kernel, launched as a programmatic dependent launch, may start before the
-    previous kernel of its stream has finished; it must not read the caches before that kernel's
-    writes land. The previous kernel here lets dependents be scheduled at once, waits 200 us, then
-    writes the real K/V over NaN. Control: a dependent kernel without the wait reads the NaN (the
-    launches do overlap in this test). The decode output matches the reference of the real
-    caches, and equals bitwise the same call launched plainly after a synchronisation."""
+    previous kernel of its stream has finished; it must not read q, the caches, cache_seqlens or
+    block_table before that kernel's writes land. The previous kernel lets dependents be scheduled
+    at once, waits 2 ms, then writes the real values over poison (NaN in q and the caches, zero
+    lengths, page ids -1). The decode call follows it directly (warm launch cache, a workspace
+    passed in: no memset and no host work between the two). Control: a dependent kernel that
+    does not wait reads the poison (the launches do overlap here). The output matches the
+    reference of the real inputs and equals bitwise the same call launched plainly."""
     from cupyflash import launch
     _skip_unless_pdl()
-    assert decode.PDL, "PDL is the default on sm_90+"
     dtype = "bfloat16"
     case = _nan_tailed_case(31 + page + ns, np.array([700, 1024, 1], np.int32), 1024, 2, 8, 128,
                             dtype, page=page)
-    q, kc_real, vc_real, _, _, cs, bt = (_dev(x) for x in case.args())
+    q_real, kc_real, vc_real, _, _, cs_real, bt_real = (_dev(x) for x in case.args())
     mod = cupy.RawModule(code=_PDL_SRC)
-    late, read_first = mod.get_function("late_copy2"), mod.get_function("read_first")
-    kc, vc = _nan_like(kc_real), _nan_like(vc_real)
-    n = np.int64(kc.size)
-    wait_ns = np.uint64(200_000)
-    opts = dict(cache_seqlens=cs, block_table=bt, num_splits=ns, return_lse=True,
-                validate=False)
-    flash_attn_with_kvcache(q, kc_real, vc_real, **opts)  # compile and cache the launch first
-    cupy.cuda.Device().synchronize()
-
-    # control: a dependent launch that does not wait sees the NaN the late writer replaces
-    seen = cupy.zeros(1, cupy.uint16)
-    late((132,), (256,), (kc_real.view(cupy.uint16), kc.view(cupy.uint16),
-                          vc_real.view(cupy.uint16), vc.view(cupy.uint16), n, wait_ns))
-    launch.launch(read_first, (1, 1, 1), (1, 1, 1), (kc.view(cupy.uint16), seen), pdl=True)
-    cupy.cuda.Device().synchronize()
-    assert int(seen[0]) == _NAN_BITS[dtype], "the dependent launch did not overlap the writer"
-    assert bool((kc.view(cupy.uint16) == kc_real.view(cupy.uint16)).all())
-
-    kc.view(cupy.uint16).fill(_NAN_BITS[dtype])
-    vc.view(cupy.uint16).fill(_NAN_BITS[dtype])
+    late, read_first = mod.get_function("late_copy"), mod.get_function("read_first")
+    q, kc, vc = _nan_like(q_real), _nan_like(kc_real), _nan_like(vc_real)
+    cs = cupy.zeros_like(cs_real)
+    bt = None if bt_real is None else cupy.full_like(bt_real, -1)
+    pairs = [(q_real, q), (kc_real, kc), (vc_real, vc),
+             (cs_real, cs) if bt is None else (bt_real, bt)]
+    if bt is not None:  # the lengths are real from the start; the page ids arrive late
+        cs[...] = cs_real
+    ws = decode.alloc_workspace(q_real, kc_real, vc_real, cache_seqlens=cs_real,
+                                block_table=bt_real, num_splits=ns)
     out = _nan_like(q)
-    late((132,), (256,), (kc_real.view(cupy.uint16), kc.view(cupy.uint16),
-                          vc_real.view(cupy.uint16), vc.view(cupy.uint16), n, wait_ns))
-    _, lse = flash_attn_with_kvcache(q, kc, vc, out=out, **opts)
+    unused = cupy.zeros(1, cupy.uint32)
+
+    def call():
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt,
+                                       num_splits=ns, return_lse=True, out=out, workspace=ws,
+                                       validate=False)
+    call()  # compile and cache this exact launch first (NaN inputs: the result is discarded)
+    cupy.cuda.Device().synchronize()
+
+    # control: a dependent launch that does not wait sees the poison the late writer replaces
+    seen = cupy.zeros(1, cupy.uint32)
+    poison = int(kc.reshape(-1).view(cupy.uint32)[0])
+    _late_copy(late, pairs, unused)
+    launch.launch(read_first, (1, 1, 1), (1, 1, 1), (kc.reshape(-1).view(cupy.uint32), seen),
+                  pdl=True)
+    cupy.cuda.Device().synchronize()
+    assert int(seen[0]) == poison, "the dependent launch did not overlap the writer"
+    for src, dst in pairs:
+        assert bool((dst.reshape(-1).view(cupy.uint32) == src.reshape(-1).view(cupy.uint32)).all())
+
+    for y in (q, kc, vc, out):  # poison again
+        y.view(cupy.uint16).fill(_NAN_BITS[dtype])
+    if bt is None:
+        cs.fill(0)
+    else:
+        bt.fill(-1)
+    _late_copy(late, pairs, unused)
+    _, lse = call()
     cupy.cuda.Device().synchronize()
     _check_against_reference(case, out, lse, dtype)
-    decode.PDL = False
-    try:
-        plain, plain_lse = flash_attn_with_kvcache(q, kc, vc, **opts)
-    finally:
-        decode.PDL = True
-    assert np.array_equal(_host(plain).view(np.uint16), _host(out).view(np.uint16))
-    assert np.array_equal(cupy.asnumpy(plain_lse), cupy.asnumpy(lse))
+    got, got_lse = _host(out).copy(), cupy.asnumpy(lse)
+    with _PdlOff():
+        plain, plain_lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt,
+                                                   num_splits=ns, return_lse=True)
+    assert np.array_equal(_host(plain).view(np.uint16), got.view(np.uint16))
+    assert np.array_equal(cupy.asnumpy(plain_lse), got_lse)
 
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_pdl_in_a_graph_after_a_writer_and_with_append(paged):
-    """In a captured graph, a kernel that writes q, then the decode call with an append (two
-    programmatic dependent launches: append, split), replayed twice with new values written into
-    the source of q between replays: each replay equals a plain eager call on the new q."""
+    """In a captured graph: a late writer (lets dependents be scheduled at once, waits 2 ms,
+    then writes q and the new k, v tokens), then the decode call with an append (two programmatic
+    dependent launches: append, split). Replayed twice with new source values between replays:
+    each replay equals a plain eager call on the new inputs, so the append waited for the new
+    tokens and the split for q."""
     _skip_unless_pdl()
     dtype = "float16"
     rng = np.random.default_rng(41)
@@ -706,33 +753,38 @@ def test_pdl_in_a_graph_after_a_writer_and_with_append(paged):
     cs = np.array([300, 600], np.int32)
     kc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
     vc = testing.random_normal(rng, (batch, cap, hk, d), dtype)
-    knew = testing.random_normal(rng, (batch, new, hk, d), dtype)
-    vnew = testing.random_normal(rng, (batch, new, hk, d), dtype)
     bt = None
     if paged:
         kc, bt = testing.contiguous_to_paged(kc, 32, np.random.default_rng(5), 1)
         vc, _ = testing.contiguous_to_paged(vc, 32, np.random.default_rng(5), 1)
+    late = cupy.RawModule(code=_PDL_SRC).get_function("late_copy")
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        kcd, vcd, kd, vd, csd, btd = (_dev(x) for x in (kc, vc, knew, vnew, cs, bt))
+        kcd, vcd, csd, btd = (_dev(x) for x in (kc, vc, cs, bt))
         kc0, vc0 = kcd.copy(), vcd.copy()
-        q_src = _dev(testing.random_normal(rng, (batch, 1, h, d), dtype))
-        q = cupy.empty_like(q_src)
+        srcs = [_dev(testing.random_normal(rng, shape, dtype))
+                for shape in ((batch, 1, h, d), (batch, new, hk, d), (batch, new, hk, d))]
+        q, kd, vd = (cupy.empty_like(x) for x in srcs)
+        pairs = list(zip(srcs, (q, kd, vd)))
         ws = decode.alloc_workspace(q, kcd, vcd, kd, vd, csd, btd, num_splits=4)
         out = cupy.empty_like(q)
         call = dict(cache_seqlens=csd, block_table=btd, num_splits=4, out=out, validate=False,
                     workspace=ws)
-        q[...] = q_src
+        unused = cupy.zeros(1, cupy.uint32)
+        for x, y in pairs:
+            y[...] = x
         flash_attn_with_kvcache(q, kcd, vcd, kd, vd, **call)  # compile and cache first
+        _late_copy(late, pairs, unused)  # and the writer
         stream.synchronize()
-        copy = cupy.ElementwiseKernel("T x", "T y", "y = x", "cupyflash_test_copy")
-        copy(q_src, q)
         stream.begin_capture()
-        copy(q_src, q)  # a kernel writing q, then append + split
+        _late_copy(late, pairs, unused)
         flash_attn_with_kvcache(q, kcd, vcd, kd, vd, **call)
         graph = stream.end_capture()
         for rep in range(2):
-            q_src[...] = _dev(testing.random_normal(rng, q.shape, dtype))
+            for x in srcs:
+                x[...] = _dev(testing.random_normal(rng, x.shape, dtype))
+            for y in (q, kd, vd):
+                y.view(cupy.uint16).fill(_NAN_BITS[dtype])
             kcd[...] = kc0
             vcd[...] = vc0
             out.view(cupy.uint16).fill(_NAN_BITS[dtype])
@@ -741,12 +793,10 @@ def test_pdl_in_a_graph_after_a_writer_and_with_append(paged):
             got = _host(out).copy()
             kcd[...] = kc0
             vcd[...] = vc0
-            decode.PDL = False
-            try:
-                want = flash_attn_with_kvcache(q_src.copy(), kcd, vcd, kd, vd, cache_seqlens=csd,
+            with _PdlOff():
+                want = flash_attn_with_kvcache(srcs[0].copy(), kcd, vcd, srcs[1].copy(),
+                                               srcs[2].copy(), cache_seqlens=csd,
                                                block_table=btd, num_splits=4)
-            finally:
-                decode.PDL = True
             stream.synchronize()
             assert not np.isnan(got.astype(np.float32)).any(), rep
             assert np.array_equal(got.view(np.uint16), _host(want).view(np.uint16)), rep
