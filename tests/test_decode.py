@@ -844,3 +844,30 @@ def test_speculative_page_ids_cover_the_prologue_when_the_guess_is_right(
     fetched_slots = {j // page for s in range(stages - 1) if g_begin + s < g_end
                      for j in range((g_begin + s) * block_n, min((g_begin + s + 1) * block_n, cap))}
     assert all(0 <= x < max_pages for x in fetched_slots)
+
+
+def _kernel_block_coords(block_idx, grid_order):
+    """Mirror of decode_split's (split, b, hz) from blockIdx (flash_decode.cu, DecodeSplitExtra)."""
+    x, y, z = block_idx
+    return (x, y, z) if grid_order == 0 else (y, z, x)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("ns,batch,head_blocks", [(1, 1, 8), (16, 1, 8), (3, 5, 4), (7, 2, 16)])
+def test_public_grid_and_grid_order_cover_every_split_sequence_and_head_once(paged, ns, batch,
+                                                                            head_blocks):
+    """The grid the public path launches (decode._split_grid) and the grid_order it passes
+    (decode._grid_order) make the kernel visit every (split, sequence, KV-head block) exactly
+    once: contiguous caches heads first, paged caches splits first (v16)."""
+    grid = decode._split_grid(paged, ns, batch, head_blocks)
+    order = decode._grid_order(paged)
+    assert order == (0 if paged else 1)
+    seen = [_kernel_block_coords((x, y, z), order)
+            for x in range(grid[0]) for y in range(grid[1]) for z in range(grid[2])]
+    assert sorted(seen) == sorted((s, b, h) for s in range(ns) for b in range(batch)
+                                  for h in range(head_blocks))
+    plan = decode.launch_config(_problem(batch=batch, seqlen_cache=4096, paged=paged,
+                                         **({"page_size": 16, "num_pages": 4096 * batch // 16,
+                                             "max_pages_per_seq": 256} if paged else {})),)
+    assert plan.grid == decode._split_grid(paged, plan.num_splits, batch,
+                                           8 * plan.row_chunks)
