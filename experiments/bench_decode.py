@@ -45,21 +45,17 @@ H, HK, D, DTYPE = 32, 8, 128, "bfloat16"
 def decode_fn(q, kc, vc, cache_seqlens, block_table, num_splits, pdl=None):
     """The timed call. ``pdl=False``: launched through cupy.RawKernel, without programmatic
     dependent launch (cupyflash.decode.PDL), for the ablation row ``cupyflash_plain``."""
-    from cupyflash import decode
     from cupyflash.decode import flash_attn_with_kvcache
     kw = dict(cache_seqlens=cache_seqlens, block_table=block_table, causal=True,
               num_splits=num_splits)
     if "validate" in inspect.signature(flash_attn_with_kvcache).parameters:
         kw["validate"] = False  # no host copy of cache_seqlens inside the timed call
-    if pdl is None or not hasattr(decode, "PDL"):
+    if pdl is None:
         return lambda: flash_attn_with_kvcache(q, kc, vc, **kw)
 
     def call():
-        prev, decode.PDL = decode.PDL, pdl
-        try:
+        with common.decode_pdl(pdl):
             return flash_attn_with_kvcache(q, kc, vc, **kw)
-        finally:
-            decode.PDL = prev
     return call
 
 

@@ -17,6 +17,7 @@ and reports the median. Two habits keep the numbers honest:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -179,6 +180,22 @@ def impl_available(name: str) -> tuple[bool, str]:
             return False, "torch sees no CUDA device"
         return True, ""
     return True, ""
+
+
+@contextlib.contextmanager
+def decode_pdl(enabled: bool):
+    """Run a block with ``cupyflash.decode.PDL`` (programmatic dependent launch of the decode
+    kernels) set to ``enabled``, restoring the previous value; a no-op for a cupyflash without
+    the switch. Reads the flag per call, so a timed closure may enter it on every call."""
+    from cupyflash import decode
+    if not hasattr(decode, "PDL"):
+        yield
+        return
+    prev, decode.PDL = decode.PDL, enabled
+    try:
+        yield
+    finally:
+        decode.PDL = prev
 
 
 # ------------------------------------------------------------------------------------------------

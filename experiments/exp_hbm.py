@@ -128,15 +128,13 @@ def parse_ncu_csv(text: str) -> dict:
     return out
 
 
-def measure(ncu: str, impl: str, seqlen: int, causal: bool, num_splits: int, timeout: float) -> dict:
-    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--print-units", "base",
-           "--csv", "--metrics", ",".join(METRICS), sys.executable, str(Path(__file__).resolve()),
-           "--driver", impl, "--seqlen", str(seqlen), "--num-splits", str(num_splits)]
-    if causal:
-        cmd.append("--causal")
+def run_profiled(cmd: list, timeout: float) -> tuple:
+    """Run ``cmd`` (ncu and its target) with the repository on PYTHONPATH; returns
+    ``(stdout + stderr, seconds, returncode)``. The child gets its own process group, so that a
+    timeout (ours, TimeoutError, or the runner's SIGTERM, :func:`_on_term`) ends ncu *and* its
+    target. Also used by ncu_decode.py."""
     env = dict(os.environ, PYTHONPATH=str(common.ROOT), PYTHONUNBUFFERED="1")
     t0 = time.time()
-    # own process group, so that a timeout (ours or the runner's SIGTERM) ends ncu *and* its target
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
     _CHILD[0] = p
@@ -147,9 +145,19 @@ def measure(ncu: str, impl: str, seqlen: int, causal: bool, num_splits: int, tim
         raise TimeoutError(f"ncu run exceeded {timeout:.0f} s") from None
     finally:
         _CHILD[0] = None
-    res = parse_ncu_csv(out + "\n" + err)
-    res["ncu_seconds"] = round(time.time() - t0, 1)
-    res["ncu_rc"] = p.returncode
+    return out + "\n" + err, round(time.time() - t0, 1), p.returncode
+
+
+def measure(ncu: str, impl: str, seqlen: int, causal: bool, num_splits: int, timeout: float) -> dict:
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--print-units", "base",
+           "--csv", "--metrics", ",".join(METRICS), sys.executable, str(Path(__file__).resolve()),
+           "--driver", impl, "--seqlen", str(seqlen), "--num-splits", str(num_splits)]
+    if causal:
+        cmd.append("--causal")
+    text, secs, rc = run_profiled(cmd, timeout)
+    res = parse_ncu_csv(text)
+    res["ncu_seconds"] = secs
+    res["ncu_rc"] = rc
     return res
 
 

@@ -32,11 +32,8 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -176,19 +173,8 @@ def measure(ncu: str, batch: int, seqlen: int, timeout: float) -> tuple:
            "--csv", "--page", "details", *[a for s in SECTIONS for a in ("--section", s)],
            "--metrics", ",".join(METRICS), sys.executable, str(Path(__file__).resolve()),
            "--driver", "--batch", str(batch), "--seqlen", str(seqlen)]
-    env = dict(os.environ, PYTHONPATH=str(common.ROOT), PYTHONUNBUFFERED="1")
-    t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    exp_hbm._CHILD[0] = p
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        exp_hbm._kill_child()
-        raise TimeoutError(f"ncu run exceeded {timeout:.0f} s") from None
-    finally:
-        exp_hbm._CHILD[0] = None
-    return parse_kernels(out + "\n" + err), round(time.time() - t0, 1), p.returncode
+    text, secs, rc = exp_hbm.run_profiled(cmd, timeout)
+    return parse_kernels(text), secs, rc
 
 
 def records(kernels, batch, seqlen, base) -> list:

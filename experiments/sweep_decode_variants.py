@@ -262,6 +262,7 @@ def main(argv=None) -> int:
         rec.update(gpu=gpu, commit=commit, elapsed_s=round(time.time() - T0, 1))
         fout.write(json.dumps(rec) + "\n")
         fout.flush()
+        table.append(rec)
 
     # one cache buffer, reused: largest case B * S
     max_tok = max(B * S for B, S, _ in cases)
@@ -311,7 +312,6 @@ def main(argv=None) -> int:
             rec = dict(case=[B, S, ps], variant="default", error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
         emit(rec)
-        table.append(rec)
         print(f"{label:28s} {'default':28s} ns={rec.get('num_splits', '?'):>3} "
               f"{rec.get('us', float('nan')):8.1f} us {rec.get('tbps', float('nan')):5.2f} TB/s "
               f"err {rec.get('rel_err', float('nan')):.1e} {'' if rec.get('ok') else 'FAIL'}",
@@ -321,9 +321,9 @@ def main(argv=None) -> int:
             call_plain = lambda: Dm.flash_attn_with_kvcache(  # noqa: E731
                 q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=0, out=out_plain,
                 validate=False, workspace=ws)
-            Dm.PDL = False
             try:
-                us = graph_time_us(call_plain)
+                with common.decode_pdl(False):
+                    us = graph_time_us(call_plain)
                 same = bool((out_plain.view(cp.uint16) == out_def.view(cp.uint16)).all())
                 rec = dict(case=[B, S, ps], variant="default_plain", num_splits=rec.get("num_splits"),
                            us=us, tbps=kv_bytes / us / 1e6, bitwise_vs_default=same, ok=same)
@@ -331,10 +331,7 @@ def main(argv=None) -> int:
                 rec = dict(case=[B, S, ps], variant="default_plain",
                            error=f"{type(e).__name__}: {e}")
                 traceback.print_exc()
-            finally:
-                Dm.PDL = True
             emit(rec)
-            table.append(rec)
             print(f"{label:28s} {'default_plain':28s} {rec.get('us', float('nan')):8.1f} us "
                   f"{rec.get('tbps', float('nan')):5.2f} TB/s bitwise {rec.get('ok')}", flush=True)
 
@@ -371,7 +368,6 @@ def main(argv=None) -> int:
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     traceback.print_exc()
                 emit(rec)
-                table.append(rec)
                 print(f"{label:28s} {var.name:28s} ns={ns:>3} {rec.get('us', float('nan')):8.1f} us "
                       f"{rec.get('tbps', float('nan')):5.2f} TB/s err {rec.get('rel_err', float('nan')):.1e}"
                       f" {'' if rec.get('ok') else 'FAIL ' + rec.get('error', '')}", flush=True)
@@ -390,7 +386,6 @@ def main(argv=None) -> int:
                 else:
                     rec["error"] = v
                 emit(rec)
-                table.append(rec)
                 print(f"{label:28s} {impl:28s}        {rec.get('us', float('nan')):8.1f} us "
                       f"{rec.get('tbps', float('nan')):5.2f} TB/s {rec.get('error', '')}", flush=True)
         del q, ref, out_def, ws

@@ -237,3 +237,14 @@ def test_ncu_decode_parser_units_impls_and_call_groups():
     assert recs[0]["kv_bytes"] == 2 * 16 * 2048 * 8 * 128 * 2
     with pytest.raises(ValueError, match="no ncu CSV header"):
         ncu_decode.parse_kernels("==ERROR== Failed to initialize the profiler\n")
+
+
+def test_run_profiled_returns_both_streams_and_kills_on_timeout():
+    import exp_hbm
+    text, secs, rc = exp_hbm.run_profiled(
+        [sys.executable, "-c", "import sys; print('to-out'); print('to-err', file=sys.stderr); "
+         "sys.exit(3)"], timeout=60)
+    assert "to-out" in text and "to-err" in text and rc == 3 and secs >= 0
+    with pytest.raises(TimeoutError, match="exceeded"):
+        exp_hbm.run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
+    assert exp_hbm._CHILD[0] is None
