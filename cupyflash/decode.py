@@ -233,12 +233,29 @@ FLAG_SPEC_PAGE_IDS = 256
 #: its blocks exit; v15b: keeps less of the gain). Ignored by plain launches.
 FLAG_PDL_EARLY_TRIGGER = 512
 FLAG_PDL_NO_TRIGGER = 1024
+#: Tile-loop instruction count (v18, experiments/NOTES.md; ``decode_flags`` in flash_decode.cu).
+#: ``FLAG_COPY_POINTERS`` (contiguous caches only): K/V source pointers advanced by a row step per
+#: copy, and tiles wholly inside the sequence copied without per-copy tests.
+#: ``FLAG_SKIP_RESCALE``: no accumulator rescale on a tile where no row of the warp moved its max
+#: (the skipped factors are exactly 1). ``FLAG_LAZY_RESCALE``: the max moves only when some row
+#: would gain more than 8 (log2 units; FlashAttention-4's conditional rescaling; the same result
+#: up to rounding). ``FLAG_Q_REGS``: Q's mma fragments stay in registers. ``FLAG_MASK_FAST``:
+#: tiles every valid row sees whole skip the per-score mask. All but the lazy rescale give
+#: bitwise the same output as the kernel without them.
+FLAG_COPY_POINTERS = 2048
+FLAG_SKIP_RESCALE = 4096
+FLAG_LAZY_RESCALE = 8192
+FLAG_Q_REGS = 16384
+FLAG_MASK_FAST = 32768
+_FLAG_LIMIT = 65536
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
                 (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
                 (FLAG_RELEASE_ARRIVE, "_rel"), (FLAG_KV_GROUPS, "_kvg"),
                 (FLAG_SPEC_PAGE_IDS, "_spid"), (FLAG_PDL_EARLY_TRIGGER, "_trearly"),
-                (FLAG_PDL_NO_TRIGGER, "_trnone"))
+                (FLAG_PDL_NO_TRIGGER, "_trnone"), (FLAG_COPY_POINTERS, "_cp"),
+                (FLAG_SKIP_RESCALE, "_skip"), (FLAG_LAZY_RESCALE, "_lazy"),
+                (FLAG_Q_REGS, "_qreg"), (FLAG_MASK_FAST, "_mf"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48) with the release/acquire arrival (v9, experiments/NOTES.md).
@@ -260,20 +277,26 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/
-    ``_spid`` for the ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
+    ``_spid``/``_trearly``/``_trnone``/``_cp``/``_skip``/``_lazy``/``_qreg``/``_mf`` for the
+    ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
     the public functions launch, :func:`default_flags` (``_fused_rel``, paged up to hd128
     ``_fused_rel_spid``); ``block_n``/``nwarps``/``stages`` override :func:`split_config`
     (experiments).
     """
     if flags is None:
         flags = default_flags(headdim, paged)
-    if not isinstance(flags, int) or flags < 0 or flags >= 2048:
-        raise ValueError(f"flags: expected an int in [0, 2048), got {flags!r}")
+    if not isinstance(flags, int) or flags < 0 or flags >= _FLAG_LIMIT:
+        raise ValueError(f"flags: expected an int in [0, {_FLAG_LIMIT}), got {flags!r}")
     if flags & FLAG_PDL_EARLY_TRIGGER and flags & FLAG_PDL_NO_TRIGGER:
         raise ValueError("flags: FLAG_PDL_EARLY_TRIGGER and FLAG_PDL_NO_TRIGGER exclude each other")
-    if flags & FLAG_WARP_LOCAL and paged:
-        raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches, got flags={flags}, "
-                         f"paged={paged}")
+    for bit, bit_name in ((FLAG_WARP_LOCAL, "FLAG_WARP_LOCAL"),
+                          (FLAG_COPY_POINTERS, "FLAG_COPY_POINTERS")):
+        if flags & bit and paged:
+            raise ValueError(f"flags: {bit_name} is for contiguous caches, got flags={flags}, "
+                             f"paged={paged}")
+    if flags & FLAG_Q_REGS and headdim > 128:
+        raise ValueError(f"flags: FLAG_Q_REGS is for head dims up to 128 (the hd256 kernel is at "
+                         f"255 registers and would spill), got headdim={headdim}")
     if flags & FLAG_PREFETCH_256 and flags & FLAG_PREFETCH_128:
         raise ValueError(f"flags: FLAG_PREFETCH_256 and FLAG_PREFETCH_128 exclude each other, "
                          f"got {flags}")

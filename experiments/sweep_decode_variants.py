@@ -64,6 +64,13 @@ def variants():
     # grid orders its blocks (v16 ncu)
     contiguous += [V(bn, w, 3, F | R, 1, pdl=True) for bn, w in ((128, 8), (64, 4))]
     paged += [V(128, 8, 3, F | R | S, 1, pdl=True)]
+    # v18: fewer tile-loop instructions (NOTES v17 lead): copy pointers (P), skip (K) or lazy (L)
+    # rescale, Q in registers (Q), no per-score mask on whole tiles (M); heads first, PDL
+    from cupyflash.decode import (FLAG_COPY_POINTERS as P, FLAG_SKIP_RESCALE as K,
+                                  FLAG_LAZY_RESCALE as L, FLAG_Q_REGS as Q, FLAG_MASK_FAST as M)
+    contiguous += [V(bn, w, 3, F | R | x, 1, pdl=True) for bn, w in ((128, 8), (64, 4))
+                   for x in (P, P | K, P | L, P | L | M, P | K | M | Q, P | L | M | Q)]
+    paged += [V(128, 8, 3, F | R | S | x, pdl=True) for x in (K | M, L | M | Q)]
     return contiguous, paged
 
 
@@ -124,6 +131,14 @@ def graph_time_us(fn, n=20, reps=3):
     return best
 
 
+def flushed(fn, kv_bytes):
+    """Median of 30 calls with the L2 flushed before each (CUDA events; common.benchmark)."""
+    import common
+    t = common.benchmark(fn, n_warmup=3, n_repeat=30, flush_l2=True)
+    us = t["ms"] * 1e3
+    return dict(us_flushed=us, tbps_flushed=kv_bytes / us / 1e6)
+
+
 def reference_fp32(q, k_seq, v_seq):
     """float32 attention of one query token against every key (causal bottom-right with
     seqlen_q = 1 sees all keys). k_seq/v_seq (B, S, HK, D) contiguous-order views."""
@@ -150,8 +165,10 @@ def rel(a, b):
     return float(cp.linalg.norm(a - b) / max(float(cp.linalg.norm(b)), 1e-30))
 
 
-def torch_times(B, S):
-    """{impl: us} for torch SDPA cuDNN / flash on BHSD views of BSHD bf16 tensors."""
+def torch_times(B, S, flushed_too=False):
+    """{impl: us} for torch SDPA cuDNN / flash on BHSD views of BSHD bf16 tensors (graph replay);
+    with ``flushed_too`` also ``{impl}_flushed``: :func:`flushed`'s median (torch and CuPy both
+    run on the legacy default stream, so CuPy's events bracket the SDPA call)."""
     res = {}
     try:
         import torch
@@ -203,6 +220,8 @@ def torch_times(B, S):
                     best = min(best, e0.elapsed_time(e1) * 1e3 / per)
                 res[name] = best
                 res[name + "_timing"] = how
+                if flushed_too:
+                    res[name + "_flushed"] = flushed(f, 1.0)["us_flushed"]
         except Exception as e:  # noqa: BLE001
             res[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
     del q, k, v
@@ -223,6 +242,9 @@ def main(argv=None) -> int:
                     help="only these cases, as batch,seqlen,page (e.g. 16,1024,0)")
     ap.add_argument("--default-splits-only", action="store_true",
                     help="time each variant at the public heuristic's num_splits only")
+    ap.add_argument("--flushed", action="store_true",
+                    help="also time the public call and each variant with the L2 flushed "
+                         "before every call (common.benchmark, CUDA events, median): us_flushed")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -308,12 +330,15 @@ def main(argv=None) -> int:
             rec = dict(case=[B, S, ps], variant="default", num_splits=plan.num_splits, us=us,
                        tbps=kv_bytes / us / 1e6, rel_err=err,
                        ok=bool(err < 1e-2 and not cp.isnan(out_def.astype(cp.float32)).any()))
+            if args.flushed:
+                rec.update(flushed(call, kv_bytes))
         except Exception as e:  # noqa: BLE001
             rec = dict(case=[B, S, ps], variant="default", error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
         emit(rec)
         print(f"{label:28s} {'default':28s} ns={rec.get('num_splits', '?'):>3} "
               f"{rec.get('us', float('nan')):8.1f} us {rec.get('tbps', float('nan')):5.2f} TB/s "
+              f"flushed {rec.get('us_flushed', float('nan')):8.1f} us "
               f"err {rec.get('rel_err', float('nan')):.1e} {'' if rec.get('ok') else 'FAIL'}",
               flush=True)
         if getattr(Dm, "PDL", False):  # the same public call launched plainly (no PDL)
@@ -362,32 +387,43 @@ def main(argv=None) -> int:
                         base = ns * B * H * (D + 1)
                         rec["counters_zero"] = bool((wsv[base:n_ws].view(cp.int32) == 0).all())
                     rec.update(us=us, tbps=kv_bytes / us / 1e6, rel_err=err, rel_vs_default=d_def,
+                               bitwise_vs_default=bool((out.view(cp.uint16)
+                                                        == out_def.view(cp.uint16)).all()),
                                ok=bool(not nan and err < 1e-2 and d_def < 1e-2
                                        and rec.get("counters_zero", True)))
+                    if args.flushed:
+                        rec.update(flushed(fn, kv_bytes))
                 except Exception as e:  # noqa: BLE001
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     traceback.print_exc()
                 emit(rec)
                 print(f"{label:28s} {var.name:28s} ns={ns:>3} {rec.get('us', float('nan')):8.1f} us "
-                      f"{rec.get('tbps', float('nan')):5.2f} TB/s err {rec.get('rel_err', float('nan')):.1e}"
+                      f"{rec.get('tbps', float('nan')):5.2f} TB/s flushed "
+                      f"{rec.get('us_flushed', float('nan')):8.1f} us "
+                      f"err {rec.get('rel_err', float('nan')):.1e}"
                       f" {'' if rec.get('ok') else 'FAIL ' + rec.get('error', '')}", flush=True)
                 del wsv, out
 
         if not args.no_torch and ps == 0 and time.time() - T0 < args.budget:
             key = (B, S)
             if key not in torch_cache:
-                torch_cache[key] = torch_times(B, S)
+                torch_cache[key] = torch_times(B, S, args.flushed)
             tt = torch_cache[key]
             for impl in ("torch_cudnn", "torch_flash"):
                 v = tt.get(impl, tt.get("torch"))
                 rec = dict(case=[B, S, ps], variant=impl)
                 if isinstance(v, float):
                     rec.update(us=v, tbps=kv_bytes / v / 1e6, timing=tt.get(impl + "_timing"))
+                    if impl + "_flushed" in tt:
+                        vf = tt[impl + "_flushed"]
+                        rec.update(us_flushed=vf, tbps_flushed=kv_bytes / vf / 1e6)
                 else:
                     rec["error"] = v
                 emit(rec)
                 print(f"{label:28s} {impl:28s}        {rec.get('us', float('nan')):8.1f} us "
-                      f"{rec.get('tbps', float('nan')):5.2f} TB/s {rec.get('error', '')}", flush=True)
+                      f"{rec.get('tbps', float('nan')):5.2f} TB/s flushed "
+                      f"{rec.get('us_flushed', float('nan')):8.1f} us {rec.get('error', '')}",
+                      flush=True)
         del q, ref, out_def, ws
         cp.get_default_memory_pool().free_all_blocks()
 

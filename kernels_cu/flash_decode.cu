@@ -116,7 +116,33 @@ constexpr int kSpecPageIds = 256;
 // at entry, after the wait; kPdlNoTrigger: never explicitly (implicitly when the blocks exit).
 constexpr int kPdlEarlyTrigger = 512;
 constexpr int kPdlNoTrigger = 1024;
+// Tile-loop instruction count (v18; the loop executed ~600 instructions per warp per 64-key tile
+// at b64 x 1k, 54% of them integer, experiments/NOTES.md v17). Each is bitwise neutral except
+// kLazyRescale.
+// Contiguous caches: each thread's K/V source pointers are computed once per tile and advanced by
+// a precomputed row step per copy (64-bit adds) instead of a 64-bit j * row_stride product per
+// copy; a tile whose rows all lie below len (and a thread whose column is inside headdim) copies
+// without the per-copy validity test and address select.
+constexpr int kCopyPointers = 2048;
+// Skip the accumulator rescale (HEADDIM / 2 FMUL per thread) on a tile where no row of the warp
+// moved its running max (warp vote): the skipped factors are exactly 1, so the result is the same.
+constexpr int kSkipRescale = 4096;
+// Lazy rescale (FlashAttention-4's conditional rescaling): the running max, the reference point
+// of exp2, moves only when some row of the warp would gain more than kLazyThreshold (log2 units,
+// a factor 256) over it; otherwise the tile's probabilities are taken against the stale point
+// (at most 2^8, no overflow in fp32, the same relative precision in bf16/fp16). The final
+// O = acc / l and LSE = m + log(l) are the same quantities; the roundings differ.
+constexpr int kLazyRescale = 8192;
+// Q's mma A fragments stay in registers for the whole loop (HEADDIM / 4 registers) instead of
+// one ldmatrix per 16 dims per tile.
+constexpr int kQRegs = 16384;
+// Tiles in which every valid row of the block sees every key (all but the causal diagonal's and
+// the last partial tile) skip the per-score mask (block-uniform branch). Padding rows (zero Q)
+// then get finite scores; they are never written.
+constexpr int kMaskFast = 32768;
+constexpr int kAll = 65535;  // every defined bit (decode.py checks flags against its own list)
 }  // namespace decode_flags
+constexpr float kLazyThreshold = 8.f;
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
 // 16 bytes and reads nothing (src_size 0), `src` must still be a valid address.
@@ -326,6 +352,13 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr bool WL = (FLAGS & decode_flags::kWarpLocal) != 0;
     constexpr bool KVG = (FLAGS & decode_flags::kKVGroups) != 0;
+    constexpr bool CP = (FLAGS & decode_flags::kCopyPointers) != 0;
+    constexpr bool LAZY = (FLAGS & decode_flags::kLazyRescale) != 0;
+    constexpr bool SKIP = LAZY || (FLAGS & decode_flags::kSkipRescale) != 0;
+    constexpr bool QREGS = (FLAGS & decode_flags::kQRegs) != 0;
+    constexpr bool MASKFAST = (FLAGS & decode_flags::kMaskFast) != 0;
+    static_assert(!CP || !PAGED, "copy pointers: contiguous caches");
+    static_assert((FLAGS & ~decode_flags::kAll) == 0, "unknown FLAGS bit");
     // cp.async groups per tile (kKVGroups: K, then V and nothing else)
     constexpr int kGroupsPerTile = KVG ? 2 : 1;
     static_assert(!(FLAGS & decode_flags::kClusterCombine) || Tr::kPartFits,
@@ -425,12 +458,50 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         (FLAGS & decode_flags::kEvictFirst) ? decode_detail::l2_evict_first_policy() : 0ull;
     // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],
     // visible to every thread), then the page-id copies of tile + STAGES - 1.
+    constexpr int kCopies = WL ? Tr::kWarpCopies : Tr::kCopiesPerThread;
+    constexpr int kPass = WL ? Tr::kWarpRowsPerPass : Tr::kRowsPerPass;
+    // kCopyPointers: this thread's copies of `tile` into sK / sV (do_k, do_v: literal flags);
+    // source row r0 + c * kPass of the split's cache, pointer advanced by one row step per copy.
+    auto copy_tile_pointers = [&](T* sK, T* sV, int tile, bool do_k, bool do_v) {
+        const int r0 = tile * BLOCK_N + row0;
+        const T* kp = kcol + (int64_t)r0 * p.k_row_stride;
+        const T* vp = vcol + (int64_t)r0 * p.v_row_stride;
+        const int64_t kstep = (int64_t)kPass * p.k_row_stride;
+        const int64_t vstep = (int64_t)kPass * p.v_row_stride;
+        if (col_ok && tile * BLOCK_N + BLOCK_N <= len) {  // every row of the tile is valid
+#pragma unroll
+            for (int c = 0; c < kCopies; ++c) {
+                const int off = Tr::kv_offset(row0 + c * kPass, chunk);
+                if (do_k) cp_async_kv<FLAGS>(smem_u32addr(sK + off), kp, true, policy);
+                if (do_v) cp_async_kv<FLAGS>(smem_u32addr(sV + off), vp, true, policy);
+                kp += kstep;
+                vp += vstep;
+            }
+        } else {
+            const int rem = col_ok ? len - r0 : 0;  // copies c with c * kPass < rem are valid
+#pragma unroll
+            for (int c = 0; c < kCopies; ++c) {
+                const int off = Tr::kv_offset(row0 + c * kPass, chunk);
+                const bool valid = c * kPass < rem;
+                if (do_k) cp_async_kv<FLAGS>(smem_u32addr(sK + off), valid ? kp : kbase, valid, policy);
+                if (do_v) cp_async_kv<FLAGS>(smem_u32addr(sV + off), valid ? vp : vbase, valid, policy);
+                kp += kstep;
+                vp += vstep;
+            }
+        }
+    };
     auto load_tile = [&](int stage, int tile) {
         T* sK = sStages + stage * Tr::kStageElems;
         T* sV = sK + Tr::kTileElems;
         const int* ids = sPage + (tile % STAGES) * BLOCK_N;
-        constexpr int kCopies = WL ? Tr::kWarpCopies : Tr::kCopiesPerThread;
-        constexpr int kPass = WL ? Tr::kWarpRowsPerPass : Tr::kRowsPerPass;
+        if constexpr (CP) {
+            copy_tile_pointers(sK, sV, tile, true, !KVG);
+            if constexpr (KVG) {
+                cp_async_commit();  // the K group; the caller's commit closes the V group
+                copy_tile_pointers(sK, sV, tile, false, true);
+            }
+            return;
+        }
 #pragma unroll
         for (int c = 0; c < kCopies; ++c) {
             const int row = row0 + c * kPass;
@@ -543,8 +614,28 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         }
     }
 
-    // The Q tile is read after the loop's first __syncthreads (and, warp-local, after this one).
-    if constexpr (WL) __syncthreads();
+    // The Q tile is read after the loop's first __syncthreads (and, warp-local or kQRegs, after
+    // this one).
+    if constexpr (WL || QREGS) __syncthreads();
+    uint32_t qfrag[QREGS ? HEADDIM / 16 : 1][4];  // kQRegs: Q's A fragments, 16 dims each
+    if constexpr (QREGS) {
+#pragma unroll
+        for (int ks = 0; ks < HEADDIM / 16; ++ks) ldmatrix_x4(qfrag[ks], sQ_addr + ks * 16 * (int)sizeof(T));
+    }
+    // kMaskFast: a tile [n0, n0 + BLOCK_N) needs no mask iff n0 >= lo of the block's last valid
+    // row and n0 + BLOCK_N <= hi of its first (visible_keys' bounds are non-decreasing in the row).
+    int unmasked_lo = 0, unmasked_hi = 0;
+    if constexpr (MASKFAST) {
+        const int nrows_valid = min(GROUP, rows - row_base);
+        if (nrows_valid > 0) {
+            const KeyRange first = visible_keys(row_base / p.h_per_kv, p.seqlen_q, len,
+                                                p.causal != 0, -1, -1);
+            const KeyRange last = visible_keys((row_base + nrows_valid - 1) / p.h_per_kv,
+                                               p.seqlen_q, len, p.causal != 0, -1, -1);
+            unmasked_lo = last.lo;
+            unmasked_hi = first.hi;
+        }
+    }
 
     for (int it = 0; it < n_iter; ++it) {
         // this thread's copies of tile `it` (kKVGroups: of its K) have landed
@@ -572,7 +663,12 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
 #pragma unroll
         for (int ks = 0; ks < HEADDIM / 16; ++ks) {
             uint32_t a[4];
-            ldmatrix_x4(a, sQ_addr + ks * 16 * (int)sizeof(T));
+            if constexpr (QREGS) {
+#pragma unroll
+                for (int x = 0; x < 4; ++x) a[x] = qfrag[ks][x];
+            } else {
+                ldmatrix_x4(a, sQ_addr + ks * 16 * (int)sizeof(T));
+            }
 #pragma unroll
             for (int kw = 0; kw < Tr::kKSteps; ++kw) {
                 // matrices: (keys 0-7, dims lo), (keys 0-7, dims hi), (keys 8-15, lo), (8-15, hi)
@@ -587,34 +683,60 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
 
         // scale to the log2 domain and mask: -inf outside the row's visible range (incl. j >= len)
         float mx[2] = {neg_inf<float>(), neg_inf<float>()};
+        const int n0 = (tile_begin + it) * BLOCK_N;
+        if (MASKFAST && n0 >= unmasked_lo && n0 + BLOCK_N <= unmasked_hi) {
 #pragma unroll
-        for (int kw = 0; kw < Tr::kKSteps; ++kw)
+            for (int kw = 0; kw < Tr::kKSteps; ++kw)
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
+                for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int rh = e >> 1;
-                    const int j = key0 + kw * 16 + nt * 8 + 2 * t + (e & 1);
-                    float x = s[kw][nt][e] * p.scale_log2;
-                    if (!key_visible(range[rh], j)) x = neg_inf<float>();
-                    s[kw][nt][e] = x;
-                    mx[rh] = fmaxf(mx[rh], x);
-                }
+                    for (int e = 0; e < 4; ++e) {
+                        const float x = s[kw][nt][e] * p.scale_log2;
+                        s[kw][nt][e] = x;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                    }
+        } else {
+#pragma unroll
+            for (int kw = 0; kw < Tr::kKSteps; ++kw)
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int rh = e >> 1;
+                        const int j = key0 + kw * 16 + nt * 8 + 2 * t + (e & 1);
+                        float x = s[kw][nt][e] * p.scale_log2;
+                        if (!key_visible(range[rh], j)) x = neg_inf<float>();
+                        s[kw][nt][e] = x;
+                        mx[rh] = fmaxf(mx[rh], x);
+                    }
+        }
         // row max over the quad (the 4 threads holding one row), then rescale the old state
-        float corr[2];
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
             mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
             mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
-            const float m_new = fmaxf(m_i[rh], mx[rh]);
-            corr[rh] = rescale_factor(m_i[rh], m_new);
-            m_i[rh] = m_new;
-            l_i[rh] *= corr[rh];
         }
+        // kSkipRescale / kLazyRescale: the warp moves its rows' reference points only when some
+        // row gains (more than kLazyThreshold); m = -inf gains from any finite max.
+        bool move = true;
+        if constexpr (SKIP) {
+            constexpr float th = LAZY ? kLazyThreshold : 0.f;
+            move = __any_sync(0xffffffffu, mx[0] > m_i[0] + th || mx[1] > m_i[1] + th);
+        }
+        if (move) {
+            float corr[2];
 #pragma unroll
-        for (int dt = 0; dt < HEADDIM / 8; ++dt)
+            for (int rh = 0; rh < 2; ++rh) {
+                const float m_new = fmaxf(m_i[rh], mx[rh]);
+                corr[rh] = rescale_factor(m_i[rh], m_new);
+                m_i[rh] = m_new;
+                l_i[rh] *= corr[rh];
+            }
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[dt][e] *= corr[e >> 1];
+            for (int dt = 0; dt < HEADDIM / 8; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[dt][e] *= corr[e >> 1];
+        }
 
         // P = exp2(S - m), row sums, and O += P V (P stays in registers as the A fragment)
         auto probs = [&](int kw) {

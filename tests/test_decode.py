@@ -114,7 +114,7 @@ def test_spec_names_and_table():
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
     assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=2048)
+        decode.split_kernel_spec("bfloat16", 128, False, flags=65536)
     with pytest.raises(ValueError, match="exclude"):
         decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_PDL_EARLY_TRIGGER
                                  | decode.FLAG_PDL_NO_TRIGGER)
@@ -211,9 +211,34 @@ VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=True)
              for t in (0, decode.FLAG_PDL_EARLY_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
 
 
+#: v18: fewer tile-loop instructions (copy pointers, skip / lazy rescale, Q in registers, no
+#: per-score mask on whole tiles), with both hd128 tiles
+_LOOP = [decode.FLAG_COPY_POINTERS, decode.FLAG_COPY_POINTERS | decode.FLAG_SKIP_RESCALE,
+         decode.FLAG_COPY_POINTERS | decode.FLAG_LAZY_RESCALE,
+         decode.FLAG_COPY_POINTERS | decode.FLAG_LAZY_RESCALE | decode.FLAG_MASK_FAST,
+         decode.FLAG_COPY_POINTERS | decode.FLAG_SKIP_RESCALE | decode.FLAG_MASK_FAST
+         | decode.FLAG_Q_REGS,
+         decode.FLAG_COPY_POINTERS | decode.FLAG_LAZY_RESCALE | decode.FLAG_MASK_FAST
+         | decode.FLAG_Q_REGS]
+VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | x, 1, pdl=True)
+             for bn, w in ((128, 8), (64, 4)) for x in _LOOP]
+
+
+def test_loop_flags_rejected_where_they_do_not_apply():
+    with pytest.raises(ValueError, match="FLAG_COPY_POINTERS"):
+        decode.split_kernel_spec("bfloat16", 128, True, flags=decode.FLAG_COPY_POINTERS)
+    with pytest.raises(ValueError, match="FLAG_Q_REGS"):
+        decode.split_kernel_spec("bfloat16", 256, False, flags=decode.FLAG_Q_REGS)
+    s = decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
+                                 | decode.FLAG_SKIP_RESCALE | decode.FLAG_Q_REGS
+                                 | decode.FLAG_MASK_FAST)
+    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_skip_qreg_mf"
+    assert s.entry.endswith(f", true, {65 + 4096 + 16384 + 32768}>")
+
+
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)
 def test_variants_compile_without_spills(var):
-    for paged in (False, True):
+    for paged in (False,) if var.flags & decode.FLAG_COPY_POINTERS else (False, True):
         spec = var.spec("bfloat16", 128, paged)
         assert spec.smem_bytes + 1024 <= decode.H200_SMEM_PER_BLOCK_OPTIN + 1024
         for arch in ("sm_90a", "sm_80"):

@@ -428,6 +428,98 @@ _PDL_VARIANTS = [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=Tru
 _VARIANTS += _PDL_VARIANTS
 
 
+# v18: fewer tile-loop instructions. Every flag but the lazy rescale is bitwise neutral.
+_CP, _SKIP, _LAZY = decode.FLAG_COPY_POINTERS, decode.FLAG_SKIP_RESCALE, decode.FLAG_LAZY_RESCALE
+_QREG, _MF = decode.FLAG_Q_REGS, decode.FLAG_MASK_FAST
+_LOOP_EXACT = [_CP, _SKIP, _QREG, _MF, _CP | _SKIP | _QREG | _MF]
+_LOOP_LAZY = [_LAZY, _CP | _LAZY | _QREG | _MF]
+
+
+def _loop_flag_sets(page, d):
+    """(flags, exact) of the loop flags that apply: no copy pointers on pages, no Q registers
+    above hd128."""
+    out = []
+    for fl in _LOOP_EXACT + _LOOP_LAZY:
+        if page:
+            fl &= ~_CP
+        if d > 128:
+            fl &= ~_QREG
+        if fl and (fl, not fl & _LAZY) not in out:
+            out.append((fl, not fl & _LAZY))
+    return out
+
+
+@pytest.mark.parametrize("d,block_n,nwarps", [(128, 128, 8), (128, 64, 4), (64, 128, 4),
+                                              (72, 64, 4), (256, 32, 2)])
+@pytest.mark.parametrize("page,sq", [(0, 1), (0, 5), (16, 1), (3, 2)])
+def test_loop_flags_match_reference_exact_ones_bitwise(d, block_n, nwarps, page, sq):
+    """Copy pointers, skipped rescales, Q in registers and unmasked whole tiles give bitwise the
+    output and LSE of the same tile without them; the lazy rescale matches the reference (ragged
+    NaN-tailed caches, an empty sequence, GQA 4, causal query rows over two row chunks at sq = 5,
+    padded head dim 72, split counts from 1 to more splits than tiles)."""
+    dtype = "bfloat16"
+    hk, h, cap = 2, 8, 1100
+    if page:
+        cap = -(-cap // page) * page
+    case = _nan_tailed_case(31, np.array([1037, 0, 130, 64], np.int32), cap, hk, h, d, dtype,
+                            sq=sq, page=page, table_seed=7, spare_pages=2)
+    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                              case.cache_seqlens, case.block_table))
+    batch = qd.shape[0]
+    base_flags = decode.DEFAULT_FLAGS | (_SPID if page and d <= 128 else 0)
+    order = 0 if page else 1
+    base = decode.SplitVariant(block_n, nwarps, 3, base_flags, order)
+    for ns in (1, 3, 16):
+        def run(var):
+            n = var.workspace_elems(batch, sq, h, hk, d, ns)
+            ws = cupy.full(max(n, 1), np.nan, cupy.float32)
+            if ns > 1:
+                ws[ns * batch * sq * h * (d + 1):n] = 0  # counters; the partials are poisoned
+            out = _nan_like(qd)
+            lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
+            decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns, lse=lse)
+            _check_against_reference(case, out, lse, dtype)
+            return out.view(cupy.uint16), lse
+        o0, l0 = run(base)
+        for fl, exact in _loop_flag_sets(page, d):
+            o1, l1 = run(decode.SplitVariant(block_n, nwarps, 3, base_flags | fl, order))
+            if exact:
+                assert bool((o1 == o0).all()), (fl, ns)
+                assert bool(cupy.array_equal(l1, l0, equal_nan=True)), (fl, ns)
+
+
+@pytest.mark.parametrize("rise", [-40.0, 5.0, 7.9, 12.0, 300.0])
+@pytest.mark.parametrize("flags", [_CP | _LAZY | _QREG | _MF, _SKIP])
+def test_lazy_rescale_on_rising_scores(rise, flags):
+    """Scores that climb (or fall) steadily over 1000 keys by ``rise`` (log2 units): under the
+    lazy rescale's threshold of 8 the reference point never moves after the first tile (the
+    probabilities reach 2^rise), above it it moves several times; falling, never. Matches the
+    reference at 1 and 4 splits."""
+    dtype = "bfloat16"
+    hk = h = 2
+    d, cap, n = 128, 1024, 1000
+    case = _nan_tailed_case(41, np.array([n, 700], np.int32), cap, hk, h, d, dtype)
+    scale = d ** -0.5
+    q = case.q.astype(np.float64)
+    for b in range(2):
+        L = int(case.cache_seqlens[b])  # the NaN tail past L stays
+        for hh in range(h):
+            qv = q[b, 0, hh]
+            # key j: small noise plus t_j q / (scale |q|^2), so scale q.k_j ~ t_j (natural units)
+            t = np.linspace(0.0, rise / np.log2(np.e), n)[:L]
+            k = 0.05 * case.k_cache[b, :L, hh].astype(np.float64) + np.outer(t, qv) / (scale * qv @ qv)
+            case.k_cache[b, :L, hh] = k.astype(case.k_cache.dtype)
+    qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache, case.cache_seqlens))
+    for ns in (1, 4):
+        var = decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | flags, 1)
+        nws = var.workspace_elems(2, 1, h, hk, d, ns)
+        ws = cupy.zeros(max(nws, 1), cupy.float32)
+        out = _nan_like(qd)
+        lse = cupy.full((2, h, 1), np.nan, cupy.float32)
+        decode.run_split_variant(var, qd, kd, vd, csd, None, out, ws, num_splits=ns, lse=lse)
+        _check_against_reference(case, out, lse, dtype)
+
+
 @pytest.mark.parametrize("var", _VARIANTS, ids=lambda v: v.name)
 @pytest.mark.parametrize("page", [0, 16, 128])
 def test_split_variants_match_reference(var, page):
