@@ -68,8 +68,10 @@ clusters of 4-16 blocks leave 12-20 SMs idle, so the split counts that fill the 
 second wave (experiments/NOTES.md v8).
 
 The counters must be zero before a launch: :func:`alloc_workspace` returns a zero-filled
-workspace, a workspace allocated inside the call has its counters zeroed
-(``cudaMemsetAsync``), and every complete launch leaves them zero.
+workspace, and every complete launch leaves them zero. A call without ``workspace=`` takes its
+partials from CuPy's memory pool and its counters from a zero-filled buffer kept per (device,
+stream) and shared by the calls on that stream (no memset per call); such a call cannot be
+captured in a CUDA graph (ValueError: pass ``workspace=``).
 
 Programmatic dependent launch
 -----------------------------
@@ -82,15 +84,18 @@ the launch and block set-up. The split kernel lets the next kernel be scheduled 
 loop is done (the append kernel at entry), so the next launch overlaps its epilogue and merge.
 H200, graph-timed (experiments/NOTES.md v15): 0.5-0.7 us faster at batch 1 up to 8k keys
 (6.6 vs 7.2 us at 1k), 0.7 us at b16 x 1k, within noise from 16k keys up. Set
-:data:`PDL` to False (or the environment variable ``CUPYFLASH_PDL=0`` before import) to launch
-through ``cupy.RawKernel`` instead; measured in experiments/NOTES.md v15.
+:data:`PDL` to False, run a block inside ``with pdl_launches(False):`` (restores the previous
+value), or set the environment variable ``CUPYFLASH_PDL=0`` before import, to launch through
+``cupy.RawKernel`` instead; measured in experiments/NOTES.md v15.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
+import weakref
 
 import numpy as np
 
@@ -105,13 +110,28 @@ __all__ = [
     "padded_headdim", "split_smem_bytes", "kernel_spec", "split_kernel_spec", "default_flags",
     "combine_kernel_spec", "append_kernel_spec", "all_specs", "choose_num_splits",
     "split_layout", "plan_decode", "workspace_elems", "workspace_size", "alloc_workspace",
-    "explain_kvcache", "flash_attn_with_kvcache", "merge_states",
+    "explain_kvcache", "flash_attn_with_kvcache", "merge_states", "pdl_launches",
 ]
 
 SOURCE = "flash_decode.cu"
 #: Launch the append and split kernels as programmatic dependent launches on sm_90+ (see the
 #: module docstring). Read on every call; ``CUPYFLASH_PDL=0`` in the environment sets it False.
 PDL = os.environ.get("CUPYFLASH_PDL", "1") != "0"
+
+
+@contextlib.contextmanager
+def pdl_launches(enabled: bool):
+    """``with pdl_launches(False):`` runs a block with :data:`PDL` set to ``enabled`` (the calls
+    inside launch plainly, or as programmatic dependent launches), restoring the previous value
+    on exit. Process-wide, like :data:`PDL` itself (not per thread)."""
+    global PDL
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    prev, PDL = PDL, enabled
+    try:
+        yield
+    finally:
+        PDL = prev
 #: Element types of the split kernel (tensor cores).
 DTYPES = ("float16", "bfloat16")
 #: Compiled head dims; a head dim d runs with the smallest compiled one >= d.
@@ -266,8 +286,12 @@ def default_flags(headdim: int, paged: bool) -> int:
     """FLAGS of the split kernel the public functions launch: :data:`DEFAULT_FLAGS`, plus
     :data:`FLAG_SPEC_PAGE_IDS` for paged caches up to hd128 (v13 sweep, H200, graph-timed:
     b16 x 16k page 16 -1.7%, b1 x 128k page 16 -1.2%, b1 x 1k page 16 -0.2 us, nowhere slower;
-    not at hd256, whose paged kernel is at 255 registers and would spill)."""
-    return DEFAULT_FLAGS | (FLAG_SPEC_PAGE_IDS if paged and headdim <= 128 else 0)
+    not at hd256, whose paged kernel is at 255 registers and would spill), and
+    :data:`FLAG_COPY_POINTERS` for contiguous caches (v18 sweep, H200, flushed: b1 x 1k-8k
+    -3.5 to -5%, elsewhere within +-0.5%; bitwise the same output)."""
+    if paged:
+        return DEFAULT_FLAGS | (FLAG_SPEC_PAGE_IDS if headdim <= 128 else 0)
+    return DEFAULT_FLAGS | FLAG_COPY_POINTERS
 
 
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
@@ -279,7 +303,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/
     ``_spid``/``_trearly``/``_trnone``/``_cp``/``_skip``/``_lazy``/``_qreg``/``_mf`` for the
     ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
-    the public functions launch, :func:`default_flags` (``_fused_rel``, paged up to hd128
+    the public functions launch, :func:`default_flags` (``_fused_rel_cp``, paged up to hd128
     ``_fused_rel_spid``); ``block_n``/``nwarps``/``stages`` override :func:`split_config`
     (experiments).
     """
@@ -447,7 +471,9 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     TypeError
         Unsupported dtype (float32/float64: no tensor-core decode path).
     ValueError
-        ``split_size`` not a positive int; no stage count fits the device's shared memory.
+        ``split_size`` not a positive int; no stage count fits the device's shared memory;
+        ``num_splits`` or ``batch`` above 65535 (the grid's y and z limits; contiguous caches
+        put ``num_splits`` on y, paged caches on x).
     """
     p = problem
     reasons = []
@@ -546,6 +572,21 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     flops = io_model.decode_flops(p.batch, p.nheads, p.seqlen_cache, p.headdim, p.seqlen_q,
                                   p.causal)
     reasons.append("bytes/FLOPs at full capacity: cache_seqlens are not read when planning")
+    grid = _split_grid(p.paged, num_splits, p.batch, p.nheads_k * row_chunks)
+    if _grid_order(p.paged):
+        names = ("nheads_k * row chunks", "num_splits", "batch")
+        reasons.append(f"grid {grid}: (KV-head blocks, splits, batch), the KV heads of one key "
+                       "range launched together (contiguous cache; v16)")
+    else:
+        names = ("num_splits", "batch", "nheads_k * row chunks")
+        reasons.append(f"grid {grid}: (splits, batch, KV-head blocks) (paged cache; v16)")
+    for axis, (n, limit, name) in enumerate(zip(grid, (2 ** 31 - 1, 65535, 65535), names)):
+        if n > limit:
+            raise ValueError(f"{name}: {n} exceeds {limit}, the limit of the split kernel's grid "
+                             f"dimension {'xyz'[axis]} ({'paged' if p.paged else 'contiguous'} "
+                             f"cache)")
+    reasons.append("launch: programmatic dependent launch on sm_90+ (append and split kernels), "
+                   "unless cupyflash.decode.PDL is False or CUPYFLASH_PDL=0")
     regs = spill = None
     if ptxas_arch is not None:
         rep = jit.compile_report(spec, ptxas_arch).ptxas
@@ -554,7 +595,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         kernel=spec.name,
         template=dict(dtype=p.dtype, headdim=hd, block_n=cfg.block_n, nwarps=cfg.nwarps,
                       group=GROUP, stages=stages, paged=p.paged),
-        grid=_split_grid(p.paged, num_splits, p.batch, p.nheads_k * row_chunks),
+        grid=grid,
         block=(cfg.nwarps * 32, 1, 1),
         smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
         combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
@@ -657,7 +698,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                     why = f"hd{t['headdim']} is the smallest compiled head dim >= {p.headdim}"
                 rejected.append((spec.name, why))
     rejected.sort(key=lambda r: (not r[0].startswith(f"decode_split_{_SHORT[p.dtype]}"), r[0]))
-    notes = [("num_splits" if "split" in r else "note", r) for r in la.reasons]
+    notes = [("note" if r.startswith(("grid", "launch")) else
+              "num_splits" if "split" in r else "note", r) for r in la.reasons]
     return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
                          hbm_bytes=la.hbm_bytes, rejected=notes + rejected,
                          extra_kernels=tuple(extra), num_sms=num_sms)
@@ -1127,6 +1169,33 @@ class _KVCacheLaunch:
 
 _NULL = np.uint64(0)  # a NULL pointer argument (CuPy would pass None as a NULL *argument*)
 
+# The fused combine's counters for calls without ``workspace=``: one zero-filled int32 buffer
+# per (device, stream), grown on demand. Every complete launch leaves the counters it used at
+# zero, so calls in stream order can share them whatever their shapes, and a call costs no
+# memset launch (bench_decode v18: ~0.6 us of a 12 us call at batch 1). Keyed by the stream
+# object (a weak reference): a new stream that reuses a destroyed one's handle gets a new buffer.
+_COUNTERS: dict = {}
+
+
+def _stream_counters(nbytes: int) -> int:
+    """Device address of at least ``nbytes`` zero bytes of counters for the current stream."""
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    try:
+        capturing = cupy.cuda.runtime.streamIsCapturing(stream.ptr)
+    except cupy.cuda.runtime.CUDARuntimeError:  # the legacy stream during a global capture
+        capturing = True
+    if capturing:
+        raise ValueError("workspace: a call captured in a CUDA graph needs workspace= "
+                         "(alloc_workspace): a buffer allocated inside the call would be freed "
+                         "while the graph still uses it")
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr)
+    hit = _COUNTERS.get(key)
+    if hit is None or hit[0]() is not stream or hit[1].nbytes < nbytes:
+        buf = cupy.zeros(max(-(-nbytes // 4), 1024), cupy.int32)  # memset on this stream
+        _COUNTERS[key] = hit = (weakref.ref(stream), buf)
+    return hit[1].data.ptr
+
 
 def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace):
     """Allocate what the caller did not pass and launch append / split / combine for the
@@ -1138,11 +1207,15 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
         out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty(e.lse_shape, cupy.float32) if e.lse_shape is not None else None
     ns = e.plan.num_splits
-    if e.ws_need and workspace is None:  # the fused combine's counters start at zero
-        workspace = cupy.empty(e.ws_need, cupy.float32)
+    counters = None  # device address of the fused combine's counters
+    if e.ws_need and workspace is None:
+        # the partials from CuPy's pool (no kernel); the counters from the stream's buffer,
+        # zero (every complete launch leaves the counters it used at zero)
+        workspace = cupy.empty(e.counters_bytes // 4, cupy.float32)
         if e.counters_nbytes:
-            cupy.cuda.runtime.memsetAsync(workspace.data.ptr + e.counters_bytes, 0,
-                                          e.counters_nbytes, cupy.cuda.get_current_stream().ptr)
+            counters = _stream_counters(e.counters_nbytes)
+    elif e.ws_need:
+        counters = workspace.data.ptr + e.counters_bytes
     bt = block_table if block_table is not None else _NULL
     pdl = PDL and e.split_pdl is not None
     if pdl:  # programmatic dependent launches (module docstring), pointers as ints
@@ -1155,7 +1228,7 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
         ws = workspace.data.ptr if ns > 1 else 0
         e.split_pdl((q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cs_ptr, bt_ptr,
                      out.data.ptr, lse.data.ptr if lse is not None else 0, ws,
-                     ws + e.o_part_bytes if ns > 1 else 0, ws + e.counters_bytes if ns > 1 else 0),
+                     ws + e.o_part_bytes if ns > 1 else 0, counters if ns > 1 else 0),
                     stream)
         return (out, lse) if e.return_lse else out
     if e.append_tail is not None:  # append first; same stream, so the split kernel sees it
@@ -1169,7 +1242,7 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
             ptr = workspace.data.ptr
             head = (q, k_cache, v_cache, cs, bt, out, lse_arg, np.uint64(ptr),
                     np.uint64(ptr + e.o_part_bytes))
-            end = (np.uint64(ptr + e.counters_bytes), e.split_end[1])
+            end = (np.uint64(counters), e.split_end[1])
         else:
             head = (q, k_cache, v_cache, cs, bt, out, lse_arg, _NULL, _NULL)
             end = e.split_end
@@ -1322,7 +1395,7 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
         if variant.grid_order != 0:
             raise ValueError("variant: the cluster combine needs grid_order 0")
         launch.launch(jit.get_kernel(spec), grid, (variant.nwarps * 32, 1, 1), args,
-                      shared_mem=spec.smem_bytes, cluster=(cluster, 1, 1))
+                      shared_mem=spec.smem_bytes, cluster=(cluster, 1, 1), pdl=variant.pdl)
         return out
     if variant.pdl:
         launch.launch(jit.get_kernel(spec), grid, (variant.nwarps * 32, 1, 1), args,

@@ -332,13 +332,15 @@ def decode_traffic(batch: int, nheads: int, nheads_k: int, seqlen_k: int, headdi
                    write_lse: bool = True) -> Traffic:
     """HBM traffic of one split-KV decoding step over a KV cache of ``seqlen_k`` keys per sequence.
 
-    The split kernel's grid is (splits, batch, KV heads): each block reads its share of its KV
-    head's cache once and serves all ``nheads / nheads_k`` query heads of the GQA group and all
-    ``seqlen_q`` queries, so K and V cross HBM once: ``2 * batch * nheads_k * seqlen_k * headdim``
-    elements. With ``num_splits > 1`` each split writes a float32 partial output and LSE for every
-    query row, and the combine kernel reads them back and writes the final output (the
-    Flash-Decoding workspace); empty splits still write their (0, -inf) partial. With
-    ``num_splits == 1`` the split kernel writes the output and LSE directly.
+    The split kernel has one block per (split, sequence, KV head) (grid (KV heads, splits,
+    batch) for contiguous caches, (splits, batch, KV heads) for paged ones): each block reads its
+    share of its KV head's cache once and serves all ``nheads / nheads_k`` query heads of the GQA
+    group and all ``seqlen_q`` queries, so K and V cross HBM once: ``2 * batch * nheads_k *
+    seqlen_k * headdim`` elements. With ``num_splits > 1`` each split writes a float32 partial
+    output and LSE for every query row, and the merge (the fused combine's last block, or a
+    combine kernel) reads them back and writes the final output (the Flash-Decoding workspace);
+    empty splits still write their (0, -inf) partial. With ``num_splits == 1`` the split kernel
+    writes the output and LSE directly.
 
     Parameters
     ----------

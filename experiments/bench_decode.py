@@ -18,7 +18,7 @@ Besides ``cupyflash`` (the serving call: ``cache_seqlens`` a device array), the 
 ``cupyflash_dense``: the same call with ``cache_seqlens=None`` (attend to the whole cache), which
 is what SDPA is given; the difference is the cost of reading the lengths on the device; and
 ``cupyflash_plain``: the default call launched through ``cupy.RawKernel`` instead of as a
-programmatic dependent launch (``cupyflash.decode.PDL = False``; experiments/NOTES.md v15).
+programmatic dependent launch (``cupyflash.decode.pdl_launches(False)``; experiments/NOTES.md v15).
 
     python experiments/bench_decode.py --quick        # ~1 min on an H200
     python experiments/bench_decode.py                # batch {1, 16, 64}, cache 1k .. 128k

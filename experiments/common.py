@@ -188,6 +188,10 @@ def decode_pdl(enabled: bool):
     kernels) set to ``enabled``, restoring the previous value; a no-op for a cupyflash without
     the switch. Reads the flag per call, so a timed closure may enter it on every call."""
     from cupyflash import decode
+    if hasattr(decode, "pdl_launches"):
+        with decode.pdl_launches(enabled):
+            yield
+        return
     if not hasattr(decode, "PDL"):
         yield
         return

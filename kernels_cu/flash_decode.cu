@@ -20,7 +20,8 @@
 //   decode_append_kernel  writes new k/v tokens at cache_seqlens[b] (contiguous or paged), in
 //                         place, before the split kernel runs.
 // All three wait (common/pdl.cuh) before their first global load, so that they may be launched
-// as programmatic dependent launches (decode.py does on sm_90+).
+// as programmatic dependent launches: decode.py launches the append and split kernels so on
+// sm_90+; the combine kernel (merge_states, the unfused variants) is launched plainly.
 //
 // Work split inside a CTA: warp w owns keys [w * BLOCK_N / NWARPS, (w + 1) * BLOCK_N / NWARPS)
 // of every tile and keeps its own online-softmax state (m, l, acc) for the 16 rows; the NWARPS
@@ -691,7 +692,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float x = s[kw][nt][e] * p.scale_log2;
+                        const float x = __fmul_rn(s[kw][nt][e], p.scale_log2);
                         s[kw][nt][e] = x;
                         mx[e >> 1] = fmaxf(mx[e >> 1], x);
                     }
@@ -704,7 +705,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                     for (int e = 0; e < 4; ++e) {
                         const int rh = e >> 1;
                         const int j = key0 + kw * 16 + nt * 8 + 2 * t + (e & 1);
-                        float x = s[kw][nt][e] * p.scale_log2;
+                        float x = __fmul_rn(s[kw][nt][e], p.scale_log2);
                         if (!key_visible(range[rh], j)) x = neg_inf<float>();
                         s[kw][nt][e] = x;
                         mx[rh] = fmaxf(mx[rh], x);
@@ -717,7 +718,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
         }
         // kSkipRescale / kLazyRescale: the warp moves its rows' reference points only when some
-        // row gains (more than kLazyThreshold); m = -inf gains from any finite max.
+        // row gains (more than kLazyThreshold); m = -inf gains from any finite max. The scaled
+        // scores and the rescaled l are rounded products (__fmul_rn), so that the compiler cannot
+        // fuse them into a later add on one path and not on another: skipping a factor of exactly
+        // 1, or skipping the mask, then changes no bit.
         bool move = true;
         if constexpr (SKIP) {
             constexpr float th = LAZY ? kLazyThreshold : 0.f;
@@ -730,7 +734,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 const float m_new = fmaxf(m_i[rh], mx[rh]);
                 corr[rh] = rescale_factor(m_i[rh], m_new);
                 m_i[rh] = m_new;
-                l_i[rh] *= corr[rh];
+                l_i[rh] = __fmul_rn(l_i[rh], corr[rh]);
             }
 #pragma unroll
             for (int dt = 0; dt < HEADDIM / 8; ++dt)

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import ml_dtypes
+
 from cupyflash import checks, decode, jit, reference, testing
 
 LOG2E = math.log2(math.e)
@@ -97,7 +99,8 @@ def test_spec_names_and_table():
     assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
     assert decode.default_flags(128, True) == decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
     assert decode.default_flags(256, True) == decode.DEFAULT_FLAGS  # hd256: registers
-    assert decode.default_flags(64, False) == decode.DEFAULT_FLAGS
+    assert decode.default_flags(64, False) == decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS
+    assert decode.default_flags(256, False) == decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS
     assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 321>"
     c = decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_FUSED_COMBINE
                                  | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)
@@ -130,7 +133,7 @@ def test_spec_names_and_table():
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, True, flags=decode.FLAG_WARP_LOCAL)
     assert decode.split_kernel_spec("float16", 64, False).name == \
-        "decode_split_fp16_hd64_n128_w4_g16_s3_fused_rel"
+        "decode_split_fp16_hd64_n128_w4_g16_s3_fused_rel_cp"
     assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
     specs = decode.all_specs()
@@ -144,7 +147,7 @@ def test_spec_names_and_table():
     assert decode.split_config(64) == decode.SPLIT_CONFIGS[64]
     # contiguous hd128: the measured 128-key x 8-warp tile (one block per SM)
     assert decode.split_kernel_spec("bfloat16", 128, False).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp"
     assert decode.split_kernel_spec("bfloat16", 128, True).name == \
         "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
     with pytest.raises(TypeError, match="dtype"):
@@ -545,7 +548,7 @@ def _problem(**kw):
 
 def test_plan_llama_decode():
     p = decode.launch_config(_problem())
-    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel"
+    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp"
     assert p.grid == (8, 16, 1) and p.block == (256, 1, 1)
     assert p.num_splits == 16 and p.combine is None and p.append is None  # fused combine
     # fp32 partials, then int32 counters (batch, nheads_k, row_chunks)
@@ -558,11 +561,11 @@ def test_plan_llama_decode():
     assert p1.counter_elems == 0
     # 512 blocks unsplit (several waves): the 64-key tile at two blocks per SM (v9), but not
     # with an explicit num_splits or split_size (a row's result must not depend on the batch)
-    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel"
+    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel_cp"
     assert any("two blocks per SM" in r for r in p1.reasons)
     for kw, opts in ((dict(num_splits=1), {}), ({}, dict(split_size=4096))):
         pe = decode.launch_config(_problem(batch=64, seqlen_cache=4096, **kw), **opts)
-        assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel"
+        assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp"
     assert decode.launch_config(_problem(batch=16, seqlen_cache=4096)).template["block_n"] == 128
     assert decode.launch_config(_problem(batch=17, seqlen_cache=4096)).template["block_n"] == 64
     # only where two of those blocks fit an SM (an A100's 164 KB: one would; keep the 128 x 8)
@@ -604,7 +607,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
     # an sm_86-like device (99 KB per block): the 64-key tile with two stages
     r = decode.launch_config(_problem(), max_smem_per_block=101376, smem_per_sm=102400)
     assert r.template["stages"] == 2 and r.smem_bytes <= 101376
-    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel"
+    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp"
     assert any("does not fit" in x for x in r.reasons)
     with pytest.raises(ValueError, match="split_size"):
         decode.launch_config(_problem(), split_size=0)
@@ -619,7 +622,7 @@ def test_explain_kvcache_on_host_arrays():
     names = [r[0] for r in plan.rejected]
     assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid" in names
     assert "num_splits" in names
-    assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel" in names
+    assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel_cp" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
 
 
@@ -828,7 +831,7 @@ def test_plan_spec_matches_the_launch_geometry_on_small_smem_devices():
     q = np.zeros((1, 1, 32, 128), np.float16)
     kc = np.zeros((1, 4096, 8, 128), np.float16)
     p86 = decode.explain_kvcache(q, kc, kc, arch="sm_86", report=False)
-    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused_rel" and p86.block == (128, 1, 1)
+    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused_rel_cp" and p86.block == (128, 1, 1)
     assert p86.smem_bytes <= 99 * 1024
 
 
@@ -896,3 +899,41 @@ def test_public_grid_and_grid_order_cover_every_split_sequence_and_head_once(pag
                                              "max_pages_per_seq": 256} if paged else {})),)
     assert plan.grid == decode._split_grid(paged, plan.num_splits, batch,
                                            8 * plan.row_chunks)
+
+
+def test_grid_limits_checked_before_launch_and_grid_order_explained():
+    """Contiguous caches put num_splits on gridDim.y (<= 65535): more splits is a clear
+    ValueError from the planner (hence before any launch); paged caches put them on x. The plan
+    notes say the grid order and the PDL launch."""
+    q = np.zeros((1, 1, 8, 128), ml_dtypes.bfloat16)
+    kc = np.zeros((1, 256, 2, 128), ml_dtypes.bfloat16)
+    cs = np.array([256], np.int32)
+    with pytest.raises(ValueError, match="num_splits: 70000 exceeds 65535"):
+        decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=70000, report=False)
+    plan = decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=65535, report=False)
+    assert plan.kernel.grid == (2, 65535, 1)
+    notes = [r for k, r in plan.rejected if k == "note"]
+    assert any(r.startswith("grid (2, 65535, 1): (KV-head blocks, splits, batch)") for r in notes)
+    assert any("programmatic dependent launch" in r for r in notes)
+    pool = np.zeros((16, 16, 2, 128), ml_dtypes.bfloat16)
+    bt = np.arange(16, dtype=np.int32).reshape(1, 16)
+    paged = decode.explain_kvcache(q, pool, pool, cache_seqlens=cs, block_table=bt,
+                                   num_splits=70000, report=False)
+    assert paged.kernel.grid == (70000, 1, 2)
+
+
+def test_pdl_launches_restores_the_switch():
+    prev = decode.PDL
+    with decode.pdl_launches(not prev):
+        assert decode.PDL is (not prev)
+        with decode.pdl_launches(prev):
+            assert decode.PDL is prev
+        assert decode.PDL is (not prev)
+    assert decode.PDL is prev
+    with pytest.raises(RuntimeError):
+        with decode.pdl_launches(False):
+            raise RuntimeError("inside")
+    assert decode.PDL is prev
+    with pytest.raises(TypeError, match="enabled"):
+        with decode.pdl_launches(0):
+            pass

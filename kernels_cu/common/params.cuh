@@ -103,9 +103,10 @@ struct DecodeParams {
     int seqlen_cache;   // capacity per sequence in tokens (contiguous dim 1, or pages * page_size)
     int seqlen_new;     // tokens appended before attending (counted in each sequence's length)
     int page_size, page_shift, num_pages;  // page_shift = log2(page_size) or -1
-    int num_splits;     // gridDim.x
+    int num_splits;     // the split kernel's grid: gridDim.y (contiguous) or .x (paged)
     int split_tiles;    // > 0: fixed BLOCK_N-tiles per split; 0: ceil(tiles / num_splits)
-    int num_row_chunks; // ceil(h_per_kv * seqlen_q / GROUP): gridDim.z = nheads_k * num_row_chunks
+    int num_row_chunks; // ceil(h_per_kv * seqlen_q / GROUP); nheads_k * num_row_chunks blocks
+                        // on gridDim.x (contiguous) or .z (paged)
     int causal;
     float scale_log2;   // softmax_scale * log2(e)
 };

@@ -347,6 +347,42 @@ def test_cuda_graph_capture_and_replay(paged, ns):
         assert np.array_equal(replay.view(np.uint16), _host(fresh).view(np.uint16))
 
 
+def test_calls_without_workspace_share_the_streams_counters():
+    """Calls without ``workspace=`` take the fused combine's counters from a zero buffer kept per
+    stream: interleaved calls of two shapes and several split counts on two streams (the
+    partials of one shape lie where the other's counters would) all match the reference, the
+    buffers are zero afterwards, and capturing such a call in a graph is refused before launch."""
+    dtype = "bfloat16"
+    cases = [_nan_tailed_case(51, np.array([900, 0, 333], np.int32), 1024, 2, 8, 128, dtype),
+             _nan_tailed_case(52, np.array([70, 1000], np.int32), 1024, 1, 4, 64, dtype,
+                              page=16, table_seed=3)]
+    dev = [tuple(_dev(x) for x in (c.q, c.k_cache, c.v_cache, c.cache_seqlens, c.block_table))
+           for c in cases]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    for rnd in range(2):
+        for ns in (3, 16, 7):
+            for si, stream in enumerate(streams):
+                for case, (qd, kd, vd, csd, btd) in zip(cases, dev):
+                    with stream:
+                        out, lse = flash_attn_with_kvcache(qd, kd, vd, cache_seqlens=csd,
+                                                           block_table=btd, num_splits=ns,
+                                                           return_lse=True, validate=False)
+                        stream.synchronize()
+                    _check_against_reference(case, out, lse, dtype)
+    bufs = [v[1] for k, v in decode._COUNTERS.items() if k[1] in {s.ptr for s in streams}]
+    assert len(bufs) == 2 and all(int(cupy.count_nonzero(b)) == 0 for b in bufs)
+    qd, kd, vd, csd, btd = dev[0]
+    with streams[0]:
+        out = cupy.empty(qd.shape, qd.dtype)
+        streams[0].begin_capture()
+        try:
+            with pytest.raises(ValueError, match="workspace"):
+                flash_attn_with_kvcache(qd, kd, vd, cache_seqlens=csd, num_splits=4, out=out,
+                                        validate=False)
+        finally:
+            streams[0].end_capture()
+
+
 def test_bad_page_id_without_validation_is_memory_safe():
     """validate=False with a page id outside the pool: the kernels skip it (no out-of-bounds
     access; run under compute-sanitizer memcheck in the suite); other sequences are exact."""
@@ -755,16 +791,6 @@ def _late_copy(kernel, pairs, unused):
     kernel((132,), (256,), tuple(args) + (_LATE_NS,))
 
 
-class _PdlOff:
-    """``with _PdlOff():`` runs a block with decode.PDL False, restoring the previous value."""
-
-    def __enter__(self):
-        self.prev, decode.PDL = decode.PDL, False
-
-    def __exit__(self, *exc):
-        decode.PDL = self.prev
-
-
 @pytest.mark.parametrize("page,ns", [(0, 0), (0, 1), (16, 0), (64, 3)])
 def test_pdl_launch_waits_for_the_previous_kernel(page, ns):
     """The split kernel, launched as a programmatic dependent launch, may start before the
@@ -824,7 +850,7 @@ def test_pdl_launch_waits_for_the_previous_kernel(page, ns):
     cupy.cuda.Device().synchronize()
     _check_against_reference(case, out, lse, dtype)
     got, got_lse = _host(out).copy(), cupy.asnumpy(lse)
-    with _PdlOff():
+    with decode.pdl_launches(False):
         plain, plain_lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt,
                                                    num_splits=ns, return_lse=True)
     assert np.array_equal(_host(plain).view(np.uint16), got.view(np.uint16))
@@ -885,7 +911,7 @@ def test_pdl_in_a_graph_after_a_writer_and_with_append(paged):
             got = _host(out).copy()
             kcd[...] = kc0
             vcd[...] = vc0
-            with _PdlOff():
+            with decode.pdl_launches(False):
                 want = flash_attn_with_kvcache(srcs[0].copy(), kcd, vcd, srcs[1].copy(),
                                                srcs[2].copy(), cache_seqlens=csd,
                                                block_table=btd, num_splits=4)
