@@ -85,7 +85,7 @@ def measure(sweep, B, S, *, args, prov, ok_flash, ok_base, torch_impls, pages, n
     def run(impl, fn, page_size, num_splits, explain=None):
         rec = dict(base, impl=impl, page_size=page_size, num_splits=num_splits)
         try:
-            t = common.benchmark(fn, n_warmup=3, n_repeat=n_repeat, flush_l2=True)
+            t = common.benchmark(fn, n_warmup=3, n_repeat=n_repeat, flush_l2=args.flush)
             rec.update(t, us=t["ms"] * 1e3, tbps=kv_bytes / (t["ms"] * 1e-3) / 1e12,
                        tflops=flops / (t["ms"] * 1e-3) / 1e12)
             if explain is not None:
@@ -163,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-cache-gb", type=float, default=40.0)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--n-repeat", type=int, default=None)
+    ap.add_argument("--flush", choices=("read", "write"), default="read",
+                    help="how L2 is evicted before each timed call (common.flush_l2_cache; "
+                         "'write', the method before session 7, leaves dirty lines)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_decode.jsonl")
     args = ap.parse_args(argv)
     batches = args.batches or ([1, 16] if args.quick else [1, 16, 64])

@@ -12,8 +12,12 @@ and reports the median. Two habits keep the numbers honest:
   while the GPU is still busy and the events measure device time, not Python launch overhead
   (the nvbench technique); functions that synchronise internally defeat this, and their
   records then include host time;
-* ``flush_l2=True`` writes a 256 MB buffer between repetitions (the H200 has a 60 MB L2), so
-  inputs that would fit in L2 are read from HBM each time, as in a real model step.
+* ``flush_l2=True`` reads a 256 MB buffer between repetitions (the H200 has a 60 MB L2), so
+  inputs that would fit in L2 are read from HBM each time, as in a real model step. A read
+  leaves L2 holding clean lines. Until session 7 the flush *wrote* the buffer
+  (``flush_l2="write"``, still available). That left up to 60 MB of dirty lines, which the
+  timed call had to write back to HBM while it streamed: ~11 us (8%) of a 135 us decode over a
+  128k-key cache on the H200, for every implementation (experiments/NOTES.md v19).
 """
 from __future__ import annotations
 
@@ -225,16 +229,54 @@ def _spin_kernel():
 
 _FLUSH = {}
 
+_READ_FLUSH_SRC = r"""
+extern "C" __global__ void cupyflash_read_flush(const uint4* __restrict__ buf, unsigned long long n,
+                                                unsigned int* sink) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const uint4 x = buf[i];
+        acc.x ^= x.x; acc.y ^= x.y; acc.z ^= x.z; acc.w ^= x.w;
+    }
+    // never true for the zero-filled buffer; keeps the loads from being optimised away
+    if ((acc.x & acc.y & acc.z & acc.w) == 0xFFFFFFFFu) *sink = 1;
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _read_flush_kernel():
+    import cupy
+    return cupy.RawKernel(_READ_FLUSH_SRC, "cupyflash_read_flush")
+
+
+def flush_l2_cache(mode: str = "read") -> None:
+    """Evict L2 before a timed call (enqueued on CuPy's current stream): ``"read"`` streams a
+    256 MB buffer through it (L2 left holding clean lines), ``"write"`` fills the buffer (L2 left
+    holding dirty lines, which the next kernel pays to write back)."""
+    if mode not in ("read", "write"):
+        raise ValueError(f"mode: expected 'read' or 'write', got {mode!r}")
+    import cupy
+    buf = _flush_buffer()
+    if mode == "write":
+        buf.fill(0)
+        return
+    key = ("sink", cupy.cuda.Device().id)
+    if key not in _FLUSH:
+        _FLUSH[key] = cupy.zeros(1, dtype=cupy.uint32)
+    n = buf.nbytes // 16
+    _read_flush_kernel()((528,), (512,), (buf, np.uint64(n), _FLUSH[key]))
+
 
 def _flush_buffer(nbytes=256 << 20):
     import cupy
     key = (cupy.cuda.Device().id, nbytes)
     if key not in _FLUSH:
-        _FLUSH[key] = cupy.empty(nbytes, dtype=cupy.uint8)
+        _FLUSH[key] = cupy.zeros(nbytes, dtype=cupy.uint8)
     return _FLUSH[key]
 
 
-def benchmark(fn, *, n_warmup: int = 3, n_repeat: int = 20, flush_l2: bool = False,
+def benchmark(fn, *, n_warmup: int = 3, n_repeat: int = 20, flush_l2: bool | str = False,
               spin: bool = True, max_spin_ms: float = 500.0) -> dict:
     """Time ``fn()`` on the GPU with CUDA events; returns milliseconds.
 
@@ -244,8 +286,10 @@ def benchmark(fn, *, n_warmup: int = 3, n_repeat: int = 20, flush_l2: bool = Fal
         A list is cycled through (rotating inputs: each callable closes over its own buffers).
     n_warmup, n_repeat : int
         Untimed and timed calls.
-    flush_l2 : bool
-        Write a 256 MB buffer before each timed call (outside the events).
+    flush_l2 : bool or str
+        Evict L2 before each timed call (outside the events) with :func:`flush_l2_cache`:
+        ``True`` or ``"read"`` reads a 256 MB buffer, ``"write"`` writes it (the method before
+        session 7). The record's ``flush_l2`` says which (``"read"``, ``"write"`` or False).
     spin : bool
         Queue a spin kernel first so that host launch overhead does not leak into the device
         time (see the module docstring). Its length is sized from the measured host time of one
@@ -259,14 +303,16 @@ def benchmark(fn, *, n_warmup: int = 3, n_repeat: int = 20, flush_l2: bool = Fal
     """
     import cupy
     fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
-    flush = _flush_buffer() if flush_l2 else None
+    mode = ("read" if flush_l2 is True else flush_l2) if flush_l2 else False
+    if mode:
+        flush_l2_cache(mode)  # validates the mode; allocates and compiles outside the timing
     for i in range(max(1, n_warmup)):
         fns[i % len(fns)]()
     cupy.cuda.Device().synchronize()
     t0 = time.perf_counter()
     for i in range(min(3, n_repeat)):
-        if flush is not None:
-            flush.fill(0)
+        if mode:
+            flush_l2_cache(mode)
         fns[i % len(fns)]()
     host_ms = (time.perf_counter() - t0) * 1e3 / min(3, n_repeat)
     cupy.cuda.Device().synchronize()
@@ -276,8 +322,8 @@ def benchmark(fn, *, n_warmup: int = 3, n_repeat: int = 20, flush_l2: bool = Fal
         ns = int(min(max_spin_ms, 1.5 * host_ms * n_repeat + 1.0) * 1e6)
         _spin_kernel()((1,), (1,), (np.uint64(ns),))
     for i in range(n_repeat):
-        if flush is not None:
-            flush.fill(0)
+        if mode:
+            flush_l2_cache(mode)
         starts[i].record()
         fns[i % len(fns)]()
         ends[i].record()
@@ -285,7 +331,7 @@ def benchmark(fn, *, n_warmup: int = 3, n_repeat: int = 20, flush_l2: bool = Fal
     ms = np.array([cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends)])
     return {"ms": float(np.median(ms)), "ms_min": float(ms.min()),
             "ms_p20": float(np.percentile(ms, 20)), "ms_p80": float(np.percentile(ms, 80)),
-            "n_repeat": n_repeat, "flush_l2": flush_l2, "host_ms": round(host_ms, 4)}
+            "n_repeat": n_repeat, "flush_l2": mode, "host_ms": round(host_ms, 4)}
 
 
 # ------------------------------------------------------------------------------------------------

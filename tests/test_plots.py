@@ -248,3 +248,15 @@ def test_run_profiled_returns_both_streams_and_kills_on_timeout():
     with pytest.raises(TimeoutError, match="exceeded"):
         exp_hbm.run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
     assert exp_hbm._CHILD[0] is None
+
+
+def test_flush_modes_and_read_flush_kernel_compiles():
+    """The L2 flush of the benchmarks: a bad mode is refused before any GPU work, and the read
+    flush's kernel compiles with NVRTC (no GPU needed)."""
+    import common
+    with pytest.raises(ValueError, match="mode"):
+        common.flush_l2_cache("bogus")
+    from cupy.cuda import nvrtc
+    prog = nvrtc.createProgram(common._READ_FLUSH_SRC, "read_flush.cu", [], [])
+    nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90"])
+    assert "cupyflash_read_flush" in nvrtc.getPTX(prog).decode()
