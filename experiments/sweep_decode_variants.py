@@ -71,6 +71,10 @@ def variants():
     contiguous += [V(bn, w, 3, F | R | x, 1, pdl=True) for bn, w in ((128, 8), (64, 4))
                    for x in (P, P | K, P | L, P | L | M, P | K | M | Q, P | L | M | Q)]
     paged += [V(128, 8, 3, F | R | S | x, pdl=True) for x in (K | M, L | M | Q)]
+    # v19b: K and V in separate cp.async groups (v11) on top of the copy pointers, for the short
+    # caches at batch 16-64 (the remaining gap to cuDNN)
+    from cupyflash.decode import FLAG_KV_GROUPS as G
+    contiguous += [V(bn, w, 3, F | R | P | G, 1, pdl=True) for bn, w in ((128, 8), (64, 4))]
     return contiguous, paged
 
 

@@ -224,7 +224,8 @@ _LOOP = [decode.FLAG_COPY_POINTERS, decode.FLAG_COPY_POINTERS | decode.FLAG_SKIP
          decode.FLAG_COPY_POINTERS | decode.FLAG_LAZY_RESCALE | decode.FLAG_MASK_FAST
          | decode.FLAG_Q_REGS]
 VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | x, 1, pdl=True)
-             for bn, w in ((128, 8), (64, 4)) for x in _LOOP]
+             for bn, w in ((128, 8), (64, 4))
+             for x in _LOOP + [decode.FLAG_COPY_POINTERS | decode.FLAG_KV_GROUPS]]
 
 
 def test_loop_flags_rejected_where_they_do_not_apply():
