@@ -40,8 +40,12 @@ bytes. The page ids of a tile are copied from ``block_table`` into a shared-memo
 earlier K/V tiles, so no lookup stalls the loop; when ``page_size`` is a multiple of the tile's
 ``block_n`` a tile lies in one page and one id per tile is copied. Powers of two compute the page
 slot with a shift, other sizes with one integer division per key row: powers of two (1, 2, 4,
-..., 256) are the fast sizes, others are expected to be within a few percent (measured: pages
-of 16 and 256 in ``experiments/bench_decode.py``, 0-4% below contiguous caches on the H200).
+..., 256) are the fast sizes, others are expected to be within a few percent of them. Measured
+on the H200 (``experiments/bench_decode.py``, pages of 16 and 256, shuffled tables, L2 evicted
+by a read between calls): 1-3% below contiguous caches from 16k keys at batch 16-64, 4-10% at
+1k-8k keys, and up to 20% at batch 1 with 8k-16k keys (a paged split issues its first K/V copies
+only after its page ids have landed; contiguous caches also copy with precomputed row pointers,
+experiments/NOTES.md v18-v19).
 
 CUDA graphs
 -----------
