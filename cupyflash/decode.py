@@ -43,9 +43,9 @@ slot with a shift, other sizes with one integer division per key row: powers of 
 ..., 256) are the fast sizes, others are expected to be within a few percent of them. Measured
 on the H200 (``experiments/bench_decode.py``, pages of 16 and 256, shuffled tables, L2 evicted
 by a read between calls): 1-3% below contiguous caches from 16k keys at batch 16-64, 4-10% at
-1k-8k keys, and up to 20% at batch 1 with 8k-16k keys (a paged split issues its first K/V copies
-only after its page ids have landed; contiguous caches also copy with precomputed row pointers,
-experiments/NOTES.md v18-v19).
+1k-8k keys, and up to 20% at batch 1 with 8k-16k keys (not analysed yet; differences: a paged
+split issues its first K/V copies only after its page ids have landed, and contiguous caches
+copy with precomputed row pointers, experiments/NOTES.md v18-v19).
 
 CUDA graphs
 -----------
