@@ -297,7 +297,14 @@ def fig4_roofline(results: Path, figures: Path) -> list:
 
 # ------------------------------------------------------------------------------------------------
 def fig5_decode(results: Path, figures: Path) -> list:
+    """Figure 5 from one run: the newest full ``bench_decode.py`` run (the last one with a
+    batch-64 point; ``--quick`` runs, such as the GPU suite's, have none), records of its commit
+    and L2 flush method only, so that one figure never mixes machines or methods."""
     recs = load(results, "bench_decode", "decode", need=("tbps", "seqlen_k"))
+    full = [r for r in recs if r.get("sweep") == "main" and r.get("batch") == 64]
+    if full:
+        run = (full[-1].get("commit"), full[-1].get("flush_l2"))
+        recs = [r for r in recs if (r.get("commit"), r.get("flush_l2")) == run]
     recs = latest(recs, lambda r: (r["impl"], r["batch"], r["seqlen_k"], r.get("page_size"),
                                    r.get("num_splits"), r.get("sweep")))
     ceil = [r["tbps"] for r in common.read_jsonl(results / "bench_ceilings.jsonl")
