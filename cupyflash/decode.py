@@ -59,8 +59,8 @@ so it can be captured in a CUDA graph. The number of splits depends only on shap
 Fused combine
 -------------
 With more than one split, the split kernel also merges: each block writes its fp32 partial,
-then one thread increments an arrival counter of its (batch, KV head, row chunk) in the
-workspace with a release/acquire atomic (``atom.acq_rel.gpu``, after a block barrier); the
+then one thread increments an arrival counter of its (batch, KV head, row chunk) (in the
+workspace, or in the per-stream buffer below) with a release/acquire atomic (``atom.acq_rel.gpu``, after a block barrier); the
 block that arrives last reads all the partials (through L2, the loads of 16 parts in flight
 at once, 8 with at most 8 splits; merged a batch at a time without branches: batch max,
 independent weights, empty parts masked by selects) and writes the output and LSE, then resets
@@ -99,6 +99,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -476,8 +477,9 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         Unsupported dtype (float32/float64: no tensor-core decode path).
     ValueError
         ``split_size`` not a positive int; no stage count fits the device's shared memory;
-        ``num_splits`` or ``batch`` above 65535 (the grid's y and z limits; contiguous caches
-        put ``num_splits`` on y, paged caches on x).
+        a grid dimension over its limit: contiguous caches launch (nheads_k * row chunks,
+        num_splits, batch), paged caches (num_splits, batch, nheads_k * row chunks), with y and
+        z at most 65535.
     """
     p = problem
     reasons = []
@@ -566,7 +568,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         ws = workspace_elems(p.batch, p.seqlen_q, p.nheads, p.headdim, num_splits) + counters
         reasons.append(f"{num_splits} splits: the last split block of each (batch, KV head, row "
                        "chunk) merges the partials (fused combine; arrival counters in the "
-                       "workspace)")
+                       "workspace, or in a zero buffer kept per stream when none is passed)")
     else:
         reasons.append("one split: the split kernel writes the output directly (no combine)")
     append = append_kernel_spec(p.paged).name if p.seqlen_new > 0 else None
@@ -968,8 +970,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Scratch for the fp32 partials and the fused combine's int32 counters, at least
         :func:`workspace_size` elements, from :func:`alloc_workspace` (or zero-filled once: the
         counters at its end must start at zero; each launch leaves them zero), contiguous and
-        16-byte aligned; allocated per call if None. Pass it (with ``out``,
-        ``validate=False`` and ``return_lse=False``) to capture in a CUDA graph.
+        16-byte aligned. If None, the partials come from CuPy's memory pool and the counters
+        from a zero-filled buffer kept per (device, stream) (per host thread on CuPy's
+        per-thread default stream); such a call cannot be captured in a CUDA graph. Pass it
+        (with ``out``, ``validate=False`` and ``return_lse=False``) to capture in a CUDA graph.
 
     Returns
     -------
@@ -986,7 +990,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     ValueError
         From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
         ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small or not
-        16-byte aligned.
+        16-byte aligned; no ``workspace`` while the stream captures a CUDA graph (with more
+        than one split); a grid dimension over its limit (see :func:`launch_config`).
     """
     opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
     if opts is not None and validate is False:  # the warm path (dispatch.LAUNCH_CACHE)
@@ -1177,12 +1182,27 @@ _NULL = np.uint64(0)  # a NULL pointer argument (CuPy would pass None as a NULL 
 # per (device, stream), grown on demand. Every complete launch leaves the counters it used at
 # zero, so calls in stream order can share them whatever their shapes, and a call costs no
 # memset launch (bench_decode v18: ~0.6 us of a 12 us call at batch 1). Keyed by the stream
-# object (a weak reference): a new stream that reuses a destroyed one's handle gets a new buffer.
+# object (a weak reference, whose death drops the entry): a new stream that reuses a destroyed
+# one's handle gets a new buffer. CuPy's per-thread default stream is one object whose work runs
+# on each host thread's own CUDA stream, so its buffers are kept per host thread.
 _COUNTERS: dict = {}
+_COUNTERS_PER_THREAD = threading.local()
+
+
+def _drop_counters(table: dict, key, ref) -> None:
+    """Weak-reference callback: the stream died; forget its buffer (unless already replaced)."""
+    hit = table.get(key)
+    if hit is not None and hit[0] is ref:
+        del table[key]
 
 
 def _stream_counters(nbytes: int) -> int:
-    """Device address of at least ``nbytes`` zero bytes of counters for the current stream."""
+    """Device address of at least ``nbytes`` zero bytes of counters for the current stream.
+
+    Raises
+    ------
+    ValueError
+        The stream is capturing a CUDA graph (the caller must pass ``workspace=``)."""
     import cupy
     stream = cupy.cuda.get_current_stream()
     try:
@@ -1193,11 +1213,17 @@ def _stream_counters(nbytes: int) -> int:
         raise ValueError("workspace: a call captured in a CUDA graph needs workspace= "
                          "(alloc_workspace): a buffer allocated inside the call would be freed "
                          "while the graph still uses it")
-    key = (cupy.cuda.runtime.getDevice(), stream.ptr)
-    hit = _COUNTERS.get(key)
+    device = cupy.cuda.runtime.getDevice()
+    if stream.ptr == cupy.cuda.runtime.streamPerThread:
+        table = _COUNTERS_PER_THREAD.__dict__.setdefault("table", {})
+    else:
+        table = _COUNTERS
+    key = (device, stream.ptr)
+    hit = table.get(key)
     if hit is None or hit[0]() is not stream or hit[1].nbytes < nbytes:
         buf = cupy.zeros(max(-(-nbytes // 4), 1024), cupy.int32)  # memset on this stream
-        _COUNTERS[key] = hit = (weakref.ref(stream), buf)
+        ref = weakref.ref(stream, functools.partial(_drop_counters, table, key))
+        table[key] = hit = (ref, buf)
     return hit[1].data.ptr
 
 
@@ -1205,21 +1231,20 @@ def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, o
     """Allocate what the caller did not pass and launch append / split / combine for the
     :class:`_KVCacheLaunch` ``e`` on the current device (that of every array)."""
     import cupy
+    counters = None  # device address of the fused combine's counters
+    if e.ws_need and workspace is None:
+        # first, before anything is enqueued (refused while capturing a graph): the counters
+        # from the stream's zero buffer, the partials from CuPy's pool (no kernel)
+        counters = _stream_counters(e.counters_nbytes)
+        workspace = cupy.empty(e.counters_bytes // 4, cupy.float32)
+    elif e.ws_need:
+        counters = workspace.data.ptr + e.counters_bytes
     if e.copy_seqlens:
         cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
     if out is None:
         out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty(e.lse_shape, cupy.float32) if e.lse_shape is not None else None
     ns = e.plan.num_splits
-    counters = None  # device address of the fused combine's counters
-    if e.ws_need and workspace is None:
-        # the partials from CuPy's pool (no kernel); the counters from the stream's buffer,
-        # zero (every complete launch leaves the counters it used at zero)
-        workspace = cupy.empty(e.counters_bytes // 4, cupy.float32)
-        if e.counters_nbytes:
-            counters = _stream_counters(e.counters_nbytes)
-    elif e.ws_need:
-        counters = workspace.data.ptr + e.counters_bytes
     bt = block_table if block_table is not None else _NULL
     pdl = PDL and e.split_pdl is not None
     if pdl:  # programmatic dependent launches (module docstring), pointers as ints

@@ -297,14 +297,17 @@ def fig4_roofline(results: Path, figures: Path) -> list:
 
 # ------------------------------------------------------------------------------------------------
 def fig5_decode(results: Path, figures: Path) -> list:
-    """Figure 5 from one run: the newest full ``bench_decode.py`` run (the last one with a
-    batch-64 point; ``--quick`` runs, such as the GPU suite's, have none), records of its commit
-    and L2 flush method only, so that one figure never mixes machines or methods."""
+    """Figure 5 from the newest full ``bench_decode.py`` run: the last one with a batch-64 point
+    (``--quick`` runs, such as the GPU suite's, have none), the records with its commit, L2
+    flush method and repeat count (quick runs time 20 calls, full ones 30), so that a quick run
+    at the same commit does not replace its points."""
     recs = load(results, "bench_decode", "decode", need=("tbps", "seqlen_k"))
     full = [r for r in recs if r.get("sweep") == "main" and r.get("batch") == 64]
     if full:
-        run = (full[-1].get("commit"), full[-1].get("flush_l2"))
-        recs = [r for r in recs if (r.get("commit"), r.get("flush_l2")) == run]
+        def run(r):
+            return r.get("commit"), r.get("flush_l2"), r.get("n_repeat")
+        ref = run(full[-1])
+        recs = [r for r in recs if run(r) == ref]
     recs = latest(recs, lambda r: (r["impl"], r["batch"], r["seqlen_k"], r.get("page_size"),
                                    r.get("num_splits"), r.get("sweep")))
     ceil = [r["tbps"] for r in common.read_jsonl(results / "bench_ceilings.jsonl")

@@ -73,7 +73,8 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
 namespace decode_flags {
 // The last split block to finish for a (batch, KV head, row chunk) merges all splits of its rows
 // and writes the final output and LSE (no combine launch). Needs a counter per (batch, KV head,
-// row chunk) in the workspace, zero before the first launch; the last block resets it to zero,
+// row chunk) in a buffer the launcher passes (the workspace, or decode.py's per-stream zero
+// buffer), zero before the first launch; the last block resets it to zero,
 // so the launch can be replayed (CUDA graphs).
 constexpr int kFusedCombine = 1;
 // K/V copies carry an L2 evict_first cache policy (cp.async ... .L2::cache_hint).
@@ -457,8 +458,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     auto fetch_pages = [&](int tile) { fetch_page_ids(tile, tile_end, len); };
     const uint64_t policy =
         (FLAGS & decode_flags::kEvictFirst) ? decode_detail::l2_evict_first_policy() : 0ull;
-    // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],
-    // visible to every thread), then the page-id copies of tile + STAGES - 1.
     constexpr int kCopies = WL ? Tr::kWarpCopies : Tr::kCopiesPerThread;
     constexpr int kPass = WL ? Tr::kWarpRowsPerPass : Tr::kRowsPerPass;
     // kCopyPointers: this thread's copies of `tile` into sK / sV (do_k, do_v: literal flags);
@@ -491,6 +490,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             }
         }
     };
+    // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],
+    // visible to every thread), then the page-id copies of tile + STAGES - 1.
     auto load_tile = [&](int stage, int tile) {
         T* sK = sStages + stage * Tr::kStageElems;
         T* sV = sK + Tr::kTileElems;

@@ -103,10 +103,11 @@ struct DecodeParams {
     int seqlen_cache;   // capacity per sequence in tokens (contiguous dim 1, or pages * page_size)
     int seqlen_new;     // tokens appended before attending (counted in each sequence's length)
     int page_size, page_shift, num_pages;  // page_shift = log2(page_size) or -1
-    int num_splits;     // the split kernel's grid: gridDim.y (contiguous) or .x (paged)
+    int num_splits;     // the split kernel's grid: gridDim.y (grid_order 1) or .x (grid_order 0)
     int split_tiles;    // > 0: fixed BLOCK_N-tiles per split; 0: ceil(tiles / num_splits)
     int num_row_chunks; // ceil(h_per_kv * seqlen_q / GROUP); nheads_k * num_row_chunks blocks
-                        // on gridDim.x (contiguous) or .z (paged)
+                        // on gridDim.x (grid_order 1) or .z (grid_order 0); decode.py launches
+                        // contiguous caches with order 1, paged ones with order 0
     int causal;
     float scale_log2;   // softmax_scale * log2(e)
 };
