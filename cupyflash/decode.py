@@ -58,18 +58,17 @@ so it can be captured in a CUDA graph. The number of splits depends only on shap
 
 Fused combine
 -------------
-With more than one split, the split kernel also merges: each block writes its fp32 partial,
-then one thread increments an arrival counter of its (batch, KV head, row chunk) (in the
-workspace, or in the per-stream buffer below) with a release/acquire atomic (``atom.acq_rel.gpu``, after a block barrier); the
-block that arrives last reads all the partials (through L2, the loads of 16 parts in flight
-at once, 8 with at most 8 splits; merged a batch at a time without branches: batch max,
-independent weights, empty parts masked by selects) and writes the output and LSE, then resets
-the counter to zero. There is no combine launch (H200, v1 sweep: +3% at batch 1 x
-128k, +24% at batch 1 x 8k). Merging the splits of a head through distributed shared memory in
-one thread-block cluster (``FLAG_CLUSTER_COMBINE``, :mod:`cupyflash.launch`) is a measured
-variant, not the default: on the H200 it is ~1 us faster where its clusters fit one wave, but
-clusters of 4-16 blocks leave 12-20 SMs idle, so the split counts that fill the GPU run a
-second wave (experiments/NOTES.md v8).
+With more than one split, the split kernel also merges: each block writes its fp32 partial, then
+one thread increments an arrival counter of its (batch, KV head, row chunk) (in the workspace, or
+in the per-stream buffer below) with a release/acquire atomic (``atom.acq_rel.gpu``, after a block
+barrier); the block that arrives last reads all the partials (through L2, the loads of 16 parts in
+flight at once, 8 with at most 8 splits; merged a batch at a time without branches: batch max,
+independent weights, empty parts masked by selects) and writes the output and LSE, then resets the
+counter to zero. There is no combine launch (H200, v1 sweep: +3% at batch 1 x 128k, +24% at batch 1
+x 8k). Merging the splits of a head through distributed shared memory in one thread-block cluster
+(``FLAG_CLUSTER_COMBINE``, :mod:`cupyflash.launch`) is a measured variant, not the default: on the
+H200 it is ~1 us faster where its clusters fit one wave, but clusters of 4-16 blocks leave 12-20
+SMs idle, so the split counts that fill the GPU run a second wave (experiments/NOTES.md v8).
 
 The counters must be zero before a launch: :func:`alloc_workspace` returns a zero-filled
 workspace, and every complete launch leaves them zero. A call without ``workspace=`` takes its
@@ -137,6 +136,8 @@ def pdl_launches(enabled: bool):
         yield
     finally:
         PDL = prev
+
+
 #: Element types of the split kernel (tensor cores).
 DTYPES = ("float16", "bfloat16")
 #: Compiled head dims; a head dim d runs with the smallest compiled one >= d.

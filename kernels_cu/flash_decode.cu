@@ -483,8 +483,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             for (int c = 0; c < kCopies; ++c) {
                 const int off = Tr::kv_offset(row0 + c * kPass, chunk);
                 const bool valid = c * kPass < rem;
-                if (do_k) cp_async_kv<FLAGS>(smem_u32addr(sK + off), valid ? kp : kbase, valid, policy);
-                if (do_v) cp_async_kv<FLAGS>(smem_u32addr(sV + off), valid ? vp : vbase, valid, policy);
+                if (do_k)
+                    cp_async_kv<FLAGS>(smem_u32addr(sK + off), valid ? kp : kbase, valid, policy);
+                if (do_v)
+                    cp_async_kv<FLAGS>(smem_u32addr(sV + off), valid ? vp : vbase, valid, policy);
                 kp += kstep;
                 vp += vstep;
             }
@@ -622,7 +624,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     uint32_t qfrag[QREGS ? HEADDIM / 16 : 1][4];  // kQRegs: Q's A fragments, 16 dims each
     if constexpr (QREGS) {
 #pragma unroll
-        for (int ks = 0; ks < HEADDIM / 16; ++ks) ldmatrix_x4(qfrag[ks], sQ_addr + ks * 16 * (int)sizeof(T));
+        for (int ks = 0; ks < HEADDIM / 16; ++ks)
+            ldmatrix_x4(qfrag[ks], sQ_addr + ks * 16 * (int)sizeof(T));
     }
     // kMaskFast: a tile [n0, n0 + BLOCK_N) needs no mask iff n0 >= lo of the block's last valid
     // row and n0 + BLOCK_N <= hi of its first (visible_keys' bounds are non-decreasing in the row).
