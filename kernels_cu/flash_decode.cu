@@ -493,19 +493,12 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         }
     };
     // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],
-    // visible to every thread), then the page-id copies of tile + STAGES - 1.
-    auto load_tile = [&](int stage, int tile) {
+    // visible to every thread), then the page-id copies of tile + STAGES - 1; one address
+    // computation per copy (load_tile below uses copy_tile_pointers instead with kCopyPointers).
+    auto load_tile_rows = [&](int stage, int tile) {
         T* sK = sStages + stage * Tr::kStageElems;
         T* sV = sK + Tr::kTileElems;
         const int* ids = sPage + (tile % STAGES) * BLOCK_N;
-        if constexpr (CP) {
-            copy_tile_pointers(sK, sV, tile, true, !KVG);
-            if constexpr (KVG) {
-                cp_async_commit();  // the K group; the caller's commit closes the V group
-                copy_tile_pointers(sK, sV, tile, false, true);
-            }
-            return;
-        }
 #pragma unroll
         for (int c = 0; c < kCopies; ++c) {
             const int row = row0 + c * kPass;
@@ -548,6 +541,19 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 cp_async_kv<FLAGS>(smem_u32addr(sV + Tr::kv_offset(row, chunk)),
                                    valid ? vcol + voff : vbase, valid, policy);
             }
+        }
+    };
+    auto load_tile = [&](int stage, int tile) {
+        if constexpr (CP) {
+            T* sK = sStages + stage * Tr::kStageElems;
+            T* sV = sK + Tr::kTileElems;
+            copy_tile_pointers(sK, sV, tile, true, !KVG);
+            if constexpr (KVG) {
+                cp_async_commit();  // the K group; the caller's commit closes the V group
+                copy_tile_pointers(sK, sV, tile, false, true);
+            }
+        } else {
+            load_tile_rows(stage, tile);
         }
     };
     // Issues tile `tile` into `stage` if `issue`, and always kGroupsPerTile commits, so that
