@@ -468,6 +468,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         const T* vp = vcol + (int64_t)r0 * p.v_row_stride;
         const int64_t kstep = (int64_t)kPass * p.k_row_stride;
         const int64_t vstep = (int64_t)kPass * p.v_row_stride;
+        // Two loops on purpose: merged (valid = full || c * kPass < rem), nvcc keeps the
+        // per-copy selects on full tiles too (one path instead of two in the SASS).
         if (col_ok && tile * BLOCK_N + BLOCK_N <= len) {  // every row of the tile is valid
 #pragma unroll
             for (int c = 0; c < kCopies; ++c) {
@@ -695,32 +697,20 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         // scale to the log2 domain and mask: -inf outside the row's visible range (incl. j >= len)
         float mx[2] = {neg_inf<float>(), neg_inf<float>()};
         const int n0 = (tile_begin + it) * BLOCK_N;
-        if (MASKFAST && n0 >= unmasked_lo && n0 + BLOCK_N <= unmasked_hi) {
+        const bool masked = !(MASKFAST && n0 >= unmasked_lo && n0 + BLOCK_N <= unmasked_hi);
 #pragma unroll
-            for (int kw = 0; kw < Tr::kKSteps; ++kw)
+        for (int kw = 0; kw < Tr::kKSteps; ++kw)
 #pragma unroll
-                for (int nt = 0; nt < 2; ++nt)
+            for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float x = __fmul_rn(s[kw][nt][e], p.scale_log2);
-                        s[kw][nt][e] = x;
-                        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-                    }
-        } else {
-#pragma unroll
-            for (int kw = 0; kw < Tr::kKSteps; ++kw)
-#pragma unroll
-                for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int rh = e >> 1;
-                        const int j = key0 + kw * 16 + nt * 8 + 2 * t + (e & 1);
-                        float x = __fmul_rn(s[kw][nt][e], p.scale_log2);
-                        if (!key_visible(range[rh], j)) x = neg_inf<float>();
-                        s[kw][nt][e] = x;
-                        mx[rh] = fmaxf(mx[rh], x);
-                    }
-        }
+                for (int e = 0; e < 4; ++e) {
+                    const int rh = e >> 1;
+                    const int j = key0 + kw * 16 + nt * 8 + 2 * t + (e & 1);
+                    float x = __fmul_rn(s[kw][nt][e], p.scale_log2);
+                    if (masked && !key_visible(range[rh], j)) x = neg_inf<float>();
+                    s[kw][nt][e] = x;
+                    mx[rh] = fmaxf(mx[rh], x);
+                }
         // row max over the quad (the 4 threads holding one row), then rescale the old state
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
