@@ -112,6 +112,7 @@ __all__ = [
     "split_config", "DecodeLaunch",
     "MAX_SPLITS", "MIN_TILES_PER_SPLIT", "launch_config",
     "padded_headdim", "split_smem_bytes", "kernel_spec", "split_kernel_spec", "default_flags",
+    "paged_copy_pointers_refusal",
     "combine_kernel_spec", "append_kernel_spec", "all_specs", "choose_num_splits",
     "split_layout", "plan_decode", "workspace_elems", "workspace_size", "alloc_workspace",
     "explain_kvcache", "flash_attn_with_kvcache", "merge_states", "pdl_launches",
@@ -260,8 +261,10 @@ FLAG_SPEC_PAGE_IDS = 256
 FLAG_PDL_EARLY_TRIGGER = 512
 FLAG_PDL_NO_TRIGGER = 1024
 #: Tile-loop instruction count (v18, experiments/NOTES.md; ``decode_flags`` in flash_decode.cu).
-#: ``FLAG_COPY_POINTERS`` (contiguous caches only): K/V source pointers advanced by a row step per
-#: copy, and tiles wholly inside the sequence copied without per-copy tests.
+#: ``FLAG_COPY_POINTERS``: K/V source pointers advanced by a row step per copy, and tiles wholly
+#: inside the sequence copied without per-copy tests; on paged caches (v20; a power-of-two
+#: ``page_size`` and 32-bit strides, :func:`paged_copy_pointers_refusal`) one page id per page
+#: of a tile instead of one per row, and each copy's address from a shift and a mask.
 #: ``FLAG_SKIP_RESCALE``: no accumulator rescale on a tile where no row of the warp moved its max
 #: (the skipped factors are exactly 1). ``FLAG_LAZY_RESCALE``: the max moves only when some row
 #: would gain more than 8 (log2 units; FlashAttention-4's conditional rescaling; the same result
@@ -300,6 +303,20 @@ def default_flags(headdim: int, paged: bool) -> int:
     return DEFAULT_FLAGS | FLAG_COPY_POINTERS
 
 
+def paged_copy_pointers_refusal(page_size: int, k_strides, v_strides) -> str | None:
+    """Why a paged cache cannot take the copy-pointer kernel (:data:`FLAG_COPY_POINTERS`), or
+    None when it can: the kernel needs a power-of-two ``page_size`` (a shift and a mask instead
+    of a division) and 32-bit page strides and in-page row offsets (``k_strides``/``v_strides``:
+    the caches' strides in elements, (page, row, head, dim)); launched otherwise, it traps."""
+    if page_size < 1 or page_size & (page_size - 1):
+        return f"page_size {page_size} is not a power of two"
+    for name, st in (("k_cache", k_strides), ("v_cache", v_strides)):
+        for what, x in (("page stride", st[0]), ("page_size x row stride", page_size * st[1])):
+            if not 0 <= x < 2 ** 31:
+                return f"{name}: {what} {x} elements does not fit in 32 bits"
+    return None
+
+
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
                       nwarps: int | None = None, stages: int | None = None,
                       flags: int | None = None) -> jit.KernelSpec:
@@ -319,11 +336,9 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
         raise ValueError(f"flags: expected an int in [0, {_FLAG_LIMIT}), got {flags!r}")
     if flags & FLAG_PDL_EARLY_TRIGGER and flags & FLAG_PDL_NO_TRIGGER:
         raise ValueError("flags: FLAG_PDL_EARLY_TRIGGER and FLAG_PDL_NO_TRIGGER exclude each other")
-    for bit, bit_name in ((FLAG_WARP_LOCAL, "FLAG_WARP_LOCAL"),
-                          (FLAG_COPY_POINTERS, "FLAG_COPY_POINTERS")):
-        if flags & bit and paged:
-            raise ValueError(f"flags: {bit_name} is for contiguous caches, got flags={flags}, "
-                             f"paged={paged}")
+    if flags & FLAG_WARP_LOCAL and paged:
+        raise ValueError(f"flags: FLAG_WARP_LOCAL is for contiguous caches, got flags={flags}, "
+                         f"paged={paged}")
     if flags & FLAG_Q_REGS and headdim > 128:
         raise ValueError(f"flags: FLAG_Q_REGS is for head dims up to 128 (the hd256 kernel is at "
                          f"255 registers and would spill), got headdim={headdim}")
@@ -1406,6 +1421,10 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
     bt_bs = _estrides(block_table)[0] if block_table is not None else 0
     page_size = prob.page_size if prob.paged else 1
     page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
+    if prob.paged and variant.flags & FLAG_COPY_POINTERS:
+        why = paged_copy_pointers_refusal(page_size, ks, vs)
+        if why is not None:
+            raise ValueError(f"variant: FLAG_COPY_POINTERS on a paged cache: {why}")
     final = ns == 1 or fused or cluster > 1
     i64, i32 = np.int64, np.int32
     args = (q, k_cache, v_cache,

@@ -75,6 +75,10 @@ def variants():
     # caches at batch 16-64 (the remaining gap to cuDNN)
     from cupyflash.decode import FLAG_KV_GROUPS as G
     contiguous += [V(bn, w, 3, F | R | P | G, 1, pdl=True) for bn, w in ((128, 8), (64, 4))]
+    # v20: copy pointers on paged caches (one page id per page, shift-and-mask addresses), in
+    # both grid orders (heads first was slower on pages before, v16)
+    paged += [V(bn, w, 3, F | R | S | P, order, pdl=True) for bn, w in ((128, 8), (64, 4))
+              for order in (0, 1)]
     return contiguous, paged
 
 

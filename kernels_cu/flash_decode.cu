@@ -60,6 +60,8 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
     return r;
 }
 
+__device__ __forceinline__ bool fits_i32(int64_t x) { return x >= 0 && x <= 0x7fffffff; }
+
 // An L2 policy that marks lines evict-first (K/V are streamed once per decode step).
 __device__ __forceinline__ uint64_t l2_evict_first_policy() {
     uint64_t pol;
@@ -125,6 +127,13 @@ constexpr int kPdlNoTrigger = 1024;
 // a precomputed row step per copy (64-bit adds) instead of a 64-bit j * row_stride product per
 // copy; a tile whose rows all lie below len (and a thread whose column is inside headdim) copies
 // without the per-copy validity test and address select.
+// Paged caches (page_size a power of two; the launcher checks, the kernel traps otherwise): the
+// ring holds one page id per page of the tile instead of one per row (BLOCK_N / page_size ids,
+// or one when a page holds whole tiles), so a tile needs fewer 4-byte id copies; pages of
+// BLOCK_N keys or more copy as the contiguous path from the page's row, smaller pages compute
+// each copy's address from its page id, its row's offset in the page (a shift and a mask, no
+// division) and no per-copy length test on tiles wholly inside the sequence. An id outside
+// [0, num_pages) zero-fills its rows and is replaced by page 0 as the (unread) source address.
 constexpr int kCopyPointers = 2048;
 // Skip the accumulator rescale (HEADDIM / 2 FMUL per thread) on a tile where no row of the warp
 // moved its running max (warp vote): the skipped factors are exactly 1, so the result is the same.
@@ -359,7 +368,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     constexpr bool SKIP = LAZY || (FLAGS & decode_flags::kSkipRescale) != 0;
     constexpr bool QREGS = (FLAGS & decode_flags::kQRegs) != 0;
     constexpr bool MASKFAST = (FLAGS & decode_flags::kMaskFast) != 0;
-    static_assert(!CP || !PAGED, "copy pointers: contiguous caches");
     static_assert((FLAGS & ~decode_flags::kAll) == 0, "unknown FLAGS bit");
     // cp.async groups per tile (kKVGroups: K, then V and nothing else)
     constexpr int kGroupsPerTile = KVG ? 2 : 1;
@@ -370,6 +378,12 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                   "warp-local copies: whole rows per pass of a warp");
     if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes)
         __trap();  // launch bug, never silent
+    if constexpr (CP && PAGED)  // paged copy pointers: a power-of-two page, 32-bit strides
+        if (p.page_shift < 0 || !decode_detail::fits_i32(p.k_batch_stride)
+            || !decode_detail::fits_i32(p.v_batch_stride)
+            || !decode_detail::fits_i32((int64_t)p.page_size * p.k_row_stride)
+            || !decode_detail::fits_i32((int64_t)p.page_size * p.v_row_stride))
+            __trap();
     // Programmatic dependent launch (common/pdl.cuh): no global load before this wait. The next
     // kernel of the stream is let be scheduled after the main loop (decode_flags: or here).
     pdl_wait();
@@ -401,15 +415,25 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // issued before len is used (see decode_flags::kSpecPageIds), into the ring slots
     // tile % STAGES as the prologue's own fetch.
     // Paged: 4-byte cp.async copies of the page ids of `tile` (if tile < tile_end) into its ring
-    // slot sPage[tile % STAGES]: one id per row j < n_keys, or one per tile when tile_pages.
+    // slot sPage[tile % STAGES]: one id per row j < n_keys, or one per tile when tile_pages;
+    // kCopyPointers: one per page of the tile (entry r: the page holding key tile * BLOCK_N +
+    // r * page_size, if below n_keys).
     auto fetch_page_ids = [&](int tile, int tile_end, int n_keys) {
         if constexpr (PAGED) {
             if (tile >= tile_end) return;
             int* dst = sPage + (tile % STAGES) * BLOCK_N;
             const int* row_ids = p.block_table + (int64_t)b * p.block_table_batch_stride;
-            for (int r = tid; r < (tile_pages ? 1 : BLOCK_N); r += Tr::kThreads) {
-                const int j = tile * BLOCK_N + r;
-                if (j < n_keys) cp_async_4(smem_u32addr(dst + r), row_ids + page_slot(p, j));
+            if constexpr (CP) {
+                const int t0 = tile * BLOCK_N;
+                static_assert(BLOCK_N <= Tr::kThreads, "one id per thread at most");
+                const int n_ids = tile_pages ? 1 : BLOCK_N >> p.page_shift;
+                if (tid < n_ids && t0 + (tid << p.page_shift) < n_keys)
+                    cp_async_4(smem_u32addr(dst + tid), row_ids + (t0 >> p.page_shift) + tid);
+            } else {
+                for (int r = tid; r < (tile_pages ? 1 : BLOCK_N); r += Tr::kThreads) {
+                    const int j = tile * BLOCK_N + r;
+                    if (j < n_keys) cp_async_4(smem_u32addr(dst + r), row_ids + page_slot(p, j));
+                }
             }
         }
     };
@@ -462,15 +486,29 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     constexpr int kPass = WL ? Tr::kWarpRowsPerPass : Tr::kRowsPerPass;
     // kCopyPointers: this thread's copies of `tile` into sK / sV (do_k, do_v: literal flags);
     // source row r0 + c * kPass of the split's cache, pointer advanced by one row step per copy.
+    // Paged (page ids per page, see fetch_page_ids): pages of at least BLOCK_N keys take the same
+    // pointer walk from the tile's first row in its page; smaller pages, copy_page_rows below.
     auto copy_tile_pointers = [&](T* sK, T* sV, int tile, bool do_k, bool do_v) {
         const int r0 = tile * BLOCK_N + row0;
-        const T* kp = kcol + (int64_t)r0 * p.k_row_stride;
-        const T* vp = vcol + (int64_t)r0 * p.v_row_stride;
+        const T* kp;
+        const T* vp;
+        bool rows_ok = col_ok;  // paged: and the tile's page id is inside the pool
+        if constexpr (PAGED) {
+            const int id = sPage[(tile % STAGES) * BLOCK_N];
+            rows_ok = rows_ok && (unsigned)id < (unsigned)p.num_pages;
+            const int64_t page = rows_ok ? id : 0;  // an unread but valid source address
+            const int in_page = r0 & (p.page_size - 1);
+            kp = kcol + page * p.k_batch_stride + (int64_t)in_page * p.k_row_stride;
+            vp = vcol + page * p.v_batch_stride + (int64_t)in_page * p.v_row_stride;
+        } else {
+            kp = kcol + (int64_t)r0 * p.k_row_stride;
+            vp = vcol + (int64_t)r0 * p.v_row_stride;
+        }
         const int64_t kstep = (int64_t)kPass * p.k_row_stride;
         const int64_t vstep = (int64_t)kPass * p.v_row_stride;
         // Two loops on purpose: merged (valid = full || c * kPass < rem), nvcc keeps the
         // per-copy selects on full tiles too (one path instead of two in the SASS).
-        if (col_ok && tile * BLOCK_N + BLOCK_N <= len) {  // every row of the tile is valid
+        if (rows_ok && tile * BLOCK_N + BLOCK_N <= len) {  // every row of the tile is valid
 #pragma unroll
             for (int c = 0; c < kCopies; ++c) {
                 const int off = Tr::kv_offset(row0 + c * kPass, chunk);
@@ -480,7 +518,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 vp += vstep;
             }
         } else {
-            const int rem = col_ok ? len - r0 : 0;  // copies c with c * kPass < rem are valid
+            const int rem = rows_ok ? len - r0 : 0;  // copies c with c * kPass < rem are valid
 #pragma unroll
             for (int c = 0; c < kCopies; ++c) {
                 const int off = Tr::kv_offset(row0 + c * kPass, chunk);
@@ -492,6 +530,48 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 kp += kstep;
                 vp += vstep;
             }
+        }
+    };
+    // kCopyPointers, pages of fewer than BLOCK_N keys (a power of two, so every tile starts a
+    // page): copy c of this thread reads row r = row0 + c * kPass of the tile, entry
+    // r >> page_shift of the tile's ids, row r & (page_size - 1) of that page. As row0 < kPass
+    // and both are powers of two, that row is (row0 & mask) + (c * kPass & mask): the first term
+    // is folded into this thread's source pointers once (kpage, vpage), the second is a constant
+    // per copy and page size. The ids are read before the first copy is issued (the copies'
+    // asm has a memory clobber, which would make the compiler read them again for V). Strides
+    // fit in 32 bits (the launcher checks, the kernel traps otherwise). A tile wholly inside the
+    // sequence tests only the ids. Invalid copies (src-size 0) still name an address inside page
+    // 0: a thread whose column lies past headdim starts from the cache's base instead.
+    const int page_mask = PAGED ? p.page_size - 1 : 0;
+    const T* kpage = col_ok ? kcol + (int64_t)(row0 & page_mask) * p.k_row_stride : kbase;
+    const T* vpage = col_ok ? vcol + (int64_t)(row0 & page_mask) * p.v_row_stride : vbase;
+    auto copy_page_rows = [&](T* sK, T* sV, int tile, bool do_k, bool do_v) {
+        const int* ids = sPage + (tile % STAGES) * BLOCK_N;
+        const int n_rows = col_ok ? len - tile * BLOCK_N : 0;  // rows r < n_rows are valid
+        int id[kCopies];
+#pragma unroll
+        for (int c = 0; c < kCopies; ++c) id[c] = ids[(row0 + c * kPass) >> p.page_shift];
+        auto copy = [&](int c, bool row_valid) {
+            const bool valid = row_valid && (unsigned)id[c] < (unsigned)p.num_pages;
+            const unsigned page = valid ? id[c] : 0u;  // an unread but valid source address
+            const unsigned in_page = (c * kPass) & page_mask;
+            const int off = Tr::kv_offset(row0 + c * kPass, chunk);
+            // unsigned 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each)
+            if (do_k)
+                cp_async_kv<FLAGS>(smem_u32addr(sK + off),
+                                   kpage + ((uint64_t)page * (unsigned)p.k_batch_stride
+                                            + in_page * (unsigned)p.k_row_stride), valid, policy);
+            if (do_v)
+                cp_async_kv<FLAGS>(smem_u32addr(sV + off),
+                                   vpage + ((uint64_t)page * (unsigned)p.v_batch_stride
+                                            + in_page * (unsigned)p.v_row_stride), valid, policy);
+        };
+        if (n_rows >= BLOCK_N) {
+#pragma unroll
+            for (int c = 0; c < kCopies; ++c) copy(c, true);
+        } else {
+#pragma unroll
+            for (int c = 0; c < kCopies; ++c) copy(c, row0 + c * kPass < n_rows);
         }
     };
     // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],
@@ -549,10 +629,15 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         if constexpr (CP) {
             T* sK = sStages + stage * Tr::kStageElems;
             T* sV = sK + Tr::kTileElems;
-            copy_tile_pointers(sK, sV, tile, true, !KVG);
+            auto copy = [&](bool do_k, bool do_v) {
+                if (!PAGED || tile_pages) copy_tile_pointers(sK, sV, tile, do_k, do_v);
+                else copy_page_rows(sK, sV, tile, do_k, do_v);
+            };
+            copy(true, !KVG);
+            if constexpr (PAGED) fetch_pages(tile + STAGES - 1);  // kKVGroups: in the K group
             if constexpr (KVG) {
                 cp_async_commit();  // the K group; the caller's commit closes the V group
-                copy_tile_pointers(sK, sV, tile, false, true);
+                copy(false, true);
             }
         } else {
             load_tile_rows(stage, tile);

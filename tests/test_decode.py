@@ -228,9 +228,38 @@ VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | x, 1, pdl=True
              for x in _LOOP + [decode.FLAG_COPY_POINTERS | decode.FLAG_KV_GROUPS]]
 
 
+#: v20: copy pointers on paged caches (page ids per page), with the speculative page ids of the
+#: paged default, both hd128 tiles, the (splits, batch, heads) grid and heads first
+PAGED_CP_VARIANTS = [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
+                                         | decode.FLAG_COPY_POINTERS, order, pdl=True)
+                     for bn, w in ((128, 8), (64, 4)) for order in (0, 1)]
+
+
+@pytest.mark.parametrize("var", PAGED_CP_VARIANTS[::2], ids=lambda v: v.name)
+def test_paged_copy_pointer_variants_compile_without_spills(var):
+    spec = var.spec("bfloat16", 128, True)
+    assert spec.name.endswith("_paged_fused_rel_spid_cp")
+    for arch in ("sm_90a", "sm_80"):
+        r = jit.compile_report(spec, arch)
+        assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
+
+
+def test_paged_copy_pointers_refusal():
+    """The paged copy-pointer kernel takes power-of-two pages and 32-bit page strides and in-page
+    row offsets; anything else gets a reason (run_split_variant raises it; the kernel traps)."""
+    ps_st = (16 * 8 * 128, 8 * 128, 128, 1)  # (page, row, head, dim) of a contiguous page pool
+    for ps in (1, 2, 4, 16, 64, 256):
+        assert decode.paged_copy_pointers_refusal(ps, (ps * 1024, 1024), (ps * 1024, 1024)) is None
+    for ps in (3, 12, 24, 100, 255):
+        assert "not a power of two" in decode.paged_copy_pointers_refusal(ps, ps_st, ps_st)
+    assert "k_cache: page stride" in decode.paged_copy_pointers_refusal(16, (2 ** 31, 1), ps_st)
+    assert "v_cache: page_size x row stride" in \
+        decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23))
+    assert decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23 - 1)) is None
+    assert "k_cache: page stride -1" in decode.paged_copy_pointers_refusal(16, (-1, 1), ps_st)
+
+
 def test_loop_flags_rejected_where_they_do_not_apply():
-    with pytest.raises(ValueError, match="FLAG_COPY_POINTERS"):
-        decode.split_kernel_spec("bfloat16", 128, True, flags=decode.FLAG_COPY_POINTERS)
     with pytest.raises(ValueError, match="FLAG_Q_REGS"):
         decode.split_kernel_spec("bfloat16", 256, False, flags=decode.FLAG_Q_REGS)
     s = decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS

@@ -509,6 +509,12 @@ _PDL_VARIANTS = [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=Tru
 _VARIANTS += _PDL_VARIANTS
 
 
+# v20: copy pointers on paged caches (page ids per page), as the sweep measures them
+_VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | _SPID
+                                  | decode.FLAG_COPY_POINTERS, order, pdl=True)
+              for bn, w, order in ((128, 8, 0), (64, 4, 1))]
+
+
 # v18: fewer tile-loop instructions. Every flag but the lazy rescale is bitwise neutral.
 _CP, _SKIP, _LAZY = decode.FLAG_COPY_POINTERS, decode.FLAG_SKIP_RESCALE, decode.FLAG_LAZY_RESCALE
 _QREG, _MF = decode.FLAG_Q_REGS, decode.FLAG_MASK_FAST
@@ -520,11 +526,11 @@ _LOOP_LAZY = [_CP | _LAZY | _QREG | _MF]
 
 
 def _loop_flag_sets(page, d):
-    """(flags, exact) of the loop flags that apply: no copy pointers on pages, no Q registers
-    above hd128."""
+    """(flags, exact) of the loop flags that apply: copy pointers on pages of a power-of-two
+    size only (v20), no Q registers above hd128."""
     out = []
     for fl in _LOOP_EXACT + _LOOP_LAZY:
-        if page:
+        if page & (page - 1):
             fl &= ~_CP
         if d > 128:
             fl &= ~_QREG
@@ -751,6 +757,70 @@ def test_speculative_page_ids(page, block_n, nwarps):
             res.append((_host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)))
         assert np.array_equal(res[0][0], res[1][0]), ns
         assert np.array_equal(res[0][1], res[1][1]), ns
+
+
+@pytest.mark.parametrize("page", [1, 2, 8, 16, 32, 64, 128, 256])
+@pytest.mark.parametrize("block_n,nwarps,d", [(128, 8, 128), (64, 4, 72)])
+def test_paged_copy_pointers_bitwise(page, block_n, nwarps, d):
+    """v20: copy pointers on paged caches (one page id per page of a tile; pages smaller than a
+    copy pass, between a pass and a tile, and of whole tiles). Sequences at capacity, one short
+    of it, a page short, ragged and empty, NaN cache tails, table slots past each sequence's
+    pages holding ids outside the pool, a padded head dim (72 in hd128): the reference, and
+    bitwise the output and LSE of the default paged kernel, for 1-19 splits. Then ids outside
+    the pool inside a sequence's pages (validate=False: those rows are zero-filled, never read):
+    bitwise the default kernel's result."""
+    from dataclasses import replace
+    dtype = "bfloat16"
+    hk, h = 2, 8
+    cap = -(-1030 // page) * page
+    cs = np.array([cap, cap - 1, cap - page, 517, 0], np.int32)
+    case = _nan_tailed_case(43, cs, cap, hk, h, d, dtype, page=page, table_seed=4,
+                            spare_pages=2)
+    bt = case.block_table.copy()
+    for b, n in enumerate(cs):
+        used = -(-int(n) // page)
+        bt[b, used:] = np.where(np.arange(bt.shape[1] - used) % 2 == 0, 10 ** 9, -7)
+    case = replace(case, block_table=bt)
+    bad = bt.copy()
+    bad[0, 3], bad[3, 0], bad[1, -1] = -1, 2 ** 31 - 1, case.k_cache.shape[0]
+    qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache, case.cache_seqlens))
+    batch = qd.shape[0]
+    base = decode.SplitVariant(block_n, nwarps, 3, decode.DEFAULT_FLAGS | _SPID)
+    # with the speculative ids, and with K/V groups (128 x 8) or without the speculation (64 x 4)
+    flag_sets = [base.flags | _CP, base.flags | _CP | _KVG if block_n == 128
+                 else (base.flags & ~_SPID) | _CP]
+    variants = [decode.SplitVariant(block_n, nwarps, 3, f) for f in flag_sets]
+    for ns in (1, 3, 16, 19):
+        for table, check in ((bt, True), (bad, False)):
+            res = []
+            for var in [base] + variants:
+                n = var.workspace_elems(batch, 1, h, hk, d, ns)
+                ws = cupy.full(max(n, 64), np.nan, cupy.float32)
+                if n:
+                    ws[ns * batch * h * (d + 1):n] = 0  # counters
+                out = _nan_like(qd)
+                lse = cupy.full((batch, h, 1), np.nan, cupy.float32)
+                decode.run_split_variant(var, qd, kd, vd, csd, _dev(table), out, ws,
+                                         num_splits=ns, lse=lse)
+                if check:
+                    _check_against_reference(case, out, lse, dtype)
+                res.append((_host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)))
+            for i, (o, l) in enumerate(res[1:]):
+                assert np.array_equal(o, res[0][0]), (variants[i].name, ns, check)
+                assert np.array_equal(l, res[0][1]), (variants[i].name, ns, check)
+
+
+def test_paged_copy_pointers_refuse_other_pages():
+    """run_split_variant refuses the paged copy-pointer kernel for a page size that is not a
+    power of two, before any launch."""
+    case = _nan_tailed_case(5, np.array([40], np.int32), 48, 1, 2, 64, "bfloat16", page=12)
+    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                              case.cache_seqlens, case.block_table))
+    out = _nan_like(qd)
+    var = decode.SplitVariant(128, 8, 3, _CP)
+    with pytest.raises(ValueError, match="not a power of two"):
+        decode.run_split_variant(var, qd, kd, vd, csd, btd, out, None, num_splits=1)
+    assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # nothing was launched
 
 
 @pytest.mark.parametrize("page", [0, 16])
