@@ -34,18 +34,19 @@ Supported: float16 and bfloat16 (tensor cores; float32/float64 caches are reject
 TypeError); head dims that are multiples of 8 up to 256, run by the kernel compiled for 64, 128
 or 256 (the padding columns are zero-filled in shared memory, never read from memory).
 
-Page sizes: every page size from 1 to 256 (and beyond) runs the same code and reads the same
-bytes. The page ids of a tile are copied from ``block_table`` into a shared-memory ring by 4-byte
-``cp.async``, ``stages - 1`` tiles ahead of the tile's K/V copies and waited for together with
-earlier K/V tiles, so no lookup stalls the loop; when ``page_size`` is a multiple of the tile's
-``block_n`` a tile lies in one page and one id per tile is copied. Powers of two compute the page
-slot with a shift, other sizes with one integer division per key row: powers of two (1, 2, 4,
-..., 256) are the fast sizes, others are expected to be within a few percent of them. Measured
-on the H200 (``experiments/bench_decode.py``, pages of 16 and 256, shuffled tables, L2 evicted
-by a read between calls): 1-3% below contiguous caches from 16k keys at batch 16-64, 4-10% at
-1k-8k keys, and up to 20% at batch 1 with 8k-16k keys (not analysed yet; differences: a paged
-split issues its first K/V copies only after its page ids have landed, and contiguous caches
-copy with precomputed row pointers, experiments/NOTES.md v18-v19).
+Page sizes: every page size from 1 to 256 (and beyond) works and reads the same bytes. The page
+ids of a tile are copied from ``block_table`` into a shared-memory ring by 4-byte ``cp.async``,
+``stages - 1`` tiles ahead of the tile's K/V copies and waited for together with earlier K/V
+tiles, so no lookup stalls the loop. Powers of two (1, 2, 4, ..., 256) are the fast sizes: up to
+hd128 their kernel keeps one id per page of a tile (one per tile for pages of ``block_n`` keys
+or more) and computes each copy's address with a shift and a mask (copy pointers,
+experiments/NOTES.md v20); this needs each cache's page stride and ``page_size`` x row stride
+below 2^31 elements (true for any pool held in one array; otherwise a ValueError). Other sizes,
+and hd256, keep one id per key row and pay an integer division per row. Measured on the H200
+(``experiments/sweep_decode_variants.py``, CUDA-graph replay, shuffled tables), the
+power-of-two path against the per-row one: b1 x 8k keys, pages of 16: 11.3 vs 14.2 us
+(contiguous 10.6); b16 x 16k, pages of 256: -3.8%; b64 x 2k, pages of 16: -2%. Paged against
+contiguous caches in ``experiments/bench_decode.py``: see the README's decode table.
 
 CUDA graphs
 -----------
@@ -291,15 +292,21 @@ _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
 DEFAULT_FLAGS = FLAG_FUSED_COMBINE | FLAG_RELEASE_ARRIVE
 
 
-def default_flags(headdim: int, paged: bool) -> int:
+def default_flags(headdim: int, paged: bool, page_size: int | None = None) -> int:
     """FLAGS of the split kernel the public functions launch: :data:`DEFAULT_FLAGS`, plus
     :data:`FLAG_SPEC_PAGE_IDS` for paged caches up to hd128 (v13 sweep, H200, graph-timed:
     b16 x 16k page 16 -1.7%, b1 x 128k page 16 -1.2%, b1 x 1k page 16 -0.2 us, nowhere slower;
     not at hd256, whose paged kernel is at 255 registers and would spill), and
     :data:`FLAG_COPY_POINTERS` for contiguous caches (v18 sweep, H200, flushed: b1 x 1k-8k
-    -3.5 to -5%, elsewhere within +-0.5%; bitwise the same output)."""
+    -3.5 to -5%, elsewhere within +-0.5%; bitwise the same output) and for paged caches up to
+    hd128 whose ``page_size`` is a power of two (v20 sweep, H200, graph-timed: b1 x 8k pages of
+    16 14.2 -> 11.3 us, b16 x 16k pages of 256 -3.8%, b64 x 2k pages of 16 -2%; bitwise the same
+    output; hd256 would spill). ``page_size=None`` (not known): no copy pointers on pages."""
     if paged:
-        return DEFAULT_FLAGS | (FLAG_SPEC_PAGE_IDS if headdim <= 128 else 0)
+        cp = (headdim <= 128 and page_size is not None and page_size >= 1
+              and page_size & (page_size - 1) == 0)
+        return (DEFAULT_FLAGS | (FLAG_SPEC_PAGE_IDS if headdim <= 128 else 0)
+                | (FLAG_COPY_POINTERS if cp else 0))
     return DEFAULT_FLAGS | FLAG_COPY_POINTERS
 
 
@@ -319,19 +326,19 @@ def paged_copy_pointers_refusal(page_size: int, k_strides, v_strides) -> str | N
 
 def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | None = None,
                       nwarps: int | None = None, stages: int | None = None,
-                      flags: int | None = None) -> jit.KernelSpec:
+                      flags: int | None = None, page_size: int | None = None) -> jit.KernelSpec:
     """The split kernel for ``dtype`` and a compiled head dim (64, 128 or 256).
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/
     ``_spid``/``_trearly``/``_trnone``/``_cp``/``_skip``/``_lazy``/``_qreg``/``_mf`` for the
     ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
-    the public functions launch, :func:`default_flags` (``_fused_rel_cp``, paged up to hd128
-    ``_fused_rel_spid``); ``block_n``/``nwarps``/``stages`` override :func:`split_config`
-    (experiments).
+    the public functions launch, :func:`default_flags` for ``page_size`` (``_fused_rel_cp``;
+    paged up to hd128 ``_fused_rel_spid_cp`` for power-of-two pages, else ``_fused_rel_spid``);
+    ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
     """
     if flags is None:
-        flags = default_flags(headdim, paged)
+        flags = default_flags(headdim, paged, page_size)
     if not isinstance(flags, int) or flags < 0 or flags >= _FLAG_LIMIT:
         raise ValueError(f"flags: expected an int in [0, {_FLAG_LIMIT}), got {flags!r}")
     if flags & FLAG_PDL_EARLY_TRIGGER and flags & FLAG_PDL_NO_TRIGGER:
@@ -380,12 +387,16 @@ def append_kernel_spec(paged: bool) -> jit.KernelSpec:
 
 def all_specs() -> list:
     """Every specialisation the public functions can launch (the supported set, as a table)."""
-    specs = [split_kernel_spec(dt, hd, pg) for dt in DTYPES for hd in HEADDIMS
-             for pg in (False, True)]
+    # paged caches: pages of a power-of-two size (16: copy pointers up to hd128) and others (3)
+    layouts = ((False, None), (True, 16), (True, 3))
+    specs = [split_kernel_spec(dt, hd, pg, page_size=ps) for dt in DTYPES for hd in HEADDIMS
+             for pg, ps in layouts]
     # the two-blocks-per-SM tile of head dims with a one-block tile (several waves)
     specs += [split_kernel_spec(dt, hd, pg, block_n=SPLIT_CONFIGS[hd].block_n,
-                                nwarps=SPLIT_CONFIGS[hd].nwarps, stages=SPLIT_CONFIGS[hd].stages)
-              for dt in DTYPES for hd in ONE_BLOCK_SPLIT_CONFIGS for pg in (False, True)]
+                                nwarps=SPLIT_CONFIGS[hd].nwarps, stages=SPLIT_CONFIGS[hd].stages,
+                                page_size=ps)
+              for dt in DTYPES for hd in ONE_BLOCK_SPLIT_CONFIGS for pg, ps in layouts]
+    specs = list({s.name: s for s in specs}.values())  # hd256: the same kernel for any page
     specs += [combine_kernel_spec(dt) for dt in _CTYPE]
     specs += [append_kernel_spec(pg) for pg in (False, True)]
     return specs
@@ -538,7 +549,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         raise ValueError(f"headdim: the hd{hd} decode kernel needs {smem} bytes of shared memory, "
                          f"the device allows {max_smem_per_block}")
     spec = split_kernel_spec(p.dtype, hd, p.paged, block_n=cfg.block_n, nwarps=cfg.nwarps,
-                             stages=stages)
+                             stages=stages, page_size=p.page_size)
     ctas_per_sm = max(1, smem_per_sm // (smem + _SMEM_RESERVED_PER_BLOCK))
     # Blocks per SM that the split count fills (heuristics.choose_num_splits, measured): one for
     # contiguous caches and for the one-block tiles; two (where they fit) for paged caches with
@@ -577,6 +588,8 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                        f" per SM, {layout} cache), {tiles_cap} "
                        f"tile{'s' if tiles_cap != 1 else ''} of {cfg.block_n} keys at capacity "
                        f"-> {num_splits} split{'s' if num_splits != 1 else ''}")
+    if p.paged:
+        reasons.append(_page_copy_reason(hd, p.page_size))
     combine = None  # the fused last-block-done combine (default_flags): no combine launch
     ws = counters = 0
     if num_splits > 1:
@@ -622,6 +635,18 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
         combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
         reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters)
+
+
+def _page_copy_reason(headdim: int, page_size: int) -> str:
+    """The explain() line saying how a paged cache's K/V copies find their pages (v20)."""
+    if default_flags(headdim, True, page_size) & FLAG_COPY_POINTERS:
+        return (f"page_size {page_size} (a power of two): copy pointers, one page id per page "
+                "of a tile, addresses by shift and mask (v20)")
+    if headdim > 128:
+        return (f"hd{headdim} paged: one page id per row (copy pointers would spill registers "
+                "at hd256)")
+    return (f"page_size {page_size} is not a power of two: one page id per row and a division "
+            "per copy, slower (v20: the power-of-two path was up to 20% faster at batch 1)")
 
 
 def _grid_order(paged: bool) -> int:
@@ -693,7 +718,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
         return dict(t) if spec.name == la.kernel else {"dtype": p.dtype}
 
     split_spec = split_kernel_spec(p.dtype, t["headdim"], p.paged, block_n=t["block_n"],
-                                   nwarps=t["nwarps"], stages=t["stages"])
+                                   nwarps=t["nwarps"], stages=t["stages"],
+                                   page_size=p.page_size)
     main = choice(split_spec, la.grid, la.block, la.smem_bytes)
     extra = []
     if la.append is not None:
@@ -707,7 +733,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     for dt in DTYPES:
         for hd in HEADDIMS:
             for pg in (False, True):
-                spec = split_kernel_spec(dt, hd, pg)
+                spec = split_kernel_spec(dt, hd, pg, page_size=p.page_size if pg else None)
                 if spec.name == la.kernel or (dt, hd, pg) == (p.dtype, t["headdim"], p.paged):
                     continue
                 if dt != p.dtype:
@@ -1007,7 +1033,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
         ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small or not
         16-byte aligned; no ``workspace`` while the stream captures a CUDA graph (with more
-        than one split); a grid dimension over its limit (see :func:`launch_config`).
+        than one split); a grid dimension over its limit (see :func:`launch_config`); paged
+        caches with a power-of-two ``page_size`` whose page stride or ``page_size`` x row
+        stride is 2^31 elements or more (:func:`paged_copy_pointers_refusal`).
     """
     opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
     if opts is not None and validate is False:  # the warm path (dispatch.LAUNCH_CACHE)
@@ -1040,6 +1068,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                              f"{q.device.id}; pass all arrays on one device")
     _check_cache_alignment(k_cache, "k_cache")
     _check_cache_alignment(v_cache, "v_cache")
+    if prob.paged and default_flags(padded_headdim(prob.headdim), True,
+                                    prob.page_size) & FLAG_COPY_POINTERS:
+        why = paged_copy_pointers_refusal(prob.page_size, _estrides(k_cache), _estrides(v_cache))
+        if why is not None:
+            raise ValueError(f"{why}: the paged decode kernel for power-of-two page sizes "
+                             "addresses a page with 32-bit offsets")
     with q.device:
         return _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                             return_lse, split_size, workspace, opts)
@@ -1164,7 +1198,7 @@ class _KVCacheLaunch:
         t = plan.template
         self.split_kernel = jit.get_kernel(split_kernel_spec(
             prob.dtype, t["headdim"], prob.paged, block_n=t["block_n"], nwarps=t["nwarps"],
-            stages=t["stages"]))
+            stages=t["stages"], page_size=prob.page_size))
         qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
         lse_bs, lse_hs = (h * sq, sq) if return_lse else (0, 0)  # contiguous (b, h, sq)
         bt_bs = _estrides(block_table)[0] if block_table is not None else 0

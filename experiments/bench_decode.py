@@ -163,9 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-cache-gb", type=float, default=40.0)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--n-repeat", type=int, default=None)
-    ap.add_argument("--flush", choices=("read", "write"), default="read",
+    ap.add_argument("--flush", choices=("read", "write", "read_smem"), default="read",
                     help="how L2 is evicted before each timed call (common.flush_l2_cache; "
-                         "'write', the method before session 7, leaves dirty lines)")
+                         "'write', the method before session 7, leaves dirty lines; "
+                         "'read_smem' leaves the SMs at the largest shared-memory carveout)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_decode.jsonl")
     args = ap.parse_args(argv)
     batches = args.batches or ([1, 16] if args.quick else [1, 16, 64])

@@ -250,12 +250,20 @@ def _read_flush_kernel():
     return cupy.RawKernel(_READ_FLUSH_SRC, "cupyflash_read_flush")
 
 
+#: Dynamic shared memory per block of the ``"read_smem"`` flush: 4 blocks of 56 KB per SM ask
+#: for the largest shared-memory carveout (228 KB on sm_90), as a GEMM before attention would.
+_FLUSH_SMEM = 56 << 10
+
+
 def flush_l2_cache(mode: str = "read") -> None:
     """Evict L2 before a timed call (enqueued on CuPy's current stream): ``"read"`` streams a
     256 MB buffer through it (L2 left holding clean lines), ``"write"`` fills the buffer (L2 left
-    holding dirty lines, which the next kernel pays to write back)."""
-    if mode not in ("read", "write"):
-        raise ValueError(f"mode: expected 'read' or 'write', got {mode!r}")
+    holding dirty lines, which the next kernel pays to write back), ``"read_smem"`` reads it
+    with the same kernel launched with 56 KB of (unused) dynamic shared memory per block, so
+    that the SMs leave the flush configured for the largest shared-memory carveout instead of
+    the smallest (the plain read kernel uses none)."""
+    if mode not in ("read", "write", "read_smem"):
+        raise ValueError(f"mode: expected 'read', 'write' or 'read_smem', got {mode!r}")
     import cupy
     buf = _flush_buffer()
     if mode == "write":
@@ -265,7 +273,12 @@ def flush_l2_cache(mode: str = "read") -> None:
     if key not in _FLUSH:
         _FLUSH[key] = cupy.zeros(1, dtype=cupy.uint32)
     n = buf.nbytes // 16
-    _read_flush_kernel()((528,), (512,), (buf, np.uint64(n), _FLUSH[key]))
+    kern = _read_flush_kernel()
+    if mode == "read_smem":
+        kern.max_dynamic_shared_size_bytes = _FLUSH_SMEM
+        kern((528,), (512,), (buf, np.uint64(n), _FLUSH[key]), shared_mem=_FLUSH_SMEM)
+    else:
+        kern((528,), (512,), (buf, np.uint64(n), _FLUSH[key]))
 
 
 def _flush_buffer(nbytes=256 << 20):

@@ -300,9 +300,11 @@ def fig5_decode(results: Path, figures: Path) -> list:
     """Figure 5 from the newest full ``bench_decode.py`` run: the last one with a batch-64 point
     (``--quick`` runs, such as the GPU suite's, have none), the records with its commit, L2
     flush method and repeat count (quick runs time 20 calls, full ones 30), so that a quick run
-    at the same commit does not replace its points."""
+    at the same commit does not replace its points. Runs with the ``read_smem`` flush (a probe
+    of the SMs' shared-memory reconfiguration, NOTES v21) are not drawn."""
     recs = load(results, "bench_decode", "decode", need=("tbps", "seqlen_k"))
-    full = [r for r in recs if r.get("sweep") == "main" and r.get("batch") == 64]
+    full = [r for r in recs if r.get("sweep") == "main" and r.get("batch") == 64
+            and r.get("flush_l2") != "read_smem"]
     if full:
         def run(r):
             return r.get("commit"), r.get("flush_l2"), r.get("n_repeat")

@@ -99,6 +99,19 @@ def test_spec_names_and_table():
     assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
     assert decode.default_flags(128, True) == decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
     assert decode.default_flags(256, True) == decode.DEFAULT_FLAGS  # hd256: registers
+    # v20: copy pointers on pages of a power-of-two size up to hd128 (page_size None: unknown)
+    spid_cp = decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS | decode.FLAG_COPY_POINTERS
+    for ps in (1, 2, 16, 64, 256, 1024):
+        assert decode.default_flags(128, True, ps) == spid_cp
+        assert decode.default_flags(64, True, ps) == spid_cp
+        assert decode.default_flags(256, True, ps) == decode.DEFAULT_FLAGS  # would spill
+    for ps in (3, 12, 100, 255, 0):
+        assert decode.default_flags(128, True, ps) == decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
+    assert decode.split_kernel_spec("bfloat16", 128, True, page_size=16).name == \
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp"
+    assert decode.split_kernel_spec("bfloat16", 128, True, page_size=24).name == s.name
+    assert decode.split_kernel_spec("bfloat16", 128, False, page_size=24).name == \
+        decode.split_kernel_spec("bfloat16", 128, False).name
     assert decode.default_flags(64, False) == decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS
     assert decode.default_flags(256, False) == decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS
     assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 321>"
@@ -138,7 +151,9 @@ def test_spec_names_and_table():
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
     specs = decode.all_specs()
     names = [x.name for x in specs]
-    assert len(names) == len(set(names)) == 12 + 4 + 3 + 2  # + hd128's 64 x 4 tiles
+    # (2 dtypes x (hd64, hd128: contiguous, paged copy pointers, paged per-row ids; hd256:
+    # contiguous, paged)) + hd128's 64 x 4 tiles (x 3 layouts) + combine + append
+    assert len(names) == len(set(names)) == 2 * 8 + 2 * 3 + 3 + 2
     for x in specs:  # within the per-block opt-in limit; other paged tiles: two blocks per SM
         assert x.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
         if x.name.startswith("decode_split") and "_paged" in x.name and "_hd128_" not in x.name:
@@ -604,12 +619,16 @@ def test_plan_llama_decode():
     assert a100.template["block_n"] == 128 and a100.template["stages"] == 2
     # paged hd128 caches: the same one-block tile and split count as contiguous ones, for any
     # page size (v6 sweep, page ids by cp.async: page 16 b1 x 128k 4.02 TB/s at 16 splits vs
-    # 3.82 for 64 x 4 at 33; b16 x 16k pages 16 / 64 / 256 4.32-4.35 at 1 split)
+    # 3.82 for 64 x 4 at 33; b16 x 16k pages 16 / 64 / 256 4.32-4.35 at 1 split); copy
+    # pointers for powers of two (v20), said in the reasons
     for ps in (16, 64, 128, 256, 3):
         cap = -(-131072 // ps) * ps
         pg = decode.launch_config(_problem(paged=True, page_size=ps, seqlen_cache=cap,
                                            num_pages=cap // ps, max_pages_per_seq=cap // ps))
-        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
+        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid" + (
+            "" if ps == 3 else "_cp")
+        assert any((f"page_size {ps} is not a power of two" if ps == 3 else
+                    f"page_size {ps} (a power of two): copy pointers") in r for r in pg.reasons)
         assert pg.num_splits == 16 and pg.block == (256, 1, 1)
         pb = decode.launch_config(_problem(batch=16, seqlen_cache=16384 // ps * ps, paged=True,
                                            page_size=ps, num_pages=16 * (16384 // ps),
@@ -618,7 +637,11 @@ def test_plan_llama_decode():
     # other head dims' paged tiles still fill two blocks per SM
     p64 = decode.launch_config(_problem(headdim=64, paged=True, page_size=16, num_pages=8192,
                                         max_pages_per_seq=8192))
-    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_rel_spid"
+    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp"
+    p256 = decode.launch_config(_problem(headdim=256, paged=True, page_size=16, num_pages=8192,
+                                         max_pages_per_seq=8192))
+    assert p256.kernel.endswith("_paged_fused_rel")
+    assert any("hd256 paged: one page id per row" in r for r in p256.reasons)
     assert p64.num_splits == 33  # floor(2 * 132 / 8) blocks per KV head
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
 
@@ -646,11 +669,12 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
 def test_explain_kvcache_on_host_arrays():
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
     plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
-    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
+    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp"
     assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
     assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
-    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid" in names
+    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp" in names
+    assert "page_size 16 (a power of two): copy pointers" in str(plan)
     assert "num_splits" in names
     assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel_cp" in names
     str(plan), plan.as_dict()  # printable and JSON-ready

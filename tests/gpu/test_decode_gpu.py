@@ -823,6 +823,27 @@ def test_paged_copy_pointers_refuse_other_pages():
     assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # nothing was launched
 
 
+def test_paged_cache_with_a_page_stride_past_32_bits_is_refused():
+    """Pages of a power-of-two size are addressed with 32-bit offsets (v20): a pool view whose
+    page stride is 2^31 elements is a ValueError naming k_cache, before any launch (one page,
+    so that even a launch would read inside the buffer); the same view of v_cache names it."""
+    rng = np.random.default_rng(3)
+    q = _dev(testing.random_normal(rng, (1, 1, 2, 64), "bfloat16"))
+    pool = _dev(testing.random_normal(rng, (1, 16, 1, 64), "bfloat16"))
+    far = cupy.lib.stride_tricks.as_strided(pool, shape=pool.shape,
+                                            strides=(2 ** 32,) + pool.strides[1:])
+    cs, bt = _dev(np.array([10], np.int32)), _dev(np.zeros((1, 1), np.int32))
+    out = _nan_like(q)
+    with pytest.raises(ValueError, match=r"^k_cache: page stride 2147483648 elements"):
+        flash_attn_with_kvcache(q, far, pool, cache_seqlens=cs, block_table=bt, out=out)
+    with pytest.raises(ValueError, match=r"^v_cache: page stride 2147483648 elements"):
+        flash_attn_with_kvcache(q, pool, far, cache_seqlens=cs, block_table=bt, out=out)
+    cupy.cuda.Device().synchronize()
+    assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # nothing was written
+    good = flash_attn_with_kvcache(q, pool, pool, cache_seqlens=cs, block_table=bt)
+    assert not bool(cupy.isnan(good.astype(cupy.float32)).any())
+
+
 @pytest.mark.parametrize("page", [0, 16])
 def test_several_waves_run_the_two_blocks_per_sm_tile(page):
     """More unsplit blocks than SMs (batch 20 x 8 KV heads = 160 > 132 on an H200): the
