@@ -19,6 +19,11 @@ DRAM throughput (% of peak) and bytes, issue rate and executed warp instructions
 
     python experiments/ncu_decode.py                       # b64 x 1k, b16 x 2k, b16 x 1k, b1 x 1k
     python experiments/ncu_decode.py --shapes 64,1024
+    python experiments/ncu_decode.py --shapes 1,16384,16 1,16384   # a paged cache (pages of 16)
+
+A third number in a shape is a page size: cupyflash then reads a paged copy of the cache (pages
+in a shuffled order, as ``bench_decode.py``), and cuDNN the contiguous one (it has no paged
+path), so that the two records of the shape compare the paged kernel with cuDNN's.
     python experiments/ncu_decode.py --import-csv ncu.csv --shapes 64,1024 16,2048 --commit SHA
 
 ``--import-csv`` parses a CSV that ncu wrote for the same calls elsewhere (the v16 table was
@@ -42,7 +47,8 @@ from common import RESULTS  # noqa: E402
 import exp_hbm  # noqa: E402  (find_ncu, the child-process handling)
 
 H, HK, D, DTYPE = 32, 8, 128, "bfloat16"
-SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats")
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats",
+            "MemoryWorkloadAnalysis")
 METRICS = ("dram__bytes_read.sum", "smsp__inst_executed.sum", "gpu__time_duration.sum")
 #: record field <- ncu metric name (sections and METRICS), numbers parsed without separators
 FIELDS = {
@@ -54,6 +60,8 @@ FIELDS = {
     "dynamic_smem_bytes": "Dynamic Shared Memory Per Block",
     "achieved_occupancy_pct": "Achieved Occupancy",
     "issued_warps_per_scheduler": "Issued Warp Per Scheduler",
+    "warp_cycles_per_issued_instruction": "Warp Cycles Per Issued Instruction",
+    "l2_hit_rate_pct": "L2 Hit Rate",
     "sm_frequency_hz": "SM Frequency",
 }
 
@@ -61,15 +69,23 @@ FIELDS = {
 # ------------------------------------------------------------------------------------------------
 # Driver: one untimed and one profiled call of each implementation
 # ------------------------------------------------------------------------------------------------
-def driver(batch: int, seqlen: int) -> int:
+def driver(batch: int, seqlen: int, page: int = 0) -> int:
     import cupy
+    import numpy as np
     from cupyflash.decode import flash_attn_with_kvcache
     q = common.random_normal((batch, 1, H, D), DTYPE, seed=1)
     kc = common.random_normal((batch, seqlen, HK, D), DTYPE, seed=2)
     vc = common.random_normal((batch, seqlen, HK, D), DTYPE, seed=3)
     cs = cupy.full((batch,), seqlen, dtype=cupy.int32)
-    fns = [lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True,
-                                           validate=False)]
+    kp, vp, bt = kc, vc, None
+    if page:  # the same buffers as a pool of pages, read through a shuffled table (as
+        # bench_decode.py: the keys' order differs from cuDNN's contiguous call, the bytes do not)
+        n = batch * seqlen // page
+        perm = np.random.default_rng(batch * seqlen + page).permutation(n)
+        bt = cupy.asarray(perm.reshape(batch, seqlen // page).astype(np.int32))
+        kp, vp = kc.reshape(n, page, HK, D), vc.reshape(n, page, HK, D)
+    fns = [lambda: flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, block_table=bt,
+                                           causal=True, validate=False)]
     try:
         fns.append(common.torch_sdpa(q, kc, vc, "cudnn", causal=False, enable_gqa=True))
     except Exception as e:  # noqa: BLE001
@@ -168,19 +184,22 @@ def _dims(text):
     return tuple(nums) if len(nums) == 3 else None
 
 
-def measure(ncu: str, batch: int, seqlen: int, timeout: float) -> tuple:
+def measure(ncu: str, batch: int, seqlen: int, timeout: float, page: int = 0) -> tuple:
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--print-units", "base",
            "--csv", "--page", "details", *[a for s in SECTIONS for a in ("--section", s)],
            "--metrics", ",".join(METRICS), sys.executable, str(Path(__file__).resolve()),
-           "--driver", "--batch", str(batch), "--seqlen", str(seqlen)]
+           "--driver", "--batch", str(batch), "--seqlen", str(seqlen), "--page", str(page)]
     text, secs, rc = exp_hbm.run_profiled(cmd, timeout)
     return parse_kernels(text), secs, rc
 
 
-def records(kernels, batch, seqlen, base) -> list:
+def records(kernels, batch, seqlen, base, page: int = 0) -> list:
+    """One record per kernel; ``page_size`` is the cache layout cupyflash read (0: contiguous);
+    cuDNN's kernels always read the contiguous cache."""
     kv_bytes = 2 * batch * seqlen * HK * D * 2
     return [dict(base, what="ncu_decode", batch=batch, seqlen_k=seqlen, nheads=H, nheads_k=HK,
-                 headdim=D, dtype=DTYPE, kv_bytes=kv_bytes, **k) for k in kernels]
+                 headdim=D, dtype=DTYPE, kv_bytes=kv_bytes,
+                 page_size=page if k.get("impl") == "cupyflash" else 0, **k) for k in kernels]
 
 
 def main(argv=None) -> int:
@@ -189,8 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--seqlen", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--page", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--shapes", nargs="+", default=["64,1024", "16,2048", "16,1024", "1,1024"],
-                    help="batch,seqlen_k pairs")
+                    help="batch,seqlen_k pairs, or batch,seqlen_k,page_size (a paged cache)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per profiled run")
     ap.add_argument("--import-csv", type=Path, default=None)
     ap.add_argument("--commit", default=None, help="with --import-csv: the commit that ran")
@@ -199,8 +219,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "ncu_decode.jsonl")
     args = ap.parse_args(argv)
     if args.driver:
-        return driver(args.batch, args.seqlen)
-    shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes]
+        return driver(args.batch, args.seqlen, args.page)
+    shapes = []
+    for sh in args.shapes:
+        t = tuple(int(x) for x in sh.split(","))
+        if len(t) not in (2, 3) or min(t) < (0 if len(t) == 3 else 1) or (
+                len(t) == 3 and t[2] and (t[1] % t[2] or t[2] > t[1])):
+            ap.error(f"--shapes: expected batch,seqlen_k or batch,seqlen_k,page_size with the "
+                     f"page size dividing seqlen_k, got {sh!r}")
+        shapes.append(t if len(t) == 3 else t + (0,))
     if args.import_csv is not None:
         if not args.commit:
             ap.error("--import-csv needs --commit")
@@ -211,7 +238,7 @@ def main(argv=None) -> int:
         base = {"gpu": args.gpu, "commit": args.commit,
                 "source": args.source or f"imported {args.import_csv.name}",
                 "clock_control": "none", "cache_control": "all"}
-        recs = [r for (b, sq), ks in zip(shapes, groups) for r in records(ks, b, sq, base)]
+        recs = [r for (b, sq, pg), ks in zip(shapes, groups) for r in records(ks, b, sq, base, pg)]
         common.append_jsonl(args.out, recs)
         print(f"ncu_decode: {len(recs)} kernel records -> {args.out}")
         return 0
@@ -226,23 +253,26 @@ def main(argv=None) -> int:
         return 0
     prov = common.provenance()
     n = 0
-    for batch, seqlen in shapes:
+    for batch, seqlen, page in shapes:
         base = {"gpu": prov.get("gpu"), "commit": prov["commit"], "provenance": prov, "ncu": ncu,
                 "clock_control": "none", "cache_control": "all"}
         try:
-            ks, secs, rc = measure(ncu, batch, seqlen, args.timeout)
-            recs = records(ks, batch, seqlen, dict(base, ncu_seconds=secs, ncu_rc=rc))
+            ks, secs, rc = measure(ncu, batch, seqlen, args.timeout, page)
+            recs = records(ks, batch, seqlen, dict(base, ncu_seconds=secs, ncu_rc=rc), page)
         except Exception as e:  # noqa: BLE001
-            recs = [dict(base, what="ncu_decode", batch=batch, seqlen_k=seqlen,
+            recs = [dict(base, what="ncu_decode", batch=batch, seqlen_k=seqlen, page_size=page,
                          error=f"{type(e).__name__}: {str(e)[:1500]}")]
         for r in recs:
             if "error" in r:
                 print(f"  B={batch} S={seqlen}: {r['error'][:600]}", flush=True)
             else:
-                print(f"  B={batch} S={seqlen} {r['impl']:12s} grid {r['grid']} block "
-                      f"{r['block']} {r.get('duration_ns', 0) / 1e3:7.2f} us DRAM "
-                      f"{r.get('dram_throughput_pct', float('nan'))}% "
-                      f"{r.get('warp_instructions', 0) / 1e6:.1f} M warp instructions", flush=True)
+                print(f"  B={batch} S={seqlen} p={r['page_size']} {r['impl']:12s} grid "
+                      f"{r['grid']} block {r['block']} {r.get('duration_ns', 0) / 1e3:7.2f} us "
+                      f"DRAM {r.get('dram_throughput_pct', float('nan'))}% L2 hit "
+                      f"{r.get('l2_hit_rate_pct', float('nan'))}% "
+                      f"{r.get('warp_instructions', 0) / 1e6:.1f} M warp instructions, "
+                      f"{r.get('warp_cycles_per_issued_instruction', float('nan'))} cycles per "
+                      "issue", flush=True)
         common.append_jsonl(args.out, recs)
         n += len(recs)
     print(f"ncu_decode: wrote {n} records to {args.out}")
