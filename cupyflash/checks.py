@@ -37,7 +37,8 @@ from .interop import is_device_array  # (imports no CuPy)
 __all__ = [
     "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
     "check_attention", "check_varlen", "check_kvcache", "check_merge", "resolve_softmax_scale",
-    "check_last_dim_contiguous", "check_window_size", "kernel_window", "dtype_name", "to_host",
+    "check_last_dim_contiguous", "element_strides", "page_offsets_fit_i32", "check_window_size",
+    "kernel_window", "dtype_name", "to_host",
 ]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -121,6 +122,10 @@ class DecodeProblem:
         Tokens appended from ``k``/``v`` (0 if none).
     num_splits : int
         As given (0 = choose by heuristic).
+    page_offsets_fit_i32 : bool
+        Paged caches: every page stride of ``k_cache`` and ``v_cache`` and ``page_size`` x
+        their row strides lie in [0, 2^31) elements (False when a stride is negative, larger,
+        or unknown), so that a page can be addressed with 32-bit offsets; True when contiguous.
     """
     batch: int
     seqlen_q: int
@@ -137,6 +142,7 @@ class DecodeProblem:
     max_pages_per_seq: int
     seqlen_new: int
     num_splits: int
+    page_offsets_fit_i32: bool = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,6 +247,42 @@ def _check_bool(x, name: str) -> bool:
     if not _is_bool(x):
         raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
     return bool(x)
+
+
+def element_strides(x) -> tuple | None:
+    """Strides of ``x`` in elements: CuPy/NumPy ``.strides`` (bytes), torch ``.stride()``
+    (elements), or the ``__cuda_array_interface__`` strides (None there: C-contiguous); None
+    when they cannot be read (or are not whole elements)."""
+    shape = tuple(int(s) for s in getattr(x, "shape", ()))
+    stride_fn = getattr(x, "stride", None)
+    if callable(stride_fn) and not hasattr(x, "strides"):  # torch
+        return tuple(int(v) for v in stride_fn())
+    if getattr(x, "strides", None) is not None:
+        itemsize = int(x.itemsize) if hasattr(x, "itemsize") else np.dtype(x.dtype).itemsize
+        st = tuple(int(v) for v in x.strides)
+    elif hasattr(x, "__cuda_array_interface__"):
+        cai = x.__cuda_array_interface__
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        if cai.get("strides") is None:
+            return tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+        st = tuple(int(v) for v in cai["strides"])
+    else:
+        return None
+    if any(v % itemsize for v in st):
+        return None
+    return tuple(v // itemsize for v in st)
+
+
+def page_offsets_fit_i32(page_size: int, *caches) -> bool:
+    """True when each paged cache's page stride and ``page_size`` x its row stride lie in
+    [0, 2^31) elements (strides read by :func:`element_strides`; unknown strides: False)."""
+    for c in caches:
+        st = element_strides(c)
+        if st is None or len(st) < 2:
+            return False
+        if not (0 <= st[0] < 2 ** 31 and 0 <= page_size * st[1] < 2 ** 31):
+            return False
+    return True
 
 
 def check_last_dim_contiguous(x, name: str) -> None:
@@ -749,7 +791,10 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
                          headdim=headdim, dtype=dt, softmax_scale=scale, causal=causal,
                          paged=paged, seqlen_cache=seqlen_cache, page_size=page_size,
                          num_pages=num_pages, max_pages_per_seq=max_pages,
-                         seqlen_new=seqlen_new, num_splits=int(num_splits))
+                         seqlen_new=seqlen_new, num_splits=int(num_splits),
+                         page_offsets_fit_i32=(not paged
+                                               or page_offsets_fit_i32(page_size, k_cache,
+                                                                       v_cache)))
 
 
 def check_merge(o_parts, lse_parts) -> tuple:

@@ -41,8 +41,10 @@ tiles, so no lookup stalls the loop. Powers of two (1, 2, 4, ..., 256) are the f
 hd128 their kernel keeps one id per page of a tile (one per tile for pages of ``block_n`` keys
 or more) and computes each copy's address with a shift and a mask (copy pointers,
 experiments/NOTES.md v20); this needs each cache's page stride and ``page_size`` x row stride
-below 2^31 elements (true for any pool held in one array; otherwise a ValueError). Other sizes,
-and hd256, keep one id per key row and pay an integer division per row. Measured on the H200
+in [0, 2^31) elements (:attr:`cupyflash.checks.DecodeProblem.page_offsets_fit_i32`; a pool
+view with negative or larger strides takes the general path, and ``explain()`` says so). The
+general path (other sizes, hd256) keeps one id per key row (one per tile for pages of whole
+tiles) and pays a shift, or for other sizes an integer division, per row. Measured on the H200
 (``experiments/sweep_decode_variants.py``, CUDA-graph replay, shuffled tables), the
 power-of-two path against the per-row one: b1 x 8k keys, pages of 16: 11.3 vs 14.2 us
 (contiguous 10.6); b16 x 16k, pages of 256: -3.8%; b64 x 2k, pages of 16: -2%. Paged against
@@ -360,6 +362,11 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     bn = cfg.block_n if block_n is None else block_n
     nw = cfg.nwarps if nwarps is None else nwarps
     st = cfg.stages if stages is None else stages
+    copy_pass = nw * 32 // (headdim // 8)  # key rows per copy pass (16-byte chunks per row)
+    if paged and flags & FLAG_COPY_POINTERS and (bn & (bn - 1) or copy_pass & (copy_pass - 1)):
+        raise ValueError(f"flags: FLAG_COPY_POINTERS on a paged cache needs block_n and the copy "
+                         f"pass (nwarps * 32 / (headdim / 8) key rows) to be powers of two, got "
+                         f"block_n={bn}, pass={copy_pass}")
     name = (f"decode_split_{_SHORT[dtype]}_hd{headdim}_n{bn}_w{nw}_g{GROUP}_s{st}"
             + ("_paged" if paged else "")
             + "".join(suffix for bit, suffix in _FLAG_SUFFIX if flags & bit))
@@ -549,7 +556,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         raise ValueError(f"headdim: the hd{hd} decode kernel needs {smem} bytes of shared memory, "
                          f"the device allows {max_smem_per_block}")
     spec = split_kernel_spec(p.dtype, hd, p.paged, block_n=cfg.block_n, nwarps=cfg.nwarps,
-                             stages=stages, page_size=p.page_size)
+                             stages=stages, page_size=_flags_page_size(p))
     ctas_per_sm = max(1, smem_per_sm // (smem + _SMEM_RESERVED_PER_BLOCK))
     # Blocks per SM that the split count fills (heuristics.choose_num_splits, measured): one for
     # contiguous caches and for the one-block tiles; two (where they fit) for paged caches with
@@ -589,7 +596,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                        f"tile{'s' if tiles_cap != 1 else ''} of {cfg.block_n} keys at capacity "
                        f"-> {num_splits} split{'s' if num_splits != 1 else ''}")
     if p.paged:
-        reasons.append(_page_copy_reason(hd, p.page_size))
+        reasons.append(_page_copy_reason(hd, p.page_size, p.page_offsets_fit_i32))
     combine = None  # the fused last-block-done combine (default_flags): no combine launch
     ws = counters = 0
     if num_splits > 1:
@@ -637,16 +644,26 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters)
 
 
-def _page_copy_reason(headdim: int, page_size: int) -> str:
+def _flags_page_size(p) -> int | None:
+    """The ``page_size`` that :func:`default_flags` sees for problem ``p``: None (no copy
+    pointers) for contiguous caches and for pools whose page offsets need more than 32 bits."""
+    return p.page_size if p.paged and p.page_offsets_fit_i32 else None
+
+
+def _page_copy_reason(headdim: int, page_size: int, offsets_fit_i32: bool = True) -> str:
     """The explain() line saying how a paged cache's K/V copies find their pages (v20)."""
+    if headdim <= 128 and page_size & (page_size - 1) == 0 and not offsets_fit_i32:
+        return (f"page_size {page_size}: a page stride or page_size x row stride of k_cache or "
+                "v_cache is negative or >= 2^31 elements: the general paged path (page ids "
+                "per key row, 64-bit offsets), slower than copy pointers (v20)")
     if default_flags(headdim, True, page_size) & FLAG_COPY_POINTERS:
         return (f"page_size {page_size} (a power of two): copy pointers, one page id per page "
                 "of a tile, addresses by shift and mask (v20)")
     if headdim > 128:
-        return (f"hd{headdim} paged: one page id per row (copy pointers would spill registers "
-                "at hd256)")
-    return (f"page_size {page_size} is not a power of two: one page id per row and a division "
-            "per copy, slower (v20: the power-of-two path was up to 20% faster at batch 1)")
+        return (f"hd{headdim} paged: the general paged path (page ids per key row, or one per "
+                "tile for pages of whole tiles); copy pointers would spill registers at hd256")
+    return (f"page_size {page_size} is not a power of two: page ids per key row and a division "
+            "per row, slower (v20: the power-of-two path was up to 20% faster at batch 1)")
 
 
 def _grid_order(paged: bool) -> int:
@@ -719,7 +736,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
 
     split_spec = split_kernel_spec(p.dtype, t["headdim"], p.paged, block_n=t["block_n"],
                                    nwarps=t["nwarps"], stages=t["stages"],
-                                   page_size=p.page_size)
+                                   page_size=_flags_page_size(p))
     main = choice(split_spec, la.grid, la.block, la.smem_bytes)
     extra = []
     if la.append is not None:
@@ -733,7 +750,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     for dt in DTYPES:
         for hd in HEADDIMS:
             for pg in (False, True):
-                spec = split_kernel_spec(dt, hd, pg, page_size=p.page_size if pg else None)
+                ps = _flags_page_size(p) if pg else None
+                spec = split_kernel_spec(dt, hd, pg, page_size=ps)
                 if spec.name == la.kernel or (dt, hd, pg) == (p.dtype, t["headdim"], p.paged):
                     continue
                 if dt != p.dtype:
@@ -1033,9 +1051,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
         ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small or not
         16-byte aligned; no ``workspace`` while the stream captures a CUDA graph (with more
-        than one split); a grid dimension over its limit (see :func:`launch_config`); paged
-        caches with a power-of-two ``page_size`` whose page stride or ``page_size`` x row
-        stride is 2^31 elements or more (:func:`paged_copy_pointers_refusal`).
+        than one split); a grid dimension over its limit (see :func:`launch_config`).
     """
     opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
     if opts is not None and validate is False:  # the warm path (dispatch.LAUNCH_CACHE)
@@ -1068,12 +1084,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                              f"{q.device.id}; pass all arrays on one device")
     _check_cache_alignment(k_cache, "k_cache")
     _check_cache_alignment(v_cache, "v_cache")
-    if prob.paged and default_flags(padded_headdim(prob.headdim), True,
-                                    prob.page_size) & FLAG_COPY_POINTERS:
-        why = paged_copy_pointers_refusal(prob.page_size, _estrides(k_cache), _estrides(v_cache))
-        if why is not None:
-            raise ValueError(f"{why}: the paged decode kernel for power-of-two page sizes "
-                             "addresses a page with 32-bit offsets")
     with q.device:
         return _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                             return_lse, split_size, workspace, opts)
@@ -1198,7 +1208,7 @@ class _KVCacheLaunch:
         t = plan.template
         self.split_kernel = jit.get_kernel(split_kernel_spec(
             prob.dtype, t["headdim"], prob.paged, block_n=t["block_n"], nwarps=t["nwarps"],
-            stages=t["stages"], page_size=prob.page_size))
+            stages=t["stages"], page_size=_flags_page_size(prob)))
         qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
         lse_bs, lse_hs = (h * sq, sq) if return_lse else (0, 0)  # contiguous (b, h, sq)
         bt_bs = _estrides(block_table)[0] if block_table is not None else 0

@@ -378,6 +378,12 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                   "warp-local copies: whole rows per pass of a warp");
     if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes)
         __trap();  // launch bug, never silent
+    // Paged copy pointers address a page by shift and mask: every tile starts a page (or lies in
+    // one) and a copy pass does not straddle two pages only if BLOCK_N and the pass are powers of
+    // two (with a 96-key tile, pages of 16 would put a copy one row past its page).
+    static_assert(!(CP && PAGED) || ((BLOCK_N & (BLOCK_N - 1)) == 0
+                                     && (Tr::kRowsPerPass & (Tr::kRowsPerPass - 1)) == 0),
+                  "paged copy pointers: BLOCK_N and the copy pass must be powers of two");
     if constexpr (CP && PAGED)  // paged copy pointers: a power-of-two page, 32-bit strides
         if (p.page_shift < 0 || !decode_detail::fits_i32(p.k_batch_stride)
             || !decode_detail::fits_i32(p.v_batch_stride)
@@ -537,63 +543,41 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // r >> page_shift of the tile's ids, row r & (page_size - 1) of that page. As row0 < kPass
     // and both are powers of two, that row is (row0 & mask) + (c * kPass & mask): the first term
     // is folded into this thread's source pointers once (kpage, vpage), the second is a constant
-    // per copy and page size, zero for every copy when a page holds one copy pass (page_size ==
-    // kPass, e.g. pages of 16 at the 128 x 8 tile), a case with its own loops: the address is
-    // then one 32 x 32 -> 64-bit multiply-add of the id and the page stride in bytes onto the
-    // thread's base. The ids are read before the first copy is issued (the copies' asm has a
-    // memory clobber, which would make the compiler read them again for V). Strides fit in 32
-    // bits as elements, so in bytes as unsigned (the launcher checks, the kernel traps otherwise).
-    // A tile wholly inside the sequence tests only the ids. Invalid copies (src-size 0) still
-    // name an address inside page 0: a thread whose column lies past headdim starts from the
-    // cache's base instead.
+    // per copy and page size. The ids are read before the first copy is issued (the copies'
+    // asm has a memory clobber, which would make the compiler read them again for V). Strides
+    // fit in 32 bits (the launcher checks, the kernel traps otherwise). A tile wholly inside the
+    // sequence tests only the ids. Invalid copies (src-size 0) still name an address inside page
+    // 0: a thread whose column lies past headdim starts from the cache's base instead.
     const int page_mask = PAGED ? p.page_size - 1 : 0;
-    const char* kpage = reinterpret_cast<const char*>(
-        col_ok ? kcol + (int64_t)(row0 & page_mask) * p.k_row_stride : kbase);
-    const char* vpage = reinterpret_cast<const char*>(
-        col_ok ? vcol + (int64_t)(row0 & page_mask) * p.v_row_stride : vbase);
-    constexpr unsigned kElem = sizeof(T);
+    const T* kpage = col_ok ? kcol + (int64_t)(row0 & page_mask) * p.k_row_stride : kbase;
+    const T* vpage = col_ok ? vcol + (int64_t)(row0 & page_mask) * p.v_row_stride : vbase;
     auto copy_page_rows = [&](T* sK, T* sV, int tile, bool do_k, bool do_v) {
         const int* ids = sPage + (tile % STAGES) * BLOCK_N;
         const int n_rows = col_ok ? len - tile * BLOCK_N : 0;  // rows r < n_rows are valid
-        const unsigned kbs = (unsigned)p.k_batch_stride * kElem;
-        const unsigned vbs = (unsigned)p.v_batch_stride * kElem;
         int id[kCopies];
 #pragma unroll
         for (int c = 0; c < kCopies; ++c) id[c] = ids[(row0 + c * kPass) >> p.page_shift];
-        // one_pass: page_size == kPass (no in-page term); row_valid: the row is below len
-        auto copy = [&](int c, bool row_valid, bool one_pass) {
+        auto copy = [&](int c, bool row_valid) {
             const bool valid = row_valid && (unsigned)id[c] < (unsigned)p.num_pages;
             const unsigned page = valid ? id[c] : 0u;  // an unread but valid source address
-            const unsigned in_page = one_pass ? 0u : (c * kPass) & page_mask;
+            const unsigned in_page = (c * kPass) & page_mask;
             const int off = Tr::kv_offset(row0 + c * kPass, chunk);
-            if (do_k) {
-                const char* base = one_pass ? kpage
-                                            : kpage + in_page * ((unsigned)p.k_row_stride * kElem);
-                cp_async_kv<FLAGS>(smem_u32addr(sK + off), base + (uint64_t)page * kbs, valid,
-                                   policy);
-            }
-            if (do_v) {
-                const char* base = one_pass ? vpage
-                                            : vpage + in_page * ((unsigned)p.v_row_stride * kElem);
-                cp_async_kv<FLAGS>(smem_u32addr(sV + off), base + (uint64_t)page * vbs, valid,
-                                   policy);
-            }
+            // unsigned 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each)
+            if (do_k)
+                cp_async_kv<FLAGS>(smem_u32addr(sK + off),
+                                   kpage + ((uint64_t)page * (unsigned)p.k_batch_stride
+                                            + in_page * (unsigned)p.k_row_stride), valid, policy);
+            if (do_v)
+                cp_async_kv<FLAGS>(smem_u32addr(sV + off),
+                                   vpage + ((uint64_t)page * (unsigned)p.v_batch_stride
+                                            + in_page * (unsigned)p.v_row_stride), valid, policy);
         };
-        const bool full = n_rows >= BLOCK_N;
-        if (page_mask == kPass - 1) {
-            if (full) {
+        if (n_rows >= BLOCK_N) {
 #pragma unroll
-                for (int c = 0; c < kCopies; ++c) copy(c, true, true);
-            } else {
-#pragma unroll
-                for (int c = 0; c < kCopies; ++c) copy(c, row0 + c * kPass < n_rows, true);
-            }
-        } else if (full) {
-#pragma unroll
-            for (int c = 0; c < kCopies; ++c) copy(c, true, false);
+            for (int c = 0; c < kCopies; ++c) copy(c, true);
         } else {
 #pragma unroll
-            for (int c = 0; c < kCopies; ++c) copy(c, row0 + c * kPass < n_rows, false);
+            for (int c = 0; c < kCopies; ++c) copy(c, row0 + c * kPass < n_rows);
         }
     };
     // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],

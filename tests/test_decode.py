@@ -106,7 +106,8 @@ def test_spec_names_and_table():
         assert decode.default_flags(64, True, ps) == spid_cp
         assert decode.default_flags(256, True, ps) == decode.DEFAULT_FLAGS  # would spill
     for ps in (3, 12, 100, 255, 0):
-        assert decode.default_flags(128, True, ps) == decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
+        assert decode.default_flags(128, True, ps) == \
+            decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
     assert decode.split_kernel_spec("bfloat16", 128, True, page_size=16).name == \
         "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp"
     assert decode.split_kernel_spec("bfloat16", 128, True, page_size=24).name == s.name
@@ -272,6 +273,32 @@ def test_paged_copy_pointers_refusal():
         decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23))
     assert decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23 - 1)) is None
     assert "k_cache: page stride -1" in decode.paged_copy_pointers_refusal(16, (-1, 1), ps_st)
+
+
+def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
+    """check_kvcache records whether a paged pool's page offsets fit 32 bits; where they do not
+    (a page stride of 2^31 elements, negative strides), the plan and explain() name the general
+    paged kernel and say why; the copy-pointer kernel refuses tiles that are not powers of two."""
+    q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
+    ok = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+    assert ok.problem.page_offsets_fit_i32 and ok.name.endswith("_paged_fused_rel_spid_cp")
+    far = np.lib.stride_tricks.as_strided(kc, shape=kc.shape,
+                                          strides=(2 ** 32,) + kc.strides[1:])
+    rev = kc[::-1]
+    for k_, v_ in ((far, vc), (kc, far), (rev, vc), (kc, rev[::-1][::-1])):
+        p = decode.explain_kvcache(q, k_, v_, cache_seqlens=cs, block_table=bt, report=False)
+        fits = k_ is kc and v_ is not far and v_.strides[0] > 0
+        assert p.problem.page_offsets_fit_i32 == fits
+        assert p.name.endswith("_paged_fused_rel_spid" + ("_cp" if fits else ""))
+        assert ("negative or >= 2^31 elements" in str(p)) != fits
+    assert checks.element_strides(kc) == (16 * 2 * 64, 2 * 64, 64, 1)
+    assert checks.page_offsets_fit_i32(16, kc, vc) and not checks.page_offsets_fit_i32(16, rev)
+    big = np.lib.stride_tricks.as_strided(kc, shape=kc.shape, strides=(kc.strides[0], 2 ** 28,
+                                                                       128, 2))
+    assert not checks.page_offsets_fit_i32(16, big)  # 16 x 2^27 elements per page = 2^31
+    with pytest.raises(ValueError, match="block_n and the copy pass"):
+        decode.split_kernel_spec("bfloat16", 64, True, block_n=96, nwarps=6,
+                                 flags=decode.FLAG_COPY_POINTERS)
 
 
 def test_loop_flags_rejected_where_they_do_not_apply():
@@ -641,7 +668,7 @@ def test_plan_llama_decode():
     p256 = decode.launch_config(_problem(headdim=256, paged=True, page_size=16, num_pages=8192,
                                          max_pages_per_seq=8192))
     assert p256.kernel.endswith("_paged_fused_rel")
-    assert any("hd256 paged: one page id per row" in r for r in p256.reasons)
+    assert any("hd256 paged: the general paged path" in r for r in p256.reasons)
     assert p64.num_splits == 33  # floor(2 * 132 / 8) blocks per KV head
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
 

@@ -760,7 +760,7 @@ def test_speculative_page_ids(page, block_n, nwarps):
 
 
 @pytest.mark.parametrize("page", [1, 2, 8, 16, 32, 64, 128, 256])
-@pytest.mark.parametrize("block_n,nwarps,d", [(128, 8, 128), (64, 4, 72)])
+@pytest.mark.parametrize("block_n,nwarps,d", [(128, 8, 128), (64, 4, 72), (128, 4, 64)])
 def test_paged_copy_pointers_bitwise(page, block_n, nwarps, d):
     """v20: copy pointers on paged caches (one page id per page of a tile; pages smaller than a
     copy pass, between a pass and a tile, and of whole tiles). Sequences at capacity, one short
@@ -782,7 +782,9 @@ def test_paged_copy_pointers_bitwise(page, block_n, nwarps, d):
         bt[b, used:] = np.where(np.arange(bt.shape[1] - used) % 2 == 0, 10 ** 9, -7)
     case = replace(case, block_table=bt)
     bad = bt.copy()
-    bad[0, 3], bad[3, 0], bad[1, -1] = -1, 2 ** 31 - 1, case.k_cache.shape[0]
+    # outside the pool, inside pages the sequences read (seq 1: its last page)
+    bad[0, 3], bad[3, 0] = -1, 2 ** 31 - 1
+    bad[1, (int(cs[1]) - 1) // page] = case.k_cache.shape[0]
     qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache, case.cache_seqlens))
     batch = qd.shape[0]
     base = decode.SplitVariant(block_n, nwarps, 3, decode.DEFAULT_FLAGS | _SPID)
@@ -823,25 +825,38 @@ def test_paged_copy_pointers_refuse_other_pages():
     assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # nothing was launched
 
 
-def test_paged_cache_with_a_page_stride_past_32_bits_is_refused():
-    """Pages of a power-of-two size are addressed with 32-bit offsets (v20): a pool view whose
-    page stride is 2^31 elements is a ValueError naming k_cache, before any launch (one page,
-    so that even a launch would read inside the buffer); the same view of v_cache names it."""
+def test_paged_pools_past_32_bit_offsets_take_the_general_path():
+    """Pages of a power-of-two size are addressed with 32-bit offsets (v20). Pool views whose
+    offsets do not fit (a page stride of 2^31 elements; a reversed pool, negative strides) run
+    the general paged kernel instead, say so in explain(), and give bitwise the result of the
+    same pages in a plain pool (the two kernels compute the same; one page for the far view,
+    so that its launch reads inside the buffer)."""
     rng = np.random.default_rng(3)
     q = _dev(testing.random_normal(rng, (1, 1, 2, 64), "bfloat16"))
     pool = _dev(testing.random_normal(rng, (1, 16, 1, 64), "bfloat16"))
     far = cupy.lib.stride_tricks.as_strided(pool, shape=pool.shape,
                                             strides=(2 ** 32,) + pool.strides[1:])
     cs, bt = _dev(np.array([10], np.int32)), _dev(np.zeros((1, 1), np.int32))
-    out = _nan_like(q)
-    with pytest.raises(ValueError, match=r"^k_cache: page stride 2147483648 elements"):
-        flash_attn_with_kvcache(q, far, pool, cache_seqlens=cs, block_table=bt, out=out)
-    with pytest.raises(ValueError, match=r"^v_cache: page stride 2147483648 elements"):
-        flash_attn_with_kvcache(q, pool, far, cache_seqlens=cs, block_table=bt, out=out)
-    cupy.cuda.Device().synchronize()
-    assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # nothing was written
-    good = flash_attn_with_kvcache(q, pool, pool, cache_seqlens=cs, block_table=bt)
-    assert not bool(cupy.isnan(good.astype(cupy.float32)).any())
+    plain = flash_attn_with_kvcache(q, pool, pool, cache_seqlens=cs, block_table=bt)
+    for kc, vc in ((far, pool), (pool, far)):
+        plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+        assert plan.name.endswith("_paged_fused_rel_spid"), plan.name
+        assert "negative or >= 2^31 elements" in str(plan)
+        out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt)
+        assert bool((out.view(cupy.uint16) == plain.view(cupy.uint16)).all())
+    # a reversed pool of 6 pages: page i of the view is page 5 - i of the buffer
+    case = _nan_tailed_case(9, np.array([70, 33], np.int32), 48, 2, 8, 128, "bfloat16", page=16,
+                            table_seed=2, spare_pages=0)
+    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                              case.cache_seqlens, case.block_table))
+    n = kd.shape[0]
+    krev, vrev = kd[::-1].copy()[::-1], vd[::-1].copy()[::-1]  # same pages, negative strides
+    assert krev.strides[0] < 0
+    o1 = flash_attn_with_kvcache(qd, kd, vd, cache_seqlens=csd, block_table=btd, num_splits=3)
+    o2, l2 = flash_attn_with_kvcache(qd, krev, vrev, cache_seqlens=csd, block_table=btd,
+                                     num_splits=3, return_lse=True)
+    assert n == 6 and bool((o1.view(cupy.uint16) == o2.view(cupy.uint16)).all())
+    _check_against_reference(case, o2, l2, "bfloat16")
 
 
 @pytest.mark.parametrize("page", [0, 16])
