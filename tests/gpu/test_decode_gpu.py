@@ -718,6 +718,41 @@ def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
             assert np.array_equal(l, res[0][1]), ns
 
 
+def _capacity_edge_case(seed, page, d, table_seed):
+    """Paged bf16 case (2 KV heads, 8 query heads) whose sequences are at capacity, one short of
+    it, a page short, ragged and empty, with NaN cache tails, and whose table slots past each
+    sequence's pages hold ids outside the pool (10^9 and -7 alternately)."""
+    from dataclasses import replace
+    cap = -(-1030 // page) * page
+    cs = np.array([cap, cap - 1, cap - page, 517, 0], np.int32)
+    case = _nan_tailed_case(seed, cs, cap, 2, 8, d, "bfloat16", page=page, table_seed=table_seed,
+                            spare_pages=2)
+    bt = case.block_table.copy()
+    for b, n in enumerate(cs):
+        used = -(-int(n) // page)
+        bt[b, used:] = np.where(np.arange(bt.shape[1] - used) % 2 == 0, 10 ** 9, -7)
+    return replace(case, block_table=bt)
+
+
+def _run_variant_bits(var, case, table, ns, check):
+    """One run_split_variant launch of ``var`` over ``case`` with block table ``table`` and
+    ``ns`` splits (NaN-poisoned output, LSE and partials; counters zeroed); checked against the
+    reference if ``check``. Returns the output and LSE bits (host)."""
+    qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache, case.cache_seqlens))
+    batch, _, h, d = qd.shape
+    hk = kd.shape[2]
+    n = var.workspace_elems(batch, 1, h, hk, d, ns)
+    ws = cupy.full(max(n, 64), np.nan, cupy.float32)
+    if n:
+        ws[ns * batch * h * (d + 1):n] = 0  # counters
+    out = _nan_like(qd)
+    lse = cupy.full((batch, h, 1), np.nan, cupy.float32)
+    decode.run_split_variant(var, qd, kd, vd, csd, _dev(table), out, ws, num_splits=ns, lse=lse)
+    if check:
+        _check_against_reference(case, out, lse, "bfloat16")
+    return _host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)
+
+
 @pytest.mark.parametrize("page", [1, 16, 64, 256])
 @pytest.mark.parametrize("block_n,nwarps", [(128, 8), (64, 4)])
 def test_speculative_page_ids(page, block_n, nwarps):
@@ -726,35 +761,11 @@ def test_speculative_page_ids(page, block_n, nwarps):
     guess is wrong: the ids are fetched again), NaN cache tails, and table slots past each
     sequence's pages holding ids outside the pool (fetched by the guess, never dereferenced):
     bitwise the output and LSE of the default flags, and the reference, for 1-19 splits."""
-    from dataclasses import replace
-    dtype = "bfloat16"
-    hk, h, d = 2, 8, 128
-    cap = -(-1030 // page) * page
-    cs = np.array([cap, cap - 1, cap - page, 517, 0], np.int32)
-    case = _nan_tailed_case(41, cs, cap, hk, h, d, dtype, page=page, table_seed=3,
-                            spare_pages=2)
-    bt = case.block_table.copy()
-    for b, n in enumerate(cs):
-        used = -(-int(n) // page)
-        bt[b, used:] = np.where(np.arange(bt.shape[1] - used) % 2 == 0, 10 ** 9, -7)
-    case = replace(case, block_table=bt)
-    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
-                                              case.cache_seqlens, case.block_table))
-    batch = qd.shape[0]
+    case = _capacity_edge_case(41, page, 128, 3)
     variants = [decode.SplitVariant(block_n, nwarps, 3, fl)
                 for fl in (decode.DEFAULT_FLAGS, decode.DEFAULT_FLAGS | _SPID)]
     for ns in (1, 2, 3, 8, 16, 19):
-        res = []
-        for var in variants:
-            n = var.workspace_elems(batch, 1, h, hk, d, ns)
-            ws = cupy.full(max(n, 64), np.nan, cupy.float32)
-            if n:
-                ws[ns * batch * h * (d + 1):n] = 0  # counters
-            out = _nan_like(qd)
-            lse = cupy.full((batch, h, 1), np.nan, cupy.float32)
-            decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns, lse=lse)
-            _check_against_reference(case, out, lse, dtype)
-            res.append((_host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)))
+        res = [_run_variant_bits(var, case, case.block_table, ns, True) for var in variants]
         assert np.array_equal(res[0][0], res[1][0]), ns
         assert np.array_equal(res[0][1], res[1][1]), ns
 
@@ -769,24 +780,12 @@ def test_paged_copy_pointers_bitwise(page, block_n, nwarps, d):
     bitwise the output and LSE of the default paged kernel, for 1-19 splits. Then ids outside
     the pool inside a sequence's pages (validate=False: those rows are zero-filled, never read):
     bitwise the default kernel's result."""
-    from dataclasses import replace
-    dtype = "bfloat16"
-    hk, h = 2, 8
-    cap = -(-1030 // page) * page
-    cs = np.array([cap, cap - 1, cap - page, 517, 0], np.int32)
-    case = _nan_tailed_case(43, cs, cap, hk, h, d, dtype, page=page, table_seed=4,
-                            spare_pages=2)
-    bt = case.block_table.copy()
-    for b, n in enumerate(cs):
-        used = -(-int(n) // page)
-        bt[b, used:] = np.where(np.arange(bt.shape[1] - used) % 2 == 0, 10 ** 9, -7)
-    case = replace(case, block_table=bt)
+    case = _capacity_edge_case(43, page, d, 4)
+    cs, bt = case.cache_seqlens, case.block_table
     bad = bt.copy()
     # outside the pool, inside pages the sequences read (seq 1: its last page)
     bad[0, 3], bad[3, 0] = -1, 2 ** 31 - 1
     bad[1, (int(cs[1]) - 1) // page] = case.k_cache.shape[0]
-    qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache, case.cache_seqlens))
-    batch = qd.shape[0]
     base = decode.SplitVariant(block_n, nwarps, 3, decode.DEFAULT_FLAGS | _SPID)
     # with the speculative ids, and with K/V groups (128 x 8) or without the speculation (64 x 4)
     flag_sets = [base.flags | _CP, base.flags | _CP | _KVG if block_n == 128
@@ -794,19 +793,7 @@ def test_paged_copy_pointers_bitwise(page, block_n, nwarps, d):
     variants = [decode.SplitVariant(block_n, nwarps, 3, f) for f in flag_sets]
     for ns in (1, 3, 16, 19):
         for table, check in ((bt, True), (bad, False)):
-            res = []
-            for var in [base] + variants:
-                n = var.workspace_elems(batch, 1, h, hk, d, ns)
-                ws = cupy.full(max(n, 64), np.nan, cupy.float32)
-                if n:
-                    ws[ns * batch * h * (d + 1):n] = 0  # counters
-                out = _nan_like(qd)
-                lse = cupy.full((batch, h, 1), np.nan, cupy.float32)
-                decode.run_split_variant(var, qd, kd, vd, csd, _dev(table), out, ws,
-                                         num_splits=ns, lse=lse)
-                if check:
-                    _check_against_reference(case, out, lse, dtype)
-                res.append((_host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)))
+            res = [_run_variant_bits(var, case, table, ns, check) for var in [base] + variants]
             for i, (o, l) in enumerate(res[1:]):
                 assert np.array_equal(o, res[0][0]), (variants[i].name, ns, check)
                 assert np.array_equal(l, res[0][1]), (variants[i].name, ns, check)
