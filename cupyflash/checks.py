@@ -37,7 +37,8 @@ from .interop import is_device_array  # (imports no CuPy)
 __all__ = [
     "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
     "check_attention", "check_varlen", "check_kvcache", "check_merge", "resolve_softmax_scale",
-    "check_last_dim_contiguous", "element_strides", "page_offsets_fit_i32", "check_window_size",
+    "check_last_dim_contiguous", "element_strides", "page_strides_fit_i32", "page_offsets_fit_i32",
+    "check_window_size",
     "kernel_window", "dtype_name", "to_host",
 ]
 
@@ -273,14 +274,19 @@ def element_strides(x) -> tuple | None:
     return tuple(v // itemsize for v in st)
 
 
+def page_strides_fit_i32(page_size: int, strides) -> bool:
+    """True when a paged cache's page stride ``strides[0]`` and ``page_size`` x its row stride
+    ``strides[1]`` (elements) lie in [0, 2^31): its pages can be addressed with 32-bit offsets."""
+    return (len(strides) >= 2 and 0 <= strides[0] < 2 ** 31
+            and 0 <= page_size * strides[1] < 2 ** 31)
+
+
 def page_offsets_fit_i32(page_size: int, *caches) -> bool:
-    """True when each paged cache's page stride and ``page_size`` x its row stride lie in
-    [0, 2^31) elements (strides read by :func:`element_strides`; unknown strides: False)."""
+    """:func:`page_strides_fit_i32` for every cache array (strides read by
+    :func:`element_strides`; unknown strides: False)."""
     for c in caches:
         st = element_strides(c)
-        if st is None or len(st) < 2:
-            return False
-        if not (0 <= st[0] < 2 ** 31 and 0 <= page_size * st[1] < 2 ** 31):
+        if st is None or not page_strides_fit_i32(page_size, st):
             return False
     return True
 

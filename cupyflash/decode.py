@@ -320,9 +320,9 @@ def paged_copy_pointers_refusal(page_size: int, k_strides, v_strides) -> str | N
     if page_size < 1 or page_size & (page_size - 1):
         return f"page_size {page_size} is not a power of two"
     for name, st in (("k_cache", k_strides), ("v_cache", v_strides)):
-        for what, x in (("page stride", st[0]), ("page_size x row stride", page_size * st[1])):
-            if not 0 <= x < 2 ** 31:
-                return f"{name}: {what} {x} elements does not fit in 32 bits"
+        if not checks.page_strides_fit_i32(page_size, st):
+            return (f"{name}: page stride {st[0]} or page_size x row stride {page_size * st[1]} "
+                    "elements is negative or >= 2^31")
     return None
 
 

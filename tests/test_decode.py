@@ -268,11 +268,14 @@ def test_paged_copy_pointers_refusal():
         assert decode.paged_copy_pointers_refusal(ps, (ps * 1024, 1024), (ps * 1024, 1024)) is None
     for ps in (3, 12, 24, 100, 255):
         assert "not a power of two" in decode.paged_copy_pointers_refusal(ps, ps_st, ps_st)
-    assert "k_cache: page stride" in decode.paged_copy_pointers_refusal(16, (2 ** 31, 1), ps_st)
-    assert "v_cache: page_size x row stride" in \
-        decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23))
+    assert decode.paged_copy_pointers_refusal(16, (2 ** 31, 1), ps_st).startswith(
+        "k_cache: page stride 2147483648 or page_size x row stride 16 elements is negative or")
+    assert decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23)).startswith(
+        "v_cache: page stride 1073741824 or page_size x row stride 2147483648 elements")
     assert decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23 - 1)) is None
-    assert "k_cache: page stride -1" in decode.paged_copy_pointers_refusal(16, (-1, 1), ps_st)
+    assert "k_cache: page stride -1 " in decode.paged_copy_pointers_refusal(16, (-1, 1), ps_st)
+    assert checks.page_strides_fit_i32(16, (2 ** 31 - 1, 2 ** 27 - 1))
+    assert not checks.page_strides_fit_i32(16, (0, 2 ** 27))
 
 
 def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
