@@ -37,8 +37,9 @@ or 256 (the padding columns are zero-filled in shared memory, never read from me
 Page sizes: every page size from 1 to 256 (and beyond) works and reads the same bytes. The page
 ids of a tile are copied from ``block_table`` into a shared-memory ring by 4-byte ``cp.async``,
 ``stages - 1`` tiles ahead of the tile's K/V copies and waited for together with earlier K/V
-tiles, so no lookup stalls the loop. Powers of two (1, 2, 4, ..., 256) are the fast sizes: up to
-hd128 their kernel keeps one id per page of a tile (one per tile for pages of ``block_n`` keys
+tiles, so no lookup stalls the loop. Powers of two (1, 2, 4, ..., 256 and beyond) are the fast
+sizes (timed: 16 and 256; tested bitwise against the general path: 1 to 256): up to hd128 their
+kernel keeps one id per page of a tile (one per tile for pages of ``block_n`` keys
 or more) and computes each copy's address with a shift and a mask (copy pointers,
 experiments/NOTES.md v20); this needs each cache's page stride and ``page_size`` x row stride
 in [0, 2^31) elements (:attr:`cupyflash.checks.DecodeProblem.page_offsets_fit_i32`; a pool
@@ -663,7 +664,8 @@ def _page_copy_reason(headdim: int, page_size: int, offsets_fit_i32: bool = True
         return (f"hd{headdim} paged: the general paged path (page ids per key row, or one per "
                 "tile for pages of whole tiles); copy pointers would spill registers at hd256")
     return (f"page_size {page_size} is not a power of two: page ids per key row and a division "
-            "per row, slower (v20: the power-of-two path was up to 20% faster at batch 1)")
+            "per row, slower (v20, pages of 16, per-row vs power-of-two path: 14.2 vs 11.3 us "
+            "at b1 x 8k, 21.1 vs 20.5 at b16 x 1k)")
 
 
 def _grid_order(paged: bool) -> int:
@@ -776,13 +778,19 @@ def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
                     arch=None, report=True, validate=False, num_sms=None):
     """The :class:`cupyflash.dispatch.Plan` of a :func:`flash_attn_with_kvcache` call, without
     running it (accepts NumPy or CUDA arrays). Raises what :func:`flash_attn_with_kvcache` raises
-    for bad shapes, dtypes and options; the values of ``cache_seqlens`` and ``block_table``
+    for bad shapes, dtypes, options and cache row strides (not 16-byte multiples; a host array's
+    pointer is not checked); the values of ``cache_seqlens`` and ``block_table``
     (lengths over the capacity, page ids outside the pool) are checked only with
     ``validate=True``, the call's default, here ``False``. ``arch`` and ``num_sms``: see
     :func:`plan_decode` (without a GPU: an H200's 132 SMs unless ``num_sms`` is given)."""
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 softmax_scale=softmax_scale, causal=causal,
                                 num_splits=num_splits, dtypes=DTYPES, validate=validate)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):  # the call's row alignment
+        st = checks.element_strides(c)
+        if st is not None:
+            _check_row_strides(c.shape, tuple(v * np.dtype(prob.dtype).itemsize for v in st),
+                               name)
     _check_split_size(split_size)
     return plan_decode(prob, split_size=split_size, arch=arch, report=report, num_sms=num_sms)
 
@@ -837,13 +845,20 @@ def _estrides(x) -> tuple:
     return tuple(s // x.dtype.itemsize for s in x.strides)
 
 
-def _check_cache_alignment(x, name: str) -> None:
-    """The split kernel copies 16-byte chunks of each cache row: rows must be 16-byte aligned."""
-    bad_ptr = x.data.ptr % 16 != 0
-    bad_stride = any(x.shape[i] > 1 and x.strides[i] % 16 for i in range(x.ndim - 1))
+def _check_row_strides(shape, strides, name: str, ptr: int | None = None) -> None:
+    """The split kernel copies 16-byte chunks of each cache row: rows must be 16-byte aligned
+    (``strides`` in bytes; ``ptr`` the data pointer, None on the host)."""
+    bad_ptr = ptr is not None and ptr % 16 != 0
+    bad_stride = any(shape[i] > 1 and strides[i] % 16 for i in range(len(shape) - 1))
     if bad_ptr or bad_stride:
-        raise ValueError(f"{name}: rows must be 16-byte aligned for the decode kernel (pointer "
-                         f"{x.data.ptr:#x}, strides {x.strides} bytes); pass a contiguous cache")
+        where = f"pointer {ptr:#x}, " if ptr is not None else ""
+        raise ValueError(f"{name}: rows must be 16-byte aligned for the decode kernel ({where}"
+                         f"strides {tuple(strides)} bytes); pass a contiguous cache")
+
+
+def _check_cache_alignment(x, name: str) -> None:
+    """:func:`_check_row_strides` of a CuPy cache, its pointer included."""
+    _check_row_strides(x.shape, x.strides, name, x.data.ptr)
 
 
 def _check_workspace_alignment(ws) -> None:

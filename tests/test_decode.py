@@ -304,6 +304,17 @@ def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
                                  flags=decode.FLAG_COPY_POINTERS)
 
 
+def test_explain_checks_cache_row_strides_on_host_arrays():
+    """A fresh user's trial (session 8): explain() on NumPy arrays planned caches whose rows are
+    not 16-byte aligned, which the call refuses; now it raises the call's message."""
+    q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
+    wide = np.zeros(kc.shape[:-1] + (65,), kc.dtype)[..., :64]  # rows of 130 bytes
+    for k_, v_, name in ((wide, vc, "k_cache"), (kc, wide, "v_cache")):
+        with pytest.raises(ValueError, match=f"^{name}: rows must be 16-byte aligned for the "
+                                             r"decode kernel \(strides \(4160, 260, 130, 2\)"):
+            decode.explain_kvcache(q, k_, v_, cache_seqlens=cs, block_table=bt, report=False)
+
+
 def test_loop_flags_rejected_where_they_do_not_apply():
     with pytest.raises(ValueError, match="FLAG_Q_REGS"):
         decode.split_kernel_spec("bfloat16", 256, False, flags=decode.FLAG_Q_REGS)
