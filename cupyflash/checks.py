@@ -238,10 +238,11 @@ def _check_heads(nheads: int, nheads_k: int, kname: str) -> None:
     if nheads_k <= 0 or nheads <= 0:
         raise ValueError(f"{kname}: nheads ({nheads}) and nheads_k ({nheads_k}) must be positive")
     if nheads % nheads_k:
-        raise ValueError(f"{kname}: nheads_k {nheads_k} must divide nheads {nheads} "
-                         f"(GQA/MQA: query head h reads KV head h // (nheads // nheads_k)); "
-                         f"heads are read from axis 2 of (batch, seqlen, nheads, headdim): a "
-                         f"(batch, nheads, seqlen, headdim) tensor must be transposed first")
+        raise ValueError(f"{kname}: nheads_k {nheads_k} ({kname} axis 2) must divide nheads "
+                         f"{nheads} (q axis 2) (GQA/MQA: query head h reads KV head "
+                         f"h // (nheads // nheads_k)); heads are read from axis 2 of (batch, "
+                         f"seqlen, nheads, headdim): a (batch, nheads, seqlen, headdim) tensor "
+                         f"must be transposed first")
 
 
 def _check_bool(x, name: str) -> bool:

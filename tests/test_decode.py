@@ -304,6 +304,15 @@ def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
                                  flags=decode.FLAG_COPY_POINTERS)
 
 
+def test_heads_mismatch_names_both_axes():
+    """Fresh-user trial (session 8): 30 query heads against 8 KV heads blamed k_cache alone."""
+    q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
+    q30 = np.zeros((2, 1, 3, 64), np.float16)
+    with pytest.raises(ValueError, match=r"^k_cache: nheads_k 2 \(k_cache axis 2\) must divide "
+                                         r"nheads 3 \(q axis 2\)"):
+        decode.explain_kvcache(q30, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+
+
 def test_explain_checks_cache_row_strides_on_host_arrays():
     """A fresh user's trial (session 8): explain() on NumPy arrays planned caches whose rows are
     not 16-byte aligned, which the call refuses; now it raises the call's message."""
