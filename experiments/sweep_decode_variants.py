@@ -79,6 +79,11 @@ def variants():
     # both grid orders (heads first was slower on pages before, v16)
     paged += [V(bn, w, 3, F | R | S | P, order, pdl=True) for bn, w in ((128, 8), (64, 4))
               for order in (0, 1)]
+    # v24: smaller tiles, more blocks per SM, for the multi-wave shapes (b64 x 1k-8k: 512 blocks
+    # on 264 slots of the 64 x 4 tile run in two rounds, each starting with a ramp; 32 x 2 x 3
+    # stages fit 4 blocks per SM, one round of 528 slots; 32 x 2 x 4 and 64 x 4 x 2, 3 per SM)
+    contiguous += [V(bn, w, st, F | R | P, 1, pdl=True) for bn, w, st in ((32, 2, 3), (32, 2, 4),
+                                                                          (64, 4, 2))]
     return contiguous, paged
 
 
