@@ -84,6 +84,9 @@ def variants():
     # stages fit 4 blocks per SM, one round of 528 slots; 32 x 2 x 4 and 64 x 4 x 2, 3 per SM)
     contiguous += [V(bn, w, st, F | R | P, 1, pdl=True) for bn, w, st in ((32, 2, 3), (32, 2, 4),
                                                                           (64, 4, 2))]
+    # v26: one block per SM with 64 KB (128 x 8 x 2) or 96 KB (64 x 4 x 4) of copies in flight
+    # instead of 128 KB (the 128 x 8 x 3 one-block tile), for batch 1-16 at long caches
+    contiguous += [V(bn, w, st, F | R | P, 1, pdl=True) for bn, w, st in ((128, 8, 2), (64, 4, 4))]
     # v25: the 64 x 4 x 2 tile (three blocks per SM) on pages, in the paged default's grid order
     paged += [V(64, 4, 2, F | R | S | P, pdl=True)]
     return contiguous, paged
