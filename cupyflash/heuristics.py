@@ -253,3 +253,82 @@ def choose_num_splits(batch: int, nheads_k: int, seqlen_k: int, num_sms: int = H
     splits = slots // ctas
     splits = min(splits, -(-tiles // min_tiles_per_split), max_splits)
     return int(max(splits, 1))
+
+
+__all__ += ["TWO_STAGES_MIN_KEYS_PER_SPLIT", "TWO_STAGES_MIN_KEYS_SEVERAL_WAVES",
+            "choose_split_stages"]
+
+#: Keys per split (at capacity) from which the one-block hd128 tile (128 keys x 8 warps) runs two
+#: K/V stages instead of three on a contiguous cache: 64 KB of copies in flight per SM instead of
+#: 128 KB (H200, v26 sweep, graph / flushed us, three vs two stages, bitwise the same output):
+#: b16 x 16k 236.6 / 239.6 vs 234.3 / 238.0, b16 x 32k 467.8 / 470.6 vs 463.7 / 466.7, b16 x 128k
+#: 1857 / 1853 vs 1848 / 1849, b4 x 32k (4 splits of 8k) 124.1 / 126.7 vs 122.7 / 125.6, b1 x 128k
+#: (16 splits of 8k) 124.2 / 125.9 vs 123.1 / 126.4; below it two stages lose or tie: b16 x 4k
+#: 63.5 / 66.0 vs 63.2 / 66.7, b1 x 32k (16 splits of 2k) 36.2 / 39.0 vs 37.0 / 40.0.
+TWO_STAGES_MIN_KEYS_PER_SPLIT = 8192
+#: Cache capacity from which the several-waves hd128 tile (64 keys x 4 warps; unsplit blocks >
+#: SMs) runs two stages instead of three on a contiguous cache: one tile in flight per block, 64 KB
+#: per SM at two blocks (its 191 registers x 128 threads allow two blocks per SM, not the three
+#: its shared memory would) (H200, v24-v25 sweeps, graph / flushed us at b64): 1k 66.4 / 69.5 vs 66.8 / 70.6, 2k 123.4 /
+#: 127.0 vs 123.1 / 127.1, 4k 239.1 / 242.9 vs 237.3 / 240.6, 8k 472.8 / 478.2 vs 465.4 / 468.8,
+#: 16k 939.1 / 946.2 vs 921.2 / 924.4, 32k 1869.6 / 1880.4 vs 1832.8 / 1836.8; b32 x 16k 469.1 /
+#: 472.7 vs 464.5 / 468.1.
+TWO_STAGES_MIN_KEYS_SEVERAL_WAVES = 4096
+
+
+def choose_split_stages(stages: int, *, headdim: int, paged: bool, several_waves: bool,
+                        one_block: bool, seqlen_k: int, num_splits: int, block_n: int) -> int:
+    """K/V pipeline depth of the decode split kernel (pure; measured on the H200 only).
+
+    The split kernel streams each block's keys through a ring of ``stages`` shared-memory
+    buffers, ``stages - 1`` tiles in flight. On long contiguous caches fewer bytes in flight per
+    SM stream faster (v24-v26 in experiments/NOTES.md: 64 KB per SM rather than 128 KB), so:
+
+    * contiguous hd128 cache, several waves (the 64-key tile, unsplit blocks > SMs) and
+      ``seqlen_k >= TWO_STAGES_MIN_KEYS_SEVERAL_WAVES``: 2 stages (64 KB per SM in flight);
+    * contiguous hd128 cache, the one-block tile, and at least
+      ``TWO_STAGES_MIN_KEYS_PER_SPLIT`` keys per split at capacity (``ceil(tiles / num_splits)
+      * block_n``): 2 stages;
+    * otherwise ``stages`` unchanged (paged caches measured slower with fewer bytes in flight at
+      pages of 16, v25; other head dims not measured).
+
+    The depth changes no result: the same tiles meet the same warps in the same order, so the
+    output is bitwise that of the deeper pipeline (a GPU test checks it).
+
+    Parameters
+    ----------
+    stages : int
+        The tile's stage count (already reduced to fit the device), >= 2.
+    headdim : int
+        Compiled head dim.
+    paged, several_waves, one_block : bool
+        Paged cache; the several-waves tile was chosen; the one-block tile was chosen (see
+        ``decode.launch_config``; neither: a fallback tile for a smaller device, unchanged).
+    seqlen_k : int
+        Cache capacity (keys), >= 0.
+    num_splits, block_n : int
+        Splits and keys per tile, >= 1.
+
+    Returns
+    -------
+    int
+        ``2`` or ``stages``.
+
+    Raises
+    ------
+    ValueError
+        ``stages < 2``, ``num_splits`` or ``block_n`` < 1, or ``seqlen_k < 0``.
+    """
+    for name, val, lo in (("stages", stages, 2), ("num_splits", num_splits, 1),
+                          ("block_n", block_n, 1), ("seqlen_k", seqlen_k, 0)):
+        if not _is_int(val) or val < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {val!r}")
+    if paged or headdim != 128 or stages <= 2:
+        return stages
+    if several_waves:
+        return 2 if seqlen_k >= TWO_STAGES_MIN_KEYS_SEVERAL_WAVES else stages
+    if not one_block:
+        return stages
+    tiles = -(-seqlen_k // block_n)
+    keys_per_split = -(-tiles // num_splits) * block_n
+    return 2 if keys_per_split >= TWO_STAGES_MIN_KEYS_PER_SPLIT else stages

@@ -68,6 +68,15 @@ def main():
     kc, vc = rand((b, 200, 8, 128), bf16), rand((b, 200, 8, 128), bf16)
     lens = cp.asarray(rng.integers(0, 201, b).astype(np.int32))
     cf.flash_attn_with_kvcache(rand((b, 1, 32, 128), bf16), kc, vc, cache_seqlens=lens)
+    # decode: the two-stage pipelines (heuristics.choose_split_stages): several waves from 4k
+    # keys (the 64-key tile), and one split of >= 8k keys (the one-block tile)
+    kc, vc = rand((b, 4100, 8, 128), bf16), rand((b, 4100, 8, 128), bf16)
+    lens = cp.asarray(rng.integers(0, 4101, b).astype(np.int32))
+    cf.flash_attn_with_kvcache(rand((b, 1, 32, 128), bf16), kc, vc, cache_seqlens=lens)
+    kc, vc = rand((2, 8200, 2, 128), bf16), rand((2, 8200, 2, 128), bf16)
+    lens = cp.asarray(np.array([8200, 5003], dtype=np.int32))
+    cf.flash_attn_with_kvcache(rand((2, 1, 8, 128), bf16), kc, vc, cache_seqlens=lens,
+                               num_splits=1)
     if int(cp.cuda.Device().compute_capability) >= 90:
         var = decode.SplitVariant(128, 8, 3, decode.FLAG_FUSED_COMBINE
                                   | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)

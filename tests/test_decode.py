@@ -73,6 +73,42 @@ def test_heuristic_range_and_monotonicity(batch, hk, seqlen, sms, chunks, block_
         assert batch * hk * chunks * s <= sms * cps
 
 
+@given(stages=st.integers(2, 6), hd=st.sampled_from([64, 128, 256]), paged=st.booleans(),
+       waves=st.booleans(), one_block=st.booleans(), seqlen=st.integers(0, 300000),
+       splits=st.integers(1, 128), block_n=st.sampled_from([32, 64, 128]))
+def test_split_stages_rule(stages, hd, paged, waves, one_block, seqlen, splits, block_n):
+    """Two stages only on contiguous hd128 caches, for the several-waves tile from
+    TWO_STAGES_MIN_KEYS_SEVERAL_WAVES keys or for the one-block tile from
+    TWO_STAGES_MIN_KEYS_PER_SPLIT keys per split; never deeper than given; monotone in length."""
+    from cupyflash import heuristics as H
+    f = lambda **kw: H.choose_split_stages(  # noqa: E731
+        kw.get("stages", stages), headdim=hd, paged=paged, several_waves=waves,
+        one_block=one_block, seqlen_k=kw.get("seqlen", seqlen),
+        num_splits=kw.get("splits", splits), block_n=block_n)
+    r = f()
+    assert r in (2, stages)
+    if paged or hd != 128 or not (waves or one_block):
+        assert r == stages
+    per_split = -(-(-(-seqlen // block_n)) // splits) * block_n
+    if not paged and hd == 128:
+        if waves:
+            assert r == (2 if seqlen >= H.TWO_STAGES_MIN_KEYS_SEVERAL_WAVES else stages)
+        elif one_block:
+            assert r == (2 if per_split >= H.TWO_STAGES_MIN_KEYS_PER_SPLIT else stages)
+    assert f(seqlen=2 * seqlen + block_n) <= r  # longer caches: never deeper
+    assert f(splits=splits + 1) >= r            # more splits (shorter ones): never shallower
+
+
+def test_split_stages_rule_rejects_bad_input():
+    from cupyflash import heuristics as H
+    kw = dict(headdim=128, paged=False, several_waves=False, one_block=True, seqlen_k=8192,
+              num_splits=1, block_n=128)
+    for bad in (dict(stages=1), dict(num_splits=0), dict(seqlen_k=-1), dict(block_n=0),
+                dict(stages=2.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            H.choose_split_stages(**{**dict(stages=3), **kw, **bad})
+
+
 def test_heuristic_rejects_bad_arguments():
     with pytest.raises(ValueError, match="batch"):
         decode.choose_num_splits(0, 8, 100)
@@ -153,8 +189,9 @@ def test_spec_names_and_table():
     specs = decode.all_specs()
     names = [x.name for x in specs]
     # (2 dtypes x (hd64, hd128: contiguous, paged copy pointers, paged per-row ids; hd256:
-    # contiguous, paged)) + hd128's 64 x 4 tiles (x 3 layouts) + combine + append
-    assert len(names) == len(set(names)) == 2 * 8 + 2 * 3 + 3 + 2
+    # contiguous, paged)) + hd128's 64 x 4 tiles (x 3 layouts) + hd128's two-stage contiguous
+    # tiles (128 x 8 and 64 x 4) + combine + append
+    assert len(names) == len(set(names)) == 2 * 8 + 2 * 3 + 2 * 2 + 3 + 2
     for x in specs:  # within the per-block opt-in limit; other paged tiles: two blocks per SM
         assert x.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
         if x.name.startswith("decode_split") and "_paged" in x.name and "_hd128_" not in x.name:
@@ -193,15 +230,19 @@ def test_every_spec_compiles_without_spills(compiled):
 
 
 def test_registers_allow_the_blocks_shared_memory_allows(compiled):
-    """The planner counts blocks per SM from shared memory alone (two for the 64-key hd128
-    tile); the registers must not cut that: blocks x threads x registers <= 64K per SM."""
+    """The planner counts blocks per SM from shared memory and fills at most two
+    (``launch_config``'s ``fill_per_sm``: two for the 64-key hd128 tile); the registers must
+    not cut that: min(2, blocks by shared memory) x threads x registers <= 64K per SM. (The
+    two-stage 64-key tile would fit three blocks by shared memory, but its 191 registers allow
+    two; two is what it was measured and is planned with, v24-v25.)"""
     for spec in decode.all_specs():
         if not spec.name.startswith("decode_split"):
             continue
         nthreads = 32 * int(spec.name.split("_w")[1].split("_")[0])
         by_smem = max(1, decode.H200_SMEM_PER_SM // (spec.smem_bytes + 1024))
         r = compiled[(spec.name, "sm_90a")]
-        assert by_smem * nthreads * r.ptxas.registers <= 65536, (spec.name, r.ptxas.registers)
+        assert min(2, by_smem) * nthreads * r.ptxas.registers <= 65536, (spec.name,
+                                                                          r.ptxas.registers)
 
 
 #: The variants experiments/sweep_decode_variants.py measures (bf16 hd128, contiguous and paged).
@@ -643,7 +684,10 @@ def _problem(**kw):
 
 def test_plan_llama_decode():
     p = decode.launch_config(_problem())
-    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp"
+    # 16 splits of 8192 keys: the two-stage pipeline (heuristics.choose_split_stages, v26)
+    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s2_fused_rel_cp"
+    assert any("2 K/V stages instead of 3" in r for r in p.reasons)
+    assert p.smem_bytes == decode.split_smem_bytes("bfloat16", 128, 128, 2)
     assert p.grid == (8, 16, 1) and p.block == (256, 1, 1)
     assert p.num_splits == 16 and p.combine is None and p.append is None  # fused combine
     # fp32 partials, then int32 counters (batch, nheads_k, row_chunks)
@@ -654,13 +698,23 @@ def test_plan_llama_decode():
     p1 = decode.launch_config(_problem(batch=64, seqlen_cache=4096))
     assert p1.num_splits == 1 and p1.combine is None and p1.workspace_elems == 0
     assert p1.counter_elems == 0
-    # 512 blocks unsplit (several waves): the 64-key tile at two blocks per SM (v9), but not
-    # with an explicit num_splits or split_size (a row's result must not depend on the batch)
-    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel_cp"
-    assert any("two blocks per SM" in r for r in p1.reasons)
+    # 512 blocks unsplit (several waves): the 64-key tile at two blocks per SM (v9), from 4k
+    # keys with two stages (v24-v25), but not with an explicit num_splits or split_size (a row's
+    # result must not depend on the batch); 4096 keys per split keep the one-block tile's 3
+    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp"
+    assert any("several blocks per SM" in r for r in p1.reasons)
+    assert any("2 K/V stages instead of 3" in r and "several waves" in r for r in p1.reasons)
+    p2 = decode.launch_config(_problem(batch=64, seqlen_cache=2048))
+    assert p2.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel_cp"
+    assert not any("K/V stages instead" in r for r in p2.reasons)
     for kw, opts in ((dict(num_splits=1), {}), ({}, dict(split_size=4096))):
         pe = decode.launch_config(_problem(batch=64, seqlen_cache=4096, **kw), **opts)
         assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp"
+    # one split of 16k keys: two stages; an explicit split count that leaves 8k per split too
+    assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).template["stages"] == 2
+    assert decode.launch_config(_problem(batch=16, seqlen_cache=8192)).template["stages"] == 2
+    assert decode.launch_config(_problem(batch=16, seqlen_cache=8064)).template["stages"] == 3
+    assert decode.launch_config(_problem(num_splits=32)).template["stages"] == 3  # 4k per split
     assert decode.launch_config(_problem(batch=16, seqlen_cache=4096)).template["block_n"] == 128
     assert decode.launch_config(_problem(batch=17, seqlen_cache=4096)).template["block_n"] == 64
     # only where two of those blocks fit an SM (an A100's 164 KB: one would; keep the 128 x 8)
@@ -668,7 +722,7 @@ def test_plan_llama_decode():
                                 smem_per_sm=167936, max_smem_per_block=166912)
     assert a100.template["block_n"] == 128 and a100.template["stages"] == 2
     # paged hd128 caches: the same one-block tile and split count as contiguous ones, for any
-    # page size (v6 sweep, page ids by cp.async: page 16 b1 x 128k 4.02 TB/s at 16 splits vs
+    # page size, with three stages (two were slower at pages of 16, v25) (v6 sweep, page ids by cp.async: page 16 b1 x 128k 4.02 TB/s at 16 splits vs
     # 3.82 for 64 x 4 at 33; b16 x 16k pages 16 / 64 / 256 4.32-4.35 at 1 split); copy
     # pointers for powers of two (v20), said in the reasons
     for ps in (16, 64, 128, 256, 3):
