@@ -89,6 +89,8 @@ def variants():
     contiguous += [V(bn, w, st, F | R | P, 1, pdl=True) for bn, w, st in ((128, 8, 2), (64, 4, 4))]
     # v25: the 64 x 4 x 2 tile (three blocks per SM) on pages, in the paged default's grid order
     paged += [V(64, 4, 2, F | R | S | P, pdl=True)]
+    # v28: the one-block paged tile with 64 KB (128 x 8 x 2) or 96 KB (64 x 4 x 4) in flight
+    paged += [V(bn, w, st, F | R | S | P, pdl=True) for bn, w, st in ((128, 8, 2), (64, 4, 4))]
     return contiguous, paged
 
 
