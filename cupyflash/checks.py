@@ -39,7 +39,7 @@ __all__ = [
     "check_attention", "check_varlen", "check_kvcache", "check_merge", "resolve_softmax_scale",
     "check_last_dim_contiguous", "element_strides", "page_strides_fit_i32", "page_offsets_fit_i32",
     "check_window_size",
-    "kernel_window", "dtype_name", "to_host",
+    "kernel_window", "dtype_name", "to_host", "host_array",
 ]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -353,6 +353,15 @@ def to_host(x) -> np.ndarray:
             x = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
         return cupy.asnumpy(x)
     return np.asarray(x)
+
+
+def host_array(x, name: str) -> np.ndarray:
+    """:func:`to_host` of an argument that must be an array: anything without ``.shape`` and
+    ``.dtype`` (a list, a scalar) raises the TypeError the GPU functions and ``explain`` raise,
+    naming ``name``, so that the NumPy references reject the same inputs with the same message.
+    """
+    _shape(x, name)
+    return to_host(x)
 
 
 def kernel_window(problem) -> tuple:

@@ -713,9 +713,9 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     """The :class:`cupyflash.dispatch.Plan` of a decode problem (what ``explain`` returns).
 
     ``kernel`` is the split kernel (it also merges the splits: fused combine);
-    ``extra_kernels`` the append (if new tokens); ``rejected`` starts with the
-    ``("num_splits", why)`` / ``("note", ...)`` lines that explain the split and tile choice,
-    then lists the other decode specialisations with the reason.
+    ``extra_kernels`` the append (if new tokens); ``reasons`` holds the ``("num_splits", why)``
+    / ``("note", ...)`` lines that explain the split count, tile and pipeline depth;
+    ``rejected`` lists the other decode specialisations with the reason.
 
     Parameters
     ----------
@@ -794,7 +794,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     notes = [("note" if r.startswith(("grid", "launch")) else
               "num_splits" if "split" in r else "note", r) for r in la.reasons]
     return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
-                         hbm_bytes=la.hbm_bytes, rejected=notes + rejected,
+                         hbm_bytes=la.hbm_bytes, rejected=rejected, reasons=notes,
                          extra_kernels=tuple(extra), num_sms=num_sms)
 
 

@@ -96,6 +96,10 @@ class Plan:
     rejected : list of (str, str)
         ``(specialisation name, reason)`` for every other specialisation, nearest first (empty
         in the cached plans of the launch path, :func:`launch_plan`).
+    reasons : list of (str, str)
+        ``(topic, text)``: why the chosen launch looks as it does (decode: ``"num_splits"`` for
+        the split count, tile and pipeline depth, ``"note"`` for the rest); empty for prefill,
+        whose choice is explained by ``rejected``.
     extra_kernels : tuple of KernelChoice
         Further launches (decode's KV-append kernel when new tokens are given; the split
         kernels merge their partials themselves); empty for prefill.
@@ -110,6 +114,7 @@ class Plan:
     rejected: list
     extra_kernels: tuple = ()
     num_sms: int = heuristics.H200_SMS
+    reasons: list = dataclasses.field(default_factory=list)
 
     # Shortcuts to the main kernel's fields.
     @property
@@ -151,7 +156,8 @@ class Plan:
         return {"problem": prob, "kernel": kc(self.kernel),
                 "extra_kernels": [kc(k) for k in self.extra_kernels],
                 "num_splits": self.num_splits, "flops": self.flops, "hbm_bytes": self.hbm_bytes,
-                "num_sms": self.num_sms, "rejected": [list(r) for r in self.rejected]}
+                "num_sms": self.num_sms, "reasons": [list(r) for r in self.reasons],
+                "rejected": [list(r) for r in self.rejected]}
 
     def __str__(self) -> str:
         k = self.kernel
@@ -165,6 +171,9 @@ class Plan:
                  f"num_sms={self.num_sms}"]
         for e in self.extra_kernels:
             lines.append(f"  + {e.name} grid={e.grid} block={e.block} smem={e.smem_bytes} B")
+        if self.reasons:
+            lines.append(f"  why ({len(self.reasons)}):")
+            lines += [f"    {n}: {r}" for n, r in self.reasons]
         lines.append(f"  rejected ({len(self.rejected)}):")
         lines += [f"    {n}: {r}" for n, r in self.rejected[:8]]
         if len(self.rejected) > 8:

@@ -260,7 +260,7 @@ def attention_reference(q, k, v, *, softmax_scale=None, causal=False, window_siz
     TypeError, ValueError
         From :func:`cupyflash.checks.check_attention`.
     """
-    q, k, v = checks.to_host(q), checks.to_host(k), checks.to_host(v)
+    q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size)
     vis = attention_mask(p.seqlen_q, p.seqlen_k, window_size=p.window_size)
@@ -303,7 +303,7 @@ def online_softmax_attention(q, k, v, *, softmax_scale=None, causal=False, windo
     -----
     Error bound in float32: see :func:`cupyflash.testing.streaming_error_bound`.
     """
-    q, k, v = checks.to_host(q), checks.to_host(k), checks.to_host(v)
+    q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size)
     block_size_k = _check_block_size(block_size_k)
@@ -381,7 +381,7 @@ def split_kv_partials(q, k, v, num_splits, *, softmax_scale=None, causal=False,
     TypeError, ValueError
         From :func:`cupyflash.checks.check_attention`; bad ``num_splits``/``block_size_k``.
     """
-    q, k, v = checks.to_host(q), checks.to_host(k), checks.to_host(v)
+    q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size)
     bounds = split_boundaries(p.seqlen_k, num_splits, block_size_k)
@@ -425,7 +425,8 @@ def merge_states(o_parts, lse_parts, *, dtype=np.float64):
     TypeError, ValueError
         From :func:`cupyflash.checks.check_merge`.
     """
-    o_parts, lse_parts = checks.to_host(o_parts), checks.to_host(lse_parts)
+    o_parts = checks.host_array(o_parts, "o_parts")
+    lse_parts = checks.host_array(lse_parts, "lse_parts")
     num_parts, batch, seqlen, nheads, d = checks.check_merge(o_parts, lse_parts)
     dt = np.dtype(dtype)
     s = np.moveaxis(lse_parts.astype(dt), 0, -1)                    # (b, h, sq, parts)
@@ -472,9 +473,9 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     TypeError, ValueError
         From :func:`cupyflash.checks.check_varlen` (``validate=True``).
     """
-    q, k, v = checks.to_host(q), checks.to_host(k), checks.to_host(v)
-    cq_arr = checks.to_host(cu_seqlens_q)
-    ck_arr = checks.to_host(cu_seqlens_k)
+    q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    cq_arr = checks.host_array(cu_seqlens_q, "cu_seqlens_q")
+    ck_arr = checks.host_array(cu_seqlens_k, "cu_seqlens_k")
     if max_seqlen_q is None and cq_arr.ndim == 1 and cq_arr.size >= 1:
         max_seqlen_q = int(np.diff(cq_arr.astype(np.int64)).max(initial=0))
     if max_seqlen_k is None and ck_arr.ndim == 1 and ck_arr.size >= 1:
@@ -556,11 +557,12 @@ def kvcache_attention_reference(q, k_cache, v_cache, k=None, v=None, cache_seqle
     TypeError, ValueError
         From :func:`cupyflash.checks.check_kvcache` (``validate=True``).
     """
-    q, k_cache, v_cache = (checks.to_host(x) for x in (q, k_cache, v_cache))
-    k = None if k is None else checks.to_host(k)
-    v = None if v is None else checks.to_host(v)
-    cs_in = None if cache_seqlens is None else checks.to_host(cache_seqlens)
-    bt_in = None if block_table is None else checks.to_host(block_table)
+    q, k_cache, v_cache = (checks.host_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"),
+                                                                 (v_cache, "v_cache")))
+    k = None if k is None else checks.host_array(k, "k")
+    v = None if v is None else checks.host_array(v, "v")
+    cs_in = None if cache_seqlens is None else checks.host_array(cache_seqlens, "cache_seqlens")
+    bt_in = None if block_table is None else checks.host_array(block_table, "block_table")
     p = checks.check_kvcache(q, k_cache, v_cache, k, v, cs_in, bt_in, softmax_scale=softmax_scale,
                              causal=causal, validate=True)
     cs = (np.full(p.batch, p.seqlen_cache, np.int64) if cs_in is None

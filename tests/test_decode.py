@@ -779,7 +779,10 @@ def test_explain_kvcache_on_host_arrays():
     names = [r[0] for r in plan.rejected]
     assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp" in names
     assert "page_size 16 (a power of two): copy pointers" in str(plan)
-    assert "num_splits" in names
+    # the choice's reasons are listed apart from the rejected specialisations (fresh-user trial)
+    assert "num_splits" in [r[0] for r in plan.reasons] and "num_splits" not in names
+    assert all(n.startswith("decode_") for n in names)
+    assert "  why (" in str(plan) and str(plan).index("  why (") < str(plan).index("  rejected (")
     assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel_cp" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
 
@@ -843,7 +846,7 @@ def test_host_planning_messages_from_a_new_users_trial():
     # split_size overrides num_splits, and the plan says so
     p = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3,
                                split_size=16, report=False)
-    assert any("num_splits=3 ignored" in r for _, r in p.rejected)
+    assert any("num_splits=3 ignored" in r for _, r in p.reasons)
     # the SM count of an offline plan
     p80 = decode.explain_kvcache(q[:1], big, big, cache_seqlens=cs[:1], report=False,
                                  num_sms=108)
@@ -1070,7 +1073,7 @@ def test_grid_limits_checked_before_launch_and_grid_order_explained():
         decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=70000, report=False)
     plan = decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=65535, report=False)
     assert plan.kernel.grid == (2, 65535, 1)
-    notes = [r for k, r in plan.rejected if k == "note"]
+    notes = [r for k, r in plan.reasons if k == "note"]
     assert any(r.startswith("grid (2, 65535, 1): (KV-head blocks, splits, batch)") for r in notes)
     assert any("programmatic dependent launch" in r for r in notes)
     pool = np.zeros((16, 16, 2, 128), ml_dtypes.bfloat16)

@@ -128,3 +128,29 @@ def test_strategies_draw_edge_cases():
     find(T.seqlens(64), lambda n: n == 33)
     find(T.kvcache_cases(paged=True), lambda c: c.page_size == 1 and (c.cache_seqlens == 0).any())
     find(T.head_counts(), lambda hc: hc[0] == 4 * hc[1] and hc[1] > 1)
+
+
+def test_kvcache_reference_and_explain_reject_lists_alike():
+    """A block_table (or cache_seqlens, or q) given as a Python list: the reference raises the
+    TypeError that explain_kvcache and the GPU call raise, naming the argument (it used to
+    convert the list to int64 and complain about the dtype; fresh-user trial, session 8)."""
+    import ml_dtypes
+    import cupyflash
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 1, 8, 128)).astype(ml_dtypes.bfloat16)
+    pool = rng.standard_normal((4, 16, 2, 128)).astype(ml_dtypes.bfloat16)
+    cs = np.array([40], np.int32)
+    bt = np.array([[0, 1, 2]], np.int32)
+    for name, kw in (("block_table", dict(cache_seqlens=cs, block_table=bt.tolist())),
+                     ("cache_seqlens", dict(cache_seqlens=[40], block_table=bt))):
+        msgs = []
+        for fn in (cupyflash.explain_kvcache, R.kvcache_attention_reference):
+            with pytest.raises(TypeError, match=f"^{name}: expected an array") as e:
+                fn(q, pool, pool, **kw)
+            msgs.append(str(e.value))
+        assert msgs[0] == msgs[1]
+    with pytest.raises(TypeError, match="^q: expected an array"):
+        R.kvcache_attention_reference(q.tolist(), pool, pool, cache_seqlens=cs,
+                                              block_table=bt)
+    with pytest.raises(TypeError, match="^o_parts: expected an array"):
+        R.merge_states([[0.0]], np.zeros((1,), np.float32))
