@@ -78,8 +78,10 @@ def main(argv=None) -> int:
                 k_[bt.ravel()] = kpool
                 v_[bt.ravel()] = vpool
             out = cp.full(q.shape, np.nan, dtype=cp.float32).astype(bf)
+            ws = cupyflash.alloc_workspace(q, k_, v_, cache_seqlens=cs, block_table=bt)
             fn = lambda: cupyflash.flash_attn_with_kvcache(  # noqa: E731
-                q, k_, v_, cache_seqlens=cs, block_table=bt, out=out, validate=False)
+                q, k_, v_, cache_seqlens=cs, block_table=bt, out=out, validate=False,
+                workspace=ws)
             fn()
             cp.cuda.Device().synchronize()
             o32 = out.astype(cp.float32)
@@ -93,13 +95,12 @@ def main(argv=None) -> int:
                        nheads=H, nheads_k=HK, headdim=D, us_graph=g, tbps_graph=kv / g / 1e6,
                        us_flushed=f, tbps_flushed=kv / f / 1e6, equal_to_contiguous=same, **prov)
             recs.append(rec)
+            common.append_jsonl(os.path.join(args.out, "probe_paged_locality.jsonl"), rec)
             print(f"B={B} S={S} {name:10s}: graph {g:8.1f} us {kv / g / 1e6:.2f} TB/s | flushed "
                   f"{f:8.1f} us {kv / f / 1e6:.2f} TB/s | equal {same}", flush=True)
             del k_, v_, out
         del q, kc, vc, kpool, vpool
         common.free_memory()
-    os.makedirs(args.out, exist_ok=True)
-    common.append_jsonl(os.path.join(args.out, "probe_paged_locality.jsonl"), recs)
     return 0
 
 
