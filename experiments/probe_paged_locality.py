@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     import common
     from sweep_decode_variants import graph_time_us
     import cupyflash
+    import cupyflash.decode
 
     bf = ml_dtypes.bfloat16
     H, HK, D, PAGE = 32, 8, 128, 16
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
                 k_[bt.ravel()] = kpool
                 v_[bt.ravel()] = vpool
             out = cp.full(q.shape, np.nan, dtype=cp.float32).astype(bf)
-            ws = cupyflash.alloc_workspace(q, k_, v_, cache_seqlens=cs, block_table=bt)
+            ws = cupyflash.decode.alloc_workspace(q, k_, v_, cache_seqlens=cs, block_table=bt)
             fn = lambda: cupyflash.flash_attn_with_kvcache(  # noqa: E731
                 q, k_, v_, cache_seqlens=cs, block_table=bt, out=out, validate=False,
                 workspace=ws)
