@@ -357,8 +357,10 @@ def to_host(x) -> np.ndarray:
 
 def host_array(x, name: str) -> np.ndarray:
     """:func:`to_host` of an argument that must be an array: anything without ``.shape`` and
-    ``.dtype`` (a list, a scalar) raises the TypeError the GPU functions and ``explain`` raise,
-    naming ``name``, so that the NumPy references reject the same inputs with the same message.
+    ``.dtype`` (a list, a scalar) raises the TypeError of the shared checks (what ``explain``,
+    ``explain_kvcache``, ``flash_attn_with_kvcache`` and ``merge_states`` raise), naming
+    ``name``, so that the NumPy references reject the same inputs with the same message.
+    (``flash_attn_func`` and ``flash_attn_varlen_func`` first require a CUDA array and say so.)
     """
     _shape(x, name)
     return to_host(x)

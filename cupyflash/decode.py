@@ -547,7 +547,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         # split_size keeps the tile, so a row's result does not depend on the batch) (H200, v9 sweep, hd128: b64 x 1k 72.1 vs 78.1 us,
         # b64 x 2k 130.2 vs 135.0, paged page 16 134.2 vs 145.8, b64 x 16k 4.53 vs 4.52 TB/s)
         reasons.append(f"{unsplit_ctas} blocks (batch x nheads_k x row_chunks) > {num_sms} SMs: "
-                       f"the {SPLIT_CONFIGS[hd].block_n}-key tile, several blocks per SM")
+                       f"the {SPLIT_CONFIGS[hd].block_n}-key tile, two blocks per SM")
         cfg = SPLIT_CONFIGS[hd]
     if split_smem_bytes(p.dtype, hd, cfg.block_n, 2) > max_smem_per_block and \
             cfg != SPLIT_CONFIGS[hd]:
@@ -606,7 +606,8 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     one_block = cfg == ONE_BLOCK_SPLIT_CONFIGS.get(hd)
     depth = choose_split_stages(stages, headdim=hd, paged=p.paged, several_waves=several_waves,
                                 one_block=one_block, seqlen_k=p.seqlen_cache,
-                                num_splits=num_splits, block_n=cfg.block_n)
+                                num_splits=num_splits, block_n=cfg.block_n,
+                                split_tiles=split_tiles)
     if depth != stages:
         if several_waves:
             why = (f"several waves at capacity {p.seqlen_cache} >= "
@@ -792,7 +793,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                 rejected.append((spec.name, why))
     rejected.sort(key=lambda r: (not r[0].startswith(f"decode_split_{_SHORT[p.dtype]}"), r[0]))
     notes = [("note" if r.startswith(("grid", "launch")) else
-              "num_splits" if "split" in r else "note", r) for r in la.reasons]
+              "num_splits" if any(w in r for w in ("split", "tile", "K/V stages")) else "note",
+              r) for r in la.reasons]
     return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
                          hbm_bytes=la.hbm_bytes, rejected=rejected, reasons=notes,
                          extra_kernels=tuple(extra), num_sms=num_sms)

@@ -277,7 +277,8 @@ TWO_STAGES_MIN_KEYS_SEVERAL_WAVES = 4096
 
 
 def choose_split_stages(stages: int, *, headdim: int, paged: bool, several_waves: bool,
-                        one_block: bool, seqlen_k: int, num_splits: int, block_n: int) -> int:
+                        one_block: bool, seqlen_k: int, num_splits: int, block_n: int,
+                        split_tiles: int = 0) -> int:
     """K/V pipeline depth of the decode split kernel (pure; measured on the H200 only).
 
     The split kernel streams each block's keys through a ring of ``stages`` shared-memory
@@ -288,7 +289,7 @@ def choose_split_stages(stages: int, *, headdim: int, paged: bool, several_waves
       ``seqlen_k >= TWO_STAGES_MIN_KEYS_SEVERAL_WAVES``: 2 stages (64 KB per SM in flight);
     * contiguous hd128 cache, the one-block tile, and at least
       ``TWO_STAGES_MIN_KEYS_PER_SPLIT`` keys per split at capacity (``ceil(tiles / num_splits)
-      * block_n``): 2 stages;
+      * block_n``, or ``split_tiles * block_n`` in the fixed ``split_size`` mode): 2 stages;
     * otherwise ``stages`` unchanged (paged caches measured slower with fewer bytes in flight at
       pages of 16, v25; other head dims not measured).
 
@@ -308,6 +309,9 @@ def choose_split_stages(stages: int, *, headdim: int, paged: bool, several_waves
         Cache capacity (keys), >= 0.
     num_splits, block_n : int
         Splits and keys per tile, >= 1.
+    split_tiles : int
+        Tiles per split in the fixed ``split_size`` mode (the kernel's ``split_tiles``), 0
+        otherwise (each sequence's tiles divided into ``num_splits`` parts).
 
     Returns
     -------
@@ -320,7 +324,8 @@ def choose_split_stages(stages: int, *, headdim: int, paged: bool, several_waves
         ``stages < 2``, ``num_splits`` or ``block_n`` < 1, or ``seqlen_k < 0``.
     """
     for name, val, lo in (("stages", stages, 2), ("num_splits", num_splits, 1),
-                          ("block_n", block_n, 1), ("seqlen_k", seqlen_k, 0)):
+                          ("block_n", block_n, 1), ("seqlen_k", seqlen_k, 0),
+                          ("split_tiles", split_tiles, 0)):
         if not _is_int(val) or val < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {val!r}")
     if paged or headdim != 128 or stages <= 2:
@@ -330,5 +335,5 @@ def choose_split_stages(stages: int, *, headdim: int, paged: bool, several_waves
     if not one_block:
         return stages
     tiles = -(-seqlen_k // block_n)
-    keys_per_split = -(-tiles // num_splits) * block_n
+    keys_per_split = (split_tiles if split_tiles > 0 else -(-tiles // num_splits)) * block_n
     return 2 if keys_per_split >= TWO_STAGES_MIN_KEYS_PER_SPLIT else stages

@@ -75,8 +75,10 @@ def test_heuristic_range_and_monotonicity(batch, hk, seqlen, sms, chunks, block_
 
 @given(stages=st.integers(2, 6), hd=st.sampled_from([64, 128, 256]), paged=st.booleans(),
        waves=st.booleans(), one_block=st.booleans(), seqlen=st.integers(0, 300000),
-       splits=st.integers(1, 128), block_n=st.sampled_from([32, 64, 128]))
-def test_split_stages_rule(stages, hd, paged, waves, one_block, seqlen, splits, block_n):
+       splits=st.integers(1, 128), block_n=st.sampled_from([32, 64, 128]),
+       split_tiles=st.sampled_from([0, 0, 0, 1, 32, 63, 64, 256]))
+def test_split_stages_rule(stages, hd, paged, waves, one_block, seqlen, splits, block_n,
+                           split_tiles):
     """Two stages only on contiguous hd128 caches, for the several-waves tile from
     TWO_STAGES_MIN_KEYS_SEVERAL_WAVES keys or for the one-block tile from
     TWO_STAGES_MIN_KEYS_PER_SPLIT keys per split; never deeper than given; monotone in length."""
@@ -84,12 +86,12 @@ def test_split_stages_rule(stages, hd, paged, waves, one_block, seqlen, splits, 
     f = lambda **kw: H.choose_split_stages(  # noqa: E731
         kw.get("stages", stages), headdim=hd, paged=paged, several_waves=waves,
         one_block=one_block, seqlen_k=kw.get("seqlen", seqlen),
-        num_splits=kw.get("splits", splits), block_n=block_n)
+        num_splits=kw.get("splits", splits), block_n=block_n, split_tiles=split_tiles)
     r = f()
     assert r in (2, stages)
     if paged or hd != 128 or not (waves or one_block):
         assert r == stages
-    per_split = -(-(-(-seqlen // block_n)) // splits) * block_n
+    per_split = (split_tiles or -(-(-(-seqlen // block_n)) // splits)) * block_n
     if not paged and hd == 128:
         if waves:
             assert r == (2 if seqlen >= H.TWO_STAGES_MIN_KEYS_SEVERAL_WAVES else stages)
@@ -104,7 +106,7 @@ def test_split_stages_rule_rejects_bad_input():
     kw = dict(headdim=128, paged=False, several_waves=False, one_block=True, seqlen_k=8192,
               num_splits=1, block_n=128)
     for bad in (dict(stages=1), dict(num_splits=0), dict(seqlen_k=-1), dict(block_n=0),
-                dict(stages=2.0)):
+                dict(stages=2.0), dict(split_tiles=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             H.choose_split_stages(**{**dict(stages=3), **kw, **bad})
 
@@ -702,7 +704,7 @@ def test_plan_llama_decode():
     # keys with two stages (v24-v25), but not with an explicit num_splits or split_size (a row's
     # result must not depend on the batch); 4096 keys per split keep the one-block tile's 3
     assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp"
-    assert any("several blocks per SM" in r for r in p1.reasons)
+    assert any("two blocks per SM" in r for r in p1.reasons)
     assert any("2 K/V stages instead of 3" in r and "several waves" in r for r in p1.reasons)
     p2 = decode.launch_config(_problem(batch=64, seqlen_cache=2048))
     assert p2.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel_cp"
@@ -715,6 +717,12 @@ def test_plan_llama_decode():
     assert decode.launch_config(_problem(batch=16, seqlen_cache=8192)).template["stages"] == 2
     assert decode.launch_config(_problem(batch=16, seqlen_cache=8064)).template["stages"] == 3
     assert decode.launch_config(_problem(num_splits=32)).template["stages"] == 3  # 4k per split
+    # split_size: the fixed keys per split decide, not capacity / num_splits (helper review)
+    for cap in (16384, 16385, 24576, 24577):
+        ps = decode.launch_config(_problem(seqlen_cache=cap), split_size=8192)
+        assert ps.template["stages"] == 2, (cap, ps.num_splits)
+        assert decode.launch_config(_problem(seqlen_cache=cap),
+                                    split_size=4096).template["stages"] == 3
     assert decode.launch_config(_problem(batch=16, seqlen_cache=4096)).template["block_n"] == 128
     assert decode.launch_config(_problem(batch=17, seqlen_cache=4096)).template["block_n"] == 64
     # only where two of those blocks fit an SM (an A100's 164 KB: one would; keep the 128 x 8)

@@ -864,15 +864,19 @@ def test_several_waves_run_the_two_blocks_per_sm_tile(page):
     _check_against_reference(case, o, lse, dtype)
 
 
-@pytest.mark.parametrize("which", ["one_block", "several_waves"])
+@pytest.mark.parametrize("which", ["one_block", "two_splits", "several_waves"])
 def test_two_stage_pipeline_is_bitwise_the_three_stage_one(which):
     """heuristics.choose_split_stages: where the public path runs two K/V stages (the one-block
-    tile with >= 8k keys per split; the several-waves tile from 4k keys), its output and LSE are
-    bitwise those of the same tile with three stages (ragged, NaN-tailed caches)."""
+    tile with >= 8k keys per split, alone or with the fused merge of two splits; the
+    several-waves tile from 4k keys), its output and LSE are bitwise those of the same tile
+    with three stages (ragged, NaN-tailed caches)."""
     dtype, d = "bfloat16", 128
     if which == "one_block":
         b, hk, h, cap, ns, tile = 2, 2, 8, 8192, 1, (128, 8)
         cs = np.array([8192, 5000], np.int32)
+    elif which == "two_splits":
+        b, hk, h, cap, ns, tile = 1, 2, 8, 16384, 2, (128, 8)
+        cs = np.array([16384 - 37], np.int32)
     else:
         b, hk, h, cap, ns, tile = 17, 8, 32, 4096, 0, (64, 4)
         cs = np.random.default_rng(53).integers(3000, 4097, b).astype(np.int32)
@@ -885,13 +889,14 @@ def test_two_stage_pipeline_is_bitwise_the_three_stage_one(which):
         pytest.skip(f"{b * hk} blocks do not exceed {nsm} SMs")
     assert plan.template["stages"] == 2 and plan.template["block_n"] == tile[0], plan.name
     (o, lse), _ = _run(case, dtype, num_splits=ns)
-    if which == "one_block":
+    if which != "several_waves":
         _check_against_reference(case, o, lse, dtype)
     var = decode.SplitVariant(*tile, 3, decode.default_flags(d, False), 1)
     out3 = _nan_like(q)
     lse3 = cupy.full((b, h, 1), np.nan, cupy.float32)
-    ws = cupy.zeros(1, cupy.float32)  # one split: no workspace
-    decode.run_split_variant(var, q, kc, vc, csd, None, out3, ws, num_splits=1, lse=lse3)
+    ns3 = plan.num_splits
+    ws = cupy.zeros(max(var.workspace_elems(b, 1, h, hk, d, ns3), 1), cupy.float32)
+    decode.run_split_variant(var, q, kc, vc, csd, None, out3, ws, num_splits=ns3, lse=lse3)
     assert bool((o.view(cupy.uint16) == out3.view(cupy.uint16)).all())
     assert bool((lse.view(cupy.uint32) == lse3.view(cupy.uint32)).all())
 
