@@ -321,7 +321,7 @@ def choose_split_stages(stages: int, *, headdim: int, paged: bool, several_waves
     Raises
     ------
     ValueError
-        ``stages < 2``, ``num_splits`` or ``block_n`` < 1, or ``seqlen_k < 0``.
+        ``stages < 2``, ``num_splits`` or ``block_n`` < 1, ``seqlen_k`` or ``split_tiles`` < 0.
     """
     for name, val, lo in (("stages", stages, 2), ("num_splits", num_splits, 1),
                           ("block_n", block_n, 1), ("seqlen_k", seqlen_k, 0),

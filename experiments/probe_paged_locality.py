@@ -60,7 +60,6 @@ def main(argv=None) -> int:
     H, HK, D, PAGE = 32, 8, 128, 16
     prov = common.provenance()
     rng = cp.random.default_rng(3)
-    recs = []
     for shape in args.shapes:
         B, S = (int(x) for x in shape.split(","))
         q = rng.standard_normal((B, 1, H, D), dtype=cp.float32).astype(bf)
@@ -95,7 +94,6 @@ def main(argv=None) -> int:
             rec = dict(probe="paged_locality", table=name, batch=B, seqlen_k=S, page_size=PAGE,
                        nheads=H, nheads_k=HK, headdim=D, us_graph=g, tbps_graph=kv / g / 1e6,
                        us_flushed=f, tbps_flushed=kv / f / 1e6, equal_to_contiguous=same, **prov)
-            recs.append(rec)
             common.append_jsonl(os.path.join(args.out, "probe_paged_locality.jsonl"), rec)
             print(f"B={B} S={S} {name:10s}: graph {g:8.1f} us {kv / g / 1e6:.2f} TB/s | flushed "
                   f"{f:8.1f} us {kv / f / 1e6:.2f} TB/s | equal {same}", flush=True)
