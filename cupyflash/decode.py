@@ -229,11 +229,15 @@ def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int,
     Q tile ``GROUP x (headdim + 8)`` (rows padded by 16 bytes: conflict-free ``ldmatrix``) plus
     ``stages`` x (K and V tiles of ``block_n x headdim``, unpadded rows with 16-byte chunks
     XOR-swizzled inside 128-byte groups), 16-bit elements; then a ring of ``stages`` x
-    ``block_n`` int32 page ids (paged caches; allocated always). ``flags`` do not change it.
+    ``block_n`` int32 page ids (paged caches; allocated always). With :data:`FLAG_TMA` the Q
+    area is padded to a multiple of 1024 bytes (the stage buffers' swizzle alignment); other
+    ``flags`` do not change it.
     """
     e = np_dtype(dtype).itemsize
-    return ((GROUP * (headdim + 16 // e) + stages * 2 * block_n * headdim) * e
-            + stages * block_n * 4)
+    q_bytes = GROUP * (headdim + 16 // e) * e
+    if flags & FLAG_TMA:
+        q_bytes = -(-q_bytes // 1024) * 1024
+    return q_bytes + stages * 2 * block_n * headdim * e + stages * block_n * 4
 
 
 #: Bits of the split kernel's FLAGS template parameter (``decode_flags`` in flash_decode.cu) and
@@ -285,7 +289,14 @@ FLAG_SKIP_RESCALE = 4096
 FLAG_LAZY_RESCALE = 8192
 FLAG_Q_REGS = 16384
 FLAG_MASK_FAST = 32768
-_FLAG_LIMIT = 65536
+#: TMA copies (sm_90, contiguous caches; v30, experiments/NOTES.md): thread 0 issues each tile's
+#: K and V as boxes of ``block_n`` rows x 64 elements through tensor maps
+#: (:func:`kv_tensor_map_geometry`, built by ``launch.encode_tensor_map``), completing on an
+#: mbarrier per stage, instead of every thread issuing 16-byte ``cp.async`` copies
+#: (``decode_flags::kTma``; the kernel entry ``decode_split_tma_kernel`` takes the two maps).
+#: Bitwise the same output as the kernel without it.
+FLAG_TMA = 65536
+_FLAG_LIMIT = 131072
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
                 (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
@@ -293,7 +304,7 @@ _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_SPEC_PAGE_IDS, "_spid"), (FLAG_PDL_EARLY_TRIGGER, "_trearly"),
                 (FLAG_PDL_NO_TRIGGER, "_trnone"), (FLAG_COPY_POINTERS, "_cp"),
                 (FLAG_SKIP_RESCALE, "_skip"), (FLAG_LAZY_RESCALE, "_lazy"),
-                (FLAG_Q_REGS, "_qreg"), (FLAG_MASK_FAST, "_mf"))
+                (FLAG_Q_REGS, "_qreg"), (FLAG_MASK_FAST, "_mf"), (FLAG_TMA, "_tma"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48) with the release/acquire arrival (v9, experiments/NOTES.md).
@@ -316,6 +327,47 @@ def default_flags(headdim: int, paged: bool, page_size: int | None = None) -> in
         return (DEFAULT_FLAGS | (FLAG_SPEC_PAGE_IDS if headdim <= 128 else 0)
                 | (FLAG_COPY_POINTERS if cp else 0))
     return DEFAULT_FLAGS | FLAG_COPY_POINTERS
+
+
+def kv_tensor_map_geometry(shape, strides, itemsize: int, block_n: int) -> tuple:
+    """``(dims, strides_bytes, box)`` of the tensor map through which the :data:`FLAG_TMA`
+    kernel copies a contiguous cache of ``shape`` (batch, seqlen_cache, nheads_k, headdim) with
+    element ``strides``: dims (headdim, nheads_k, seqlen_cache, batch), innermost first, so
+    that the strides grow (head, row, sequence); the box is 64 elements of one head for
+    ``block_n`` keys of one sequence (one 128-byte swizzle row per key).
+
+    Raises
+    ------
+    ValueError
+        A layout the TMA unit cannot describe (:func:`tma_refusal` says why)."""
+    why = tma_refusal(shape, strides, itemsize)
+    if why is not None:
+        raise ValueError(f"k_cache/v_cache: no TMA copies: {why}")
+    b, sc, hk, d = (int(x) for x in shape)
+    sb, sr, sh, _ = (int(x) * itemsize for x in strides)
+    return (d, hk, sc, b), (sh, sr, sb), (64, 1, int(block_n), 1)
+
+
+def tma_refusal(shape, strides, itemsize: int) -> str | None:
+    """Why a contiguous cache (``shape`` (batch, seqlen_cache, nheads_k, headdim), element
+    ``strides``) cannot be copied by TMA (:data:`FLAG_TMA`), or None when it can: unit stride
+    in headdim, the other strides multiples of 16 bytes below 2^40, growing from head to row
+    to sequence (where those dims have more than one element), every dim from 1 to 2^32."""
+    if len(shape) != 4 or len(strides) != 4:
+        return f"expected a 4-D cache, got shape {tuple(shape)}"
+    if any(not 1 <= int(x) <= 2 ** 32 for x in shape):
+        return f"every dim must lie in [1, 2^32], got shape {tuple(shape)}"
+    if int(strides[3]) != 1:
+        return f"headdim stride {strides[3]} is not 1"
+    sb, sr, sh = (int(x) * itemsize for x in strides[:3])
+    for name, st in (("batch", sb), ("row", sr), ("head", sh)):
+        if st <= 0 or st % 16 or st >= 2 ** 40:
+            return f"{name} stride {st} bytes is not a positive multiple of 16 below 2^40"
+    b, sc, hk, _ = (int(x) for x in shape)
+    if (hk > 1 and sc > 1 and sh > sr) or (sc > 1 and b > 1 and sr > sb):
+        return (f"strides (batch {sb}, row {sr}, head {sh} bytes) do not grow from head to row "
+                "to sequence")
+    return None
 
 
 def paged_copy_pointers_refusal(page_size: int, k_strides, v_strides) -> str | None:
@@ -357,6 +409,9 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     if flags & FLAG_Q_REGS and headdim > 128:
         raise ValueError(f"flags: FLAG_Q_REGS is for head dims up to 128 (the hd256 kernel is at "
                          f"255 registers and would spill), got headdim={headdim}")
+    if flags & FLAG_TMA and (paged or flags & (FLAG_WARP_LOCAL | FLAG_KV_GROUPS)):
+        raise ValueError(f"flags: FLAG_TMA is for contiguous caches without FLAG_WARP_LOCAL or "
+                         f"FLAG_KV_GROUPS, got flags={flags}, paged={paged}")
     if flags & FLAG_PREFETCH_256 and flags & FLAG_PREFETCH_128:
         raise ValueError(f"flags: FLAG_PREFETCH_256 and FLAG_PREFETCH_128 exclude each other, "
                          f"got {flags}")
@@ -376,7 +431,8 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     name = (f"decode_split_{_SHORT[dtype]}_hd{headdim}_n{bn}_w{nw}_g{GROUP}_s{st}"
             + ("_paged" if paged else "")
             + "".join(suffix for bit, suffix in _FLAG_SUFFIX if flags & bit))
-    entry = (f"cf::decode_split_kernel<{_CTYPE[dtype]}, {headdim}, {bn}, {nw}, {GROUP}, {st}, "
+    kernel = "decode_split_tma_kernel" if flags & FLAG_TMA else "decode_split_kernel"
+    entry = (f"cf::{kernel}<{_CTYPE[dtype]}, {headdim}, {bn}, {nw}, {GROUP}, {st}, "
              f"{'true' if paged else 'false'}, {flags}>")
     return jit.KernelSpec(name, SOURCE, entry, split_smem_bytes(dtype, headdim, bn, st, flags))
 
@@ -1449,12 +1505,15 @@ class SplitVariant:
     flags: int = 0
     grid_order: int = 0
     pdl: bool = False  # launched as a programmatic dependent launch (sm_90+)
+    l2_promotion: int | None = 256  # FLAG_TMA: the tensor maps' L2 fetch size (bytes)
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n}_w{self.nwarps}_s{self.stages}"
                 + "".join(sfx for bit, sfx in _FLAG_SUFFIX if self.flags & bit)
-                + ("_hfirst" if self.grid_order else "") + ("_pdl" if self.pdl else ""))
+                + ("_hfirst" if self.grid_order else "") + ("_pdl" if self.pdl else "")
+                + (f"_l2p{self.l2_promotion or 0}"
+                   if self.flags & FLAG_TMA and self.l2_promotion != 256 else ""))
 
     def spec(self, dtype: str, headdim: int, paged: bool) -> jit.KernelSpec:
         return split_kernel_spec(dtype, headdim, paged, block_n=self.block_n, nwarps=self.nwarps,
@@ -1512,6 +1571,11 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
         if why is not None:
             raise ValueError(f"variant: FLAG_COPY_POINTERS on a paged cache: {why}")
     final = ns == 1 or fused or cluster > 1
+    tail = ()
+    if variant.flags & FLAG_TMA:  # the tensor maps of K and V, after the other arguments
+        tail = tuple(launch.encode_tensor_map(
+            c.data.ptr, *kv_tensor_map_geometry(c.shape, _estrides(c), c.itemsize, variant.block_n),
+            l2_promotion=variant.l2_promotion) for c in (k_cache, v_cache))
     i64, i32 = np.int64, np.int32
     args = (q, k_cache, v_cache,
             cache_seqlens if cache_seqlens is not None else nul,
@@ -1524,7 +1588,8 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
             i32(b), i32(h), i32(hk), i32(sq), i32(d), i32(prob.seqlen_cache), i32(0),
             i32(page_size), i32(page_shift), i32(prob.num_pages), i32(ns), i32(0),
             i32(row_chunks), i32(1 if prob.causal else 0),
-            np.float32(prob.softmax_scale * math.log2(math.e)), counters, i32(variant.grid_order))
+            np.float32(prob.softmax_scale * math.log2(math.e)), counters,
+            i32(variant.grid_order)) + tail
     grid = (ns, b, hk * row_chunks) if variant.grid_order == 0 else (hk * row_chunks, ns, b)
     if cluster > 1:
         if variant.grid_order != 0:
@@ -1532,9 +1597,9 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
         launch.launch(jit.get_kernel(spec), grid, (variant.nwarps * 32, 1, 1), args,
                       shared_mem=spec.smem_bytes, cluster=(cluster, 1, 1), pdl=variant.pdl)
         return out
-    if variant.pdl:
+    if variant.pdl or tail:  # (CuPy cannot pass a tensor map by value)
         launch.launch(jit.get_kernel(spec), grid, (variant.nwarps * 32, 1, 1), args,
-                      shared_mem=spec.smem_bytes, cluster=None, pdl=True)
+                      shared_mem=spec.smem_bytes, cluster=None, pdl=variant.pdl)
     else:
         jit.get_kernel(spec)(grid, (variant.nwarps * 32, 1, 1), args, shared_mem=spec.smem_bytes)
     if ns > 1 and not fused:

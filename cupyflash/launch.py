@@ -37,7 +37,8 @@ import functools
 import numpy as np
 
 __all__ = ["MAX_PORTABLE_CLUSTER", "MAX_CLUSTER", "LaunchError", "launch",
-           "max_active_clusters", "kernel_arguments", "PreparedLaunch"]
+           "max_active_clusters", "kernel_arguments", "PreparedLaunch", "TensorMap",
+           "encode_tensor_map"]
 
 #: Blocks per cluster that every cluster-capable GPU supports.
 MAX_PORTABLE_CLUSTER = 8
@@ -73,6 +74,20 @@ class _Config(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
 
 
+class TensorMap(ctypes.Structure):
+    """A ``CUtensorMap`` (``cuda.h``: 16 opaque 64-bit words), passed by value as a kernel
+    argument (``const __grid_constant__ cf::TmaDesc`` in ``kernels_cu/common/tma.cuh``)."""
+    _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+
+# cuda.h enum values of cuTensorMapEncodeTiled
+CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION = {None: 0, 64: 1, 128: 2, 256: 3}
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements are zero
+
+
 @functools.lru_cache(maxsize=1)
 def _driver():
     """libcuda with the argument types of the calls used here (loaded on first use)."""
@@ -83,8 +98,13 @@ def _driver():
                                                  ctypes.POINTER(_Config)]
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuTensorMapEncodeTiled.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     for f in (lib.cuLaunchKernelEx, lib.cuOccupancyMaxActiveClusters, lib.cuFuncSetAttribute,
-              lib.cuGetErrorName):
+              lib.cuGetErrorName, lib.cuTensorMapEncodeTiled):
         f.restype = ctypes.c_int
     return lib
 
@@ -94,6 +114,35 @@ def _check(call: str, status: int) -> None:
         name = ctypes.c_char_p()
         _driver().cuGetErrorName(status, ctypes.byref(name))
         raise LaunchError(f"{call} failed: {(name.value or b'?').decode()} ({status})")
+
+
+def encode_tensor_map(ptr: int, dims, strides_bytes, box, *,
+                      l2_promotion: int | None = 256) -> TensorMap:
+    """A tiled tensor map of 16-bit elements (``cuTensorMapEncodeTiled``; CUDA Driver API,
+    "Tensor Map Object Management") at device address ``ptr``: ``dims`` (innermost first,
+    elements), ``strides_bytes`` (of dims 1.., bytes, multiples of 16), ``box`` (elements per
+    copy along each dim, the innermost 128 bytes at most), the 128-byte shared-memory swizzle,
+    zero fill out of bounds, and L2 fetches of ``l2_promotion`` bytes (64, 128, 256 or None).
+
+    Raises
+    ------
+    LaunchError
+        The driver refused the description (the message names the CUresult)."""
+    rank = len(dims)
+    if not (1 <= rank <= 5 and len(strides_bytes) == rank - 1 and len(box) == rank):
+        raise ValueError(f"dims, strides_bytes, box: expected rank 1-5 with rank - 1 strides, "
+                         f"got {dims}, {strides_bytes}, {box}")
+    raw = ctypes.create_string_buffer(128 + 64)  # the driver writes it 64-byte aligned
+    addr = (ctypes.addressof(raw) + 63) & ~63
+    _check("cuTensorMapEncodeTiled", _driver().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(addr), CU_TENSOR_MAP_DATA_TYPE_UINT16, rank, ctypes.c_void_p(int(ptr)),
+        (ctypes.c_uint64 * rank)(*[int(d) for d in dims]),
+        (ctypes.c_uint64 * max(1, rank - 1))(*[int(s) for s in strides_bytes]),
+        (ctypes.c_uint32 * rank)(*[int(b) for b in box]),
+        (ctypes.c_uint32 * rank)(*([1] * rank)),
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+        CU_TENSOR_MAP_L2_PROMOTION[l2_promotion], CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    return TensorMap.from_buffer_copy(ctypes.string_at(addr, ctypes.sizeof(TensorMap)))
 
 
 def _config(grid, block, shared_mem: int, stream_ptr: int, cluster, pdl: bool = False) -> tuple:
@@ -124,14 +173,17 @@ def _config(grid, block, shared_mem: int, stream_ptr: int, cluster, pdl: bool = 
 def kernel_arguments(args) -> tuple:
     """``(void** array, keep-alive list)`` of kernel arguments, converted as CuPy converts them
     for ``RawKernel``: CuPy arrays -> their device pointer, NumPy scalars -> their C type
-    (``uint64`` is used for raw pointers and NULL). Other types raise TypeError."""
+    (``uint64`` is used for raw pointers and NULL); a :class:`TensorMap` is passed by value.
+    Other types raise TypeError."""
     import cupy
     c_types = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
                np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float,
                np.dtype(np.uint32): ctypes.c_uint32}
     keep = []
     for i, a in enumerate(args):
-        if isinstance(a, cupy.ndarray):
+        if isinstance(a, TensorMap):
+            keep.append(a)
+        elif isinstance(a, cupy.ndarray):
             keep.append(ctypes.c_void_p(a.data.ptr))
         elif isinstance(a, np.generic) and a.dtype in c_types:
             keep.append(c_types[a.dtype](a.item()))

@@ -42,6 +42,7 @@
 #include "common/mma.cuh"
 #include "common/cluster.cuh"
 #include "common/pdl.cuh"
+#include "common/tma.cuh"
 
 namespace cf {
 
@@ -151,7 +152,18 @@ constexpr int kQRegs = 16384;
 // the last partial tile) skip the per-score mask (block-uniform branch). Padding rows (zero Q)
 // then get finite scores; they are never written.
 constexpr int kMaskFast = 32768;
-constexpr int kAll = 65535;  // every defined bit (decode.py checks flags against its own list)
+// TMA copies (sm_90, contiguous caches; v30 in experiments/NOTES.md): thread 0 issues each
+// tile's K and V as HEADDIM / 64 boxes of BLOCK_N rows x 64 elements per cache
+// (cp.async.bulk.tensor through the tensor maps of decode_split_tma_kernel), completing on one
+// mbarrier per stage, instead of every thread issuing 16-byte cp.async copies. The boxes land
+// with the 128-byte swizzle (DecodeTraits::kv_offset_tma) behind a Q area padded to 1024 bytes.
+// Rows past the cache's capacity are zero-filled by the TMA unit; rows in [len, capacity) of a
+// sequence's last tile are read (inside the cache, never into the result): their scores are
+// masked to -inf, and each warp zeroes its own V rows there before P V (0 x NaN would be NaN).
+// Bitwise the same output as the cp.async kernel: the same values meet the same mma in the
+// same order.
+constexpr int kTma = 65536;
+constexpr int kAll = 131071;  // every defined bit (decode.py checks flags against its own list)
 }  // namespace decode_flags
 constexpr float kLazyThreshold = 8.f;
 
@@ -297,10 +309,22 @@ struct DecodeTraits {
     static __device__ __forceinline__ int kv_offset(int row, int chunk) {
         return row * HEADDIM + (chunk ^ (row & 7)) * kVec;
     }
+    // decode_flags::kTma: a tile is HEADDIM / 64 boxes of [BLOCK_N][64] elements (128-byte rows,
+    // the TMA unit's 128-byte swizzle: chunk c of a box row r at c ^ (r % 8)); chunk `chunk` of
+    // the row lies in box chunk / 8. The same conflict-free ldmatrix pattern as kv_offset.
+    static __device__ __forceinline__ int kv_offset_tma(int row, int chunk) {
+        return (chunk >> 3) * (BLOCK_N * 64) + row * 64 + ((chunk & 7) ^ (row & 7)) * kVec;
+    }
     // Page ids of the tiles in flight, a ring of STAGES tiles (paged caches; allocated always).
     static constexpr int kPageIdBytes = STAGES * BLOCK_N * 4;
     static constexpr int kSmemBytes = (kQElems + STAGES * kStageElems) * (int)sizeof(T)
                                       + kPageIdBytes;
+    // decode_flags::kTma: the stage buffers start 1024-byte aligned (the swizzle's period), so
+    // the Q area is padded; the page-id ring (unused on contiguous caches) holds the STAGES
+    // mbarriers.
+    static constexpr int kQBytes = kQElems * (int)sizeof(T);
+    static constexpr int kQBytesTma = (kQBytes + 1023) / 1024 * 1024;
+    static constexpr int kSmemBytesTma = kSmemBytes - kQBytes + kQBytesTma;
     // Epilogue scratch (aliases the stage buffers once the pipeline has drained).
     static constexpr int kOStride = HEADDIM + 4;
     static constexpr int kEpilogueBytes = (NWARPS * GROUP * kOStride + 3 * NWARPS * GROUP
@@ -339,6 +363,8 @@ struct DecodeSplitExtra {
     int* counters;   // FLAGS & kFusedCombine: (batch, nheads_k * row_chunks) arrival counters
     int grid_order;  // 0: grid (splits, batch, nheads_k * row_chunks); 1: (nheads_k * row_chunks,
                      // splits, batch), the KV-head blocks of one key range launched together
+    const void* tmap_k = nullptr;  // decode_flags::kTma: generic addresses of the tensor maps
+    const void* tmap_v = nullptr;  // (__grid_constant__ parameters) of K and V
 };
 
 // Length (tokens, after appending) of sequence b, clamped to [0, capacity] so that a bad
@@ -368,7 +394,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     constexpr bool SKIP = LAZY || (FLAGS & decode_flags::kSkipRescale) != 0;
     constexpr bool QREGS = (FLAGS & decode_flags::kQRegs) != 0;
     constexpr bool MASKFAST = (FLAGS & decode_flags::kMaskFast) != 0;
+    constexpr bool TMA = (FLAGS & decode_flags::kTma) != 0;
     static_assert((FLAGS & ~decode_flags::kAll) == 0, "unknown FLAGS bit");
+    static_assert(!TMA || (!PAGED && !WL && !KVG && HEADDIM % 64 == 0),
+                  "TMA copies: contiguous caches, the CTA pipeline, whole 64-element boxes");
     // cp.async groups per tile (kKVGroups: K, then V and nothing else)
     constexpr int kGroupsPerTile = KVG ? 2 : 1;
     static_assert(!(FLAGS & decode_flags::kClusterCombine) || Tr::kPartFits,
@@ -376,7 +405,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     static_assert(!WL || !PAGED, "warp-local copies: contiguous caches");
     static_assert(!WL || (32 % Tr::kChunksPerRow == 0 || Tr::kChunksPerRow == 32),
                   "warp-local copies: whole rows per pass of a warp");
-    if (decode_detail::dynamic_smem_bytes() < (unsigned)Tr::kSmemBytes)
+    if (decode_detail::dynamic_smem_bytes() < (unsigned)(TMA ? Tr::kSmemBytesTma : Tr::kSmemBytes))
         __trap();  // launch bug, never silent
     // Paged copy pointers address a page by shift and mask: every tile starts a page (or lies in
     // one) and a copy pass does not straddle two pages only if BLOCK_N and the pass are powers of
@@ -398,10 +427,22 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                                             | decode_flags::kPdlNoTrigger)) == 0;
     if constexpr (kEarlyTrigger) pdl_launch_dependents();
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sStages = sQ + Tr::kQElems;
+    T* sStages = reinterpret_cast<T*>(smem_raw + (TMA ? Tr::kQBytesTma : Tr::kQBytes));
     int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [STAGES][BLOCK_N]
+    uint64_t* sBar = reinterpret_cast<uint64_t*>(sPage);  // kTma: [STAGES] mbarriers
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    if constexpr (TMA) {  // one mbarrier per stage, one arrival (thread 0's expect_tx) per use
+        if ((smem_u32addr(sStages) & 1023u) != 0u) __trap();  // the swizzle needs 1024 B
+        if (tid == 0) {
+            tma_prefetch_desc(ex.tmap_k);
+            tma_prefetch_desc(ex.tmap_v);
+#pragma unroll
+            for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32addr(sBar + s), 1);
+            mbar_init_fence();
+        }
+        __syncthreads();
+    }
     const int g = lane >> 2, t = lane & 3;  // mma groupID / threadID_in_group
     const int split = ex.grid_order == 0 ? blockIdx.x : blockIdx.y;
     const int b = ex.grid_order == 0 ? blockIdx.y : blockIdx.z;
@@ -632,7 +673,25 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         }
     };
     auto load_tile = [&](int stage, int tile) {
-        if constexpr (CP) {
+        if constexpr (TMA) {
+            // thread 0: after the __syncthreads that ends every read of this stage, arm its
+            // mbarrier with the tile's bytes (boxes past the capacity count in full, zero-filled)
+            // and issue the K and V boxes (dims: headdim, KV head, key, sequence)
+            if (tid == 0) {
+                T* sK = sStages + stage * Tr::kStageElems;
+                T* sV = sK + Tr::kTileElems;
+                const uint32_t bar = smem_u32addr(sBar + stage);
+                fence_proxy_async_shared();
+                mbar_arrive_expect_tx(bar, 2u * Tr::kTileElems * (unsigned)sizeof(T));
+#pragma unroll
+                for (int h = 0; h < HEADDIM / 64; ++h) {
+                    tma_load_4d(smem_u32addr(sK + h * BLOCK_N * 64), ex.tmap_k, h * 64, hk,
+                                tile * BLOCK_N, b, bar);
+                    tma_load_4d(smem_u32addr(sV + h * BLOCK_N * 64), ex.tmap_v, h * 64, hk,
+                                tile * BLOCK_N, b, bar);
+                }
+            }
+        } else if constexpr (CP) {
             T* sK = sStages + stage * Tr::kStageElems;
             T* sV = sK + Tr::kTileElems;
             auto copy = [&](bool do_k, bool do_v) {
@@ -742,8 +801,12 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     }
 
     for (int it = 0; it < n_iter; ++it) {
-        // this thread's copies of tile `it` (kKVGroups: of its K) have landed
-        cp_async_wait<kGroupsPerTile * (STAGES - 1) - 1>();
+        // this thread's copies of tile `it` (kKVGroups: of its K) have landed (kTma: all of them,
+        // the stage's mbarrier completing its (it / STAGES)-th phase)
+        if constexpr (TMA)
+            mbar_wait(smem_u32addr(sBar + it % STAGES), (unsigned)(it / STAGES) & 1u);
+        else
+            cp_async_wait<kGroupsPerTile * (STAGES - 1) - 1>();
         if constexpr (WL)
             __syncwarp();             // the warp's have (its rows only); it is done with it - 1
         else
@@ -755,6 +818,24 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         const T* sK = sStages + (it % STAGES) * Tr::kStageElems;
         const T* sV = sK + Tr::kTileElems;
         const int key0 = (tile_begin + it) * BLOCK_N + warp_key0;  // first key of this warp
+        auto kvo = [](int row, int chunk) {
+            return TMA ? Tr::kv_offset_tma(row, chunk) : Tr::kv_offset(row, chunk);
+        };
+        if constexpr (TMA) {
+            // the sequence's last tile: this warp zeroes its V rows at or past len (the TMA
+            // copied them from the cache's tail, which may hold anything; P is 0 there)
+            const int n_valid = len - (tile_begin + it) * BLOCK_N;
+            if (n_valid < BLOCK_N) {  // block-uniform
+                T* sVw = sStages + (it % STAGES) * Tr::kStageElems + Tr::kTileElems;
+                for (int e = lane; e < Tr::kKeysPerWarp * Tr::kChunksPerRow; e += 32) {
+                    const int r = warp_key0 + e / Tr::kChunksPerRow;
+                    if (r >= n_valid)
+                        *reinterpret_cast<uint4*>(sVw + kvo(r, e % Tr::kChunksPerRow)) =
+                            make_uint4(0u, 0u, 0u, 0u);
+                }
+                __syncwarp();
+            }
+        }
 
         // S = Q K^T for this warp's keys (16 rows x kKeysPerWarp keys), fp32
         float s[Tr::kKSteps][2][4];
@@ -779,7 +860,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 const int krow = warp_key0 + kw * 16 + (lane >> 4) * 8 + (lane & 7);
                 const int kchunk = ks * 2 + ((lane >> 3) & 1);
                 uint32_t bk[4];
-                ldmatrix_x4(bk, smem_u32addr(sK + Tr::kv_offset(krow, kchunk)));
+                ldmatrix_x4(bk, smem_u32addr(sK + kvo(krow, kchunk)));
                 mma_m16n8k16<T>(s[kw][0], a, bk[0], bk[1]);
                 mma_m16n8k16<T>(s[kw][1], a, bk[2], bk[3]);
             }
@@ -867,7 +948,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             for (int dn = 0; dn < HEADDIM / 16; ++dn) {
                 const int vchunk = dn * 2 + (lane >> 4);
                 uint32_t bv[4];
-                ldmatrix_x4_trans(bv, smem_u32addr(sV + Tr::kv_offset(vrow, vchunk)));
+                ldmatrix_x4_trans(bv, smem_u32addr(sV + kvo(vrow, vchunk)));
                 mma_m16n8k16<T>(acc[2 * dn], pa, bv[0], bv[1]);
                 mma_m16n8k16<T>(acc[2 * dn + 1], pa, bv[2], bv[3]);
             }
@@ -1091,6 +1172,7 @@ decode_split_kernel(const void* q, const void* k, const void* v, const int* cach
                     int seqlen_cache, int seqlen_new, int page_size, int page_shift,
                     int num_pages, int num_splits, int split_tiles, int num_row_chunks,
                     int causal, float scale_log2, int* counters, int grid_order) {
+    static_assert((FLAGS & decode_flags::kTma) == 0, "kTma kernels: decode_split_tma_kernel");
     DecodeParams p;
     p.q = q; p.k = k; p.v = v; p.cache_seqlens = cache_seqlens; p.block_table = block_table;
     p.o = o; p.lse = lse; p.o_part = o_part; p.lse_part = lse_part;
@@ -1120,6 +1202,47 @@ decode_split_kernel(const void* q, const void* k, const void* v, const int* cach
 // Strides in elements: o_part (part, batch, row, head) with the head dim contiguous, lse_part
 // (part, batch, head, row).
 // ------------------------------------------------------------------------------------------------
+// decode_flags::kTma: the same kernel with the tensor maps of the K and V caches (4-D: headdim,
+// KV head, key, sequence; box 64 x 1 x BLOCK_N x 1, 128-byte swizzle, zero fill; built by
+// decode.py kv_tensor_maps) as __grid_constant__ parameters after the others.
+template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, bool PAGED,
+          int FLAGS>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+decode_split_tma_kernel(const void* q, const void* k, const void* v, const int* cache_seqlens,
+                        const int* block_table, void* o, float* lse, float* o_part,
+                        float* lse_part, long long q_bs, long long q_rs, long long q_hs,
+                        long long k_bs, long long k_rs, long long k_hs,
+                        long long v_bs, long long v_rs, long long v_hs,
+                        long long o_bs, long long o_rs, long long o_hs,
+                        long long lse_bs, long long lse_hs, long long bt_bs,
+                        int batch, int nheads, int nheads_k, int seqlen_q, int headdim,
+                        int seqlen_cache, int seqlen_new, int page_size, int page_shift,
+                        int num_pages, int num_splits, int split_tiles, int num_row_chunks,
+                        int causal, float scale_log2, int* counters, int grid_order,
+                        const __grid_constant__ TmaDesc tmap_k,
+                        const __grid_constant__ TmaDesc tmap_v) {
+    static_assert((FLAGS & decode_flags::kTma) != 0, "the TMA entry runs kTma kernels");
+    DecodeParams p;
+    p.q = q; p.k = k; p.v = v; p.cache_seqlens = cache_seqlens; p.block_table = block_table;
+    p.o = o; p.lse = lse; p.o_part = o_part; p.lse_part = lse_part;
+    p.q_batch_stride = q_bs; p.q_row_stride = q_rs; p.q_head_stride = q_hs;
+    p.k_batch_stride = k_bs; p.k_row_stride = k_rs; p.k_head_stride = k_hs;
+    p.v_batch_stride = v_bs; p.v_row_stride = v_rs; p.v_head_stride = v_hs;
+    p.o_batch_stride = o_bs; p.o_row_stride = o_rs; p.o_head_stride = o_hs;
+    p.lse_batch_stride = lse_bs; p.lse_head_stride = lse_hs; p.block_table_batch_stride = bt_bs;
+    p.batch = batch; p.nheads = nheads; p.nheads_k = nheads_k; p.h_per_kv = nheads / nheads_k;
+    p.seqlen_q = seqlen_q; p.headdim = headdim; p.seqlen_cache = seqlen_cache;
+    p.seqlen_new = seqlen_new; p.page_size = page_size; p.page_shift = page_shift;
+    p.num_pages = num_pages; p.num_splits = num_splits; p.split_tiles = split_tiles;
+    p.num_row_chunks = num_row_chunks; p.causal = causal; p.scale_log2 = scale_log2;
+    DecodeSplitExtra ex;
+    ex.counters = counters;
+    ex.grid_order = grid_order;
+    ex.tmap_k = &tmap_k;
+    ex.tmap_v = &tmap_v;
+    decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, PAGED, FLAGS>(p, ex);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(128)
 decode_combine_kernel(const float* o_part, const float* lse_part, T* out, float* lse_out,

@@ -384,6 +384,62 @@ def test_loop_flags_rejected_where_they_do_not_apply():
     assert s.entry.endswith(f", true, {65 + 4096 + 16384 + 32768}>")
 
 
+#: v30: TMA copies on contiguous caches (both hd128 tiles, three and two stages), heads first
+TMA_VARIANTS = [decode.SplitVariant(bn, w, st_, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1,
+                                    pdl=True)
+                for bn, w in ((128, 8), (64, 4)) for st_ in (3, 2)]
+
+
+@pytest.mark.parametrize("hd,tile", [(64, (128, 4, 3)), (128, (128, 8, 3)), (128, (64, 4, 2)),
+                                     (256, (32, 2, 3))])
+def test_tma_kernels_compile_without_spills(hd, tile):
+    """The TMA split kernel (decode_split_tma_kernel) compiles for every head dim, for sm_90a
+    and (as traps, never selected there) sm_80, without spills; its shared memory is the
+    cp.async kernel's plus the Q area's padding to 1024 bytes."""
+    bn, w, st_ = tile
+    spec = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w, stages=st_,
+                                    flags=decode.DEFAULT_FLAGS | decode.FLAG_TMA)
+    assert spec.name.endswith("_fused_rel_tma") and "decode_split_tma_kernel<" in spec.entry
+    plain = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w, stages=st_,
+                                     flags=decode.DEFAULT_FLAGS)
+    q_bytes = 16 * (hd + 8) * 2
+    assert spec.smem_bytes - plain.smem_bytes == -(-q_bytes // 1024) * 1024 - q_bytes
+    assert spec.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
+    for arch in ("sm_90a", "sm_80"):
+        r = jit.compile_report(spec, arch)
+        assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
+
+
+def test_tma_flag_refused_where_it_does_not_apply():
+    for paged, extra in ((True, 0), (False, decode.FLAG_WARP_LOCAL),
+                         (False, decode.FLAG_KV_GROUPS)):
+        with pytest.raises(ValueError, match="FLAG_TMA is for contiguous caches"):
+            decode.split_kernel_spec("bfloat16", 128, paged, flags=decode.FLAG_TMA | extra)
+    assert decode.SplitVariant(128, 8, 3, decode.FLAG_TMA).name == "n128_w8_s3_tma"
+    assert decode.SplitVariant(128, 8, 3, decode.FLAG_TMA, l2_promotion=128).name == \
+        "n128_w8_s3_tma_l2p128"
+
+
+def test_kv_tensor_map_geometry():
+    """The tensor map of a contiguous cache: dims (headdim, KV heads, capacity, batch) with
+    byte strides growing (head, row, sequence) and a box of 64 elements x block_n keys; layouts
+    the TMA unit cannot describe get a reason."""
+    shape, st_ = (3, 1000, 8, 128), (1000 * 8 * 128, 8 * 128, 128, 1)
+    dims, strides, box = decode.kv_tensor_map_geometry(shape, st_, 2, 128)
+    assert dims == (128, 8, 1000, 3) and strides == (256, 2048, 2048 * 1000)
+    assert box == (64, 1, 128, 1)
+    # padded head dim 72 (144-byte rows: a multiple of 16) and one KV head
+    assert decode.kv_tensor_map_geometry((2, 10, 1, 72), (720, 72, 72, 1), 2, 64)[1] == \
+        (144, 144, 1440)
+    assert decode.tma_refusal(shape, st_, 2) is None
+    assert "headdim stride 2" in decode.tma_refusal(shape, st_[:3] + (2,), 2)
+    assert "row stride 2056 bytes" in decode.tma_refusal(shape, (1000 * 1028, 1028, 128, 1), 2)
+    assert "do not grow" in decode.tma_refusal(shape, (1000 * 8 * 128, 128, 1000 * 128, 1), 2)
+    assert "every dim" in decode.tma_refusal((0, 10, 8, 128), st_, 2)
+    with pytest.raises(ValueError, match="^k_cache/v_cache: no TMA copies: batch stride -"):
+        decode.kv_tensor_map_geometry(shape, (-st_[0],) + st_[1:], 2, 64)
+
+
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)
 def test_variants_compile_without_spills(var):
     for paged in (False,) if var.flags & decode.FLAG_COPY_POINTERS else (False, True):

@@ -901,6 +901,47 @@ def test_two_stage_pipeline_is_bitwise_the_three_stage_one(which):
     assert bool((lse.view(cupy.uint32) == lse3.view(cupy.uint32)).all())
 
 
+@pytest.mark.parametrize("d,tile", [(128, (128, 8, 3)), (128, (64, 4, 2)), (72, (64, 4, 3)),
+                                    (256, (32, 2, 3)), (64, (128, 4, 3)), (128, (128, 8, 2))])
+@pytest.mark.parametrize("sq,dtype", [(1, "bfloat16"), (5, "float16")])
+def test_tma_copies_are_bitwise_the_cp_async_ones(d, tile, sq, dtype):
+    """decode.FLAG_TMA (v30): K/V tiles copied by the TMA unit through tensor maps give bitwise
+    the output and LSE of the cp.async kernel of the same tile, and match the reference: ragged
+    NaN-tailed caches (the TMA reads the tails of last tiles, the kernel masks K and zeroes V
+    there), an empty sequence, a capacity that is not a multiple of the tile (zero-filled
+    boxes), a cache that is a view of a larger one, GQA 4, padded head dim 72, causal rows over
+    two row chunks at sq = 5, split counts from 1 to more splits than tiles; outputs, LSE and
+    workspace poisoned with NaN."""
+    bn, w, st_ = tile
+    hk, h, cap = 2, 8, 1100
+    case = _nan_tailed_case(61, np.array([1037, 0, 130, 64, 1100], np.int32), cap, hk, h, d,
+                            dtype, sq=sq)
+    qd, csd = _dev(case.q), _dev(case.cache_seqlens)
+    big = cap + 77  # a view of a larger cache: the batch stride is not capacity x row
+    kb, vb = (_nan_like(cupy.empty((5, big, hk, d), qd.dtype)) for _ in range(2))
+    kb.view(cupy.uint16)[:, :cap] = _dev(case.k_cache).view(cupy.uint16)
+    vb.view(cupy.uint16)[:, :cap] = _dev(case.v_cache).view(cupy.uint16)
+    kd, vd = kb[:, :cap], vb[:, :cap]
+    batch = qd.shape[0]
+    base = decode.SplitVariant(bn, w, st_, decode.default_flags(d, False), 1)
+    tma = decode.SplitVariant(bn, w, st_, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1, pdl=True)
+    for ns in (1, 3, 16):
+        def run(var):
+            n = var.workspace_elems(batch, sq, h, hk, d, ns)
+            ws = cupy.full(max(n, 1), np.nan, cupy.float32)
+            if ns > 1:
+                ws[ns * batch * sq * h * (d + 1):n] = 0  # counters; the partials are poisoned
+            out = _nan_like(qd)
+            lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
+            decode.run_split_variant(var, qd, kd, vd, csd, None, out, ws, num_splits=ns, lse=lse)
+            _check_against_reference(case, out, lse, dtype)
+            return out.view(cupy.uint16), lse
+        o0, l0 = run(base)
+        o1, l1 = run(tma)
+        assert bool((o1 == o0).all()), ns
+        assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ns
+
+
 def test_misaligned_workspace_is_rejected_before_launch():
     """The partials move as 16-byte vectors: a workspace that starts off a 16-byte boundary (an
     offset slice) is a ValueError naming the argument, on the first and on a warm call."""
