@@ -99,6 +99,9 @@ def variants():
                                                                           (128, 8, 2), (64, 4, 2))]
     contiguous += [V(bn, w, 3, F | R | T, 1, pdl=True, l2_promotion=128)
                    for bn, w in ((128, 8), (64, 4))]
+    # v30b: no L2 promotion, or 64 B (256 B lost 3-7% in v30, 128 B matched cp.async)
+    contiguous += [V(bn, w, 3, F | R | T, 1, pdl=True, l2_promotion=p)
+                   for bn, w in ((128, 8), (64, 4)) for p in (None, 64)]
     return contiguous, paged
 
 
