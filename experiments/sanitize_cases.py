@@ -21,9 +21,16 @@ def rand(shape, dtype):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--small", action="store_true", help="fewer prefill cases (racecheck is slow)")
-    small = ap.parse_args().small
+    ap.add_argument("--tma-only", action="store_true", help="only the TMA decode variant")
+    args = ap.parse_args()
+    small = args.small
     import ml_dtypes
     bf16 = np.dtype(ml_dtypes.bfloat16)
+    if args.tma_only:
+        tma_cases(bf16)
+        cp.cuda.runtime.deviceSynchronize()
+        print("sanitize cases: done")
+        return
     dtypes = [bf16, cp.float64] if small else [cp.float16, bf16, cp.float32, cp.float64]
     for dt in dtypes:
         for d in ((64, 40) if small else (64, 128, 40)):
@@ -86,8 +93,27 @@ def main():
         for ns in (3, 8):
             decode.run_split_variant(var, qd, kc, vc, lens, None, cp.empty_like(qd), None,
                                      num_splits=ns, lse=cp.empty((2, 8, 2), cp.float32))
+    tma_cases(bf16)
     cp.cuda.runtime.deviceSynchronize()
     print("sanitize cases: done")
+
+
+def tma_cases(bf16):
+    """The decode split kernel with TMA copies (decode.FLAG_TMA, sm_90; an experiment variant):
+    both hd128 tiles, ragged lengths (an empty sequence, last tiles partly past len, a capacity
+    that is not a multiple of the tile), one split and the fused merge of three."""
+    from cupyflash import decode
+    if int(cp.cuda.Device().compute_capability) < 90:
+        return
+    kc, vc = rand((3, 300, 2, 128), bf16), rand((3, 300, 2, 128), bf16)
+    lens = cp.asarray(np.array([0, 277, 300], dtype=np.int32))
+    qd = rand((3, 2, 8, 128), bf16)
+    for bn, w, st in ((128, 8, 3), (64, 4, 2)):
+        var = decode.SplitVariant(bn, w, st, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1)
+        for ns in (1, 3):
+            ws = cp.zeros(max(var.workspace_elems(3, 2, 8, 2, 128, ns), 1), cp.float32)
+            decode.run_split_variant(var, qd, kc, vc, lens, None, cp.empty_like(qd), ws,
+                                     num_splits=ns, lse=cp.empty((3, 8, 2), cp.float32))
 
 
 if __name__ == "__main__":
