@@ -169,7 +169,7 @@ def test_spec_names_and_table():
     assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
     assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
     with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=65536)
+        decode.split_kernel_spec("bfloat16", 128, False, flags=131072)
     with pytest.raises(ValueError, match="exclude"):
         decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_PDL_EARLY_TRIGGER
                                  | decode.FLAG_PDL_NO_TRIGGER)

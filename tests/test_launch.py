@@ -108,3 +108,47 @@ def test_launch_and_occupancy_check_shapes_before_the_driver():
         launch.launch(object(), (32, 1), (32, 1, 1), ())
     with pytest.raises(ValueError, match="at most 16"):
         launch.max_active_clusters(object(), (32, 1, 1), (32, 1, 1))
+
+
+def test_tensor_map_argument_layout():
+    """A CUtensorMap is 16 opaque 64-bit words (cuda.h CU_TENSOR_MAP_NUM_QWORDS), passed by
+    value; encode_tensor_map checks the rank of its description before calling the driver."""
+    import ctypes
+    assert ctypes.sizeof(launch.TensorMap) == 128
+    with pytest.raises(ValueError, match="rank 1-5"):
+        launch.encode_tensor_map(0, (128, 8, 1000), (256,), (64, 1, 128))
+    assert launch.CU_TENSOR_MAP_L2_PROMOTION == {None: 0, 64: 1, 128: 2, 256: 3}
+
+
+def _enum_index(text: str, enum: str, name: str) -> int:
+    """Value of ``name`` in cuda.h's ``typedef enum <enum> { ... }`` (implicit, sequential)."""
+    body = re.search(rf"typedef enum {enum}\s*\{{(.*?)\}}", text, re.S).group(1)
+    names = [re.match(r"\s*(\w+)", x).group(1) for x in body.split(",") if x.strip()]
+    return names.index(name)
+
+
+def test_tensor_map_enums_match_the_header_when_present():
+    heads = [Path("/usr/local/cuda/include/cuda.h")]
+    try:
+        import nvidia.cu13  # noqa: F401  (pip's CUDA 13 headers)
+        heads += list(Path(nvidia.cu13.__path__[0]).glob("include/cuda.h"))
+    except Exception:  # noqa: BLE001
+        pass
+    heads = [h for h in heads if h.is_file()]
+    if not heads:
+        pytest.skip("no cuda.h installed")
+    text = heads[0].read_text(errors="replace")
+    for enum, name, val in (
+            ("CUtensorMapDataType_enum", "CU_TENSOR_MAP_DATA_TYPE_UINT16",
+             launch.CU_TENSOR_MAP_DATA_TYPE_UINT16),
+            ("CUtensorMapInterleave_enum", "CU_TENSOR_MAP_INTERLEAVE_NONE",
+             launch.CU_TENSOR_MAP_INTERLEAVE_NONE),
+            ("CUtensorMapSwizzle_enum", "CU_TENSOR_MAP_SWIZZLE_128B",
+             launch.CU_TENSOR_MAP_SWIZZLE_128B),
+            ("CUtensorMapL2promotion_enum", "CU_TENSOR_MAP_L2_PROMOTION_L2_128B",
+             launch.CU_TENSOR_MAP_L2_PROMOTION[128]),
+            ("CUtensorMapL2promotion_enum", "CU_TENSOR_MAP_L2_PROMOTION_L2_256B",
+             launch.CU_TENSOR_MAP_L2_PROMOTION[256]),
+            ("CUtensorMapFloatOOBfill_enum", "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE",
+             launch.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)):
+        assert _enum_index(text, enum, name) == val, name
