@@ -522,6 +522,7 @@ class DecodeLaunch:
         them zero (see :func:`alloc_workspace`).
     hbm_bytes, flops : I/O model at full cache capacity (cupyflash.io_model).
     reasons : why each choice was made / alternatives rejected.
+    reason_topics : the topic of each reason (:data:`REASON_TOPICS`), same length.
     """
     kernel: str
     template: dict
@@ -537,9 +538,16 @@ class DecodeLaunch:
     hbm_bytes: int
     flops: int
     reasons: tuple
+    reason_topics: tuple = ()
     registers: int | None = None
     spill_bytes: int | None = None
     counter_elems: int = 0
+
+
+#: Topics of the reasons :func:`launch_config` gives (``Plan.reasons`` pairs them with the text):
+#: the split count and how the splits merge; the tile (head-dim padding, tile shape, query-row
+#: blocks); the pipeline depth; the copy path of paged caches; everything else.
+REASON_TOPICS = ("num_splits", "tile", "stages", "copies", "note")
 
 
 def _check_split_size(split_size) -> None:
@@ -582,11 +590,16 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         z at most 65535.
     """
     p = problem
-    reasons = []
+    reasons, topics = [], []
+
+    def why(topic: str, text: str) -> None:  # topic: one of REASON_TOPICS
+        reasons.append(text)
+        topics.append(topic)
+
     hd = padded_headdim(p.headdim)
     if hd != p.headdim:
-        reasons.append(f"headdim {p.headdim} runs in the hd{hd} kernel (padding columns are "
-                       "zero-filled in shared memory, not read)")
+        why("tile", f"headdim {p.headdim} runs in the hd{hd} kernel (padding columns are "
+                    "zero-filled in shared memory, not read)")
     cfg = split_config(hd)
     rows = (p.nheads // p.nheads_k) * p.seqlen_q
     row_chunks = -(-rows // GROUP)
@@ -602,21 +615,21 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         # copies with the other's stream (heuristic mode only: an explicit num_splits or
         # split_size keeps the tile, so a row's result does not depend on the batch) (H200, v9 sweep, hd128: b64 x 1k 72.1 vs 78.1 us,
         # b64 x 2k 130.2 vs 135.0, paged page 16 134.2 vs 145.8, b64 x 16k 4.53 vs 4.52 TB/s)
-        reasons.append(f"{unsplit_ctas} blocks (batch x nheads_k x row_chunks) > {num_sms} SMs: "
-                       f"the {SPLIT_CONFIGS[hd].block_n}-key tile, two blocks per SM")
+        why("tile", f"{unsplit_ctas} blocks (batch x nheads_k x row_chunks) > {num_sms} SMs: "
+                    f"the {SPLIT_CONFIGS[hd].block_n}-key tile, two blocks per SM")
         cfg = SPLIT_CONFIGS[hd]
     if split_smem_bytes(p.dtype, hd, cfg.block_n, 2) > max_smem_per_block and \
             cfg != SPLIT_CONFIGS[hd]:
-        reasons.append(f"the {cfg.block_n}-key one-block tile does not fit the device's "
-                       f"{max_smem_per_block} bytes of shared memory per block: using the "
-                       f"{SPLIT_CONFIGS[hd].block_n}-key tile")
+        why("tile", f"the {cfg.block_n}-key one-block tile does not fit the device's "
+                    f"{max_smem_per_block} bytes of shared memory per block: using the "
+                    f"{SPLIT_CONFIGS[hd].block_n}-key tile")
         cfg = SPLIT_CONFIGS[hd]
     stages = cfg.stages
     while stages > 2 and split_smem_bytes(p.dtype, hd, cfg.block_n, stages) > max_smem_per_block:
         stages -= 1
     if stages != cfg.stages:
-        reasons.append(f"{cfg.stages} stages need more than the device's {max_smem_per_block} "
-                       f"bytes of shared memory per block: using {stages}")
+        why("stages", f"{cfg.stages} stages need more than the device's {max_smem_per_block} "
+                      f"bytes of shared memory per block: using {stages}")
     smem = split_smem_bytes(p.dtype, hd, cfg.block_n, stages)
     if smem > max_smem_per_block:
         raise ValueError(f"headdim: the hd{hd} decode kernel needs {smem} bytes of shared memory, "
@@ -631,9 +644,9 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     if several_waves:
         fill_per_sm = 2
     if row_chunks > 1:
-        reasons.append(f"{rows} query rows per KV head (GQA {p.nheads // p.nheads_k} x seqlen_q "
-                       f"{p.seqlen_q}) > {GROUP}: {row_chunks} blocks per KV head, each reads "
-                       "the KV tiles (the repeats mostly from L2)")
+        why("tile", f"{rows} query rows per KV head (GQA {p.nheads // p.nheads_k} x seqlen_q "
+                    f"{p.seqlen_q}) > {GROUP}: {row_chunks} blocks per KV head, each reads "
+                    "the KV tiles (the repeats mostly from L2)")
     tiles_cap = -(-p.seqlen_cache // cfg.block_n)
     split_tiles = 0
     if split_size is not None:
@@ -641,24 +654,25 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         split_tiles = -(-int(split_size) // cfg.block_n)
         num_splits = max(1, -(-tiles_cap // split_tiles))
         if p.num_splits >= 1:
-            reasons.append(f"num_splits={p.num_splits} ignored: split_size fixes the splits")
-        reasons.append(f"split_size={split_size}: {split_tiles} tiles ({split_tiles * cfg.block_n}"
-                       f" keys) per split, {num_splits} splits cover the capacity "
-                       f"{p.seqlen_cache}; a row's result does not depend on the batch")
+            why("num_splits", f"num_splits={p.num_splits} ignored: split_size fixes the splits")
+        why("num_splits", f"split_size={split_size}: {split_tiles} tiles "
+                          f"({split_tiles * cfg.block_n} keys) per split, {num_splits} splits "
+                          f"cover the capacity {p.seqlen_cache}; a row's result does not depend "
+                          "on the batch")
     elif p.num_splits >= 1:
         num_splits = p.num_splits
-        reasons.append(f"num_splits={num_splits} as given")
+        why("num_splits", f"num_splits={num_splits} as given")
     else:
         layout = "paged" if p.paged else "contiguous"
         num_splits = choose_num_splits(p.batch, p.nheads_k, p.seqlen_cache, num_sms,
                                        row_chunks=row_chunks, block_n=cfg.block_n,
                                        ctas_per_sm=fill_per_sm)
-        reasons.append(f"num_splits=0: heuristic: {p.batch * p.nheads_k * row_chunks} blocks "
-                       f"(batch x nheads_k x row_chunks) for {num_sms * fill_per_sm} slots "
-                       f"({num_sms} SMs x {fill_per_sm} block{'s' if fill_per_sm > 1 else ''}"
-                       f" per SM, {layout} cache), {tiles_cap} "
-                       f"tile{'s' if tiles_cap != 1 else ''} of {cfg.block_n} keys at capacity "
-                       f"-> {num_splits} split{'s' if num_splits != 1 else ''}")
+        why("num_splits", f"num_splits=0: heuristic: {p.batch * p.nheads_k * row_chunks} blocks "
+                          f"(batch x nheads_k x row_chunks) for {num_sms * fill_per_sm} slots "
+                          f"({num_sms} SMs x {fill_per_sm} block{'s' if fill_per_sm > 1 else ''}"
+                          f" per SM, {layout} cache), {tiles_cap} "
+                          f"tile{'s' if tiles_cap != 1 else ''} of {cfg.block_n} keys at capacity "
+                          f"-> {num_splits} split{'s' if num_splits != 1 else ''}")
     one_block = cfg == ONE_BLOCK_SPLIT_CONFIGS.get(hd)
     depth = choose_split_stages(stages, headdim=hd, paged=p.paged, several_waves=several_waves,
                                 one_block=one_block, seqlen_k=p.seqlen_cache,
@@ -666,52 +680,52 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                                 split_tiles=split_tiles)
     if depth != stages:
         if several_waves:
-            why = (f"several waves at capacity {p.seqlen_cache} >= "
-                   f"{TWO_STAGES_MIN_KEYS_SEVERAL_WAVES} keys: one tile in flight per block, 64 KB "
-                   "per SM at two blocks")
+            cause = (f"several waves at capacity {p.seqlen_cache} >= "
+                     f"{TWO_STAGES_MIN_KEYS_SEVERAL_WAVES} keys: one tile in flight per block, "
+                     "64 KB per SM at two blocks")
         else:
-            why = (f">= {TWO_STAGES_MIN_KEYS_PER_SPLIT} keys per split at capacity: 64 KB of "
-                   "copies in flight per SM")
-        reasons.append(f"{depth} K/V stages instead of {stages} (contiguous cache, {why}; "
-                       "heuristics.choose_split_stages, v24-v26; bitwise the same output)")
+            cause = (f">= {TWO_STAGES_MIN_KEYS_PER_SPLIT} keys per split at capacity: 64 KB of "
+                     "copies in flight per SM")
+        why("stages", f"{depth} K/V stages instead of {stages} (contiguous cache, {cause}; "
+                      "heuristics.choose_split_stages, v24-v26; bitwise the same output)")
         stages = depth
         smem = split_smem_bytes(p.dtype, hd, cfg.block_n, stages)
     spec = split_kernel_spec(p.dtype, hd, p.paged, block_n=cfg.block_n, nwarps=cfg.nwarps,
                              stages=stages, page_size=_flags_page_size(p))
     if p.paged:
-        reasons.append(_page_copy_reason(hd, p.page_size, p.page_offsets_fit_i32))
+        why("copies", _page_copy_reason(hd, p.page_size, p.page_offsets_fit_i32))
     combine = None  # the fused last-block-done combine (default_flags): no combine launch
     ws = counters = 0
     if num_splits > 1:
         counters = p.batch * p.nheads_k * row_chunks
         ws = workspace_elems(p.batch, p.seqlen_q, p.nheads, p.headdim, num_splits) + counters
-        reasons.append(f"{num_splits} splits: the last split block of each (batch, KV head, row "
-                       "chunk) merges the partials (fused combine; arrival counters in the "
-                       "workspace, or in a zero buffer kept per stream when none is passed)")
+        why("num_splits", f"{num_splits} splits: the last split block of each (batch, KV head, row "
+                          "chunk) merges the partials (fused combine; arrival counters in the "
+                          "workspace, or in a zero buffer kept per stream when none is passed)")
     else:
-        reasons.append("one split: the split kernel writes the output directly (no combine)")
+        why("num_splits", "one split: the split kernel writes the output directly (no combine)")
     append = append_kernel_spec(p.paged).name if p.seqlen_new > 0 else None
     from . import io_model
     hbm = io_model.decode_hbm_bytes(p.batch, p.nheads, p.nheads_k, p.seqlen_cache, p.headdim,
                                     p.dtype, num_splits, p.seqlen_q, p.page_size)
     flops = io_model.decode_flops(p.batch, p.nheads, p.seqlen_cache, p.headdim, p.seqlen_q,
                                   p.causal)
-    reasons.append("bytes/FLOPs at full capacity: cache_seqlens are not read when planning")
+    why("note", "bytes/FLOPs at full capacity: cache_seqlens are not read when planning")
     grid = _split_grid(p.paged, num_splits, p.batch, p.nheads_k * row_chunks)
     if _grid_order(p.paged):
         names = ("nheads_k * row chunks", "num_splits", "batch")
-        reasons.append(f"grid {grid}: (KV-head blocks, splits, batch), the KV heads of one key "
-                       "range launched together (contiguous cache; v16)")
+        why("note", f"grid {grid}: (KV-head blocks, splits, batch), the KV heads of one key "
+                    "range launched together (contiguous cache; v16)")
     else:
         names = ("num_splits", "batch", "nheads_k * row chunks")
-        reasons.append(f"grid {grid}: (splits, batch, KV-head blocks) (paged cache; v16)")
+        why("note", f"grid {grid}: (splits, batch, KV-head blocks) (paged cache; v16)")
     for axis, (n, limit, name) in enumerate(zip(grid, (2 ** 31 - 1, 65535, 65535), names)):
         if n > limit:
             raise ValueError(f"{name}: {n} exceeds {limit}, the limit of the split kernel's grid "
                              f"dimension {'xyz'[axis]} ({'paged' if p.paged else 'contiguous'} "
                              f"cache)")
-    reasons.append("launch: programmatic dependent launch on sm_90+ (append and split kernels), "
-                   "unless cupyflash.decode.PDL is False or CUPYFLASH_PDL=0")
+    why("note", "launch: programmatic dependent launch on sm_90+ (append and split kernels), "
+                "unless cupyflash.decode.PDL is False or CUPYFLASH_PDL=0")
     regs = spill = None
     if ptxas_arch is not None:
         rep = jit.compile_report(spec, ptxas_arch).ptxas
@@ -724,7 +738,8 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         block=(cfg.nwarps * 32, 1, 1),
         smem_bytes=smem, num_splits=num_splits, split_tiles=split_tiles, row_chunks=row_chunks,
         combine=combine, append=append, workspace_elems=ws, hbm_bytes=int(hbm), flops=int(flops),
-        reasons=tuple(reasons), registers=regs, spill_bytes=spill, counter_elems=counters)
+        reasons=tuple(reasons), reason_topics=tuple(topics), registers=regs, spill_bytes=spill,
+        counter_elems=counters)
 
 
 def _flags_page_size(p) -> int | None:
@@ -770,9 +785,10 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     """The :class:`cupyflash.dispatch.Plan` of a decode problem (what ``explain`` returns).
 
     ``kernel`` is the split kernel (it also merges the splits: fused combine);
-    ``extra_kernels`` the append (if new tokens); ``reasons`` holds the ``("num_splits", why)``
-    / ``("note", ...)`` lines that explain the split count, tile and pipeline depth;
-    ``rejected`` lists the other decode specialisations with the reason.
+    ``extra_kernels`` the append (if new tokens); ``reasons`` holds the ``(topic, why)`` pairs
+    of :func:`launch_config` (topics :data:`REASON_TOPICS`: the split count, tile, pipeline
+    depth, paged copy path, and notes); ``rejected`` lists the other decode specialisations
+    with the reason.
 
     Parameters
     ----------
@@ -848,9 +864,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                     why = f"hd{t['headdim']} is the smallest compiled head dim >= {p.headdim}"
                 rejected.append((spec.name, why))
     rejected.sort(key=lambda r: (not r[0].startswith(f"decode_split_{_SHORT[p.dtype]}"), r[0]))
-    notes = [("note" if r.startswith(("grid", "launch")) else
-              "num_splits" if any(w in r for w in ("split", "tile", "K/V stages")) else "note",
-              r) for r in la.reasons]
+    notes = list(zip(la.reason_topics, la.reasons))
     return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
                          hbm_bytes=la.hbm_bytes, rejected=rejected, reasons=notes,
                          extra_kernels=tuple(extra), num_sms=num_sms)

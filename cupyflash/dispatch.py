@@ -97,9 +97,11 @@ class Plan:
         ``(specialisation name, reason)`` for every other specialisation, nearest first (empty
         in the cached plans of the launch path, :func:`launch_plan`).
     reasons : list of (str, str)
-        ``(topic, text)``: why the chosen launch looks as it does (decode: ``"num_splits"`` for
-        the split count, tile and pipeline depth, ``"note"`` for the rest); empty for prefill,
-        whose choice is explained by ``rejected``.
+        ``(topic, text)``: why the chosen launch looks as it does (decode: the topics of
+        :data:`cupyflash.decode.REASON_TOPICS`: ``"num_splits"`` for the split count and the
+        merge, ``"tile"``, ``"stages"`` for the pipeline depth, ``"copies"`` for the paged copy
+        path, ``"note"`` for the rest); empty for prefill, whose choice is explained by
+        ``rejected``.
     extra_kernels : tuple of KernelChoice
         Further launches (decode's KV-append kernel when new tokens are given; the split
         kernels merge their partials themselves); empty for prefill.

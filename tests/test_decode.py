@@ -747,6 +747,37 @@ def _problem(**kw):
     return checks.DecodeProblem(**base)
 
 
+@given(batch=st.integers(1, 80), seqlen=st.integers(1, 70000), hk=st.sampled_from([1, 2, 8]),
+       group=st.sampled_from([1, 4, 8]), sq=st.integers(1, 16),
+       headdim=st.sampled_from([40, 64, 96, 128, 256]), page=st.sampled_from([0, 3, 16, 256]),
+       num_splits=st.integers(0, 40), split_size=st.sampled_from([None, 1000, 8192]))
+def test_reason_topics_are_given_with_each_reason(batch, seqlen, hk, group, sq, headdim, page,
+                                                  num_splits, split_size):
+    """launch_config names the topic of every reason where it gives it (REASON_TOPICS); the
+    plan pairs them: the split count under num_splits, the depth under stages, the paged copy
+    path under copies, the grid and launch under note."""
+    kw = dict(batch=batch, nheads=hk * group, nheads_k=hk, headdim=headdim, seqlen_q=sq,
+              num_splits=num_splits, seqlen_cache=seqlen)
+    if page:
+        pages = -(-seqlen // page)
+        kw.update(paged=True, page_size=page, seqlen_cache=pages * page,
+                  num_pages=batch * pages, max_pages_per_seq=pages)
+    la = decode.launch_config(_problem(**kw), split_size=split_size)
+    assert len(la.reason_topics) == len(la.reasons) and la.reasons
+    assert set(la.reason_topics) <= set(decode.REASON_TOPICS)
+    by = {}
+    for topic, text in zip(la.reason_topics, la.reasons):
+        by.setdefault(topic, []).append(text)
+    assert any(t.startswith(("num_splits=", "split_size=")) for t in by["num_splits"])
+    assert any(t.startswith("grid (") for t in by["note"])
+    assert all("K/V stages instead" in t or "stages need" in t for t in by.get("stages", []))
+    assert ("K/V stages instead" in " ".join(la.reasons)) == ("stages" in by) or \
+        "stages need" in " ".join(by.get("stages", []))
+    assert ("copies" in by) == bool(page)
+    assert (headdim != decode.padded_headdim(headdim)) == any(
+        t.startswith(f"headdim {headdim} runs") for t in by.get("tile", []))
+
+
 def test_plan_llama_decode():
     p = decode.launch_config(_problem())
     # 16 splits of 8192 keys: the two-stage pipeline (heuristics.choose_split_stages, v26)
