@@ -91,6 +91,8 @@ def variants():
     paged += [V(64, 4, 2, F | R | S | P, pdl=True)]
     # v28: the one-block paged tile with 64 KB (128 x 8 x 2) or 96 KB (64 x 4 x 4) in flight
     paged += [V(bn, w, st, F | R | S | P, pdl=True) for bn, w, st in ((128, 8, 2), (64, 4, 4))]
+    # v32: the paged kernel without the speculative page ids (copy pointers only)
+    paged += [V(bn, w, 3, F | R | P, pdl=True) for bn, w in ((128, 8), (64, 4))]
     # v30: K/V tiles copied by the TMA unit (one thread, boxes through tensor maps, an mbarrier
     # per stage) instead of 16-byte cp.async from every thread; L2 fetches of 256 B (default)
     # or 128 B
