@@ -344,29 +344,37 @@ def kv_tensor_map_geometry(shape, strides, itemsize: int, block_n: int) -> tuple
     if why is not None:
         raise ValueError(f"k_cache/v_cache: no TMA copies: {why}")
     b, sc, hk, d = (int(x) for x in shape)
-    sb, sr, sh, _ = (int(x) * itemsize for x in strides)
+    sb, sr, sh = _tma_strides(shape, strides, itemsize)
     return (d, hk, sc, b), (sh, sr, sb), (64, 1, int(block_n), 1)
+
+
+def _tma_strides(shape, strides, itemsize: int) -> tuple:
+    """Byte strides (batch, row, head) for the tensor map: a dim of one element never moves,
+    so its stride (which may be 0 or unaligned in a view) is replaced by a multiple of 16."""
+    out = []
+    for n, st in zip(shape[:3], strides[:3]):
+        st = int(st) * itemsize
+        valid = 0 < st < 2 ** 40 and st % 16 == 0
+        out.append(st if int(n) > 1 or valid else 16)
+    return tuple(out)
 
 
 def tma_refusal(shape, strides, itemsize: int) -> str | None:
     """Why a contiguous cache (``shape`` (batch, seqlen_cache, nheads_k, headdim), element
     ``strides``) cannot be copied by TMA (:data:`FLAG_TMA`), or None when it can: unit stride
-    in headdim, the other strides multiples of 16 bytes below 2^40, growing from head to row
-    to sequence (where those dims have more than one element), every dim from 1 to 2^32."""
+    in headdim, the strides of the other dims with more than one element positive multiples
+    of 16 bytes below 2^40 (any order: a head-major cache works), every dim from 1 to 2^32.
+    The pointer's 16-byte alignment is checked at launch (:func:`run_split_variant`)."""
     if len(shape) != 4 or len(strides) != 4:
         return f"expected a 4-D cache, got shape {tuple(shape)}"
     if any(not 1 <= int(x) <= 2 ** 32 for x in shape):
         return f"every dim must lie in [1, 2^32], got shape {tuple(shape)}"
     if int(strides[3]) != 1:
         return f"headdim stride {strides[3]} is not 1"
-    sb, sr, sh = (int(x) * itemsize for x in strides[:3])
-    for name, st in (("batch", sb), ("row", sr), ("head", sh)):
-        if st <= 0 or st % 16 or st >= 2 ** 40:
+    for name, n, st in zip(("batch", "row", "head"), shape[:3], strides[:3]):
+        st = int(st) * itemsize
+        if int(n) > 1 and (st <= 0 or st % 16 or st >= 2 ** 40):
             return f"{name} stride {st} bytes is not a positive multiple of 16 below 2^40"
-    b, sc, hk, _ = (int(x) for x in shape)
-    if (hk > 1 and sc > 1 and sh > sr) or (sc > 1 and b > 1 and sr > sb):
-        return (f"strides (batch {sb}, row {sr}, head {sh} bytes) do not grow from head to row "
-                "to sequence")
     return None
 
 
@@ -409,9 +417,12 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     if flags & FLAG_Q_REGS and headdim > 128:
         raise ValueError(f"flags: FLAG_Q_REGS is for head dims up to 128 (the hd256 kernel is at "
                          f"255 registers and would spill), got headdim={headdim}")
-    if flags & FLAG_TMA and (paged or flags & (FLAG_WARP_LOCAL | FLAG_KV_GROUPS)):
-        raise ValueError(f"flags: FLAG_TMA is for contiguous caches without FLAG_WARP_LOCAL or "
-                         f"FLAG_KV_GROUPS, got flags={flags}, paged={paged}")
+    _tma_excludes = (FLAG_WARP_LOCAL | FLAG_KV_GROUPS | FLAG_COPY_POINTERS | FLAG_EVICT_FIRST
+                     | FLAG_PREFETCH_256 | FLAG_PREFETCH_128)
+    if flags & FLAG_TMA and (paged or flags & _tma_excludes):
+        raise ValueError(f"flags: FLAG_TMA is for contiguous caches, without the cp.async path's "
+                         f"flags (warp-local, K/V groups, copy pointers, L2 hints), got "
+                         f"flags={flags}, paged={paged}")
     if flags & FLAG_PREFETCH_256 and flags & FLAG_PREFETCH_128:
         raise ValueError(f"flags: FLAG_PREFETCH_256 and FLAG_PREFETCH_128 exclude each other, "
                          f"got {flags}")
@@ -423,6 +434,9 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     bn = cfg.block_n if block_n is None else block_n
     nw = cfg.nwarps if nwarps is None else nwarps
     st = cfg.stages if stages is None else stages
+    if flags & FLAG_TMA and not 16 <= bn <= 256:
+        raise ValueError(f"block_n: FLAG_TMA copies a tile as boxes of block_n keys, 16 to 256 "
+                         f"(the TMA box limit), got {bn}")
     copy_pass = nw * 32 // (headdim // 8)  # key rows per copy pass (16-byte chunks per row)
     if paged and flags & FLAG_COPY_POINTERS and (bn & (bn - 1) or copy_pass & (copy_pass - 1)):
         raise ValueError(f"flags: FLAG_COPY_POINTERS on a paged cache needs block_n and the copy "
@@ -1587,6 +1601,14 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
     final = ns == 1 or fused or cluster > 1
     tail = ()
     if variant.flags & FLAG_TMA:  # the tensor maps of K and V, after the other arguments
+        import cupy
+        cc = int(cupy.cuda.Device().compute_capability)
+        if cc < 90:
+            raise ValueError(f"variant: FLAG_TMA needs sm_90 or newer, the device is sm_{cc}")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.data.ptr % 16:
+                raise ValueError(f"{name}: TMA copies need a 16-byte aligned base address, got "
+                                 f"{c.data.ptr:#x}")
         tail = tuple(launch.encode_tensor_map(
             c.data.ptr, *kv_tensor_map_geometry(c.shape, _estrides(c), c.itemsize, variant.block_n),
             l2_promotion=variant.l2_promotion) for c in (k_cache, v_cache))

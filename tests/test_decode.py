@@ -411,10 +411,18 @@ def test_tma_kernels_compile_without_spills(hd, tile):
 
 
 def test_tma_flag_refused_where_it_does_not_apply():
+    """FLAG_TMA replaces the cp.async copies: the flags that shape those copies (warp-local,
+    K/V groups, copy pointers, L2 hints) would be silently ignored, so they are refused, as are
+    paged caches and tiles past the TMA box limit of 256 keys."""
     for paged, extra in ((True, 0), (False, decode.FLAG_WARP_LOCAL),
-                         (False, decode.FLAG_KV_GROUPS)):
+                         (False, decode.FLAG_KV_GROUPS), (False, decode.FLAG_COPY_POINTERS),
+                         (False, decode.FLAG_EVICT_FIRST), (False, decode.FLAG_PREFETCH_128),
+                         (False, decode.FLAG_PREFETCH_256)):
         with pytest.raises(ValueError, match="FLAG_TMA is for contiguous caches"):
             decode.split_kernel_spec("bfloat16", 128, paged, flags=decode.FLAG_TMA | extra)
+    with pytest.raises(ValueError, match="block_n: FLAG_TMA .* got 512"):
+        decode.split_kernel_spec("bfloat16", 64, False, block_n=512, nwarps=8,
+                                 flags=decode.FLAG_TMA)
     assert decode.SplitVariant(128, 8, 3, decode.FLAG_TMA).name == "n128_w8_s3_tma"
     assert decode.SplitVariant(128, 8, 3, decode.FLAG_TMA, l2_promotion=128).name == \
         "n128_w8_s3_tma_l2p128"
@@ -422,8 +430,8 @@ def test_tma_flag_refused_where_it_does_not_apply():
 
 def test_kv_tensor_map_geometry():
     """The tensor map of a contiguous cache: dims (headdim, KV heads, capacity, batch) with
-    byte strides growing (head, row, sequence) and a box of 64 elements x block_n keys; layouts
-    the TMA unit cannot describe get a reason."""
+    byte strides (head, row, sequence) and a box of 64 elements x block_n keys; layouts the TMA
+    unit cannot describe get a reason."""
     shape, st_ = (3, 1000, 8, 128), (1000 * 8 * 128, 8 * 128, 128, 1)
     dims, strides, box = decode.kv_tensor_map_geometry(shape, st_, 2, 128)
     assert dims == (128, 8, 1000, 3) and strides == (256, 2048, 2048 * 1000)
@@ -434,7 +442,17 @@ def test_kv_tensor_map_geometry():
     assert decode.tma_refusal(shape, st_, 2) is None
     assert "headdim stride 2" in decode.tma_refusal(shape, st_[:3] + (2,), 2)
     assert "row stride 2056 bytes" in decode.tma_refusal(shape, (1000 * 1028, 1028, 128, 1), 2)
-    assert "do not grow" in decode.tma_refusal(shape, (1000 * 8 * 128, 128, 1000 * 128, 1), 2)
+    # a head-major cache (the (b, hk, s, d) storage seen as (b, s, hk, d)) is accepted as is
+    head_major = (1000 * 8 * 128, 128, 1000 * 128, 1)
+    assert decode.tma_refusal(shape, head_major, 2) is None
+    assert decode.kv_tensor_map_geometry(shape, head_major, 2, 64)[1] == (256000, 256, 2048000)
+    # a dim of one element: its stride never moves the box (0 or unaligned in a view) -> 16
+    one = (1, 1000, 1, 128)
+    assert decode.tma_refusal(one, (0, 128, 3, 1), 2) is None
+    assert decode.kv_tensor_map_geometry(one, (0, 128, 3, 1), 2, 64)[1] == (16, 256, 16)
+    assert decode.kv_tensor_map_geometry(one, (128000, 128, 128, 1), 2, 64)[1] == \
+        (256, 256, 256000)
+    assert "row stride 6 bytes" in decode.tma_refusal(one, (0, 3, 3, 1), 2)
     assert "every dim" in decode.tma_refusal((0, 10, 8, 128), st_, 2)
     with pytest.raises(ValueError, match="^k_cache/v_cache: no TMA copies: batch stride -"):
         decode.kv_tensor_map_geometry(shape, (-st_[0],) + st_[1:], 2, 64)

@@ -940,6 +940,29 @@ def test_tma_copies_are_bitwise_the_cp_async_ones(d, tile, sq, dtype):
         o1, l1 = run(tma)
         assert bool((o1 == o0).all()), ns
         assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ns
+        if tile == (128, 8, 3) and sq == 1:  # a head-major cache: (b, hk, s, d) storage
+            kd_, vd_ = kd, vd
+            kd, vd = (cupy.ascontiguousarray(x.view(cupy.uint16).transpose(0, 2, 1, 3))
+                      .transpose(0, 2, 1, 3).view(x.dtype) for x in (kd_, vd_))
+            assert kd.strides[2] > kd.strides[1]
+            o0, l0 = run(base)
+            o1, l1 = run(tma)
+            assert bool((o1 == o0).all()), ("head-major", ns)
+            assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ("head-major", ns)
+            kd, vd = kd_, vd_
+
+
+def test_tma_variant_refuses_a_misaligned_cache():
+    """TMA copies need a 16-byte aligned global address: a cache view 8 bytes into its buffer
+    (rows still 16-byte multiples) is refused with a ValueError before any launch."""
+    buf = cupy.zeros(2 * 64 * 2 * 128 + 8, cupy.float16)
+    kc = cupy.ndarray((2, 64, 2, 128), cupy.float16, memptr=buf.data + 8)
+    q = cupy.ones((2, 1, 8, 128), cupy.float16)
+    cs = cupy.full((2,), 64, cupy.int32)
+    var = decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1)
+    with pytest.raises(ValueError, match="k_cache: TMA copies need a 16-byte aligned base"):
+        decode.run_split_variant(var, q, kc, kc, cs, None, cupy.empty_like(q), None,
+                                 num_splits=1)
 
 
 def test_misaligned_workspace_is_rejected_before_launch():
