@@ -77,6 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get(
         "OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
     ap.add_argument("--cases", nargs="+", default=["1,8192", "1,2048", "64,1024", "16,1024"])
+    ap.add_argument("--no-spec-ids", action="store_true",
+                    help="paged kernels without FLAG_SPEC_PAGE_IDS (the length read first)")
+    ap.add_argument("--page-sizes", nargs="+", type=int, default=[0, 16, 256])
     args = ap.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
         vc = rng.standard_normal((B, S, HK, D), dtype=cp.float32).astype(bf)
         cs = cp.full((B,), S, cp.int32)
         ref = None
-        for ps in (0, 16, 256):
+        for ps in args.page_sizes:
             if ps:
                 kk, vv = kc.reshape(-1, ps, HK, D), vc.reshape(-1, ps, HK, D)
                 bt = cp.arange(B * S // ps, dtype=cp.int32).reshape(B, S // ps)
@@ -139,6 +142,8 @@ def main(argv=None) -> int:
             plan = Dm.explain_kvcache(q, kk, vv, cache_seqlens=cs, block_table=bt, report=False)
             t = plan.template
             flags = Dm.default_flags(D, bool(ps), ps or None)
+            if ps and args.no_spec_ids:
+                flags &= ~Dm.FLAG_SPEC_PAGE_IDS
             order = Dm._grid_order(bool(ps))
             ns = plan.num_splits
             base = Dm.SplitVariant(t["block_n"], t["nwarps"], t["stages"], flags, order, pdl=True)
@@ -151,7 +156,8 @@ def main(argv=None) -> int:
             cp.cuda.Device().synchronize()
             o = cp.asnumpy(out.view(cp.uint16))
             ref = o if ref is None else ref
-            rec = dict(probe="timeline", batch=B, seqlen_k=S, page_size=ps, kernel=plan.name,
+            rec = dict(probe="timeline", batch=B, seqlen_k=S, page_size=ps,
+                       kernel=base.spec("bfloat16", D, bool(ps)).name,
                        num_splits=ns, grid_order=order, us_graph=graph_time_us(fn),
                        bitwise_vs_contiguous=bool(np.array_equal(o, ref)), **prov)
             jit.get_kernel = get_kernel
