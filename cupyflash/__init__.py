@@ -32,3 +32,7 @@ def __getattr__(name):  # PEP 562: submodules load on first use
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_states",
            "explain", "explain_varlen", "explain_kvcache", "attention_baseline", "reference", "checks", "testing", "__version__"]
+
+
+def __dir__():  # tab completion sees the lazy names too
+    return sorted(set(globals()) | set(_LAZY) | set(__all__))

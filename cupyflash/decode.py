@@ -669,13 +669,18 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
         num_splits = max(1, -(-tiles_cap // split_tiles))
         if p.num_splits >= 1:
             why("num_splits", f"num_splits={p.num_splits} ignored: split_size fixes the splits")
-        why("num_splits", f"split_size={split_size}: {split_tiles} tiles "
+        why("num_splits", f"split_size={split_size}: {split_tiles} "
+                          f"tile{'s' if split_tiles != 1 else ''} "
                           f"({split_tiles * cfg.block_n} keys) per split, {num_splits} splits "
                           f"cover the capacity {p.seqlen_cache}; a row's result does not depend "
                           "on the batch")
     elif p.num_splits >= 1:
         num_splits = p.num_splits
-        why("num_splits", f"num_splits={num_splits} as given")
+        why("num_splits", f"num_splits={num_splits} as given"
+                          + (f" ({num_splits - tiles_cap} of them empty at capacity: "
+                             f"{tiles_cap} tiles of {cfg.block_n} keys; empty splits cost a "
+                             "block each and change no result)"
+                             if num_splits > tiles_cap else ""))
     else:
         layout = "paged" if p.paged else "contiguous"
         num_splits = choose_num_splits(p.batch, p.nheads_k, p.seqlen_cache, num_sms,
@@ -738,6 +743,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
             raise ValueError(f"{name}: {n} exceeds {limit}, the limit of the split kernel's grid "
                              f"dimension {'xyz'[axis]} ({'paged' if p.paged else 'contiguous'} "
                              f"cache)")
+    why("note", "vN in these lines: the experiment of that name in experiments/NOTES.md")
     why("note", "launch: programmatic dependent launch on sm_90+ (append and split kernels), "
                 "unless cupyflash.decode.PDL is False or CUPYFLASH_PDL=0")
     regs = spill = None
@@ -775,8 +781,8 @@ def _page_copy_reason(headdim: int, page_size: int, offsets_fit_i32: bool = True
         return (f"hd{headdim} paged: the general paged path (page ids per key row, or one per "
                 "tile for pages of whole tiles); copy pointers would spill registers at hd256")
     return (f"page_size {page_size} is not a power of two: page ids per key row and a division "
-            "per row, slower (v20, pages of 16, per-row vs power-of-two path: 14.2 vs 11.3 us "
-            "at b1 x 8k, 21.1 vs 20.5 at b16 x 1k)")
+            "per row, slower (v20 measured the two paths on pages of 16: per-row 14.2 vs "
+            "power-of-two 11.3 us at b1 x 8k, 21.1 vs 20.5 at b16 x 1k)")
 
 
 def _grid_order(paged: bool) -> int:

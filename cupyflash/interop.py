@@ -77,6 +77,10 @@ def as_cupy(x, name: str, dtype: str | None = None):
                         f"__cuda_array_interface__ / DLPack on a CUDA device), got "
                         f"{type(x).__name__}")
     else:
+        why = _no_gpu_reason()
+        if why is not None:
+            raise RuntimeError(f"{name}: no usable CUDA GPU ({why}); the NumPy references in "
+                               "cupyflash.reference run without one")
         c = None
         if hasattr(x, "__dlpack__"):
             try:
@@ -93,6 +97,17 @@ def as_cupy(x, name: str, dtype: str | None = None):
             raise TypeError(f"{name}: CuPy sees dtype {c.dtype}, expected {dtype}")
         c = c.view(want)
     return c
+
+
+@functools.lru_cache(maxsize=1)
+def _no_gpu_reason() -> str | None:
+    """Why CUDA cannot be used in this process (no driver, no device), or None (asked once)."""
+    import cupy
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - CuPy raises CUDARuntimeError without a driver
+        return f"{type(e).__name__}: {e}"
+    return None if n > 0 else "no CUDA device found"
 
 
 def _wrap_cai(x, dtype: str | None):

@@ -390,3 +390,17 @@ def test_kernel_window_examples():
     assert checks.kernel_window(_Win(128, 64, (2 ** 31 - 1, 0))) == (-1, 0)  # causal kept
     assert checks.kernel_window(_Win(128, 64, (16, 8))) == (16, 8)
     assert checks.kernel_window(_Win(1, 64, (5, 0))) == (5, 0)
+
+
+def test_device_array_without_a_gpu_gets_a_clear_error():
+    """Fresh-user trial (session 10): on a machine without a CUDA driver, a device array passed
+    to the GPU path raised CuPy's "CUDA driver version is insufficient"; now the argument is
+    named and the NumPy references are pointed to."""
+    from cupyflash import interop
+    pytest.importorskip("cupy")
+    if interop._no_gpu_reason() is None:
+        pytest.skip("a CUDA GPU is present")
+    fake = FakeCuda((2, 1, 4, 64), np.float16)
+    with pytest.raises(RuntimeError, match=r"^q: no usable CUDA GPU \(.*\); the NumPy "
+                                           r"references in cupyflash.reference run without one"):
+        interop.as_cupy(fake, "q")
