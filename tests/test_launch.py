@@ -19,9 +19,9 @@ def test_structures_match_cuda_h_layout():
     assert launch._Config.num_attrs.offset == 48 and ctypes.sizeof(launch._Config) == 56
 
 
-def test_enum_values_match_the_header_when_present():
-    """The enum values used are those of cuda.h (checked against the installed header)."""
-    heads = [Path(p) for p in ("/usr/local/cuda/include/cuda.h",)]
+def _cuda_h_text() -> str:
+    """The installed cuda.h (the toolkit's, else pip's CUDA 13 headers); skips if none."""
+    heads = [Path("/usr/local/cuda/include/cuda.h")]
     try:
         import nvidia.cu13  # noqa: F401  (pip's CUDA 13 headers)
         heads += list(Path(nvidia.cu13.__path__[0]).glob("include/cuda.h"))
@@ -30,7 +30,12 @@ def test_enum_values_match_the_header_when_present():
     heads = [h for h in heads if h.is_file()]
     if not heads:
         pytest.skip("no cuda.h installed")
-    text = heads[0].read_text(errors="replace")
+    return heads[0].read_text(errors="replace")
+
+
+def test_enum_values_match_the_header_when_present():
+    """The enum values used are those of cuda.h (checked against the installed header)."""
+    text = _cuda_h_text()
     for name, val in (("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION",
                        launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
                       ("CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
@@ -128,16 +133,7 @@ def _enum_index(text: str, enum: str, name: str) -> int:
 
 
 def test_tensor_map_enums_match_the_header_when_present():
-    heads = [Path("/usr/local/cuda/include/cuda.h")]
-    try:
-        import nvidia.cu13  # noqa: F401  (pip's CUDA 13 headers)
-        heads += list(Path(nvidia.cu13.__path__[0]).glob("include/cuda.h"))
-    except Exception:  # noqa: BLE001
-        pass
-    heads = [h for h in heads if h.is_file()]
-    if not heads:
-        pytest.skip("no cuda.h installed")
-    text = heads[0].read_text(errors="replace")
+    text = _cuda_h_text()
     for enum, name, val in (
             ("CUtensorMapDataType_enum", "CU_TENSOR_MAP_DATA_TYPE_UINT16",
              launch.CU_TENSOR_MAP_DATA_TYPE_UINT16),

@@ -539,6 +539,22 @@ def _loop_flag_sets(page, d):
     return out
 
 
+def _run_poisoned(var, case, dtype, qd, kd, vd, csd, btd, ns):
+    """One ``run_split_variant`` call with NaN-poisoned output, LSE and partials (counters
+    zeroed), checked against the reference; returns (output bits, LSE)."""
+    batch, sq, h, d = qd.shape
+    hk = kd.shape[2]
+    n = var.workspace_elems(batch, sq, h, hk, d, ns)
+    ws = cupy.full(max(n, 1), np.nan, cupy.float32)
+    if ns > 1:
+        ws[ns * batch * sq * h * (d + 1):n] = 0  # counters; the partials are poisoned
+    out = _nan_like(qd)
+    lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
+    decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns, lse=lse)
+    _check_against_reference(case, out, lse, dtype)
+    return out.view(cupy.uint16), lse
+
+
 @pytest.mark.parametrize("d,block_n,nwarps", [(128, 128, 8), (72, 64, 4), (256, 32, 2)])
 @pytest.mark.parametrize("page,sq", [(0, 1), (0, 5), (16, 1), (3, 2)])
 def test_loop_flags_match_reference_exact_ones_bitwise(d, block_n, nwarps, page, sq):
@@ -554,21 +570,12 @@ def test_loop_flags_match_reference_exact_ones_bitwise(d, block_n, nwarps, page,
                             sq=sq, page=page, table_seed=7, spare_pages=2)
     qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
                                               case.cache_seqlens, case.block_table))
-    batch = qd.shape[0]
     base_flags = decode.DEFAULT_FLAGS | (_SPID if page and d <= 128 else 0)
     order = 0 if page else 1
     base = decode.SplitVariant(block_n, nwarps, 3, base_flags, order)
     for ns in (1, 3, 16):
         def run(var):
-            n = var.workspace_elems(batch, sq, h, hk, d, ns)
-            ws = cupy.full(max(n, 1), np.nan, cupy.float32)
-            if ns > 1:
-                ws[ns * batch * sq * h * (d + 1):n] = 0  # counters; the partials are poisoned
-            out = _nan_like(qd)
-            lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
-            decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns, lse=lse)
-            _check_against_reference(case, out, lse, dtype)
-            return out.view(cupy.uint16), lse
+            return _run_poisoned(var, case, dtype, qd, kd, vd, csd, btd, ns)
         o0, l0 = run(base)
         for fl, exact in _loop_flag_sets(page, d):
             o1, l1 = run(decode.SplitVariant(block_n, nwarps, 3, base_flags | fl, order))
@@ -922,20 +929,11 @@ def test_tma_copies_are_bitwise_the_cp_async_ones(d, tile, sq, dtype):
     kb.view(cupy.uint16)[:, :cap] = _dev(case.k_cache).view(cupy.uint16)
     vb.view(cupy.uint16)[:, :cap] = _dev(case.v_cache).view(cupy.uint16)
     kd, vd = kb[:, :cap], vb[:, :cap]
-    batch = qd.shape[0]
     base = decode.SplitVariant(bn, w, st_, decode.default_flags(d, False), 1)
     tma = decode.SplitVariant(bn, w, st_, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1, pdl=True)
     for ns in (1, 3, 16):
         def run(var):
-            n = var.workspace_elems(batch, sq, h, hk, d, ns)
-            ws = cupy.full(max(n, 1), np.nan, cupy.float32)
-            if ns > 1:
-                ws[ns * batch * sq * h * (d + 1):n] = 0  # counters; the partials are poisoned
-            out = _nan_like(qd)
-            lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
-            decode.run_split_variant(var, qd, kd, vd, csd, None, out, ws, num_splits=ns, lse=lse)
-            _check_against_reference(case, out, lse, dtype)
-            return out.view(cupy.uint16), lse
+            return _run_poisoned(var, case, dtype, qd, kd, vd, csd, None, ns)
         o0, l0 = run(base)
         o1, l1 = run(tma)
         assert bool((o1 == o0).all()), ns
