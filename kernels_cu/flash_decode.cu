@@ -438,8 +438,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             tma_prefetch_desc(ex.tmap_k);
             tma_prefetch_desc(ex.tmap_v);
 #pragma unroll
-            for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32addr(sBar + s), 1);
-            mbar_init_fence();
+            for (int s = 0; s < STAGES; ++s) mbarrier_init(smem_u32addr(sBar + s), 1u);
+            mbarrier_init_fence();
         }
         __syncthreads();
     }
@@ -681,8 +681,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 T* sK = sStages + stage * Tr::kStageElems;
                 T* sV = sK + Tr::kTileElems;
                 const uint32_t bar = smem_u32addr(sBar + stage);
-                fence_proxy_async_shared();
-                mbar_arrive_expect_tx(bar, 2u * Tr::kTileElems * (unsigned)sizeof(T));
+                fence_proxy_async();
+                mbarrier_arrive_expect_tx(bar, 2u * Tr::kTileElems * (unsigned)sizeof(T));
 #pragma unroll
                 for (int h = 0; h < HEADDIM / 64; ++h) {
                     tma_load_4d(smem_u32addr(sK + h * BLOCK_N * 64), ex.tmap_k, h * 64, hk,
@@ -804,7 +804,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         // this thread's copies of tile `it` (kKVGroups: of its K) have landed (kTma: all of them,
         // the stage's mbarrier completing its (it / STAGES)-th phase)
         if constexpr (TMA)
-            mbar_wait(smem_u32addr(sBar + it % STAGES), (unsigned)(it / STAGES) & 1u);
+            mbarrier_wait(smem_u32addr(sBar + it % STAGES), (unsigned)(it / STAGES) & 1u);
         else
             cp_async_wait<kGroupsPerTile * (STAGES - 1) - 1>();
         if constexpr (WL)

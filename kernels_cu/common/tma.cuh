@@ -12,8 +12,11 @@
 // (arrive.expect_tx), and a thread that waits on the barrier's phase parity returns once they
 // have all landed and are visible to it.
 //
-// Before sm_90 these compile to traps: no launch path selects a TMA kernel there.
+// The barrier itself (init, expect_tx arrival, wait) and the async-proxy fence are in mbarrier.cuh. Before sm_90
+// these compile to traps: no launch path selects a TMA kernel there.
 #pragma once
+
+#include "mbarrier.cuh"
 
 namespace cf {
 
@@ -26,56 +29,6 @@ struct __align__(64) TmaDesc {
 __device__ __forceinline__ void tma_prefetch_desc(const void* desc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("prefetch.tensormap [%0];" :: "l"(desc) : "memory");
-#endif
-}
-
-// mbarrier at shared address `bar` expecting `count` arrivals per phase.
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-#else
-    __trap();
-#endif
-}
-
-// Makes the initialised mbarriers visible to the async proxy (the TMA unit); the CTA barrier
-// that follows makes them visible to the other threads.
-__device__ __forceinline__ void mbar_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-
-// This thread's arrival, announcing `bytes` of copies that will complete on the barrier.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(bar), "r"(bytes) : "memory");
-#else
-    __trap();
-#endif
-}
-
-// Returns once the phase with parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "CF_MBAR_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra CF_MBAR_WAIT;\n"
-        "}\n" :: "r"(bar), "r"(parity) : "memory");
-#else
-    __trap();
-#endif
-}
-
-// Orders this thread's earlier generic-proxy accesses to shared memory before its later
-// async-proxy ones (a TMA copy that overwrites a buffer the CTA has read or written).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 

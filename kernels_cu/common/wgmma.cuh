@@ -35,6 +35,7 @@
 //     groups of 8 keys; k-step s (keys 16 s .. 16 s + 15) starts 16 * 128 s bytes in.
 #pragma once
 #include "dtype.cuh"
+#include "mbarrier.cuh"
 
 namespace cf {
 
@@ -60,38 +61,6 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
-}
-
-// Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to the async proxy (wgmma).
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// ---- mbarrier (PTX ISA 9.7.13.15), CTA scope: the K/V pipeline of flash_fwd_wgmma.cu ---------
-__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-
-// One arrival of this thread.
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
-}
-
-// One arrival of this thread, triggered when all of its earlier cp.async copies have completed
-// (.noinc: the barrier's expected count includes this arrival).
-__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
-}
-
-// Wait until the phase with parity `parity` of the barrier has completed (the k-th completion,
-// counted from 0, has parity k & 1). Memory operations of the arriving threads before their
-// arrival (and, for cp.async arrivals, the copies) are visible to this thread afterwards.
-__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
 }
 
 // ---- named barriers (bar.sync / bar.arrive with an id and a thread count) -------------------
