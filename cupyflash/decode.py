@@ -332,8 +332,8 @@ def default_flags(headdim: int, paged: bool, page_size: int | None = None) -> in
 def kv_tensor_map_geometry(shape, strides, itemsize: int, block_n: int) -> tuple:
     """``(dims, strides_bytes, box)`` of the tensor map through which the :data:`FLAG_TMA`
     kernel copies a contiguous cache of ``shape`` (batch, seqlen_cache, nheads_k, headdim) with
-    element ``strides``: dims (headdim, nheads_k, seqlen_cache, batch), innermost first, so
-    that the strides grow (head, row, sequence); the box is 64 elements of one head for
+    element ``strides``: dims (headdim, nheads_k, seqlen_cache, batch), innermost first, with
+    their byte strides (head, row, sequence; any order); the box is 64 elements of one head for
     ``block_n`` keys of one sequence (one 128-byte swizzle row per key).
 
     Raises
@@ -348,14 +348,18 @@ def kv_tensor_map_geometry(shape, strides, itemsize: int, block_n: int) -> tuple
     return (d, hk, sc, b), (sh, sr, sb), (64, 1, int(block_n), 1)
 
 
+def _tma_stride_ok(stride_bytes: int) -> bool:
+    """A stride the tensor map can carry: a positive multiple of 16 bytes below 2^40."""
+    return 0 < stride_bytes < 2 ** 40 and stride_bytes % 16 == 0
+
+
 def _tma_strides(shape, strides, itemsize: int) -> tuple:
     """Byte strides (batch, row, head) for the tensor map: a dim of one element never moves,
-    so its stride (which may be 0 or unaligned in a view) is replaced by a multiple of 16."""
+    so its stride (which may be 0 or unaligned in a view) is replaced by 16 bytes."""
     out = []
     for n, st in zip(shape[:3], strides[:3]):
         st = int(st) * itemsize
-        valid = 0 < st < 2 ** 40 and st % 16 == 0
-        out.append(st if int(n) > 1 or valid else 16)
+        out.append(st if int(n) > 1 or _tma_stride_ok(st) else 16)
     return tuple(out)
 
 
@@ -364,7 +368,8 @@ def tma_refusal(shape, strides, itemsize: int) -> str | None:
     ``strides``) cannot be copied by TMA (:data:`FLAG_TMA`), or None when it can: unit stride
     in headdim, the strides of the other dims with more than one element positive multiples
     of 16 bytes below 2^40 (any order: a head-major cache works), every dim from 1 to 2^32.
-    The pointer's 16-byte alignment is checked at launch (:func:`run_split_variant`)."""
+    The pointer's 16-byte alignment is checked at launch, for every variant
+    (:func:`run_split_variant`)."""
     if len(shape) != 4 or len(strides) != 4:
         return f"expected a 4-D cache, got shape {tuple(shape)}"
     if any(not 1 <= int(x) <= 2 ** 32 for x in shape):
@@ -373,7 +378,7 @@ def tma_refusal(shape, strides, itemsize: int) -> str | None:
         return f"headdim stride {strides[3]} is not 1"
     for name, n, st in zip(("batch", "row", "head"), shape[:3], strides[:3]):
         st = int(st) * itemsize
-        if int(n) > 1 and (st <= 0 or st % 16 or st >= 2 ** 40):
+        if int(n) > 1 and not _tma_stride_ok(st):
             return f"{name} stride {st} bytes is not a positive multiple of 16 below 2^40"
     return None
 
@@ -1604,6 +1609,8 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
         why = paged_copy_pointers_refusal(page_size, ks, vs)
         if why is not None:
             raise ValueError(f"variant: FLAG_COPY_POINTERS on a paged cache: {why}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):  # cp.async and TMA alike
+        _check_cache_alignment(c, name)
     final = ns == 1 or fused or cluster > 1
     tail = ()
     if variant.flags & FLAG_TMA:  # the tensor maps of K and V, after the other arguments
@@ -1611,10 +1618,6 @@ def run_split_variant(variant: SplitVariant, q, k_cache, v_cache, cache_seqlens,
         cc = int(cupy.cuda.Device().compute_capability)
         if cc < 90:
             raise ValueError(f"variant: FLAG_TMA needs sm_90 or newer, the device is sm_{cc}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.data.ptr % 16:
-                raise ValueError(f"{name}: TMA copies need a 16-byte aligned base address, got "
-                                 f"{c.data.ptr:#x}")
         tail = tuple(launch.encode_tensor_map(
             c.data.ptr, *kv_tensor_map_geometry(c.shape, _estrides(c), c.itemsize, variant.block_n),
             l2_promotion=variant.l2_promotion) for c in (k_cache, v_cache))

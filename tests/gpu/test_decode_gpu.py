@@ -951,14 +951,16 @@ def test_tma_copies_are_bitwise_the_cp_async_ones(d, tile, sq, dtype):
 
 
 def test_tma_variant_refuses_a_misaligned_cache():
-    """TMA copies need a 16-byte aligned global address: a cache view 8 bytes into its buffer
-    (rows still 16-byte multiples) is refused with a ValueError before any launch."""
+    """TMA copies (like cp.async) need a 16-byte aligned global address: a cache view 8 bytes
+    into its buffer (rows still 16-byte multiples) is refused with a ValueError before any
+    launch, by the public path's alignment check."""
     buf = cupy.zeros(2 * 64 * 2 * 128 + 8, cupy.float16)
     kc = cupy.ndarray((2, 64, 2, 128), cupy.float16, memptr=buf.data + 8)
     q = cupy.ones((2, 1, 8, 128), cupy.float16)
     cs = cupy.full((2,), 64, cupy.int32)
     var = decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1)
-    with pytest.raises(ValueError, match="k_cache: TMA copies need a 16-byte aligned base"):
+    with pytest.raises(ValueError, match=r"^k_cache: rows must be 16-byte aligned for the "
+                                         r"decode kernel \(pointer 0x[0-9a-f]*8, strides"):
         decode.run_split_variant(var, q, kc, kc, cs, None, cupy.empty_like(q), None,
                                  num_splits=1)
 
