@@ -1155,25 +1155,28 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     }
 }
 
-// Entry point: plain arguments (CuPy passes pointers and NumPy scalars), packed into DecodeParams.
-// decode.py builds them in this order. `counters` and `grid_order`: see DecodeSplitExtra; with
-// FLAGS & kFusedCombine, `o` and `lse` are the final outputs for any number of splits.
-template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, bool PAGED,
-          int FLAGS>
-__global__ void __launch_bounds__(NWARPS * 32, 1)
-decode_split_kernel(const void* q, const void* k, const void* v, const int* cache_seqlens,
-                    const int* block_table, void* o, float* lse, float* o_part, float* lse_part,
-                    long long q_bs, long long q_rs, long long q_hs,
-                    long long k_bs, long long k_rs, long long k_hs,
-                    long long v_bs, long long v_rs, long long v_hs,
-                    long long o_bs, long long o_rs, long long o_hs,
-                    long long lse_bs, long long lse_hs, long long bt_bs,
-                    int batch, int nheads, int nheads_k, int seqlen_q, int headdim,
-                    int seqlen_cache, int seqlen_new, int page_size, int page_shift,
-                    int num_pages, int num_splits, int split_tiles, int num_row_chunks,
-                    int causal, float scale_log2, int* counters, int grid_order) {
-    static_assert((FLAGS & decode_flags::kTma) == 0, "kTma kernels: decode_split_tma_kernel");
-    DecodeParams p;
+// Entry points: plain arguments (CuPy passes pointers and NumPy scalars) in the order decode.py
+// builds them (the TMA entry adds its two tensor maps after them), packed into DecodeParams.
+// `counters` and `grid_order`: see DecodeSplitExtra; with FLAGS & kFusedCombine, `o` and `lse`
+// are the final outputs for any number of splits.
+#define CF_DECODE_SPLIT_PARAMS                                                                  \
+    const void *q, const void *k, const void *v, const int *cache_seqlens,                      \
+    const int *block_table, void *o, float *lse, float *o_part, float *lse_part,                \
+    long long q_bs, long long q_rs, long long q_hs, long long k_bs, long long k_rs,             \
+    long long k_hs, long long v_bs, long long v_rs, long long v_hs, long long o_bs,             \
+    long long o_rs, long long o_hs, long long lse_bs, long long lse_hs, long long bt_bs,        \
+    int batch, int nheads, int nheads_k, int seqlen_q, int headdim, int seqlen_cache,           \
+    int seqlen_new, int page_size, int page_shift, int num_pages, int num_splits,               \
+    int split_tiles, int num_row_chunks, int causal, float scale_log2, int *counters,           \
+    int grid_order
+#define CF_DECODE_SPLIT_ARGS                                                                    \
+    q, k, v, cache_seqlens, block_table, o, lse, o_part, lse_part, q_bs, q_rs, q_hs, k_bs,      \
+    k_rs, k_hs, v_bs, v_rs, v_hs, o_bs, o_rs, o_hs, lse_bs, lse_hs, bt_bs, batch, nheads,        \
+    nheads_k, seqlen_q, headdim, seqlen_cache, seqlen_new, page_size, page_shift, num_pages,    \
+    num_splits, split_tiles, num_row_chunks, causal, scale_log2, counters, grid_order
+
+__device__ __forceinline__ void decode_split_params(DecodeParams& p, DecodeSplitExtra& ex,
+                                                    CF_DECODE_SPLIT_PARAMS) {
     p.q = q; p.k = k; p.v = v; p.cache_seqlens = cache_seqlens; p.block_table = block_table;
     p.o = o; p.lse = lse; p.o_part = o_part; p.lse_part = lse_part;
     p.q_batch_stride = q_bs; p.q_row_stride = q_rs; p.q_head_stride = q_hs;
@@ -1186,11 +1189,40 @@ decode_split_kernel(const void* q, const void* k, const void* v, const int* cach
     p.seqlen_new = seqlen_new; p.page_size = page_size; p.page_shift = page_shift;
     p.num_pages = num_pages; p.num_splits = num_splits; p.split_tiles = split_tiles;
     p.num_row_chunks = num_row_chunks; p.causal = causal; p.scale_log2 = scale_log2;
-    DecodeSplitExtra ex;
     ex.counters = counters;
     ex.grid_order = grid_order;
+}
+
+template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, bool PAGED,
+          int FLAGS>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+decode_split_kernel(CF_DECODE_SPLIT_PARAMS) {
+    static_assert((FLAGS & decode_flags::kTma) == 0, "kTma kernels: decode_split_tma_kernel");
+    DecodeParams p;
+    DecodeSplitExtra ex;
+    decode_split_params(p, ex, CF_DECODE_SPLIT_ARGS);
     decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, PAGED, FLAGS>(p, ex);
 }
+
+// decode_flags::kTma: the same kernel with the tensor maps of the K and V caches (4-D: headdim,
+// KV head, key, sequence; box 64 x 1 x BLOCK_N x 1, 128-byte swizzle, zero fill; built by
+// launch.encode_tensor_map from decode.kv_tensor_map_geometry) as __grid_constant__
+// parameters after the others.
+template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, bool PAGED,
+          int FLAGS>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+decode_split_tma_kernel(CF_DECODE_SPLIT_PARAMS, const __grid_constant__ TmaDesc tmap_k,
+                        const __grid_constant__ TmaDesc tmap_v) {
+    static_assert((FLAGS & decode_flags::kTma) != 0, "the TMA entry runs kTma kernels");
+    DecodeParams p;
+    DecodeSplitExtra ex;
+    decode_split_params(p, ex, CF_DECODE_SPLIT_ARGS);
+    ex.tmap_k = &tmap_k;
+    ex.tmap_v = &tmap_v;
+    decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, PAGED, FLAGS>(p, ex);
+}
+#undef CF_DECODE_SPLIT_PARAMS
+#undef CF_DECODE_SPLIT_ARGS
 
 // ------------------------------------------------------------------------------------------------
 // Combine: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s), LSE = max + log(sum w)
@@ -1202,47 +1234,6 @@ decode_split_kernel(const void* q, const void* k, const void* v, const int* cach
 // Strides in elements: o_part (part, batch, row, head) with the head dim contiguous, lse_part
 // (part, batch, head, row).
 // ------------------------------------------------------------------------------------------------
-// decode_flags::kTma: the same kernel with the tensor maps of the K and V caches (4-D: headdim,
-// KV head, key, sequence; box 64 x 1 x BLOCK_N x 1, 128-byte swizzle, zero fill; built by
-// decode.py kv_tensor_maps) as __grid_constant__ parameters after the others.
-template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, bool PAGED,
-          int FLAGS>
-__global__ void __launch_bounds__(NWARPS * 32, 1)
-decode_split_tma_kernel(const void* q, const void* k, const void* v, const int* cache_seqlens,
-                        const int* block_table, void* o, float* lse, float* o_part,
-                        float* lse_part, long long q_bs, long long q_rs, long long q_hs,
-                        long long k_bs, long long k_rs, long long k_hs,
-                        long long v_bs, long long v_rs, long long v_hs,
-                        long long o_bs, long long o_rs, long long o_hs,
-                        long long lse_bs, long long lse_hs, long long bt_bs,
-                        int batch, int nheads, int nheads_k, int seqlen_q, int headdim,
-                        int seqlen_cache, int seqlen_new, int page_size, int page_shift,
-                        int num_pages, int num_splits, int split_tiles, int num_row_chunks,
-                        int causal, float scale_log2, int* counters, int grid_order,
-                        const __grid_constant__ TmaDesc tmap_k,
-                        const __grid_constant__ TmaDesc tmap_v) {
-    static_assert((FLAGS & decode_flags::kTma) != 0, "the TMA entry runs kTma kernels");
-    DecodeParams p;
-    p.q = q; p.k = k; p.v = v; p.cache_seqlens = cache_seqlens; p.block_table = block_table;
-    p.o = o; p.lse = lse; p.o_part = o_part; p.lse_part = lse_part;
-    p.q_batch_stride = q_bs; p.q_row_stride = q_rs; p.q_head_stride = q_hs;
-    p.k_batch_stride = k_bs; p.k_row_stride = k_rs; p.k_head_stride = k_hs;
-    p.v_batch_stride = v_bs; p.v_row_stride = v_rs; p.v_head_stride = v_hs;
-    p.o_batch_stride = o_bs; p.o_row_stride = o_rs; p.o_head_stride = o_hs;
-    p.lse_batch_stride = lse_bs; p.lse_head_stride = lse_hs; p.block_table_batch_stride = bt_bs;
-    p.batch = batch; p.nheads = nheads; p.nheads_k = nheads_k; p.h_per_kv = nheads / nheads_k;
-    p.seqlen_q = seqlen_q; p.headdim = headdim; p.seqlen_cache = seqlen_cache;
-    p.seqlen_new = seqlen_new; p.page_size = page_size; p.page_shift = page_shift;
-    p.num_pages = num_pages; p.num_splits = num_splits; p.split_tiles = split_tiles;
-    p.num_row_chunks = num_row_chunks; p.causal = causal; p.scale_log2 = scale_log2;
-    DecodeSplitExtra ex;
-    ex.counters = counters;
-    ex.grid_order = grid_order;
-    ex.tmap_k = &tmap_k;
-    ex.tmap_v = &tmap_v;
-    decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, PAGED, FLAGS>(p, ex);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(128)
 decode_combine_kernel(const float* o_part, const float* lse_part, T* out, float* lse_out,
