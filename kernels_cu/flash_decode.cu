@@ -108,13 +108,12 @@ constexpr int kReleaseArrive = 64;
 // are computed once its K has landed, while its V is still arriving; P V waits for V (a second
 // barrier per tile). Aimed at splits of one or two tiles, where nothing else hides the V copy.
 constexpr int kKVGroups = 128;
-// Paged caches: the page ids of the split's first tiles are fetched before the sequence's length
-// has arrived, for the split the block would have if the sequence filled its block_table row
-// (len = max_pages_per_seq * page_size). Where that guess gives this block's first tile (the
-// longest sequences of a batch, which set the call's time), the ids are in flight while the
-// length is read, one dependent round trip fewer before the first K/V copy; elsewhere they
-// are fetched again after the length, as without the flag. A wrong guess costs a few 4-byte
-// reads of block_table, never a K/V read.
+// Paged caches: the page ids of the split's first tiles are fetched together with the sequence's
+// length (both by cp.async, one wait), for the split the block would have if the sequence filled
+// its block_table row (len = max_pages_per_seq * page_size). Where that guess gives this block's
+// first tile (the longest sequences of a batch, which set the call's time), one dependent round
+// trip fewer before the first K/V copy; elsewhere they are fetched again after the length, as
+// without the flag. A wrong guess costs a few 4-byte reads of block_table, never a K/V read.
 constexpr int kSpecPageIds = 256;
 // Programmatic dependent launch (common/pdl.cuh): where the next kernel of the stream is let
 // be scheduled. Default: after the main loop (the epilogue and merge remain). kPdlEarlyTrigger:
@@ -419,13 +418,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             || !decode_detail::fits_i32((int64_t)p.page_size * p.k_row_stride)
             || !decode_detail::fits_i32((int64_t)p.page_size * p.v_row_stride))
             __trap();
-    // Programmatic dependent launch (common/pdl.cuh): no global load before this wait. The next
-    // kernel of the stream is let be scheduled after the main loop (decode_flags: or here).
-    pdl_wait();
     constexpr bool kEarlyTrigger = (FLAGS & decode_flags::kPdlEarlyTrigger) != 0;
     constexpr bool kLateTrigger = (FLAGS & (decode_flags::kPdlEarlyTrigger
                                             | decode_flags::kPdlNoTrigger)) == 0;
-    if constexpr (kEarlyTrigger) pdl_launch_dependents();
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sStages = reinterpret_cast<T*>(smem_raw + (TMA ? Tr::kQBytesTma : Tr::kQBytes));
     int* sPage = reinterpret_cast<int*>(sStages + STAGES * Tr::kStageElems);  // [STAGES][BLOCK_N]
@@ -452,11 +447,16 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     const int rows = p.h_per_kv * p.seqlen_q;  // query rows reading this KV head
     // Row r of the CTA is query token qi = r / h_per_kv of head hk * h_per_kv + r % h_per_kv.
 
+    // Query token of this thread's rows g and g + 8 (-1: a padding row).
+    int row_qi[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+        const int rg = row_base + g + 8 * rh;
+        row_qi[rh] = rg < rows ? rg / p.h_per_kv : -1;
+    }
+
     // ---- this split's tiles: [tile_begin, tile_end) of the sequence's ceil(len / BLOCK_N) ----
-    // The length's load is issued here; with kSpecPageIds its first use is pinned after the
-    // speculative id copies (an empty volatile asm on it, ordered after theirs), so that the
-    // compiler does not place the add that waits for it before them.
-    int len_raw = p.cache_seqlens ? p.cache_seqlens[b] : 0;
+    constexpr bool SPEC = PAGED && (FLAGS & decode_flags::kSpecPageIds) != 0;
     const bool tile_pages = PAGED && p.page_size % BLOCK_N == 0;
     // kSpecPageIds: the ids of the first STAGES - 1 tiles of the split for len = capacity,
     // issued before len is used (see decode_flags::kSpecPageIds), into the ring slots
@@ -484,24 +484,13 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             }
         }
     };
-    int spec_begin = -1;
-    if constexpr (PAGED && (FLAGS & decode_flags::kSpecPageIds) != 0) {
+    int spec_begin = -1, spec_end = 0;
+    if constexpr (SPEC) {
         const int nt_g = (p.seqlen_cache + BLOCK_N - 1) / BLOCK_N;
         const int tps_g = p.split_tiles > 0 ? p.split_tiles : (nt_g + p.num_splits - 1) / p.num_splits;
         spec_begin = min(split * tps_g, nt_g);
-        const int spec_end = min(spec_begin + tps_g, nt_g);
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) fetch_page_ids(spec_begin + s, spec_end, p.seqlen_cache);
-        cp_async_commit();
-        asm volatile("" : "+r"(len_raw));
+        spec_end = min(spec_begin + tps_g, nt_g);
     }
-    const int len = sequence_length_from(p, len_raw);
-    const int n_tiles = (len + BLOCK_N - 1) / BLOCK_N;
-    const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles
-                                                  : (n_tiles + p.num_splits - 1) / p.num_splits;
-    const int tile_begin = min(split * tiles_per_split, n_tiles);
-    const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
-    const int n_iter = tile_end - tile_begin;
 
     // ---- K/V tile copy: 16-byte cp.async, zero-fill past len / headdim / for bad page ids ----
     // This thread copies column chunk `col` of rows row0 + c * kRowsPerPass of every tile.
@@ -516,6 +505,46 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                     + (int64_t)hk * p.k_head_stride + col;
     const T* vcol = vbase + (PAGED ? 0 : (int64_t)b * p.v_batch_stride)
                     + (int64_t)hk * p.v_head_stride + col;
+    // Paged copy pointers (copy_page_rows below): this thread's row offset inside a page.
+    const int page_mask = PAGED ? p.page_size - 1 : 0;
+    const T* kpage = col_ok ? kcol + (int64_t)(row0 & page_mask) * p.k_row_stride : kbase;
+    const T* vpage = col_ok ? vcol + (int64_t)(row0 & page_mask) * p.v_row_stride : vbase;
+
+    // Programmatic dependent launch (common/pdl.cuh): no global load before this wait (the code
+    // above is arithmetic on the block's indices and the parameters, and shared memory, so that
+    // it overlaps the previous kernel's tail or the wait). The next kernel of the stream is let
+    // be scheduled after the main loop (decode_flags: or here).
+    pdl_wait();
+    if constexpr (kEarlyTrigger) pdl_launch_dependents();
+    // The length: a plain load, or (kSpecPageIds) a 4-byte cp.async by thread 0 into the padding
+    // of the Q tile's row 0 (16 bytes that no Q store or ldmatrix touches), in the same group as
+    // the guessed ids, so that one wait and one barrier land both. (Before, the length came by a
+    // plain load whose first use ptxas scheduled ahead of the speculative id copies, so the
+    // copies waited for the length: two dependent round trips instead of one; NOTES v34.)
+    int len_raw;
+    if constexpr (SPEC) {
+        int* sLen = reinterpret_cast<int*>(sQ + HEADDIM);
+        if (tid == 0 && p.cache_seqlens != nullptr)
+            cp_async_4(smem_u32addr(sLen), p.cache_seqlens + b);
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) fetch_page_ids(spec_begin + s, spec_end, p.seqlen_cache);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();  // the length and the guessed ids are visible to every thread
+        len_raw = p.cache_seqlens != nullptr ? *sLen : 0;
+    } else {
+        len_raw = p.cache_seqlens ? p.cache_seqlens[b] : 0;
+    }
+    const int len = sequence_length_from(p, len_raw);
+    const int n_tiles = (len + BLOCK_N - 1) / BLOCK_N;
+    // (one split: no division between the length and the first copy)
+    const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles
+                                : p.num_splits == 1 ? n_tiles
+                                                    : (n_tiles + p.num_splits - 1) / p.num_splits;
+    const int tile_begin = min(split * tiles_per_split, n_tiles);
+    const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
+    const int n_iter = tile_end - tile_begin;
+
     // Paged: the page ids of tile t live in the ring slot sPage[t % STAGES] (tile_pages: every
     // tile lies inside one page, page_size a multiple of BLOCK_N: one id per tile, slot[0];
     // otherwise one id per row). They are copied from block_table by 4-byte cp.async, STAGES - 1
@@ -589,9 +618,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // fit in 32 bits (the launcher checks, the kernel traps otherwise). A tile wholly inside the
     // sequence tests only the ids. Invalid copies (src-size 0) still name an address inside page
     // 0: a thread whose column lies past headdim starts from the cache's base instead.
-    const int page_mask = PAGED ? p.page_size - 1 : 0;
-    const T* kpage = col_ok ? kcol + (int64_t)(row0 & page_mask) * p.k_row_stride : kbase;
-    const T* vpage = col_ok ? vcol + (int64_t)(row0 & page_mask) * p.v_row_stride : vbase;
     auto copy_page_rows = [&](T* sK, T* sV, int tile, bool do_k, bool do_v) {
         const int* ids = sPage + (tile % STAGES) * BLOCK_N;
         const int n_rows = col_ok ? len - tile * BLOCK_N : 0;  // rows r < n_rows are valid
@@ -622,9 +648,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         }
     };
     // Issues the copies of `tile` into `stage` (its page ids must be in sPage[tile % STAGES],
-    // visible to every thread), then the page-id copies of tile + STAGES - 1; one address
-    // computation per copy (load_tile below uses copy_tile_pointers instead with kCopyPointers).
-    auto load_tile_rows = [&](int stage, int tile) {
+    // visible to every thread), then the page-id copies of tile + STAGES - 1 (sync_ids: after a
+    // __syncthreads, see the prologue); one address computation per copy (load_tile below uses
+    // copy_tile_pointers instead with kCopyPointers).
+    auto load_tile_rows = [&](int stage, int tile, bool sync_ids) {
         T* sK = sStages + stage * Tr::kStageElems;
         T* sV = sK + Tr::kTileElems;
         const int* ids = sPage + (tile % STAGES) * BLOCK_N;
@@ -650,6 +677,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 cp_async_kv<FLAGS>(smem_u32addr(sV + Tr::kv_offset(row, chunk)),
                                    valid ? vcol + voff : vbase, valid, policy);
         }
+        if (sync_ids) __syncthreads();
         fetch_pages(tile + STAGES - 1);  // kKVGroups: in the K group (see the loop's waits)
         if constexpr (KVG) {
             cp_async_commit();  // the K group; the caller's commit closes the V group
@@ -672,7 +700,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             }
         }
     };
-    auto load_tile = [&](int stage, int tile) {
+    auto load_tile = [&](int stage, int tile, bool sync_ids) {
         if constexpr (TMA) {
             // thread 0: after the __syncthreads that ends every read of this stage, arm its
             // mbarrier with the tile's bytes (boxes past the capacity count in full, zero-filled)
@@ -699,19 +727,22 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
                 else copy_page_rows(sK, sV, tile, do_k, do_v);
             };
             copy(true, !KVG);
-            if constexpr (PAGED) fetch_pages(tile + STAGES - 1);  // kKVGroups: in the K group
+            if constexpr (PAGED) {
+                if (sync_ids) __syncthreads();
+                fetch_pages(tile + STAGES - 1);  // kKVGroups: in the K group
+            }
             if constexpr (KVG) {
                 cp_async_commit();  // the K group; the caller's commit closes the V group
                 copy(false, true);
             }
         } else {
-            load_tile_rows(stage, tile);
+            load_tile_rows(stage, tile, sync_ids);
         }
     };
-    // Issues tile `tile` into `stage` if `issue`, and always kGroupsPerTile commits, so that
-    // every thread's group count is the same whatever the split's length.
-    auto issue_tile = [&](bool issue, int stage, int tile) {
-        if (issue) load_tile(stage, tile);
+    // Issues tile `tile` into `stage` if `issue` (block-uniform), and always kGroupsPerTile
+    // commits, so that every thread's group count is the same whatever the split's length.
+    auto issue_tile = [&](bool issue, int stage, int tile, bool sync_ids = false) {
+        if (issue) load_tile(stage, tile, sync_ids);
         else if constexpr (KVG) cp_async_commit();
         cp_async_commit();
     };
@@ -719,11 +750,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // ---- per-thread rows (g and g + 8) and their visible key ranges -------------------------
     KeyRange range[2];
 #pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-        const int rg = row_base + g + 8 * rh;
-        range[rh] = rg < rows ? visible_keys(rg / p.h_per_kv, p.seqlen_q, len, p.causal != 0, -1, -1)
-                              : KeyRange{0, 0};  // padding row: sees nothing, never written
-    }
+    for (int rh = 0; rh < 2; ++rh)
+        range[rh] = row_qi[rh] >= 0
+                        ? visible_keys(row_qi[rh], p.seqlen_q, len, p.causal != 0, -1, -1)
+                        : KeyRange{0, 0};  // padding row: sees nothing, never written
 
     // ---- online-softmax state of this warp (FA-2: unscaled acc, normalised at the end) -------
     float m_i[2] = {neg_inf<float>(), neg_inf<float>()};  // running max, log2 domain
@@ -739,23 +769,25 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
 
     // ---- pipeline prologue: STAGES - 1 tiles in flight ----------------------------------------
     if constexpr (PAGED) {  // the ids of the prologue's tiles, waited for once
-        // kSpecPageIds with the right guess: the speculative fetch covers tiles tile_begin ...
-        // (tile_end <= the guess's end, rows j < len <= capacity). Otherwise fetch them now,
-        // after the speculative copies have landed (the two may write the same slots).
-        if (tile_begin != spec_begin) {
-            if constexpr ((FLAGS & decode_flags::kSpecPageIds) != 0) cp_async_wait<0>();
+        // kSpecPageIds with the right guess: the speculative fetch, landed and visible, covers
+        // tiles tile_begin ... (tile_end <= the guess's end, rows j < len <= capacity). Otherwise
+        // fetch them now (the speculative copies have landed: the two may write the same slots).
+        if (tile_begin != spec_begin) {  // block-uniform
 #pragma unroll
             for (int s = 0; s < STAGES - 1; ++s) fetch_pages(tile_begin + s);
             cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();  // the prologue's ids are visible
         }
-        cp_async_wait<0>();
     }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        // Paged: the prologue's ids are visible; the slot load_tile refills (that of tile
-        // tile_begin + s - 1) has been read by every thread.
-        if constexpr (PAGED) __syncthreads();
-        issue_tile(s < n_iter, s, tile_begin + s);
+        // Paged: tile tile_begin + s's K/V copies are issued first; its load_tile then refills
+        // the slot of tile tile_begin + s - 1 with the ids of tile_begin + s + STAGES - 1, after
+        // a __syncthreads that ends every thread's reads of that slot (s >= 1; at s = 0 the slot
+        // is the ring's free one). One barrier per prologue tile as before, but after its
+        // copies are issued instead of before.
+        issue_tile(s < n_iter, s, tile_begin + s, PAGED && s >= 1);
     }
 
     // ---- Q tile (16 rows, zero-padded rows and columns) into shared memory, raw 16-bit copy ----
