@@ -296,7 +296,16 @@ FLAG_MASK_FAST = 32768
 #: (``decode_flags::kTma``; the kernel entry ``decode_split_tma_kernel`` takes the two maps).
 #: Bitwise the same output as the kernel without it.
 FLAG_TMA = 65536
-_FLAG_LIMIT = 131072
+#: Speculative prologue (contiguous caches with :data:`FLAG_COPY_POINTERS`; v35,
+#: experiments/NOTES.md): the first tiles of the split the block would have at full capacity are
+#: copied right after the grid-dependency wait, while the sequence's length is still in flight
+#: (it comes by a 4-byte ``cp.async`` beside them); where the guess was wrong (ragged batches,
+#: with several splits) they are let land and the prologue is issued again. Rows in
+#: ``[len, capacity)`` of the guessed tiles reach shared memory, never the result (masked scores,
+#: zeroed V rows). Bitwise the same output as the kernel without it
+#: (``decode_flags::kSpecKV``).
+FLAG_SPEC_KV = 131072
+_FLAG_LIMIT = 262144
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
                 (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
@@ -304,7 +313,8 @@ _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_SPEC_PAGE_IDS, "_spid"), (FLAG_PDL_EARLY_TRIGGER, "_trearly"),
                 (FLAG_PDL_NO_TRIGGER, "_trnone"), (FLAG_COPY_POINTERS, "_cp"),
                 (FLAG_SKIP_RESCALE, "_skip"), (FLAG_LAZY_RESCALE, "_lazy"),
-                (FLAG_Q_REGS, "_qreg"), (FLAG_MASK_FAST, "_mf"), (FLAG_TMA, "_tma"))
+                (FLAG_Q_REGS, "_qreg"), (FLAG_MASK_FAST, "_mf"), (FLAG_TMA, "_tma"),
+                (FLAG_SPEC_KV, "_spkv"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48) with the release/acquire arrival (v9, experiments/NOTES.md).
@@ -404,7 +414,8 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
 
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/
-    ``_spid``/``_trearly``/``_trnone``/``_cp``/``_skip``/``_lazy``/``_qreg``/``_mf`` for the
+    ``_spid``/``_trearly``/``_trnone``/``_cp``/``_skip``/``_lazy``/``_qreg``/``_mf``/``_tma``/
+    ``_spkv`` for the
     ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
     the public functions launch, :func:`default_flags` for ``page_size`` (``_fused_rel_cp``;
     paged up to hd128 ``_fused_rel_spid_cp`` for power-of-two pages, else ``_fused_rel_spid``);
@@ -428,6 +439,11 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
         raise ValueError(f"flags: FLAG_TMA is for contiguous caches, without the cp.async path's "
                          f"flags (warp-local, K/V groups, copy pointers, L2 hints), got "
                          f"flags={flags}, paged={paged}")
+    if flags & FLAG_SPEC_KV and (paged or not flags & FLAG_COPY_POINTERS
+                                 or flags & (FLAG_WARP_LOCAL | FLAG_KV_GROUPS | FLAG_TMA)):
+        raise ValueError(f"flags: FLAG_SPEC_KV is for contiguous caches with FLAG_COPY_POINTERS, "
+                         f"without warp-local copies, K/V groups or TMA, got flags={flags}, "
+                         f"paged={paged}")
     if flags & FLAG_PREFETCH_256 and flags & FLAG_PREFETCH_128:
         raise ValueError(f"flags: FLAG_PREFETCH_256 and FLAG_PREFETCH_128 exclude each other, "
                          f"got {flags}")

@@ -56,8 +56,7 @@ __device__ __forceinline__ void tl_mark(int slot) {
     s = ins(s, "        __trap();  // launch bug, never silent\n", "    tl_mark(0);\n")
     s = ins(s, "    const int n_iter = tile_end - tile_begin;\n",
             "    asm volatile(\"\" :: \"r\"(len) : \"memory\");\n    tl_mark(8);\n")
-    s = ins(s, "#pragma unroll\n    for (int s = 0; s < STAGES - 1; ++s) {\n        // Paged: tile",
-            "    if constexpr (PAGED) tl_mark(11);\n", after=False)
+    s = ins(s, "    if (!spec_kv_hit) {\n", "    if constexpr (PAGED) tl_mark(11);\n", after=False)
     s = ins(s, "    // ---- Q tile (16 rows", "    tl_mark(12);\n", after=False)
     s = ins(s, "            __syncthreads();          // everyone's have; everyone is done with "
                "stage it - 1\n", "        if (it == 0) tl_mark(2);\n")

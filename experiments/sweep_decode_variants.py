@@ -104,6 +104,11 @@ def variants():
     # v30b: no L2 promotion, or 64 B (256 B lost 3-7% in v30, 128 B matched cp.async)
     contiguous += [V(bn, w, 3, F | R | T, 1, pdl=True, l2_promotion=p)
                    for bn, w in ((128, 8), (64, 4)) for p in (None, 64)]
+    # v35: the speculative prologue (the guessed split's first tiles copied before the length
+    # has landed) on the contiguous copy-pointer tiles
+    from cupyflash.decode import FLAG_SPEC_KV as SK
+    contiguous += [V(bn, w, st, F | R | P | SK, 1, pdl=True)
+                   for bn, w, st in ((128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 2))]
     return contiguous, paged
 
 

@@ -162,7 +162,18 @@ constexpr int kMaskFast = 32768;
 // Bitwise the same output as the cp.async kernel: the same values meet the same mma in the
 // same order.
 constexpr int kTma = 65536;
-constexpr int kAll = 131071;  // every defined bit (decode.py checks flags against its own list)
+// Speculative prologue (contiguous caches, copy pointers, the CTA pipeline): the first
+// STAGES - 1 tiles of the split the block would have at full capacity (len = seqlen_cache) are
+// issued right after the grid-dependency wait, before the sequence's length has arrived (it
+// comes by a 4-byte cp.async beside them, in its own group). Where that guess gives this
+// block's tiles (every block of a single-split launch; the longest sequences otherwise) the
+// first K/V copies start one round trip earlier; elsewhere the guessed copies are let land and
+// the prologue is issued again (one round trip later than without the flag). The guessed copies
+// read rows below the capacity only; rows in [len, capacity) of the sequence's last tile reach
+// shared memory (never the result): their scores are masked to -inf, and each warp zeroes its
+// own V rows there before P V, as with kTma.
+constexpr int kSpecKV = 131072;
+constexpr int kAll = 262143;  // every defined bit (decode.py checks flags against its own list)
 }  // namespace decode_flags
 constexpr float kLazyThreshold = 8.f;
 
@@ -394,7 +405,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     constexpr bool QREGS = (FLAGS & decode_flags::kQRegs) != 0;
     constexpr bool MASKFAST = (FLAGS & decode_flags::kMaskFast) != 0;
     constexpr bool TMA = (FLAGS & decode_flags::kTma) != 0;
+    constexpr bool SPECKV = (FLAGS & decode_flags::kSpecKV) != 0;
     static_assert((FLAGS & ~decode_flags::kAll) == 0, "unknown FLAGS bit");
+    static_assert(!SPECKV || (!PAGED && CP && !WL && !KVG && !TMA),
+                  "speculative prologue: contiguous caches, copy pointers, the CTA pipeline");
     static_assert(!TMA || (!PAGED && !WL && !KVG && HEADDIM % 64 == 0),
                   "TMA copies: contiguous caches, the CTA pipeline, whole 64-element boxes");
     // cp.async groups per tile (kKVGroups: K, then V and nothing else)
@@ -484,8 +498,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             }
         }
     };
-    int spec_begin = -1, spec_end = 0;
-    if constexpr (SPEC) {
+    int spec_begin = -1, spec_end = 0;  // kSpecPageIds, kSpecKV: the split at full capacity
+    if constexpr (SPEC || SPECKV) {
         const int nt_g = (p.seqlen_cache + BLOCK_N - 1) / BLOCK_N;
         const int tps_g = p.split_tiles > 0 ? p.split_tiles : (nt_g + p.num_splits - 1) / p.num_splits;
         spec_begin = min(split * tps_g, nt_g);
@@ -510,6 +524,60 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     const T* kpage = col_ok ? kcol + (int64_t)(row0 & page_mask) * p.k_row_stride : kbase;
     const T* vpage = col_ok ? vcol + (int64_t)(row0 & page_mask) * p.v_row_stride : vbase;
 
+    const uint64_t policy =
+        (FLAGS & decode_flags::kEvictFirst) ? decode_detail::l2_evict_first_policy() : 0ull;
+    constexpr int kCopies = WL ? Tr::kWarpCopies : Tr::kCopiesPerThread;
+    constexpr int kPass = WL ? Tr::kWarpRowsPerPass : Tr::kRowsPerPass;
+    // kCopyPointers: this thread's copies of `tile` into sK / sV (do_k, do_v: literal flags);
+    // source row r0 + c * kPass of the split's cache, pointer advanced by one row step per copy.
+    // Paged (page ids per page, see fetch_page_ids): pages of at least BLOCK_N keys take the same
+    // pointer walk from the tile's first row in its page; smaller pages, copy_page_rows below.
+    // Rows below n_keys are copied, the others zero-filled (n_keys: len, or the capacity for
+    // kSpecKV's guessed tiles).
+    auto copy_tile_pointers = [&](T* sK, T* sV, int tile, bool do_k, bool do_v, int n_keys) {
+        const int r0 = tile * BLOCK_N + row0;
+        const T* kp;
+        const T* vp;
+        bool rows_ok = col_ok;  // paged: and the tile's page id is inside the pool
+        if constexpr (PAGED) {
+            const int id = sPage[(tile % STAGES) * BLOCK_N];
+            rows_ok = rows_ok && (unsigned)id < (unsigned)p.num_pages;
+            const int64_t page = rows_ok ? id : 0;  // an unread but valid source address
+            const int in_page = r0 & (p.page_size - 1);
+            kp = kcol + page * p.k_batch_stride + (int64_t)in_page * p.k_row_stride;
+            vp = vcol + page * p.v_batch_stride + (int64_t)in_page * p.v_row_stride;
+        } else {
+            kp = kcol + (int64_t)r0 * p.k_row_stride;
+            vp = vcol + (int64_t)r0 * p.v_row_stride;
+        }
+        const int64_t kstep = (int64_t)kPass * p.k_row_stride;
+        const int64_t vstep = (int64_t)kPass * p.v_row_stride;
+        // Two loops on purpose: merged (valid = full || c * kPass < rem), nvcc keeps the
+        // per-copy selects on full tiles too (one path instead of two in the SASS).
+        if (rows_ok && tile * BLOCK_N + BLOCK_N <= n_keys) {  // every row of the tile is valid
+#pragma unroll
+            for (int c = 0; c < kCopies; ++c) {
+                const int off = Tr::kv_offset(row0 + c * kPass, chunk);
+                if (do_k) cp_async_kv<FLAGS>(smem_u32addr(sK + off), kp, true, policy);
+                if (do_v) cp_async_kv<FLAGS>(smem_u32addr(sV + off), vp, true, policy);
+                kp += kstep;
+                vp += vstep;
+            }
+        } else {
+            const int rem = rows_ok ? n_keys - r0 : 0;  // copies c with c * kPass < rem are valid
+#pragma unroll
+            for (int c = 0; c < kCopies; ++c) {
+                const int off = Tr::kv_offset(row0 + c * kPass, chunk);
+                const bool valid = c * kPass < rem;
+                if (do_k)
+                    cp_async_kv<FLAGS>(smem_u32addr(sK + off), valid ? kp : kbase, valid, policy);
+                if (do_v)
+                    cp_async_kv<FLAGS>(smem_u32addr(sV + off), valid ? vp : vbase, valid, policy);
+                kp += kstep;
+                vp += vstep;
+            }
+        }
+    };
     // Programmatic dependent launch (common/pdl.cuh): no global load before this wait (the code
     // above is arithmetic on the block's indices and the parameters, and shared memory, so that
     // it overlaps the previous kernel's tail or the wait). The next kernel of the stream is let
@@ -531,6 +599,25 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();  // the length and the guessed ids are visible to every thread
+        len_raw = p.cache_seqlens != nullptr ? *sLen : 0;
+    } else if constexpr (SPECKV) {
+        // the length in its own (oldest) group, then the guessed tiles, one group per stage as
+        // the prologue below commits them; only the length's group is waited for here
+        int* sLen = reinterpret_cast<int*>(sQ + HEADDIM);
+        if (tid == 0 && p.cache_seqlens != nullptr)
+            cp_async_4(smem_u32addr(sLen), p.cache_seqlens + b);
+        cp_async_commit();
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (spec_begin + s < spec_end) {
+                T* sK = sStages + s * Tr::kStageElems;
+                copy_tile_pointers(sK, sK + Tr::kTileElems, spec_begin + s, true, true,
+                                   p.seqlen_cache);
+            }
+            cp_async_commit();
+        }
+        cp_async_wait<STAGES - 1>();
+        __syncthreads();  // the length is visible to every thread
         len_raw = p.cache_seqlens != nullptr ? *sLen : 0;
     } else {
         len_raw = p.cache_seqlens ? p.cache_seqlens[b] : 0;
@@ -556,58 +643,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // __syncthreads that ends every read of tile t - 1's ids (the same slot). Rows past len,
     // and tiles past the split, get no copy; load_tile reads a row's slot only when j < len.
     auto fetch_pages = [&](int tile) { fetch_page_ids(tile, tile_end, len); };
-    const uint64_t policy =
-        (FLAGS & decode_flags::kEvictFirst) ? decode_detail::l2_evict_first_policy() : 0ull;
-    constexpr int kCopies = WL ? Tr::kWarpCopies : Tr::kCopiesPerThread;
-    constexpr int kPass = WL ? Tr::kWarpRowsPerPass : Tr::kRowsPerPass;
-    // kCopyPointers: this thread's copies of `tile` into sK / sV (do_k, do_v: literal flags);
-    // source row r0 + c * kPass of the split's cache, pointer advanced by one row step per copy.
-    // Paged (page ids per page, see fetch_page_ids): pages of at least BLOCK_N keys take the same
-    // pointer walk from the tile's first row in its page; smaller pages, copy_page_rows below.
-    auto copy_tile_pointers = [&](T* sK, T* sV, int tile, bool do_k, bool do_v) {
-        const int r0 = tile * BLOCK_N + row0;
-        const T* kp;
-        const T* vp;
-        bool rows_ok = col_ok;  // paged: and the tile's page id is inside the pool
-        if constexpr (PAGED) {
-            const int id = sPage[(tile % STAGES) * BLOCK_N];
-            rows_ok = rows_ok && (unsigned)id < (unsigned)p.num_pages;
-            const int64_t page = rows_ok ? id : 0;  // an unread but valid source address
-            const int in_page = r0 & (p.page_size - 1);
-            kp = kcol + page * p.k_batch_stride + (int64_t)in_page * p.k_row_stride;
-            vp = vcol + page * p.v_batch_stride + (int64_t)in_page * p.v_row_stride;
-        } else {
-            kp = kcol + (int64_t)r0 * p.k_row_stride;
-            vp = vcol + (int64_t)r0 * p.v_row_stride;
-        }
-        const int64_t kstep = (int64_t)kPass * p.k_row_stride;
-        const int64_t vstep = (int64_t)kPass * p.v_row_stride;
-        // Two loops on purpose: merged (valid = full || c * kPass < rem), nvcc keeps the
-        // per-copy selects on full tiles too (one path instead of two in the SASS).
-        if (rows_ok && tile * BLOCK_N + BLOCK_N <= len) {  // every row of the tile is valid
-#pragma unroll
-            for (int c = 0; c < kCopies; ++c) {
-                const int off = Tr::kv_offset(row0 + c * kPass, chunk);
-                if (do_k) cp_async_kv<FLAGS>(smem_u32addr(sK + off), kp, true, policy);
-                if (do_v) cp_async_kv<FLAGS>(smem_u32addr(sV + off), vp, true, policy);
-                kp += kstep;
-                vp += vstep;
-            }
-        } else {
-            const int rem = rows_ok ? len - r0 : 0;  // copies c with c * kPass < rem are valid
-#pragma unroll
-            for (int c = 0; c < kCopies; ++c) {
-                const int off = Tr::kv_offset(row0 + c * kPass, chunk);
-                const bool valid = c * kPass < rem;
-                if (do_k)
-                    cp_async_kv<FLAGS>(smem_u32addr(sK + off), valid ? kp : kbase, valid, policy);
-                if (do_v)
-                    cp_async_kv<FLAGS>(smem_u32addr(sV + off), valid ? vp : vbase, valid, policy);
-                kp += kstep;
-                vp += vstep;
-            }
-        }
-    };
     // kCopyPointers, pages of fewer than BLOCK_N keys (a power of two, so every tile starts a
     // page): copy c of this thread reads row r = row0 + c * kPass of the tile, entry
     // r >> page_shift of the tile's ids, row r & (page_size - 1) of that page. As row0 < kPass
@@ -723,7 +758,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             T* sK = sStages + stage * Tr::kStageElems;
             T* sV = sK + Tr::kTileElems;
             auto copy = [&](bool do_k, bool do_v) {
-                if (!PAGED || tile_pages) copy_tile_pointers(sK, sV, tile, do_k, do_v);
+                if (!PAGED || tile_pages) copy_tile_pointers(sK, sV, tile, do_k, do_v, len);
                 else copy_page_rows(sK, sV, tile, do_k, do_v);
             };
             copy(true, !KVG);
@@ -780,14 +815,23 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
             __syncthreads();  // the prologue's ids are visible
         }
     }
+    // kSpecKV with the right guess: the guessed copies are this split's prologue (tile_end <=
+    // the guess's end; rows below len <= capacity hold the same data). Otherwise this thread's
+    // guessed copies are let land (the real ones write the same shared memory: each thread
+    // copies the same rows and column of every tile) and the prologue is issued as without it.
+    const bool spec_kv_hit = SPECKV && tile_begin == spec_begin;  // block-uniform
+    if constexpr (SPECKV)
+        if (!spec_kv_hit) cp_async_wait<0>();
+    if (!spec_kv_hit) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        // Paged: tile tile_begin + s's K/V copies are issued first; its load_tile then refills
-        // the slot of tile tile_begin + s - 1 with the ids of tile_begin + s + STAGES - 1, after
-        // a __syncthreads that ends every thread's reads of that slot (s >= 1; at s = 0 the slot
-        // is the ring's free one). One barrier per prologue tile as before, but after its
-        // copies are issued instead of before.
-        issue_tile(s < n_iter, s, tile_begin + s, PAGED && s >= 1);
+        for (int s = 0; s < STAGES - 1; ++s) {
+            // Paged: tile tile_begin + s's K/V copies are issued first; its load_tile then
+            // refills the slot of tile tile_begin + s - 1 with the ids of tile_begin + s +
+            // STAGES - 1, after a __syncthreads that ends every thread's reads of that slot
+            // (s >= 1; at s = 0 the slot is the ring's free one). One barrier per prologue tile
+            // as before, but after its copies are issued instead of before.
+            issue_tile(s < n_iter, s, tile_begin + s, PAGED && s >= 1);
+        }
     }
 
     // ---- Q tile (16 rows, zero-padded rows and columns) into shared memory, raw 16-bit copy ----
@@ -853,11 +897,12 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         auto kvo = [](int row, int chunk) {
             return TMA ? Tr::kv_offset_tma(row, chunk) : Tr::kv_offset(row, chunk);
         };
-        if constexpr (TMA) {
-            // the sequence's last tile: this warp zeroes its V rows at or past len (the TMA
-            // copied them from the cache's tail, which may hold anything; P is 0 there)
+        if constexpr (TMA || SPECKV) {
+            // the sequence's last tile: this warp zeroes its V rows at or past len (the TMA or
+            // the guessed copies (kSpecKV, the prologue's tiles) copied them from the cache's
+            // tail, which may hold anything; P is 0 there)
             const int n_valid = len - (tile_begin + it) * BLOCK_N;
-            if (n_valid < BLOCK_N) {  // block-uniform
+            if (n_valid < BLOCK_N && (TMA || (spec_kv_hit && it < STAGES - 1))) {  // block-uniform
                 T* sVw = sStages + (it % STAGES) * Tr::kStageElems + Tr::kTileElems;
                 for (int e = lane; e < Tr::kKeysPerWarp * Tr::kChunksPerRow; e += 32) {
                     const int r = warp_key0 + e / Tr::kChunksPerRow;

@@ -384,6 +384,31 @@ def test_loop_flags_rejected_where_they_do_not_apply():
     assert s.entry.endswith(f", true, {65 + 4096 + 16384 + 32768}>")
 
 
+def test_speculative_prologue_flag_where_it_applies():
+    """FLAG_SPEC_KV (v35) guesses contiguous tiles through the copy-pointer path: refused on
+    paged caches, without copy pointers, and with warp-local copies, K/V groups or TMA; compiles
+    for every head dim's tiles without spills, with the plain kernel's shared memory."""
+    cp_flags = decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS
+    for paged, fl in ((True, cp_flags), (False, decode.DEFAULT_FLAGS),
+                      (False, cp_flags | decode.FLAG_WARP_LOCAL),
+                      (False, cp_flags | decode.FLAG_KV_GROUPS),
+                      (False, decode.DEFAULT_FLAGS | decode.FLAG_TMA)):
+        with pytest.raises(ValueError, match="FLAG_SPEC_KV is for contiguous caches"):
+            decode.split_kernel_spec("bfloat16", 128, paged, flags=fl | decode.FLAG_SPEC_KV)
+    for hd, (bn, w, st_) in ((64, (128, 4, 3)), (128, (128, 8, 3)), (128, (64, 4, 2)),
+                             (256, (32, 2, 3))):
+        spec = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w, stages=st_,
+                                        flags=decode.default_flags(hd, False)
+                                        | decode.FLAG_SPEC_KV)
+        assert spec.name.endswith("_cp_spkv"), spec.name
+        plain = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w,
+                                         stages=st_, flags=decode.default_flags(hd, False))
+        assert spec.smem_bytes == plain.smem_bytes
+        for arch in ("sm_90a", "sm_80"):
+            r = jit.compile_report(spec, arch)
+            assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
+
+
 #: v30: TMA copies on contiguous caches (both hd128 tiles, three and two stages), heads first
 TMA_VARIANTS = [decode.SplitVariant(bn, w, st_, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1,
                                     pdl=True)

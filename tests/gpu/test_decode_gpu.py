@@ -950,6 +950,48 @@ def test_tma_copies_are_bitwise_the_cp_async_ones(d, tile, sq, dtype):
             kd, vd = kd_, vd_
 
 
+@pytest.mark.parametrize("d,tile", [(128, (128, 8, 3)), (128, (64, 4, 3)), (128, (64, 4, 2)),
+                                    (72, (64, 4, 3)), (256, (32, 2, 3)), (64, (128, 4, 3)),
+                                    (128, (128, 8, 2))])
+@pytest.mark.parametrize("sq,dtype", [(1, "bfloat16"), (5, "float16")])
+def test_speculative_prologue_is_bitwise_the_plain_one(d, tile, sq, dtype):
+    """decode.FLAG_SPEC_KV (v35): the prologue's tiles copied for the split at full capacity
+    before the length has landed give bitwise the output and LSE of the kernel without the flag,
+    and match the reference: ragged NaN-tailed caches where the guessed tiles hold NaN rows past
+    the length (lengths 130, 40, 1: the guessed last tile's K masked and V zeroed), guesses that
+    miss (several splits, shorter sequences: the copies issued again), a sequence at the full
+    capacity (the guess right at every split count, the rows past the capacity zero-filled), an
+    empty sequence, GQA 4, padded head dim 72, causal rows over two row chunks at sq = 5, split
+    counts from 1 to more splits than tiles; outputs, LSE and workspace poisoned with NaN; and
+    the same with cache_seqlens=None (every guess right)."""
+    bn, w, st_ = tile
+    hk, h, cap = 2, 8, 1100
+    case = _nan_tailed_case(67, np.array([1037, 0, 130, 40, 1100, 1], np.int32), cap, hk, h, d,
+                            dtype, sq=sq)
+    qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                         case.cache_seqlens))
+    flags = decode.default_flags(d, False)
+    base = decode.SplitVariant(bn, w, st_, flags, 1, pdl=True)
+    spec = decode.SplitVariant(bn, w, st_, flags | decode.FLAG_SPEC_KV, 1, pdl=True)
+    assert spec.name.endswith("_spkv_hfirst_pdl"), spec.name
+    for ns in (1, 3, 16):
+        def run(var):
+            return _run_poisoned(var, case, dtype, qd, kd, vd, csd, None, ns)
+        o0, l0 = run(base)
+        o1, l1 = run(spec)
+        assert bool((o1 == o0).all()), ns
+        assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ns
+    full = _nan_tailed_case(68, np.full(3, cap, np.int32), cap, hk, h, d, dtype, sq=sq)
+    qf, kf, vf = (_dev(x) for x in (full.q, full.k_cache, full.v_cache))
+    for ns in (1, 7):
+        def run_full(var):
+            return _run_poisoned(var, full, dtype, qf, kf, vf, None, None, ns)
+        o0, l0 = run_full(base)
+        o1, l1 = run_full(spec)
+        assert bool((o1 == o0).all()), ("cache_seqlens=None", ns)
+        assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ("None", ns)
+
+
 def test_tma_variant_refuses_a_misaligned_cache():
     """TMA copies (like cp.async) need a 16-byte aligned global address: a cache view 8 bytes
     into its buffer (rows still 16-byte multiples) is refused with a ValueError before any
