@@ -21,13 +21,15 @@ def rand(shape, dtype):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--small", action="store_true", help="fewer prefill cases (racecheck is slow)")
-    ap.add_argument("--tma-only", action="store_true", help="only the TMA decode variant")
+    ap.add_argument("--variants-only", action="store_true",
+                    help="only the decode split kernel's experiment variants (TMA copies, "
+                         "speculative prologue)")
     args = ap.parse_args()
     small = args.small
     import ml_dtypes
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    if args.tma_only:
-        tma_cases(bf16)
+    if args.variants_only:
+        variant_cases(bf16)
         cp.cuda.runtime.deviceSynchronize()
         print("sanitize cases: done")
         return
@@ -93,23 +95,26 @@ def main():
         for ns in (3, 8):
             decode.run_split_variant(var, qd, kc, vc, lens, None, cp.empty_like(qd), None,
                                      num_splits=ns, lse=cp.empty((2, 8, 2), cp.float32))
-    tma_cases(bf16)
+    variant_cases(bf16)
     cp.cuda.runtime.deviceSynchronize()
     print("sanitize cases: done")
 
 
-def tma_cases(bf16):
-    """The decode split kernel with TMA copies (decode.FLAG_TMA, sm_90; an experiment variant):
-    both hd128 tiles, ragged lengths (an empty sequence, last tiles partly past len, a capacity
-    that is not a multiple of the tile), one split and the fused merge of three."""
+def variant_cases(bf16):
+    """The decode split kernel's experiment variants: TMA copies (decode.FLAG_TMA, sm_90) and
+    the speculative prologue (decode.FLAG_SPEC_KV: guessed tiles copied before the length
+    lands, V rows past it zeroed in shared memory): both hd128 tiles, ragged lengths (an empty
+    sequence, last tiles partly past len, a capacity that is not a multiple of the tile; with
+    three splits the shorter sequence's guess misses), one split and the fused merge of three."""
     from cupyflash import decode
-    if int(cp.cuda.Device().compute_capability) < 90:
-        return
     kc, vc = rand((3, 300, 2, 128), bf16), rand((3, 300, 2, 128), bf16)
     lens = cp.asarray(np.array([0, 277, 300], dtype=np.int32))
     qd = rand((3, 2, 8, 128), bf16)
-    for bn, w, st in ((128, 8, 3), (64, 4, 2)):
-        var = decode.SplitVariant(bn, w, st, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1)
+    extra = [decode.FLAG_COPY_POINTERS | decode.FLAG_SPEC_KV]
+    if int(cp.cuda.Device().compute_capability) >= 90:
+        extra.append(decode.FLAG_TMA)
+    for (bn, w, st), fl in ((t, f) for t in ((128, 8, 3), (64, 4, 2)) for f in extra):
+        var = decode.SplitVariant(bn, w, st, decode.DEFAULT_FLAGS | fl, 1)
         for ns in (1, 3):
             ws = cp.zeros(max(var.workspace_elems(3, 2, 8, 2, 128, ns), 1), cp.float32)
             decode.run_split_variant(var, qd, kc, vc, lens, None, cp.empty_like(qd), ws,
