@@ -473,8 +473,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     constexpr bool SPEC = PAGED && (FLAGS & decode_flags::kSpecPageIds) != 0;
     const bool tile_pages = PAGED && p.page_size % BLOCK_N == 0;
     // kSpecPageIds: the ids of the first STAGES - 1 tiles of the split for len = capacity,
-    // issued before len is used (see decode_flags::kSpecPageIds), into the ring slots
-    // tile % STAGES as the prologue's own fetch.
+    // copied in the same cp.async group as the length (see decode_flags::kSpecPageIds), into
+    // the ring slots tile % STAGES as the prologue's own fetch.
     // Paged: 4-byte cp.async copies of the page ids of `tile` (if tile < tile_end) into its ring
     // slot sPage[tile % STAGES]: one id per row j < n_keys, or one per tile when tile_pages;
     // kCopyPointers: one per page of the tile (entry r: the page holding key tile * BLOCK_N +
@@ -591,6 +591,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // copies waited for the length: two dependent round trips instead of one; NOTES v34.)
     int len_raw;
     if constexpr (SPEC) {
+        static_assert((Tr::kQStride - HEADDIM) * sizeof(T) >= sizeof(int),
+                      "the length's slot lies in the Q tile's row padding");
         int* sLen = reinterpret_cast<int*>(sQ + HEADDIM);
         if (tid == 0 && p.cache_seqlens != nullptr)
             cp_async_4(smem_u32addr(sLen), p.cache_seqlens + b);
@@ -603,6 +605,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     } else if constexpr (SPECKV) {
         // the length in its own (oldest) group, then the guessed tiles, one group per stage as
         // the prologue below commits them; only the length's group is waited for here
+        static_assert((Tr::kQStride - HEADDIM) * sizeof(T) >= sizeof(int),
+                      "the length's slot lies in the Q tile's row padding");
         int* sLen = reinterpret_cast<int*>(sQ + HEADDIM);
         if (tid == 0 && p.cache_seqlens != nullptr)
             cp_async_4(smem_u32addr(sLen), p.cache_seqlens + b);
@@ -639,9 +643,11 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // then, so the cp.async wait that precedes a tile's K/V issue has also landed its ids: no
     // block_table load ever stalls a thread in the loop (a synchronous load per tile cost 30%
     // at one block per SM, experiments/NOTES.md v5). The first STAGES - 1 tiles' ids are fetched
-    // before the prologue. Slot (t + STAGES - 1) % STAGES is refilled right after the
-    // __syncthreads that ends every read of tile t - 1's ids (the same slot). Rows past len,
-    // and tiles past the split, get no copy; load_tile reads a row's slot only when j < len.
+    // before the prologue. Slot (t + STAGES - 1) % STAGES is refilled after the __syncthreads
+    // that ends every read of tile t - 1's ids (the same slot): the loop's, or in the prologue
+    // one issued after tile t's own copies (for t = tile_begin the slot is the ring's free one:
+    // no barrier). Rows past len, and tiles past the split, get no copy; load_tile reads a
+    // row's slot only when j < len.
     auto fetch_pages = [&](int tile) { fetch_page_ids(tile, tile_end, len); };
     // kCopyPointers, pages of fewer than BLOCK_N keys (a power of two, so every tile starts a
     // page): copy c of this thread reads row r = row0 + c * kPass of the tile, entry
