@@ -109,6 +109,10 @@ def variants():
     from cupyflash.decode import FLAG_SPEC_KV as SK
     contiguous += [V(bn, w, st, F | R | P | SK, 1, pdl=True)
                    for bn, w, st in ((128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 2))]
+    # v36: the one-block tile with 4 warps (32 keys per warp): cuDNN's short-call blocks have 4
+    # warps (v14, v16: the same grid, half our instructions, DRAM 5 points busier)
+    contiguous += [V(128, 4, st, F | R | P, 1, pdl=True) for st in (3, 2)]
+    paged += [V(128, 4, 3, F | R | S | P, pdl=True)]
     return contiguous, paged
 
 
