@@ -305,12 +305,7 @@ FLAG_TMA = 65536
 #: zeroed V rows). Bitwise the same output as the kernel without it
 #: (``decode_flags::kSpecKV``).
 FLAG_SPEC_KV = 131072
-#: L2 prefetch ahead (v37, experiments/NOTES.md): at each tile every thread prefetches into L2
-#: its K or V row of the tile two past the one whose copies it just issued (page ids read from
-#: ``block_table`` one tile earlier), so the copies find their lines in L2; hints only, the same
-#: output (``decode_flags::kL2Ahead``; tiles with twice as many threads as keys, not with TMA).
-FLAG_L2_AHEAD = 262144
-_FLAG_LIMIT = 524288
+_FLAG_LIMIT = 262144
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
                 (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
@@ -319,7 +314,7 @@ _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PDL_NO_TRIGGER, "_trnone"), (FLAG_COPY_POINTERS, "_cp"),
                 (FLAG_SKIP_RESCALE, "_skip"), (FLAG_LAZY_RESCALE, "_lazy"),
                 (FLAG_Q_REGS, "_qreg"), (FLAG_MASK_FAST, "_mf"), (FLAG_TMA, "_tma"),
-                (FLAG_SPEC_KV, "_spkv"), (FLAG_L2_AHEAD, "_l2a"))
+                (FLAG_SPEC_KV, "_spkv"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48) with the release/acquire arrival (v9, experiments/NOTES.md).
@@ -420,7 +415,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/
     ``_spid``/``_trearly``/``_trnone``/``_cp``/``_skip``/``_lazy``/``_qreg``/``_mf``/``_tma``/
-    ``_spkv``/``_l2a`` for the
+    ``_spkv`` for the
     ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
     the public functions launch, :func:`default_flags` for ``page_size`` (``_fused_rel_cp``;
     paged up to hd128 ``_fused_rel_spid_cp`` for power-of-two pages, else ``_fused_rel_spid``);
@@ -449,9 +444,6 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
         raise ValueError(f"flags: FLAG_SPEC_KV is for contiguous caches with FLAG_COPY_POINTERS, "
                          f"without warp-local copies, K/V groups or TMA, got flags={flags}, "
                          f"paged={paged}")
-    if flags & FLAG_L2_AHEAD and flags & FLAG_TMA:
-        raise ValueError(f"flags: FLAG_L2_AHEAD is for the cp.async path, not with FLAG_TMA, "
-                         f"got flags={flags}")
     if flags & FLAG_PREFETCH_256 and flags & FLAG_PREFETCH_128:
         raise ValueError(f"flags: FLAG_PREFETCH_256 and FLAG_PREFETCH_128 exclude each other, "
                          f"got {flags}")
@@ -466,9 +458,6 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     if flags & FLAG_TMA and not 16 <= bn <= 256:
         raise ValueError(f"block_n: FLAG_TMA copies a tile as boxes of block_n keys, 16 to 256 "
                          f"(the TMA box limit), got {bn}")
-    if flags & FLAG_L2_AHEAD and nw * 32 != 2 * bn:
-        raise ValueError(f"flags: FLAG_L2_AHEAD gives each thread one K or V row: nwarps * 32 "
-                         f"must be 2 * block_n, got block_n={bn}, nwarps={nw}")
     copy_pass = nw * 32 // (headdim // 8)  # key rows per copy pass (16-byte chunks per row)
     if paged and flags & FLAG_COPY_POINTERS and (bn & (bn - 1) or copy_pass & (copy_pass - 1)):
         raise ValueError(f"flags: FLAG_COPY_POINTERS on a paged cache needs block_n and the copy "

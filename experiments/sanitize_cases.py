@@ -23,7 +23,7 @@ def main():
     ap.add_argument("--small", action="store_true", help="fewer prefill cases (racecheck is slow)")
     ap.add_argument("--variants-only", action="store_true",
                     help="only the decode split kernel's experiment variants (TMA copies, "
-                         "speculative prologue, L2 prefetch ahead)")
+                         "speculative prologue)")
     args = ap.parse_args()
     small = args.small
     import ml_dtypes
@@ -101,8 +101,8 @@ def main():
 
 
 def variant_cases(bf16):
-    """The decode split kernel's experiment variants: TMA copies (decode.FLAG_TMA, sm_90), L2
-    prefetch ahead (decode.FLAG_L2_AHEAD) and the speculative prologue (decode.FLAG_SPEC_KV: guessed tiles copied before the length
+    """The decode split kernel's experiment variants: TMA copies (decode.FLAG_TMA, sm_90) and
+    the speculative prologue (decode.FLAG_SPEC_KV: guessed tiles copied before the length
     lands, V rows past it zeroed in shared memory): both hd128 tiles, ragged lengths (an empty
     sequence, last tiles partly past len, a capacity that is not a multiple of the tile; with
     three splits the shorter sequence's guess misses), one split and the fused merge of three."""
@@ -110,8 +110,7 @@ def variant_cases(bf16):
     kc, vc = rand((3, 300, 2, 128), bf16), rand((3, 300, 2, 128), bf16)
     lens = cp.asarray(np.array([0, 277, 300], dtype=np.int32))
     qd = rand((3, 2, 8, 128), bf16)
-    extra = [decode.FLAG_COPY_POINTERS | decode.FLAG_SPEC_KV,
-             decode.FLAG_COPY_POINTERS | decode.FLAG_L2_AHEAD]
+    extra = [decode.FLAG_COPY_POINTERS | decode.FLAG_SPEC_KV]
     if int(cp.cuda.Device().compute_capability) >= 90:
         extra.append(decode.FLAG_TMA)
     for (bn, w, st), fl in ((t, f) for t in ((128, 8, 3), (64, 4, 2)) for f in extra):

@@ -113,12 +113,6 @@ def variants():
     # warps (v14, v16: the same grid, half our instructions, DRAM 5 points busier)
     contiguous += [V(128, 4, st, F | R | P, 1, pdl=True) for st in (3, 2)]
     paged += [V(128, 4, 3, F | R | S | P, pdl=True)]
-    # v37: each thread's K or V row of the tile two ahead prefetched into L2 (bytes in flight
-    # without shared memory; pages of 16 lose 2-3% to contiguous at long streams, v29)
-    from cupyflash.decode import FLAG_L2_AHEAD as A
-    contiguous += [V(bn, w, st, F | R | P | A, 1, pdl=True)
-                   for bn, w, st in ((128, 8, 3), (64, 4, 3), (128, 8, 2))]
-    paged += [V(bn, w, 3, F | R | S | P | A, pdl=True) for bn, w in ((128, 8), (64, 4))]
     return contiguous, paged
 
 

@@ -173,17 +173,9 @@ constexpr int kTma = 65536;
 // shared memory (never the result): their scores are masked to -inf, and each warp zeroes its
 // own V rows there before P V, as with kTma.
 constexpr int kSpecKV = 131072;
-// L2 prefetch ahead (v37): at each tile, every thread prefetches into L2 its key row (K or V) of
-// the tile kL2AheadTiles past the one whose copies it just issued (prefetch.global.L2 of the
-// row's lines), so that those copies find their lines in L2: more bytes in flight per SM
-// without more shared memory. Paged: the row's page id is read from block_table one tile before
-// it is used (a loop-carried register, no stall). Rows past len, tiles past the split and ids
-// outside the pool are not prefetched. The result is unchanged (hints only).
-constexpr int kL2Ahead = 262144;
-constexpr int kAll = 524287;  // every defined bit (decode.py checks flags against its own list)
+constexpr int kAll = 262143;  // every defined bit (decode.py checks flags against its own list)
 }  // namespace decode_flags
 constexpr float kLazyThreshold = 8.f;
-constexpr int kL2AheadTiles = 2;  // decode_flags::kL2Ahead's distance, in tiles
 
 // 16-byte cp.async of one K/V chunk with the FLAGS' cache hints; valid = false zero-fills the
 // 16 bytes and reads nothing (src_size 0), `src` must still be a valid address.
@@ -414,9 +406,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     constexpr bool MASKFAST = (FLAGS & decode_flags::kMaskFast) != 0;
     constexpr bool TMA = (FLAGS & decode_flags::kTma) != 0;
     constexpr bool SPECKV = (FLAGS & decode_flags::kSpecKV) != 0;
-    constexpr bool L2A = (FLAGS & decode_flags::kL2Ahead) != 0;
-    static_assert(!L2A || (Tr::kThreads == 2 * BLOCK_N && !TMA),
-                  "L2 prefetch ahead: one K or V row per thread, the cp.async path");
     static_assert((FLAGS & ~decode_flags::kAll) == 0, "unknown FLAGS bit");
     static_assert(!SPECKV || (!PAGED && CP && !WL && !KVG && !TMA),
                   "speculative prologue: contiguous caches, copy pointers, the CTA pipeline");
@@ -893,20 +882,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         }
     }
 
-    // kL2Ahead: thread tid prefetches key row tid % BLOCK_N of K (tid < BLOCK_N) or V. pf_page(u):
-    // that row's page id in tile u (0 on contiguous caches), -1 where nothing is prefetched.
-    const int pf_row = tid % BLOCK_N;
-    const bool pf_v = tid >= BLOCK_N;
-    auto pf_page = [&](int u) -> int {
-        const int j = u * BLOCK_N + pf_row;
-        if (u >= tile_end || j >= len) return -1;
-        if constexpr (PAGED)
-            return p.block_table[(int64_t)b * p.block_table_batch_stride + page_slot(p, j)];
-        else
-            return 0;
-    };
-    int pf_id = L2A ? pf_page(tile_begin + STAGES - 1 + kL2AheadTiles) : -1;
-
     for (int it = 0; it < n_iter; ++it) {
         // this thread's copies of tile `it` (kKVGroups: of its K) have landed (kTma: all of them,
         // the stage's mbarrier completing its (it / STAGES)-th phase)
@@ -921,23 +896,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         // (possibly empty) groups keep the wait count uniform
         issue_tile(it + STAGES - 1 < n_iter, (it + STAGES - 1) % STAGES,
                    tile_begin + it + STAGES - 1);
-        if constexpr (L2A) {
-            const int u = tile_begin + it + STAGES - 1 + kL2AheadTiles;
-            if (pf_id >= 0 && (!PAGED || pf_id < p.num_pages)) {
-                const int j = u * BLOCK_N + pf_row;
-                const int64_t bs = pf_v ? p.v_batch_stride : p.k_batch_stride;
-                const int64_t rs = pf_v ? p.v_row_stride : p.k_row_stride;
-                const int64_t hs = pf_v ? p.v_head_stride : p.k_head_stride;
-                const int64_t off = PAGED ? (int64_t)pf_id * bs
-                                                + (int64_t)(j - page_slot(p, j) * p.page_size) * rs
-                                          : (int64_t)b * bs + (int64_t)j * rs;
-                const char* row = reinterpret_cast<const char*>((pf_v ? vbase : kbase) + off
-                                                                + (int64_t)hk * hs);
-                for (int x = 0; x < p.headdim * (int)sizeof(T); x += 128)  // the row's lines
-                    asm volatile("prefetch.global.L2 [%0];" :: "l"(row + x));
-            }
-            pf_id = pf_page(u + 1);  // the next tile's, used one iteration later
-        }
 
         const T* sK = sStages + (it % STAGES) * Tr::kStageElems;
         const T* sV = sK + Tr::kTileElems;

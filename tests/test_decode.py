@@ -409,27 +409,6 @@ def test_speculative_prologue_flag_where_it_applies():
             assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
 
 
-def test_l2_prefetch_ahead_flag_where_it_applies():
-    """FLAG_L2_AHEAD (v37) gives each thread one K or V row of a tile: refused with TMA and
-    where the block has not twice as many threads as the tile has keys; compiles for the hd128
-    and hd256 tiles, contiguous and paged, without spills."""
-    with pytest.raises(ValueError, match="FLAG_L2_AHEAD is for the cp.async path"):
-        decode.split_kernel_spec("bfloat16", 128, False,
-                                 flags=decode.DEFAULT_FLAGS | decode.FLAG_TMA
-                                 | decode.FLAG_L2_AHEAD)
-    with pytest.raises(ValueError, match=r"FLAG_L2_AHEAD .* got block_n=128, nwarps=4"):
-        decode.split_kernel_spec("bfloat16", 64, False, block_n=128, nwarps=4,
-                                 flags=decode.DEFAULT_FLAGS | decode.FLAG_L2_AHEAD)
-    for hd, paged, (bn, w, st_) in ((128, False, (128, 8, 3)), (128, True, (64, 4, 3)),
-                                    (256, True, (32, 2, 3))):
-        spec = decode.split_kernel_spec("bfloat16", hd, paged, block_n=bn, nwarps=w, stages=st_,
-                                        flags=decode.default_flags(hd, paged, 16)
-                                        | decode.FLAG_L2_AHEAD)
-        assert spec.name.endswith("_l2a"), spec.name
-        r = jit.compile_report(spec, "sm_90a")
-        assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, spec.name
-
-
 #: v30: TMA copies on contiguous caches (both hd128 tiles, three and two stages), heads first
 TMA_VARIANTS = [decode.SplitVariant(bn, w, st_, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1,
                                     pdl=True)

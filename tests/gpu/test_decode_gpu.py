@@ -992,37 +992,6 @@ def test_speculative_prologue_is_bitwise_the_plain_one(d, tile, sq, dtype):
         assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ("None", ns)
 
 
-@pytest.mark.parametrize("d,tile", [(128, (128, 8, 3)), (128, (64, 4, 3)), (128, (128, 8, 2)),
-                                    (256, (32, 2, 3)), (72, (64, 4, 3))])
-@pytest.mark.parametrize("page", [0, 16, 3])
-def test_l2_prefetch_ahead_is_bitwise_the_plain_kernel(d, tile, page):
-    """decode.FLAG_L2_AHEAD (v37): prefetching each thread's K or V row two tiles ahead into L2
-    changes nothing in the output or LSE (bitwise) and reads nothing out of bounds: ragged
-    NaN-tailed caches, an empty sequence, contiguous and paged (shuffled tables; pages of 3 take
-    the per-row id path), GQA 4, padded head dim 72, split counts from 1 to more splits than
-    tiles; outputs, LSE and workspace poisoned with NaN."""
-    dtype = "bfloat16"
-    bn, w, st_ = tile
-    hk, h, cap = 2, 8, 1100
-    if page:
-        cap = -(-cap // page) * page
-    case = _nan_tailed_case(71, np.array([1037, 0, 700, 64, cap], np.int32), cap, hk, h, d,
-                            dtype, page=page, table_seed=5, spare_pages=2)
-    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
-                                              case.cache_seqlens, case.block_table))
-    flags = decode.default_flags(d, bool(page), page)
-    order = 0 if page else 1
-    base = decode.SplitVariant(bn, w, st_, flags, order, pdl=True)
-    l2a = decode.SplitVariant(bn, w, st_, flags | decode.FLAG_L2_AHEAD, order, pdl=True)
-    for ns in (1, 3, 16):
-        def run(var):
-            return _run_poisoned(var, case, dtype, qd, kd, vd, csd, btd, ns)
-        o0, l0 = run(base)
-        o1, l1 = run(l2a)
-        assert bool((o1 == o0).all()), ns
-        assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ns
-
-
 def test_tma_variant_refuses_a_misaligned_cache():
     """TMA copies (like cp.async) need a 16-byte aligned global address: a cache view 8 bytes
     into its buffer (rows still 16-byte multiples) is refused with a ValueError before any
