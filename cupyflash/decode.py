@@ -263,8 +263,9 @@ FLAG_RELEASE_ARRIVE = 64
 #: computed while its V is still arriving (``decode_flags::kKVGroups``; v11, experiments/NOTES.md).
 FLAG_KV_GROUPS = 128
 #: Paged caches: the page ids of a split's first tiles are fetched for the split the block would
-#: have at full capacity while the sequence's length is read, and fetched again after it only
-#: where that guess was wrong (``decode_flags::kSpecPageIds``; v13, experiments/NOTES.md).
+#: have at full capacity together with the sequence's length (both by ``cp.async``, one wait),
+#: and fetched again after it only where that guess was wrong (``decode_flags::kSpecPageIds``;
+#: v13, v34 in experiments/NOTES.md).
 FLAG_SPEC_PAGE_IDS = 256
 #: Programmatic dependent launch: where the split kernel lets the next kernel of the stream be
 #: scheduled (``griddepcontrol.launch_dependents``). Default: after its main loop (before the
