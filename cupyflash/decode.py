@@ -854,6 +854,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                       ("max_smem_per_block", max_smem_per_block)):
         if val is not None and (not checks._is_int(val) or val < 1):
             raise ValueError(f"{name}: expected an int >= 1 or None, got {val!r}")
+    sms_given = num_sms
     num_sms = lim["num_sms"] if num_sms is None else num_sms
     smem_per_sm = lim["smem_per_sm"] if smem_per_sm is None else smem_per_sm
     max_smem_per_block = lim["max_smem_per_block"] if max_smem_per_block is None \
@@ -907,6 +908,9 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                 rejected.append((spec.name, why))
     rejected.sort(key=lambda r: (not r[0].startswith(f"decode_split_{_SHORT[p.dtype]}"), r[0]))
     notes = list(zip(la.reason_topics, la.reasons))
+    if lim.get("assumed") and sms_given is None:
+        notes.append(("note", f"planned for {num_sms} SMs, an H200's: no GPU is visible here; "
+                              f"pass num_sms= (and the device's arch) for another GPU"))
     return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
                          hbm_bytes=la.hbm_bytes, rejected=rejected, reasons=notes,
                          extra_kernels=tuple(extra), num_sms=num_sms)
@@ -962,7 +966,7 @@ def _planning_limits(arch: str | None = None, use_device: bool = True) -> dict:
         except Exception:  # no CuPy / no device
             pass
     lim = dict(num_sms=H200_SMS, smem_per_sm=H200_SMEM_PER_SM,
-               max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN)
+               max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN, assumed=True)
     if arch is not None and arch not in ("sm_90", "sm_90a"):
         from . import dispatch
         lim["max_smem_per_block"] = dispatch.max_smem_bytes_for_arch(arch)

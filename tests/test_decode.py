@@ -935,6 +935,23 @@ def test_explain_kvcache_on_host_arrays():
     str(plan), plan.as_dict()  # printable and JSON-ready
 
 
+def test_plan_says_when_it_assumed_an_h200():
+    """Without a visible GPU a plan is made for an H200's 132 SMs; the plan says so (and how to
+    plan for another GPU) unless num_sms was given, which changes the split count."""
+    q = np.zeros((1, 1, 32, 128), ml_dtypes.bfloat16)
+    kc = np.zeros((1, 8192, 8, 128), ml_dtypes.bfloat16)
+    cs = np.full(1, 8192, np.int32)
+    plan = decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, arch="sm_80", report=False)
+    if plan.num_sms != 132:
+        pytest.skip("a GPU is visible: its limits are used")
+    assert ("note", "planned for 132 SMs, an H200's: no GPU is visible here; pass num_sms= "
+                    "(and the device's arch) for another GPU") in plan.reasons
+    a100 = decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, arch="sm_80", report=False,
+                                  num_sms=108)
+    assert a100.num_sms == 108 and not any("H200" in r[1] for r in a100.reasons)
+    assert a100.num_splits != plan.num_splits
+
+
 def test_plan_decode_is_a_dispatch_plan_with_ptxas_report():
     from cupyflash import dispatch
     p = decode.plan_decode(_problem(seqlen_new=2), arch="sm_90a")
