@@ -589,13 +589,16 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // the guessed ids, so that one wait and one barrier land both. (Before, the length came by a
     // plain load whose first use ptxas scheduled ahead of the speculative id copies, so the
     // copies waited for the length: two dependent round trips instead of one; NOTES v34.)
-    int len_raw;
-    if constexpr (SPEC) {
-        static_assert((Tr::kQStride - HEADDIM) * sizeof(T) >= sizeof(int),
-                      "the length's slot lies in the Q tile's row padding");
-        int* sLen = reinterpret_cast<int*>(sQ + HEADDIM);
+    static_assert((Tr::kQStride - HEADDIM) * sizeof(T) >= sizeof(int),
+                  "the length's slot lies in the Q tile's row padding");
+    int* sLen = reinterpret_cast<int*>(sQ + HEADDIM);  // kSpecPageIds, kSpecKV
+    auto copy_len = [&]() {
         if (tid == 0 && p.cache_seqlens != nullptr)
             cp_async_4(smem_u32addr(sLen), p.cache_seqlens + b);
+    };
+    int len_raw;
+    if constexpr (SPEC) {
+        copy_len();
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) fetch_page_ids(spec_begin + s, spec_end, p.seqlen_cache);
         cp_async_commit();
@@ -605,11 +608,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     } else if constexpr (SPECKV) {
         // the length in its own (oldest) group, then the guessed tiles, one group per stage as
         // the prologue below commits them; only the length's group is waited for here
-        static_assert((Tr::kQStride - HEADDIM) * sizeof(T) >= sizeof(int),
-                      "the length's slot lies in the Q tile's row padding");
-        int* sLen = reinterpret_cast<int*>(sQ + HEADDIM);
-        if (tid == 0 && p.cache_seqlens != nullptr)
-            cp_async_4(smem_u32addr(sLen), p.cache_seqlens + b);
+        copy_len();
         cp_async_commit();
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
