@@ -113,6 +113,11 @@ def variants():
     # warps (v14, v16: the same grid, half our instructions, DRAM 5 points busier)
     contiguous += [V(128, 4, st, F | R | P, 1, pdl=True) for st in (3, 2)]
     paged += [V(128, 4, 3, F | R | S | P, pdl=True)]
+    # v38 (next): the warp-local pipeline (no CTA barrier per tile; v4 had it +5% at the small
+    # shapes before copy pointers, PDL and the heads-first grid, and it was not measured since)
+    # on top of the current contiguous defaults
+    from cupyflash.decode import FLAG_WARP_LOCAL as WLF
+    contiguous += [V(bn, w, 3, F | R | P | WLF, 1, pdl=True) for bn, w in ((128, 8), (64, 4))]
     return contiguous, paged
 
 
