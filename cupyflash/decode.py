@@ -854,7 +854,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                       ("max_smem_per_block", max_smem_per_block)):
         if val is not None and (not checks._is_int(val) or val < 1):
             raise ValueError(f"{name}: expected an int >= 1 or None, got {val!r}")
-    sms_given = num_sms
+    h200_assumed = lim.get("assumed", False) and num_sms is None  # said in the plan's notes
     num_sms = lim["num_sms"] if num_sms is None else num_sms
     smem_per_sm = lim["smem_per_sm"] if smem_per_sm is None else smem_per_sm
     max_smem_per_block = lim["max_smem_per_block"] if max_smem_per_block is None \
@@ -908,7 +908,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                 rejected.append((spec.name, why))
     rejected.sort(key=lambda r: (not r[0].startswith(f"decode_split_{_SHORT[p.dtype]}"), r[0]))
     notes = list(zip(la.reason_topics, la.reasons))
-    if lim.get("assumed") and sms_given is None:
+    if h200_assumed:
         notes.append(("note", f"planned for {num_sms} SMs, an H200's: no GPU is visible here; "
                               f"pass num_sms= (and the device's arch) for another GPU"))
     return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
