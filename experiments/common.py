@@ -461,6 +461,37 @@ def torch_sdpa(q, k, v, backend: str, causal: bool = False, enable_gqa: bool = F
     raise RuntimeError(f"torch SDPA {backend}: " + " | ".join(errors))
 
 
+def torch_graph_time_us(fn, n: int = 20, reps: int = 3) -> tuple:
+    """Microseconds per call of a torch callable, ``n`` calls captured in one
+    ``torch.cuda.CUDAGraph`` and replayed (best of ``reps`` replays, torch CUDA events), or, if
+    capture fails, ``n`` plain calls: returns ``(us, "graph" | "loop")``. A CuPy stream capture
+    would not see torch's kernels (torch launches on its own current stream)."""
+    import torch
+    try:
+        g = torch.cuda.CUDAGraph()
+        st = torch.cuda.Stream()
+        with torch.cuda.stream(st):
+            fn()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, stream=st):
+                for _ in range(n):
+                    fn()
+        g.replay()
+        torch.cuda.synchronize()
+        run, how = g.replay, "graph"
+    except Exception:  # noqa: BLE001
+        run, how = (lambda: [fn() for _ in range(n)]), "loop"
+    best = float("inf")
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        run()
+        e1.record()
+        e1.synchronize()
+        best = min(best, e0.elapsed_time(e1) * 1e3 / n)
+    return best, how
+
+
 # ------------------------------------------------------------------------------------------------
 # Peak extra device memory
 # ------------------------------------------------------------------------------------------------

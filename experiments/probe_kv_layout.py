@@ -78,7 +78,7 @@ def main(argv=None) -> int:
             if not args.no_torch:
                 try:
                     tf = common.torch_sdpa(q, k_, v_, "cudnn", enable_gqa=True)
-                    impls.append((f"torch_cudnn[{tf.layout}]", graph_time_us(tf),
+                    impls.append((f"torch_cudnn[{tf.layout}]", common.torch_graph_time_us(tf)[0],
                                   common.benchmark(tf, n_warmup=3, n_repeat=30,
                                                    flush_l2=True)["ms"] * 1e3))
                 except Exception as e:  # noqa: BLE001

@@ -216,6 +216,7 @@ def torch_times(B, S, flushed_too=False):
     """{impl: us} for torch SDPA cuDNN / flash on BHSD views of BSHD bf16 tensors (graph replay);
     with ``flushed_too`` also ``{impl}_flushed``: :func:`flushed`'s median (torch and CuPy both
     run on the legacy default stream, so CuPy's events bracket the SDPA call)."""
+    import common
     res = {}
     try:
         import torch
@@ -237,34 +238,7 @@ def torch_times(B, S, flushed_too=False):
                 for _ in range(3):
                     f()
                 torch.cuda.synchronize()
-                n = 20
-                try:  # graph replay, as ours
-                    g = torch.cuda.CUDAGraph()
-                    st = torch.cuda.Stream()
-                    with torch.cuda.stream(st):
-                        f()
-                        torch.cuda.synchronize()
-                        with torch.cuda.graph(g, stream=st):
-                            for _ in range(n):
-                                f()
-                    g.replay()
-                    torch.cuda.synchronize()
-                    run = g.replay
-                    per = n
-                    how = "graph"
-                except Exception:  # noqa: BLE001
-                    run = lambda: [f() for _ in range(n)]  # noqa: E731
-                    per = n
-                    how = "loop"
-                best = float("inf")
-                for _ in range(3):
-                    e0 = torch.cuda.Event(enable_timing=True)
-                    e1 = torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    run()
-                    e1.record()
-                    e1.synchronize()
-                    best = min(best, e0.elapsed_time(e1) * 1e3 / per)
+                best, how = common.torch_graph_time_us(f)
                 res[name] = best
                 res[name + "_timing"] = how
                 if flushed_too:
