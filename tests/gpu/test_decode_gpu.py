@@ -555,6 +555,16 @@ def _run_poisoned(var, case, dtype, qd, kd, vd, csd, btd, ns):
     return out.view(cupy.uint16), lse
 
 
+def _assert_variants_bitwise(run, base, other, tag):
+    """``run(var)`` -> (output bits, LSE) for ``base`` and ``other`` (each call poisoned and
+    checked against the reference by :func:`_run_poisoned`); both outputs and LSEs bitwise
+    equal, ``tag`` naming the case in the failure."""
+    o0, l0 = run(base)
+    o1, l1 = run(other)
+    assert bool((o1 == o0).all()), tag
+    assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), tag
+
+
 @pytest.mark.parametrize("d,block_n,nwarps", [(128, 128, 8), (72, 64, 4), (256, 32, 2)])
 @pytest.mark.parametrize("page,sq", [(0, 1), (0, 5), (16, 1), (3, 2)])
 def test_loop_flags_match_reference_exact_ones_bitwise(d, block_n, nwarps, page, sq):
@@ -934,19 +944,13 @@ def test_tma_copies_are_bitwise_the_cp_async_ones(d, tile, sq, dtype):
     for ns in (1, 3, 16):
         def run(var):
             return _run_poisoned(var, case, dtype, qd, kd, vd, csd, None, ns)
-        o0, l0 = run(base)
-        o1, l1 = run(tma)
-        assert bool((o1 == o0).all()), ns
-        assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ns
+        _assert_variants_bitwise(run, base, tma, ns)
         if tile == (128, 8, 3) and sq == 1:  # a head-major cache: (b, hk, s, d) storage
             kd_, vd_ = kd, vd
             kd, vd = (cupy.ascontiguousarray(x.view(cupy.uint16).transpose(0, 2, 1, 3))
                       .transpose(0, 2, 1, 3).view(x.dtype) for x in (kd_, vd_))
             assert kd.strides[2] > kd.strides[1]
-            o0, l0 = run(base)
-            o1, l1 = run(tma)
-            assert bool((o1 == o0).all()), ("head-major", ns)
-            assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ("head-major", ns)
+            _assert_variants_bitwise(run, base, tma, ("head-major", ns))
             kd, vd = kd_, vd_
 
 
@@ -977,19 +981,13 @@ def test_speculative_prologue_is_bitwise_the_plain_one(d, tile, sq, dtype):
     for ns in (1, 3, 16):
         def run(var):
             return _run_poisoned(var, case, dtype, qd, kd, vd, csd, None, ns)
-        o0, l0 = run(base)
-        o1, l1 = run(spec)
-        assert bool((o1 == o0).all()), ns
-        assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ns
+        _assert_variants_bitwise(run, base, spec, ns)
     full = _nan_tailed_case(68, np.full(3, cap, np.int32), cap, hk, h, d, dtype, sq=sq)
     qf, kf, vf = (_dev(x) for x in (full.q, full.k_cache, full.v_cache))
     for ns in (1, 7):
         def run_full(var):
             return _run_poisoned(var, full, dtype, qf, kf, vf, None, None, ns)
-        o0, l0 = run_full(base)
-        o1, l1 = run_full(spec)
-        assert bool((o1 == o0).all()), ("cache_seqlens=None", ns)
-        assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), ("None", ns)
+        _assert_variants_bitwise(run_full, base, spec, ("cache_seqlens=None", ns))
 
 
 def test_tma_variant_refuses_a_misaligned_cache():
