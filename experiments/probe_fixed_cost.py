@@ -11,7 +11,12 @@ after the read flush (``common.benchmark(flush_l2=True)``, median of 30), at Lla
   split kernel's dynamic shared memory (the launch floor of such blocks);
 * ``ours``: the public call over a cache of 1024 keys at lengths 0 (prologue and epilogue only:
   the length is read, nothing is copied), 1, 128 and 1024;
-* ``cuDNN``: torch SDPA over 1, 128 and 1024 keys (no lengths: it reads every key).
+* ``ours`` without any length (``cache_seqlens=None`` over a view of 128 / 1024 keys), launched
+  without programmatic dependent launch, and the default tile as an experiment variant with
+  and without the speculative prologue (``FLAG_SPEC_KV``: the first tiles copied before the
+  length lands);
+* ``cuDNN``: torch SDPA over 128 and 1024 keys (no lengths: it reads every key; it has no
+  kernel for one key).
 
 Records go to ``$OUT/probe_fixed_cost.jsonl`` (or --out).
 """
@@ -92,8 +97,37 @@ def main(argv=None) -> int:
                 assert not bool(o.any()), "an empty cache gives 0"
             record(B, "cupyflash", n, timed(fn), kernel=cupyflash.decode.launch_config(
                 checks.check_kvcache(q, kc, vc, cache_seqlens=cs)).kernel)
+        # the same call without any length (cache_seqlens=None over a view of n keys): no
+        # length round trip before the first copy
+        for n in (128, CAP):
+            fn = lambda n=n: cupyflash.flash_attn_with_kvcache(  # noqa: E731
+                q, kc[:, :n], vc[:, :n], out=out, validate=False)
+            fn()
+            record(B, "cupyflash cache_seqlens=None", n, timed(fn))
+        # launched without programmatic dependent launch (cupy.RawKernel)
+        with cupyflash.decode.pdl_launches(False):
+            for n in (0, 128):
+                cs = cp.full((B,), n, cp.int32)
+                fn = lambda cs=cs: cupyflash.flash_attn_with_kvcache(  # noqa: E731
+                    q, kc, vc, cache_seqlens=cs, out=out, validate=False)
+                fn()
+                record(B, "cupyflash PDL off", n, timed(fn))
+        # the default tile as an experiment variant, and with the speculative prologue (v35: the
+        # first tiles copied before the length lands)
+        D_ = cupyflash.decode
+        bn, w = la.template["block_n"], la.template["nwarps"]
+        base = D_.default_flags(D, False)
+        for label, flags in (("variant default", base),
+                             ("variant spec_kv", base | D_.FLAG_SPEC_KV)):
+            var = D_.SplitVariant(bn, w, la.template["stages"], flags, 1, pdl=True)
+            for n in (0, 128, CAP):
+                cs = cp.full((B,), n, cp.int32)
+                fn = lambda cs=cs, var=var: D_.run_split_variant(  # noqa: E731
+                    var, q, kc, vc, cs, None, out, None, num_splits=1)
+                fn()
+                record(B, f"{label} {var.name}", n, timed(fn))
         if not args.no_torch:
-            for n in (1, 128, CAP):
+            for n in (128, CAP):  # cuDNN has no kernel for one key
                 try:
                     tf = common.torch_sdpa(q, kc[:, :n], vc[:, :n], "cudnn", enable_gqa=True)
                     record(B, f"torch_cudnn[{tf.layout}]", n, timed(tf))
