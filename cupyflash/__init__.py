@@ -4,9 +4,12 @@ Public API
 ----------
 flash_attn_func, flash_attn_varlen_func : tiled prefill (FlashAttention-2, arXiv 2307.08691)
 flash_attn_with_kvcache, merge_states   : split-KV decode (Flash-Decoding) and its exact merge
-explain                                 : the dispatch plan of a call, as data
+explain, explain_varlen, explain_kvcache : the dispatch plan of a call, as data (no GPU needed)
+attention_baseline                      : the materialising baseline (S x S scores in memory)
 reference                               : NumPy float64 / online-softmax reference (no GPU needed)
 testing                                 : Hypothesis strategies for fuzzing kernels against it
+decode                                  : decode planning and workspaces (workspace_size,
+                                          alloc_workspace, launch_config, plan_decode)
 
 CuPy is imported lazily: ``import cupyflash`` and the reference work on a machine without a GPU.
 """

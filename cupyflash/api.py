@@ -164,7 +164,7 @@ def _all_cupy(*arrays) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     return_lse=False, out=None):
     """Exact softmax attention, tiled on chip (FlashAttention-2 forward).
 
@@ -185,6 +185,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         Same dtype and device as ``q``; ``nheads % nheads_k == 0``.
     softmax_scale : float, optional
         Multiplies ``q k^T``; default ``1 / sqrt(headdim)``. Must be finite and positive.
+        This and the options after it are keyword-only: FlashAttention's fourth positional
+        parameter is ``dropout_p`` (no dropout here), so a call ported with it positionally
+        raises a TypeError instead of reading the dropout rate as the scale.
     causal : bool
         Causal mask aligned bottom-right: row ``i`` sees key ``j`` iff
         ``j <= i + seqlen_k - seqlen_q``. Same as ``window_size=(left, 0)``.
@@ -211,7 +214,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     TypeError
         An array argument not on a CUDA device (NumPy arrays: use
         :func:`cupyflash.reference.attention_reference`), unsupported or mismatched dtypes,
-        non-bool ``causal`` / ``return_lse``, bad ``window_size`` or ``softmax_scale`` type.
+        non-bool ``causal`` / ``return_lse``, bad ``window_size`` or ``softmax_scale`` type,
+        an option passed positionally (they are keyword-only).
     ValueError
         Wrong shapes, ``headdim`` not a multiple of 8 up to 256, ``nheads % nheads_k != 0``,
         non-contiguous last dimension, arrays on different devices, a NaN/Inf/non-positive
@@ -239,7 +243,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale=None, causal=False, window_size=(-1, -1),
+                           *, softmax_scale=None, causal=False, window_size=(-1, -1),
                            return_lse=False, out=None, validate=True):
     """Exact attention over a packed batch of variable-length sequences (FlashAttention-2 forward).
 
@@ -301,8 +305,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (o, lse) if return_lse else o
 
 
-def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
-            out=None, *, arch=None):
+def explain(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+            return_lse=False, out=None, arch=None, num_sms=None):
     """The plan :func:`flash_attn_func` would execute for these arguments, as data; launches nothing.
 
     Accepts the same arguments as :func:`flash_attn_func`, and arrays of any kind (NumPy arrays
@@ -313,8 +317,11 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), ret
     q, k, v, softmax_scale, causal, window_size, return_lse, out
         As in :func:`flash_attn_func` (``return_lse`` does not change the plan).
     arch : str, optional
-        Architecture of the ptxas report (``"sm_80"``, ``"sm_90a"``, ...); default the current
-        device's, or ``"sm_90a"`` without a GPU.
+        Architecture of the ptxas report (``"sm_80"``, ``"sm_90a"``, ...; sm_80 or newer);
+        default the current device's, or ``"sm_90a"`` without a GPU.
+    num_sms : int, optional
+        SMs the tile heuristic plans for; default the current device's, or an H200's 132
+        without a GPU (the plan's notes then say so).
 
     Returns
     -------
@@ -334,7 +341,14 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), ret
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, out=out)
     _check_layouts({"q": q, "k": k, "v": v, "out": out})
-    return dispatch.plan_prefill(problem, arch=arch)
+    return dispatch.plan_prefill(problem, arch=arch, num_sms=_check_num_sms(num_sms))
+
+
+def _check_num_sms(num_sms):
+    """``num_sms`` of the explain functions: None or an int >= 1 (ValueError otherwise)."""
+    if num_sms is not None and (not checks._is_int(num_sms) or num_sms < 1):
+        raise ValueError(f"num_sms: expected an int >= 1 or None, got {num_sms!r}")
+    return None if num_sms is None else int(num_sms)
 
 
 def _check_layouts(named: dict) -> None:
@@ -346,12 +360,13 @@ def _check_layouts(named: dict) -> None:
 
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
-                   out=None, validate=True, *, arch=None):
+                   *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                   return_lse=False, out=None, validate=True, arch=None, num_sms=None):
     """The plan :func:`flash_attn_varlen_func` would execute, as data; launches nothing.
 
     Same arguments as :func:`flash_attn_varlen_func`; arrays of any kind (NumPy included). FLOPs
     are counted exactly per sequence when ``validate`` (the ``cu_seqlens`` are read), else None.
+    ``arch`` and ``num_sms``: as in :func:`explain`.
 
     Returns
     -------
@@ -371,7 +386,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if validate:
         lengths = (np.diff(checks.to_host(cu_seqlens_q).astype(np.int64)),
                    np.diff(checks.to_host(cu_seqlens_k).astype(np.int64)))
-    return dispatch.plan_prefill(problem, arch=arch, lengths=lengths)
+    return dispatch.plan_prefill(problem, arch=arch, lengths=lengths,
+                                 num_sms=_check_num_sms(num_sms))
 
 
 # ==============================================================================================

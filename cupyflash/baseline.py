@@ -8,7 +8,7 @@ in device memory:
    no copy of K or V); S is written in float32 (float64 for float64 inputs) with float32
    accumulation (tensor cores for fp16/bf16).
 2. ``P = softmax(scale * S + mask)``: our row-wise kernel (``kernels_cu/baseline.cu``), causal and
-   sliding-window aware (bottom-right, design.md), writes P in the input dtype and the LSE.
+   sliding-window aware (bottom-right, README "Semantics"), writes P in the input dtype and the LSE.
 3. ``O = P V``: a second strided-batched GEMM, float32 accumulation, O in the input dtype.
 
 S and P, ``batch * nheads * seqlen_q * seqlen_k`` elements each, are the O(S^2) memory and HBM

@@ -20,7 +20,7 @@ Errors
 Every message starts with the name of the offending argument, then says what was given and what
 is supported, e.g. ``"k: expected 4 dims (batch, seqlen_k, nheads_k, headdim), got shape (2, 3)"``.
 
-Semantics (see ``design.md``): causal masking is aligned bottom-right; ``window_size=(left, right)``
+Semantics (README, "Semantics"): causal masking is aligned bottom-right; ``window_size=(left, right)``
 with -1 meaning unbounded, also bottom-right aligned; ``causal=True`` is the same as ``right=0``;
 ``softmax_scale=None`` means ``1/sqrt(headdim)``.
 """

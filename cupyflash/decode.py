@@ -731,6 +731,13 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                       "heuristics.choose_split_stages, v24-v26; bitwise the same output)")
         stages = depth
         smem = split_smem_bytes(p.dtype, hd, cfg.block_n, stages)
+    elif p.paged and choose_split_stages(
+            stages, headdim=hd, paged=False, several_waves=several_waves, one_block=one_block,
+            seqlen_k=p.seqlen_cache, num_splits=num_splits, block_n=cfg.block_n,
+            split_tiles=split_tiles) != stages:
+        why("stages", f"{stages} K/V stages kept: a contiguous cache of this shape would take "
+                      "2, but on paged caches fewer bytes in flight measured slower (pages of "
+                      "16, v25, v28; heuristics.choose_split_stages)")
     spec = split_kernel_spec(p.dtype, hd, p.paged, block_n=cfg.block_n, nwarps=cfg.nwarps,
                              stages=stages, page_size=_flags_page_size(p))
     if p.paged:
@@ -839,6 +846,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
         As in :func:`flash_attn_with_kvcache`.
     arch : str or None
         Architecture of the ptxas report; default the current device's, else ``"sm_90a"``.
+        ``sm_80`` or newer (:func:`cupyflash.dispatch.check_arch`: TypeError / ValueError).
     report : bool
         Compile with NVRTC (no GPU needed) and fill registers / spills.
     num_sms, smem_per_sm, max_smem_per_block : int or None
@@ -849,6 +857,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     if not isinstance(problem, checks.DecodeProblem):
         raise TypeError(f"problem: expected cupyflash.checks.DecodeProblem, got "
                         f"{type(problem).__name__}")
+    dispatch.check_arch(arch)
     lim = _planning_limits(arch)
     for name, val in (("num_sms", num_sms), ("smem_per_sm", smem_per_sm),
                       ("max_smem_per_block", max_smem_per_block)):
@@ -913,29 +922,56 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                               f"pass num_sms= (and the device's arch) for another GPU"))
     return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
                          hbm_bytes=la.hbm_bytes, rejected=rejected, reasons=notes,
-                         extra_kernels=tuple(extra), num_sms=num_sms)
+                         extra_kernels=tuple(extra), num_sms=num_sms,
+                         workspace_elems=la.workspace_elems)
 
 
 def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                    softmax_scale=None, causal=True, num_splits=0, split_size=None, *,
-                    arch=None, report=True, validate=False, num_sms=None):
+                    softmax_scale=None, causal=True, num_splits=0, return_lse=False, out=None,
+                    split_size=None, validate=False, workspace=None, *, arch=None, report=True,
+                    num_sms=None):
     """The :class:`cupyflash.dispatch.Plan` of a :func:`flash_attn_with_kvcache` call, without
-    running it (accepts NumPy or CUDA arrays). Raises what :func:`flash_attn_with_kvcache` raises
-    for bad shapes, dtypes, options and cache row strides (not 16-byte multiples; a host array's
-    pointer is not checked); the values of ``cache_seqlens`` and ``block_table``
-    (lengths over the capacity, page ids outside the pool) are checked only with
-    ``validate=True``, the call's default, here ``False``. ``arch`` and ``num_sms``: see
-    :func:`plan_decode` (without a GPU: an H200's 132 SMs unless ``num_sms`` is given)."""
+    running it (accepts NumPy or CUDA arrays): the call's arguments, in the call's order, then
+    keyword-only ``arch``, ``report`` and ``num_sms``.
+
+    Raises what :func:`flash_attn_with_kvcache` raises for bad shapes, dtypes, layouts (a last
+    dimension that is not contiguous, cache row strides that are not 16-byte multiples; a host
+    array's pointer is not checked), options, ``return_lse`` and a ``workspace`` of the wrong
+    dtype, size or layout; the values of ``cache_seqlens`` and ``block_table`` (lengths over the
+    capacity, page ids outside the pool) are checked only with ``validate=True``, the call's
+    default, here ``False``. ``arch`` and ``num_sms``: see :func:`plan_decode` (without a GPU: an
+    H200's 132 SMs unless ``num_sms`` is given; ``arch`` must name sm_80 or newer)."""
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 softmax_scale=softmax_scale, causal=causal,
-                                num_splits=num_splits, dtypes=DTYPES, validate=validate)
+                                num_splits=num_splits, out=out, dtypes=DTYPES, validate=validate)
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("out", out)):  # the kernels' layout rule, for host arrays too
+        if x is not None:
+            checks.check_last_dim_contiguous(x, name)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):  # the call's row alignment
         st = checks.element_strides(c)
         if st is not None:
             _check_row_strides(c.shape, tuple(v * np.dtype(prob.dtype).itemsize for v in st),
                                name)
     _check_split_size(split_size)
-    return plan_decode(prob, split_size=split_size, arch=arch, report=report, num_sms=num_sms)
+    plan = plan_decode(prob, split_size=split_size, arch=arch, report=report, num_sms=num_sms)
+    if workspace is not None and plan.workspace_elems:
+        _check_workspace(workspace, plan.workspace_elems)
+    return plan
+
+
+def _check_workspace(workspace, need: int) -> None:
+    """A caller's workspace for a plan that uses ``need`` float32 elements: float32, C-contiguous,
+    at least ``need`` elements (NumPy, CuPy or any array with ``dtype``/``size``/``flags``)."""
+    if checks.dtype_name(workspace) != "float32":
+        raise TypeError(f"workspace: expected float32, got {checks.dtype_name(workspace)}")
+    flags = getattr(workspace, "flags", None)
+    contiguous = flags is None or bool(flags.c_contiguous)
+    if workspace.size < need or not contiguous:
+        raise ValueError(f"workspace: expected a contiguous float32 array of at least "
+                         f"{need} elements (workspace_size), got shape {workspace.shape}")
 
 
 def workspace_elems(batch: int, seqlen_q: int, nheads: int, headdim: int, num_splits: int) -> int:
@@ -1165,7 +1201,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Bottom-right causal mask (default True, as decoding needs; note that FlashAttention's
         ``flash_attn_with_kvcache`` defaults to False).
     num_splits : int
-        0 = :func:`choose_num_splits` (from shapes and the device's SM count and shared memory
+        0 = :func:`cupyflash.decode.choose_num_splits` (from shapes and the device's SM count and shared memory
         only, never from ``cache_seqlens``; it may also switch hd128 to the two-blocks-per-SM
         tile when the batch needs several waves); any value >= 1 is honoured, including more
         splits than tiles (empty splits are harmless).
@@ -1186,7 +1222,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         of such a call is unspecified, not unsafe).
     workspace : float32 CUDA array or None
         Scratch for the fp32 partials and the fused combine's int32 counters, at least
-        :func:`workspace_size` elements, from :func:`alloc_workspace` (or zero-filled once: the
+        :func:`cupyflash.decode.workspace_size` elements, from :func:`cupyflash.decode.alloc_workspace` (or zero-filled once: the
         counters at its end must start at zero; each launch leaves them zero), contiguous and
         16-byte aligned. If None, the partials come from CuPy's memory pool and the counters
         from a zero-filled buffer kept per (device, stream) (per host thread on CuPy's
@@ -1209,7 +1245,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
         ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small or not
         16-byte aligned; no ``workspace`` while the stream captures a CUDA graph (with more
-        than one split); a grid dimension over its limit (see :func:`launch_config`).
+        than one split); a grid dimension over its limit (see :func:`cupyflash.decode.launch_config`).
     """
     opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
     if opts is not None and validate is False:  # the warm path (dispatch.LAUNCH_CACHE)
@@ -1336,12 +1372,7 @@ class _KVCacheLaunch:
         self.lse_shape = (b, h, sq) if return_lse else None
         self.ws_need = plan.workspace_elems
         if self.ws_need and workspace is not None:  # checked before anything is launched
-            if checks.dtype_name(workspace) != "float32":
-                raise TypeError(f"workspace: expected float32, got {checks.dtype_name(workspace)}")
-            if workspace.size < self.ws_need or not workspace.flags.c_contiguous:
-                raise ValueError(f"workspace: expected a contiguous float32 array of at least "
-                                 f"{self.ws_need} elements (workspace_size), got shape "
-                                 f"{workspace.shape}")
+            _check_workspace(workspace, self.ws_need)
         rows = b * sq * h
         # workspace: partial O, partial LSE (fp32), then the fused combine's int32 counters
         self.o_part_bytes = 4 * ns * rows * d

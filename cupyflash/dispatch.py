@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 from . import checks, heuristics, jit
 
 __all__ = ["KernelChoice", "Plan", "plan_prefill", "launch_plan", "default_arch",
-           "max_smem_bytes_for_arch"]
+           "check_arch", "max_smem_bytes_for_arch"]
 
 #: Opt-in dynamic shared memory per block (bytes) by architecture (CUDA C Programming Guide,
 #: "Compute Capabilities" table). Used when no device is visible; on a GPU the device is asked.
@@ -79,8 +80,8 @@ class Plan:
 
     Attributes
     ----------
-    problem : cupyflash.checks.AttnProblem
-        The validated problem.
+    problem : cupyflash.checks.AttnProblem or cupyflash.checks.DecodeProblem
+        The validated problem (prefill or decode).
     kernel : KernelChoice
         The (main) kernel.
     num_splits : int or None
@@ -100,13 +101,17 @@ class Plan:
         ``(topic, text)``: why the chosen launch looks as it does (decode: the topics of
         :data:`cupyflash.decode.REASON_TOPICS`: ``"num_splits"`` for the split count and the
         merge, ``"tile"``, ``"stages"`` for the pipeline depth, ``"copies"`` for the paged copy
-        path, ``"note"`` for the rest); empty for prefill, whose choice is explained by
-        ``rejected``.
+        path, ``"note"`` for the rest); for prefill only a ``"note"`` when the plan assumed an
+        H200 (no GPU visible), its choice being explained by ``rejected``.
     extra_kernels : tuple of KernelChoice
         Further launches (decode's KV-append kernel when new tokens are given; the split
         kernels merge their partials themselves); empty for prefill.
     num_sms : int
         Streaming multiprocessors the heuristic assumed.
+    workspace_elems : int or None
+        Decode: float32 elements of the ``workspace=`` the call needs (the split partials and the
+        fused merge's counters; 0 with one split; :func:`cupyflash.decode.workspace_size`);
+        None for prefill.
     """
     problem: object
     kernel: KernelChoice
@@ -117,6 +122,7 @@ class Plan:
     extra_kernels: tuple = ()
     num_sms: int = heuristics.H200_SMS
     reasons: list = dataclasses.field(default_factory=list)
+    workspace_elems: int | None = None
 
     # Shortcuts to the main kernel's fields.
     @property
@@ -158,7 +164,8 @@ class Plan:
         return {"problem": prob, "kernel": kc(self.kernel),
                 "extra_kernels": [kc(k) for k in self.extra_kernels],
                 "num_splits": self.num_splits, "flops": self.flops, "hbm_bytes": self.hbm_bytes,
-                "num_sms": self.num_sms, "reasons": [list(r) for r in self.reasons],
+                "num_sms": self.num_sms, "workspace_elems": self.workspace_elems,
+                "reasons": [list(r) for r in self.reasons],
                 "rejected": [list(r) for r in self.rejected]}
 
     def __str__(self) -> str:
@@ -170,7 +177,9 @@ class Plan:
                  f"  grid={k.grid} block={k.block} smem={k.smem_bytes} B  registers={regs} "
                  f"spill={spill} B ({k.arch or 'not compiled'})",
                  f"  num_splits={self.num_splits} flops={self.flops} hbm_bytes={self.hbm_bytes} "
-                 f"num_sms={self.num_sms}"]
+                 f"num_sms={self.num_sms}"
+                 + ("" if self.workspace_elems is None
+                    else f" workspace_elems={self.workspace_elems}")]
         for e in self.extra_kernels:
             lines.append(f"  + {e.name} grid={e.grid} block={e.block} smem={e.smem_bytes} B")
         if self.reasons:
@@ -213,6 +222,31 @@ def default_arch() -> str:
     ``"sm_90a"`` when no device is visible."""
     dev = _device_id()
     return _device_info(dev)[0] if dev is not None else "sm_90a"
+
+
+def check_arch(arch) -> None:
+    """Raise unless ``arch`` is None or an NVRTC target of compute capability 8.0 or newer
+    (``"sm_80"``, ``"sm_86"``, ``"sm_90a"``, ...): every kernel uses ``cp.async`` and bf16
+    tensor-core instructions, which need sm_80.
+
+    Raises
+    ------
+    TypeError
+        ``arch`` is not a str (or None).
+    ValueError
+        Not of the form ``sm_<major><minor>[suffix]``, or older than sm_80.
+    """
+    if arch is None:
+        return
+    if not isinstance(arch, str):
+        raise TypeError(f"arch: expected a str such as 'sm_80' or 'sm_90a', or None, got "
+                        f"{type(arch).__name__} {arch!r}")
+    m = re.fullmatch(r"sm_(\d+)[a-z]?", arch)
+    if m is None:
+        raise ValueError(f"arch: expected an NVRTC target such as 'sm_80' or 'sm_90a', got {arch!r}")
+    if int(m.group(1)) < 80:
+        raise ValueError(f"arch: {arch!r} is older than sm_80; the kernels need sm_80 or newer "
+                         f"(cp.async, bf16 tensor cores)")
 
 
 def max_smem_bytes_for_arch(arch: str) -> int:
@@ -260,7 +294,8 @@ def plan_prefill(problem, *, arch: str | None = None, report: bool = True,
         A validated dense or varlen problem.
     arch : str, optional
         Architecture for the ptxas report and the shared-memory limit; default
-        :func:`default_arch` (the current device's, else ``"sm_90a"``).
+        :func:`default_arch` (the current device's, else ``"sm_90a"``); sm_80 or newer
+        (:func:`check_arch`).
     report : bool
         Compile the chosen specialisation with NVRTC (cached per process) and fill
         ``registers`` / ``spill_bytes``; False leaves them None.
@@ -290,17 +325,24 @@ def plan_prefill(problem, *, arch: str | None = None, report: bool = True,
     if not isinstance(problem, checks.AttnProblem):
         raise TypeError(f"problem: expected cupyflash.checks.AttnProblem, got "
                         f"{type(problem).__name__}")
+    check_arch(arch)
     dev = _device_id() if (arch is None or num_sms is None or max_smem_bytes is None) else None
     info = _device_info(dev) if dev is not None else None
     if arch is None:
         arch = info[0] if info else "sm_90a"
+    h200_assumed = num_sms is None and not info  # said in the plan's notes
     if num_sms is None:
         num_sms = info[1] if info else heuristics.H200_SMS
     if max_smem_bytes is None:
         max_smem_bytes = info[2] if info else max_smem_bytes_for_arch(arch)
-    return _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes,
+    plan = _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes,
                          None if lengths is None else tuple(tuple(int(x) for x in a)
                                                             for a in lengths))
+    if h200_assumed:
+        plan = dataclasses.replace(plan, reasons=plan.reasons + [(
+            "note", f"planned for {num_sms} SMs, an H200's: no GPU is visible here; pass "
+                    f"num_sms= (and the device's arch) for another GPU")])
+    return plan
 
 
 def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengths,

@@ -11,7 +11,7 @@ Conventions
 -----------
 * Sizes are elements; ``dtype`` is a name (``"bfloat16"``, ``"float16"``, ``"float32"``,
   ``"float64"``), a NumPy dtype, or an item size in bytes. Results are integers (FLOPs, bytes).
-* Masks follow design.md: causal and ``window_size=(left, right)`` are aligned bottom-right; query
+* Masks follow the README's "Semantics": causal and ``window_size=(left, right)`` are aligned bottom-right; query
   row ``i`` sees key ``j`` iff ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (``-1`` =
   unbounded; causal is ``right = 0``).
 * FLOPs count the two matrix products only, over the visible (query, key) pairs:
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-LSE_BYTES = 4  # LSE is float32 on the GPU (design.md, Semantics 3)
+LSE_BYTES = 4  # LSE is float32 on the GPU (README, "Semantics")
 
 
 def itemsize(dtype) -> int:

@@ -14,7 +14,7 @@ The online-softmax update exists in exactly one function, :func:`online_softmax_
 streaming attention, split-KV partials and the merge all call it. The masking rule exists in
 exactly one function, :func:`visible`.
 
-Semantics (``design.md``): causal masking and windows are aligned bottom-right (query row ``i`` of
+Semantics (README, "Semantics"): causal masking and windows are aligned bottom-right (query row ``i`` of
 ``seqlen_q`` sees key ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
 right``; ``causal`` means ``right = 0``); a row with no visible key gives output 0 and LSE -inf;
 LSE is the natural log of the softmax denominator of the scaled scores; GQA query head ``h`` reads

@@ -58,7 +58,7 @@ DECODE_DTYPES = ("float16", "bfloat16")      # cupyflash.decode.DTYPES (tensor c
 DECODE_SEQLEN_Q = (1, 2, 3, 4)
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 
-# Error bounds against the float64 reference (design.md "Testing"), per head, normwise:
+# Error bounds against the float64 reference (the rule of tests/gpu/test_prefill_gpu.py), per head, normwise:
 # * float16/bfloat16: at most twice the error of a straightforward same-precision implementation
 #   on the same inputs (FlashAttention's own test rule) plus the unit roundoff u = eps/2 (one
 #   rounding of the output; keeps the bound meaningful if the naive error happens to be tiny);

@@ -1263,3 +1263,74 @@ def test_pdl_launches_restores_the_switch():
     with pytest.raises(TypeError, match="enabled"):
         with decode.pdl_launches(0):
             pass
+
+
+def test_explain_kvcache_takes_the_calls_arguments():
+    """explain_kvcache's parameters are flash_attn_with_kvcache's, in the call's order, then
+    keyword-only arch / report / num_sms; out, return_lse and workspace are checked as the call
+    checks them, and the plan states the workspace it needs."""
+    import inspect
+    call = list(inspect.signature(decode.flash_attn_with_kvcache).parameters)
+    sig = inspect.signature(decode.explain_kvcache).parameters
+    assert list(sig)[:len(call)] == call
+    assert all(sig[n].kind is inspect.Parameter.KEYWORD_ONLY for n in ("arch", "report", "num_sms"))
+    bf = ml_dtypes.bfloat16
+    q = np.zeros((1, 1, 32, 128), bf)
+    kc = np.zeros((1, 8192, 8, 128), bf)
+    cs = np.full(1, 8000, np.int32)
+    plan = decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, out=np.zeros_like(q),
+                                  return_lse=True, report=False, num_sms=132)
+    need = decode.workspace_size(q, kc, kc, cache_seqlens=cs)
+    assert plan.num_splits > 1 and plan.workspace_elems == need > 0
+    assert f"workspace_elems={need}" in str(plan) and plan.as_dict()["workspace_elems"] == need
+    ok = decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, workspace=np.zeros(need, np.float32),
+                                report=False, num_sms=132)
+    assert ok.name == plan.name
+    with pytest.raises(ValueError, match=f"workspace: .* at least {need} elements"):
+        decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, workspace=np.zeros(need - 1, np.float32),
+                               report=False, num_sms=132)
+    with pytest.raises(TypeError, match="workspace: expected float32, got float16"):
+        decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, workspace=np.zeros(need, np.float16),
+                               report=False, num_sms=132)
+    with pytest.raises(TypeError, match="return_lse: expected a bool"):
+        decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, return_lse=1, report=False)
+    with pytest.raises(ValueError, match="out: .*shape"):
+        decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, out=np.zeros((1, 1, 32, 64), bf),
+                               report=False)
+    strided = np.zeros((1, 1, 32, 256), bf)[..., ::2]  # headdim 128 with stride 2
+    with pytest.raises(ValueError, match="q: last dimension must be contiguous"):
+        decode.explain_kvcache(strided, kc, kc, cache_seqlens=cs, report=False)
+
+
+@pytest.mark.parametrize("arch,exc,msg", [("foo", ValueError, "NVRTC target"),
+                                          (90, TypeError, "expected a str"),
+                                          ("sm_75", ValueError, "older than sm_80"),
+                                          ("sm90", ValueError, "NVRTC target")])
+def test_explain_refuses_a_bad_arch_before_compiling(arch, exc, msg):
+    """A bad ``arch`` is an argument error naming ``arch`` (before, NVRTC's or ptxas's log)."""
+    import cupyflash
+    q = np.zeros((1, 1, 8, 128), np.float16)
+    with pytest.raises(exc, match=f"arch: .*{msg}"):
+        cupyflash.explain_kvcache(q, q, q, arch=arch)
+    with pytest.raises(exc, match=f"arch: .*{msg}"):
+        cupyflash.explain(q, q, q, arch=arch)
+
+
+def test_paged_plan_says_why_it_keeps_three_stages():
+    """A long paged cache keeps the 3-stage pipeline where the contiguous cache of the same
+    shape takes 2 (heuristics.choose_split_stages); its plan says why under "stages"."""
+    bf = ml_dtypes.bfloat16
+    q = np.zeros((16, 1, 32, 128), bf)
+    cs = np.full(16, 16384, np.int32)
+    pool = np.zeros((16 * 1024, 16, 8, 128), bf)
+    bt = np.arange(16 * 1024, dtype=np.int32).reshape(16, 1024)
+    paged = decode.explain_kvcache(q, pool, pool, cache_seqlens=cs, block_table=bt,
+                                   report=False, num_sms=132)
+    flat = np.zeros((16, 16384, 8, 128), bf)
+    contiguous = decode.explain_kvcache(q, flat, flat, cache_seqlens=cs, report=False,
+                                        num_sms=132)
+    assert contiguous.template["stages"] == 2 and paged.template["stages"] == 3
+    assert any(t == "stages" and "3 K/V stages kept" in r for t, r in paged.reasons)
+    short = decode.explain_kvcache(q, pool[:, :], pool, cache_seqlens=np.full(16, 1024, np.int32),
+                                   block_table=bt[:, :64], report=False, num_sms=132)
+    assert not any(t == "stages" for t, _ in short.reasons)  # nothing to explain there

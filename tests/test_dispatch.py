@@ -243,7 +243,8 @@ def test_explain_numpy_arrays_without_gpu():
     d = plan.as_dict()
     assert d["kernel"]["registers"] == plan.registers and json.dumps(d)
     # same arguments as flash_attn_func, out and return_lse included
-    plan2 = api.explain(q, k, k, None, True, (-1, -1), True, np.zeros_like(q), arch="sm_90a")
+    plan2 = api.explain(q, k, k, softmax_scale=None, causal=True, window_size=(-1, -1),
+                        return_lse=True, out=np.zeros_like(q), arch="sm_90a")
     assert plan2.name == plan.name
 
 
@@ -562,3 +563,37 @@ def test_explain_applies_the_kernels_layout_rule_to_host_arrays():
     q = np.zeros((1, 64, 4, 256), np.float16)[..., ::2]
     with pytest.raises(ValueError, match=r"^q: last dimension must be contiguous"):
         api.explain(q, q, q)
+
+
+def test_prefill_options_are_keyword_only():
+    """FlashAttention's fourth positional parameter is dropout_p: here every option after v
+    (after max_seqlen_k for varlen) is keyword-only, so a ported positional call raises a
+    TypeError instead of reading the dropout rate as softmax_scale."""
+    import inspect
+    q = np.zeros((1, 16, 2, 64), np.float16)
+    for fn in (api.flash_attn_func, api.explain):
+        with pytest.raises(TypeError, match="positional"):
+            fn(q, q, q, 0.1)
+        ps = inspect.signature(fn).parameters
+        assert ps["softmax_scale"].kind is inspect.Parameter.KEYWORD_ONLY
+    cu = np.array([0, 16], np.int32)
+    for fn in (api.flash_attn_varlen_func, api.explain_varlen):
+        with pytest.raises(TypeError, match="positional"):
+            fn(q[0], q[0], q[0], cu, cu, 16, 16, 0.1)
+
+
+def test_prefill_plan_says_when_it_assumed_an_h200():
+    """Without a visible GPU a prefill plan is made for an H200's 132 SMs and says so, unless
+    num_sms is given (then used by the tile heuristic)."""
+    from cupyflash import decode
+    if not decode._planning_limits().get("assumed"):
+        pytest.skip("a GPU is visible: its limits are used")
+    q = np.zeros((1, 300, 8, 128), np.float16)
+    plan = api.explain(q, q, q, causal=True)
+    assert plan.num_sms == 132
+    assert ("note", "planned for 132 SMs, an H200's: no GPU is visible here; pass num_sms= "
+                    "(and the device's arch) for another GPU") in plan.reasons
+    other = api.explain(q, q, q, causal=True, num_sms=78)
+    assert other.num_sms == 78 and other.reasons == []
+    with pytest.raises(ValueError, match="num_sms: expected an int >= 1"):
+        api.explain(q, q, q, num_sms=0)

@@ -11,7 +11,7 @@ from cupyflash import io_model as m
 
 
 def brute_pairs(sq, sk, causal, window):
-    """design.md semantics, one pair at a time."""
+    """The README's mask semantics, one pair at a time."""
     left, right = window
     n = 0
     for i in range(sq):
