@@ -64,6 +64,13 @@ FIELDS = {
     "l2_hit_rate_pct": "L2 Hit Rate",
     "sm_frequency_hz": "SM Frequency",
 }
+#: ``--stalls``: where a warp's cycles between two issued instructions go (ncu's warp-state
+#: breakdown, averaged per issued instruction; they sum to ``warp_cycles_per_issued_instruction``)
+STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "wait", "mio_throttle", "lg_throttle",
+          "math_pipe_throttle", "no_instruction", "membar", "dispatch_stall", "selected",
+          "not_selected", "branch_resolving", "drain", "sleeping", "misc")
+STALL_FIELDS = {f"stall_{r}": f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
+                for r in STALLS}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,7 +153,7 @@ def parse_kernels(text: str) -> list:
     if start is None:
         raise ValueError("no ncu CSV header in output:\n" + "\n".join(lines[-30:]))
     rows = csv.DictReader(io.StringIO("\n".join(l for l in lines[start:] if l.startswith('"'))))
-    by_name = {v: k for k, v in FIELDS.items()}
+    by_name = {v: k for k, v in {**FIELDS, **STALL_FIELDS}.items()}
     kernels = {}
     for r in rows:
         kid = r.get("ID")
@@ -184,10 +191,12 @@ def _dims(text):
     return tuple(nums) if len(nums) == 3 else None
 
 
-def measure(ncu: str, batch: int, seqlen: int, timeout: float, page: int = 0) -> tuple:
+def measure(ncu: str, batch: int, seqlen: int, timeout: float, page: int = 0,
+            stalls: bool = False) -> tuple:
+    metrics = METRICS + (tuple(STALL_FIELDS.values()) if stalls else ())
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--print-units", "base",
            "--csv", "--page", "details", *[a for s in SECTIONS for a in ("--section", s)],
-           "--metrics", ",".join(METRICS), sys.executable, str(Path(__file__).resolve()),
+           "--metrics", ",".join(metrics), sys.executable, str(Path(__file__).resolve()),
            "--driver", "--batch", str(batch), "--seqlen", str(seqlen), "--page", str(page)]
     text, secs, rc = exp_hbm.run_profiled(cmd, timeout)
     return parse_kernels(text), secs, rc
@@ -217,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", default="NVIDIA H200", help="with --import-csv")
     ap.add_argument("--source", default=None, help="with --import-csv: how the CSV was made")
     ap.add_argument("--out", type=Path, default=RESULTS / "ncu_decode.jsonl")
+    ap.add_argument("--stalls", action="store_true",
+                    help="also record the warp-state stall breakdown (stall_* fields)")
     args = ap.parse_args(argv)
     if args.driver:
         return driver(args.batch, args.seqlen, args.page)
@@ -257,7 +268,7 @@ def main(argv=None) -> int:
         base = {"gpu": prov.get("gpu"), "commit": prov["commit"], "provenance": prov, "ncu": ncu,
                 "clock_control": "none", "cache_control": "all"}
         try:
-            ks, secs, rc = measure(ncu, batch, seqlen, args.timeout, page)
+            ks, secs, rc = measure(ncu, batch, seqlen, args.timeout, page, args.stalls)
             recs = records(ks, batch, seqlen, dict(base, ncu_seconds=secs, ncu_rc=rc), page)
         except Exception as e:  # noqa: BLE001
             recs = [dict(base, what="ncu_decode", batch=batch, seqlen_k=seqlen, page_size=page,
