@@ -461,6 +461,22 @@ def torch_sdpa(q, k, v, backend: str, causal: bool = False, enable_gqa: bool = F
     raise RuntimeError(f"torch SDPA {backend}: " + " | ".join(errors))
 
 
+def llama_decode_inputs(rng, batch: int, seqlen: int, nheads: int = 32, nheads_k: int = 8,
+                        headdim: int = 128):
+    """Fresh bf16 decode inputs of the probes (Llama-3-8B heads by default): ``q`` (batch, 1,
+    nheads, headdim), ``k_cache`` and ``v_cache`` (batch, seqlen, nheads_k, headdim), standard
+    normal from the CuPy generator ``rng``, and ``cache_seqlens`` (int32, every sequence full)."""
+    import cupy
+    import ml_dtypes
+    bf = ml_dtypes.bfloat16
+
+    def draw(shape):
+        return rng.standard_normal(shape, dtype=cupy.float32).astype(bf)
+    q = draw((batch, 1, nheads, headdim))
+    kc, vc = draw((batch, seqlen, nheads_k, headdim)), draw((batch, seqlen, nheads_k, headdim))
+    return q, kc, vc, cupy.full((batch,), seqlen, cupy.int32)
+
+
 def torch_graph_time_us(fn, n: int = 20, reps: int = 3) -> tuple:
     """Microseconds per call of a torch callable, ``n`` calls captured in one
     ``torch.cuda.CUDAGraph`` and replayed (best of ``reps`` replays, torch CUDA events), or, if

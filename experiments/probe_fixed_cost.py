@@ -44,13 +44,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args(argv)
     import cupy as cp
-    import ml_dtypes
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
     import cupyflash
     import cupyflash.decode
 
-    bf = ml_dtypes.bfloat16
     H, HK, D, CAP = 32, 8, 128, 1024
     prov = common.provenance()
     rng = cp.random.default_rng(11)
@@ -69,10 +67,7 @@ def main(argv=None) -> int:
     null = cp.RawKernel(_NULL_SRC, "cupyflash_null")
     sink = cp.zeros(1, cp.int32)
     for B in args.batches:
-        q = rng.standard_normal((B, 1, H, D), dtype=cp.float32).astype(bf)
-        kc = rng.standard_normal((B, CAP, HK, D), dtype=cp.float32).astype(bf)
-        vc = rng.standard_normal((B, CAP, HK, D), dtype=cp.float32).astype(bf)
-        cs_full = cp.full((B,), CAP, cp.int32)
+        q, kc, vc, cs_full = common.llama_decode_inputs(rng, B, CAP, H, HK, D)
         from cupyflash import checks
         la = cupyflash.decode.launch_config(checks.check_kvcache(q, kc, vc, cache_seqlens=cs_full))
         threads = int(np.prod(la.block))

@@ -50,10 +50,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     for shape in args.shapes:
         B, S = (int(x) for x in shape.split(","))
-        q = rng.standard_normal((B, 1, H, D), dtype=cp.float32).astype(bf)
-        kc = rng.standard_normal((B, S, HK, D), dtype=cp.float32).astype(bf)
-        vc = rng.standard_normal((B, S, HK, D), dtype=cp.float32).astype(bf)
-        cs = cp.full((B,), S, cp.int32)
+        q, kc, vc, cs = common.llama_decode_inputs(rng, B, S, H, HK, D)
         # the same values in (batch, head, seq, d) storage, viewed as (batch, seq, head, d)
         kh = cp.ascontiguousarray(kc.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
         vh = cp.ascontiguousarray(vc.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)

@@ -62,10 +62,7 @@ def main(argv=None) -> int:
     rng = cp.random.default_rng(3)
     for shape in args.shapes:
         B, S = (int(x) for x in shape.split(","))
-        q = rng.standard_normal((B, 1, H, D), dtype=cp.float32).astype(bf)
-        kc = rng.standard_normal((B, S, HK, D), dtype=cp.float32).astype(bf)
-        vc = rng.standard_normal((B, S, HK, D), dtype=cp.float32).astype(bf)
-        cs = cp.full((B,), S, cp.int32)
+        q, kc, vc, cs = common.llama_decode_inputs(rng, B, S, H, HK, D)
         kpool, vpool = kc.reshape(-1, PAGE, HK, D), vc.reshape(-1, PAGE, HK, D)  # views
         kv = 2 * B * S * HK * D * 2
         ref = None
