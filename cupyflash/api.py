@@ -341,14 +341,7 @@ def explain(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, out=out)
     _check_layouts({"q": q, "k": k, "v": v, "out": out})
-    return dispatch.plan_prefill(problem, arch=arch, num_sms=_check_num_sms(num_sms))
-
-
-def _check_num_sms(num_sms):
-    """``num_sms`` of the explain functions: None or an int >= 1 (ValueError otherwise)."""
-    if num_sms is not None and (not checks._is_int(num_sms) or num_sms < 1):
-        raise ValueError(f"num_sms: expected an int >= 1 or None, got {num_sms!r}")
-    return None if num_sms is None else int(num_sms)
+    return dispatch.plan_prefill(problem, arch=arch, num_sms=num_sms)
 
 
 def _check_layouts(named: dict) -> None:
@@ -386,8 +379,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if validate:
         lengths = (np.diff(checks.to_host(cu_seqlens_q).astype(np.int64)),
                    np.diff(checks.to_host(cu_seqlens_k).astype(np.int64)))
-    return dispatch.plan_prefill(problem, arch=arch, lengths=lengths,
-                                 num_sms=_check_num_sms(num_sms))
+    return dispatch.plan_prefill(problem, arch=arch, lengths=lengths, num_sms=num_sms)
 
 
 # ==============================================================================================

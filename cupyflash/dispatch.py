@@ -316,9 +316,10 @@ def plan_prefill(problem, *, arch: str | None = None, report: bool = True,
     Raises
     ------
     TypeError
-        ``problem`` is not an ``AttnProblem``.
+        ``problem`` is not an ``AttnProblem``; ``arch`` is not a str.
     ValueError
-        No specialisation fits; the message lists every candidate and why it was rejected.
+        No specialisation fits (the message lists every candidate and why it was rejected); a
+        bad ``arch`` (:func:`check_arch`), ``num_sms`` or ``max_smem_bytes``.
     cupyflash.jit.KernelSourceError
         With ``report``: the chosen specialisation does not compile.
     """
@@ -326,6 +327,9 @@ def plan_prefill(problem, *, arch: str | None = None, report: bool = True,
         raise TypeError(f"problem: expected cupyflash.checks.AttnProblem, got "
                         f"{type(problem).__name__}")
     check_arch(arch)
+    for name, val in (("num_sms", num_sms), ("max_smem_bytes", max_smem_bytes)):
+        if val is not None and (not checks._is_int(val) or val < 1):
+            raise ValueError(f"{name}: expected an int >= 1 or None, got {val!r}")
     dev = _device_id() if (arch is None or num_sms is None or max_smem_bytes is None) else None
     info = _device_info(dev) if dev is not None else None
     if arch is None:
