@@ -859,10 +859,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                         f"{type(problem).__name__}")
     dispatch.check_arch(arch)
     lim = _planning_limits(arch)
-    for name, val in (("num_sms", num_sms), ("smem_per_sm", smem_per_sm),
-                      ("max_smem_per_block", max_smem_per_block)):
-        if val is not None and (not checks._is_int(val) or val < 1):
-            raise ValueError(f"{name}: expected an int >= 1 or None, got {val!r}")
+    dispatch.check_device_limits(num_sms=num_sms, smem_per_sm=smem_per_sm,
+                                 max_smem_per_block=max_smem_per_block)
     h200_assumed = lim.get("assumed", False) and num_sms is None  # said in the plan's notes
     num_sms = lim["num_sms"] if num_sms is None else num_sms
     smem_per_sm = lim["smem_per_sm"] if smem_per_sm is None else smem_per_sm

@@ -22,7 +22,7 @@ import re
 from . import checks, heuristics, jit
 
 __all__ = ["KernelChoice", "Plan", "plan_prefill", "launch_plan", "default_arch",
-           "check_arch", "max_smem_bytes_for_arch"]
+           "check_arch", "check_device_limits", "max_smem_bytes_for_arch"]
 
 #: Opt-in dynamic shared memory per block (bytes) by architecture (CUDA C Programming Guide,
 #: "Compute Capabilities" table). Used when no device is visible; on a GPU the device is asked.
@@ -249,6 +249,14 @@ def check_arch(arch) -> None:
                          f"(cp.async, bf16 tensor cores)")
 
 
+def check_device_limits(**limits) -> None:
+    """Raise ValueError naming the first of the keyword ``limits`` (SM counts, shared-memory
+    bytes a plan is made for) that is neither None nor an int >= 1."""
+    for name, val in limits.items():
+        if val is not None and (not checks._is_int(val) or val < 1):
+            raise ValueError(f"{name}: expected an int >= 1 or None, got {val!r}")
+
+
 def max_smem_bytes_for_arch(arch: str) -> int:
     """Opt-in dynamic shared memory per block of ``arch`` (bytes); 227 KiB if unknown."""
     return _SMEM_BY_ARCH.get(arch, 227 * 1024)
@@ -327,9 +335,7 @@ def plan_prefill(problem, *, arch: str | None = None, report: bool = True,
         raise TypeError(f"problem: expected cupyflash.checks.AttnProblem, got "
                         f"{type(problem).__name__}")
     check_arch(arch)
-    for name, val in (("num_sms", num_sms), ("max_smem_bytes", max_smem_bytes)):
-        if val is not None and (not checks._is_int(val) or val < 1):
-            raise ValueError(f"{name}: expected an int >= 1 or None, got {val!r}")
+    check_device_limits(num_sms=num_sms, max_smem_bytes=max_smem_bytes)
     dev = _device_id() if (arch is None or num_sms is None or max_smem_bytes is None) else None
     info = _device_info(dev) if dev is not None else None
     if arch is None:
