@@ -306,7 +306,13 @@ FLAG_TMA = 65536
 #: zeroed V rows). Bitwise the same output as the kernel without it
 #: (``decode_flags::kSpecKV``).
 FLAG_SPEC_KV = 131072
-_FLAG_LIMIT = 262144
+#: The Q tile by 16-byte ``cp.async`` issued before the prologue's K/V copies, in the first
+#: tile's commit group (v44, experiments/NOTES.md: at short caches the default's 2-byte Q loads,
+#: each followed by its shared-memory store, held half the kernel's stall samples); not with
+#: :data:`FLAG_TMA`, :data:`FLAG_WARP_LOCAL`, :data:`FLAG_Q_REGS` or :data:`FLAG_SPEC_KV`.
+#: Bitwise the same output as the kernel without it (``decode_flags::kQAsync``).
+FLAG_Q_ASYNC = 262144
+_FLAG_LIMIT = 524288
 _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PREFETCH_256, "_pf256"), (FLAG_PREFETCH_128, "_pf128"),
                 (FLAG_WARP_LOCAL, "_wl"), (FLAG_CLUSTER_COMBINE, "_cluster"),
@@ -315,7 +321,7 @@ _FLAG_SUFFIX = ((FLAG_FUSED_COMBINE, "_fused"), (FLAG_EVICT_FIRST, "_ef"),
                 (FLAG_PDL_NO_TRIGGER, "_trnone"), (FLAG_COPY_POINTERS, "_cp"),
                 (FLAG_SKIP_RESCALE, "_skip"), (FLAG_LAZY_RESCALE, "_lazy"),
                 (FLAG_Q_REGS, "_qreg"), (FLAG_MASK_FAST, "_mf"), (FLAG_TMA, "_tma"),
-                (FLAG_SPEC_KV, "_spkv"))
+                (FLAG_SPEC_KV, "_spkv"), (FLAG_Q_ASYNC, "_qasync"))
 #: FLAGS of the split kernels that :func:`flash_attn_with_kvcache` launches: the fused
 #: last-block-done combine (v1 sweep, H200: b1 x 128k 3.83 vs 3.72 TB/s with a combine launch at
 #: 16 splits, b1 x 8k 1.84 vs 1.48) with the release/acquire arrival (v9, experiments/NOTES.md).
@@ -416,7 +422,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     Name ``decode_split_{bf16|fp16}_hd{D}_n{BLOCK_N}_w{NWARPS}_g{GROUP}_s{STAGES}[_paged]``
     followed by ``_fused``/``_ef``/``_pf256``/``_pf128``/``_wl``/``_cluster``/``_rel``/``_kvg``/
     ``_spid``/``_trearly``/``_trnone``/``_cp``/``_skip``/``_lazy``/``_qreg``/``_mf``/``_tma``/
-    ``_spkv`` for the
+    ``_spkv``/``_qasync`` for the
     ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
     the public functions launch, :func:`default_flags` for ``page_size`` (``_fused_rel_cp``;
     paged up to hd128 ``_fused_rel_spid_cp`` for power-of-two pages, else ``_fused_rel_spid``);
@@ -445,6 +451,10 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
         raise ValueError(f"flags: FLAG_SPEC_KV is for contiguous caches with FLAG_COPY_POINTERS, "
                          f"without warp-local copies, K/V groups or TMA, got flags={flags}, "
                          f"paged={paged}")
+    if flags & FLAG_Q_ASYNC and flags & (FLAG_TMA | FLAG_WARP_LOCAL | FLAG_Q_REGS | FLAG_SPEC_KV):
+        raise ValueError(f"flags: FLAG_Q_ASYNC is for the CTA pipeline with cp.async copies, "
+                         f"without TMA, warp-local copies, Q in registers or the speculative "
+                         f"prologue, got flags={flags}")
     if flags & FLAG_PREFETCH_256 and flags & FLAG_PREFETCH_128:
         raise ValueError(f"flags: FLAG_PREFETCH_256 and FLAG_PREFETCH_128 exclude each other, "
                          f"got {flags}")

@@ -113,7 +113,8 @@ def main(argv=None) -> int:
         bn, w = la.template["block_n"], la.template["nwarps"]
         base = D_.default_flags(D, False)
         for label, flags in (("variant default", base),
-                             ("variant spec_kv", base | D_.FLAG_SPEC_KV)):
+                             ("variant spec_kv", base | D_.FLAG_SPEC_KV),
+                             ("variant q_async", base | D_.FLAG_Q_ASYNC)):  # v44
             var = D_.SplitVariant(bn, w, la.template["stages"], flags, 1, pdl=True)
             for n in (0, 128, CAP):
                 cs = cp.full((B,), n, cp.int32)

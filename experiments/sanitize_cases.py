@@ -101,16 +101,18 @@ def main():
 
 
 def variant_cases(bf16):
-    """The decode split kernel's experiment variants: TMA copies (decode.FLAG_TMA, sm_90) and
-    the speculative prologue (decode.FLAG_SPEC_KV: guessed tiles copied before the length
-    lands, V rows past it zeroed in shared memory): both hd128 tiles, ragged lengths (an empty
+    """The decode split kernel's experiment variants: TMA copies (decode.FLAG_TMA, sm_90), the
+    speculative prologue (decode.FLAG_SPEC_KV: guessed tiles copied before the length
+    lands, V rows past it zeroed in shared memory) and the Q tile by cp.async
+    (decode.FLAG_Q_ASYNC, two query rows: padding rows zeroed): both hd128 tiles, ragged lengths (an empty
     sequence, last tiles partly past len, a capacity that is not a multiple of the tile; with
     three splits the shorter sequence's guess misses), one split and the fused merge of three."""
     from cupyflash import decode
     kc, vc = rand((3, 300, 2, 128), bf16), rand((3, 300, 2, 128), bf16)
     lens = cp.asarray(np.array([0, 277, 300], dtype=np.int32))
     qd = rand((3, 2, 8, 128), bf16)
-    extra = [decode.FLAG_COPY_POINTERS | decode.FLAG_SPEC_KV]
+    extra = [decode.FLAG_COPY_POINTERS | decode.FLAG_SPEC_KV,
+             decode.FLAG_COPY_POINTERS | decode.FLAG_Q_ASYNC]
     if int(cp.cuda.Device().compute_capability) >= 90:
         extra.append(decode.FLAG_TMA)
     for (bn, w, st), fl in ((t, f) for t in ((128, 8, 3), (64, 4, 2)) for f in extra):

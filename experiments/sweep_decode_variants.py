@@ -118,6 +118,12 @@ def variants():
     # on top of the current contiguous defaults
     from cupyflash.decode import FLAG_WARP_LOCAL as WLF
     contiguous += [V(bn, w, 3, F | R | P | WLF, 1, pdl=True) for bn, w in ((128, 8), (64, 4))]
+    # v44: the Q tile by cp.async before the prologue's K/V copies (the default's 2-byte Q loads
+    # held half the stall samples at b64 x 128 keys, v43/v44 ncu)
+    from cupyflash.decode import FLAG_Q_ASYNC as QA
+    contiguous += [V(bn, w, st, F | R | P | QA, 1, pdl=True)
+                   for bn, w, st in ((128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 2))]
+    paged += [V(bn, w, 3, F | R | S | P | QA, pdl=True) for bn, w in ((128, 8), (64, 4))]
     return contiguous, paged
 
 

@@ -173,7 +173,16 @@ constexpr int kTma = 65536;
 // shared memory (never the result): their scores are masked to -inf, and each warp zeroes its
 // own V rows there before P V, as with kTma.
 constexpr int kSpecKV = 131072;
-constexpr int kAll = 262143;  // every defined bit (decode.py checks flags against its own list)
+// Q tile by 16-byte cp.async (the CTA pipeline, cp.async copies: not with kTma, kWarpLocal,
+// kQRegs or kSpecKV), issued before the prologue's K/V copies and in the first tile's commit
+// group, so the loop's first wait lands it. Without the flag the Q tile comes by 2-byte loads
+// after the K/V copies, each load's shared-memory store waiting for it before the next load
+// issues: at b64 x 128 keys those stores held 47% of the kernel's stall samples (ncu source
+// view, experiments/NOTES.md v44). Rows past the block's valid rows and columns past headdim
+// are zeroed by plain stores; a chunk whose source is not 16-byte aligned (a view at an odd
+// offset) is copied by plain loads. The tile holds the same bits either way.
+constexpr int kQAsync = 262144;
+constexpr int kAll = 524287;  // every defined bit (decode.py checks flags against its own list)
 }  // namespace decode_flags
 constexpr float kLazyThreshold = 8.f;
 
@@ -406,7 +415,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     constexpr bool MASKFAST = (FLAGS & decode_flags::kMaskFast) != 0;
     constexpr bool TMA = (FLAGS & decode_flags::kTma) != 0;
     constexpr bool SPECKV = (FLAGS & decode_flags::kSpecKV) != 0;
+    constexpr bool QASYNC = (FLAGS & decode_flags::kQAsync) != 0;
     static_assert((FLAGS & ~decode_flags::kAll) == 0, "unknown FLAGS bit");
+    static_assert(!QASYNC || (!TMA && !WL && !QREGS && !SPECKV),
+                  "Q by cp.async: the CTA pipeline with cp.async K/V copies");
     static_assert(!SPECKV || (!PAGED && CP && !WL && !KVG && !TMA),
                   "speculative prologue: contiguous caches, copy pointers, the CTA pipeline");
     static_assert(!TMA || (!PAGED && !WL && !KVG && HEADDIM % 64 == 0),
@@ -825,6 +837,30 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // guessed copies are let land (the real ones write the same shared memory: each thread
     // copies the same rows and column of every tile) and the prologue is issued as without it.
     const bool spec_kv_hit = SPECKV && tile_begin == spec_begin;  // block-uniform
+    // kQAsync: the Q tile's copies first, so that they join the first tile's group (issue_tile
+    // commits it) and are the block's first requests in the memory queue.
+    if constexpr (QASYNC) {
+        const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
+        uint16_t* s = reinterpret_cast<uint16_t*>(sQ);
+        constexpr int kChunks = HEADDIM / 8;  // 16-byte chunks per row
+        for (int e = tid; e < GROUP * kChunks; e += Tr::kThreads) {
+            const int r = e / kChunks, c = (e % kChunks) * 8, rg = row_base + r;
+            uint16_t* dst = s + r * Tr::kQStride + c;
+            if (rg < rows && c < p.headdim) {
+                const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
+                const uint16_t* src = q + b * p.q_batch_stride + qi * p.q_row_stride
+                                      + h * p.q_head_stride + c;
+                if ((reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
+                    cp_async_16(smem_u32addr(dst), src, true);
+                } else {  // a view at an offset that is not a multiple of 8 elements
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) dst[i] = src[i];
+                }
+            } else {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    }
     if constexpr (SPECKV)
         if (!spec_kv_hit) cp_async_wait<0>();
     if (!spec_kv_hit) {
@@ -842,7 +878,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // ---- Q tile (16 rows, zero-padded rows and columns) into shared memory, raw 16-bit copy ----
     // After the prologue's K/V copies are issued, so that its load latency overlaps theirs
     // rather than delaying the first K/V request (small problems: ~1 us of a 15-20 us call).
-    {
+    // (kQAsync: copied by cp.async before the prologue instead, see above.)
+    if constexpr (!QASYNC) {
         const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
         uint16_t* s = reinterpret_cast<uint16_t*>(sQ);
 #pragma unroll 8

@@ -409,6 +409,33 @@ def test_speculative_prologue_flag_where_it_applies():
             assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
 
 
+def test_q_async_flag_where_it_applies():
+    """FLAG_Q_ASYNC (v44) copies the Q tile by cp.async in the first tile's group: refused with
+    TMA, warp-local copies, Q in registers and the speculative prologue; compiles for every head
+    dim's tiles, contiguous and paged, without spills and with the plain kernel's registers and
+    shared memory."""
+    qa = decode.FLAG_Q_ASYNC
+    for fl in (decode.DEFAULT_FLAGS | decode.FLAG_TMA, decode.DEFAULT_FLAGS | decode.FLAG_WARP_LOCAL,
+               decode.DEFAULT_FLAGS | decode.FLAG_Q_REGS,
+               decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS | decode.FLAG_SPEC_KV):
+        with pytest.raises(ValueError, match="FLAG_Q_ASYNC is for the CTA pipeline"):
+            decode.split_kernel_spec("bfloat16", 128, False, flags=fl | qa)
+    for hd, (bn, w, st_), page in ((64, (128, 4, 3), 0), (128, (128, 8, 3), 0),
+                                   (128, (64, 4, 2), 0), (256, (32, 2, 3), 0),
+                                   (128, (128, 8, 3), 16), (128, (64, 4, 3), 3)):
+        flags = decode.default_flags(hd, bool(page), page or None)
+        spec = decode.split_kernel_spec("bfloat16", hd, bool(page), block_n=bn, nwarps=w,
+                                        stages=st_, flags=flags | qa)
+        assert spec.name.endswith("_qasync"), spec.name
+        plain = decode.split_kernel_spec("bfloat16", hd, bool(page), block_n=bn, nwarps=w,
+                                         stages=st_, flags=flags)
+        assert spec.smem_bytes == plain.smem_bytes
+        r, r0 = jit.compile_report(spec, "sm_90a"), jit.compile_report(plain, "sm_90a")
+        assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, spec.name
+        assert r.ptxas.registers <= r0.ptxas.registers, (spec.name, r.ptxas, r0.ptxas)
+    assert jit.compile_report(spec, "sm_80").ptxas.spill_bytes == 0
+
+
 #: v30: TMA copies on contiguous caches (both hd128 tiles, three and two stages), heads first
 TMA_VARIANTS = [decode.SplitVariant(bn, w, st_, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1,
                                     pdl=True)

@@ -990,6 +990,52 @@ def test_speculative_prologue_is_bitwise_the_plain_one(d, tile, sq, dtype):
         _assert_variants_bitwise(run_full, base, spec, ("cache_seqlens=None", ns))
 
 
+@pytest.mark.parametrize("d,tile,page", [(128, (128, 8, 3), 0), (128, (64, 4, 3), 0),
+                                         (128, (128, 8, 2), 0), (128, (128, 8, 3), 16),
+                                         (128, (64, 4, 3), 256), (128, (128, 8, 3), 3),
+                                         (72, (64, 4, 3), 0), (256, (32, 2, 3), 16),
+                                         (64, (128, 4, 3), 0)])
+@pytest.mark.parametrize("sq,dtype", [(1, "bfloat16"), (5, "float16")])
+def test_q_async_is_bitwise_the_default(d, tile, page, sq, dtype):
+    """decode.FLAG_Q_ASYNC (v44): the Q tile copied by 16-byte cp.async in the first tile's
+    group gives bitwise the output and LSE of the kernel without the flag, and matches the
+    reference: contiguous and paged caches (pages of 3, 16, 256; copy pointers and speculative
+    ids where the defaults have them), K/V groups, ragged NaN-tailed caches, an empty sequence,
+    GQA 4, padded head dim 72 (columns past headdim zeroed), causal rows over two row chunks at
+    sq = 5 (rows past the block's valid rows zeroed), split counts from 1 to more splits than
+    tiles; and a q view 2 bytes past a 16-byte boundary (every chunk copied by plain loads)."""
+    bn, w, st_ = tile
+    hk, h, cap = 2, 8, 1100
+    if page:
+        cap = -(-cap // page) * page
+    case = _nan_tailed_case(71, np.array([1037, 0, 130, 64, 1], np.int32), cap, hk, h, d, dtype,
+                            sq=sq, page=page, table_seed=5, spare_pages=2)
+    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                              case.cache_seqlens, case.block_table))
+    flags = decode.default_flags(d, bool(page), page or None)
+    order = 0 if page else 1
+    extra = [0] if page else [0, decode.FLAG_KV_GROUPS]
+    for x in extra:
+        base = decode.SplitVariant(bn, w, st_, flags | x, order, pdl=True)
+        qa = decode.SplitVariant(bn, w, st_, flags | x | decode.FLAG_Q_ASYNC, order, pdl=True)
+        assert qa.name.endswith("_qasync" + ("_hfirst" if order else "") + "_pdl"), qa.name
+        for ns in (1, 3, 16):
+            def run(var, q_=qd):
+                return _run_poisoned(var, case, dtype, q_, kd, vd, csd, btd, ns)
+            _assert_variants_bitwise(run, base, qa, (x, ns))
+    # q 2 bytes past a 16-byte boundary: the kernel's plain-load fallback for every chunk
+    buf = cupy.empty(qd.size + 1, qd.dtype)
+    qm = buf[1:].reshape(qd.shape)
+    qm.view(cupy.uint16)[...] = qd.view(cupy.uint16)
+    assert qm.data.ptr % 16 == 2
+    base = decode.SplitVariant(bn, w, st_, flags, order, pdl=True)
+    qa = decode.SplitVariant(bn, w, st_, flags | decode.FLAG_Q_ASYNC, order, pdl=True)
+    for ns in (1, 3):
+        def run_m(var):
+            return _run_poisoned(var, case, dtype, qm, kd, vd, csd, btd, ns)
+        _assert_variants_bitwise(run_m, base, qa, ("misaligned q", ns))
+
+
 def test_tma_variant_refuses_a_misaligned_cache():
     """TMA copies (like cp.async) need a 16-byte aligned global address: a cache view 8 bytes
     into its buffer (rows still 16-byte multiples) is refused with a ValueError before any
