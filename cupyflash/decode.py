@@ -306,9 +306,10 @@ FLAG_TMA = 65536
 #: zeroed V rows). Bitwise the same output as the kernel without it
 #: (``decode_flags::kSpecKV``).
 FLAG_SPEC_KV = 131072
-#: The Q tile by 16-byte ``cp.async`` issued before the prologue's K/V copies, in the first
-#: tile's commit group (v44, experiments/NOTES.md: at short caches the default's 2-byte Q loads,
-#: each followed by its shared-memory store, held half the kernel's stall samples); not with
+#: The Q tile by 16-byte ``cp.async`` issued beside the sequence's length, landed by the first
+#: wait that follows (v44, experiments/NOTES.md: at short caches the default's 2-byte Q loads,
+#: each followed by its shared-memory store, held half the kernel's stall samples); a q whose
+#: base or strides are not 16-byte multiples keeps the 2-byte loads. Not with
 #: :data:`FLAG_TMA`, :data:`FLAG_WARP_LOCAL`, :data:`FLAG_Q_REGS` or :data:`FLAG_SPEC_KV`.
 #: Bitwise the same output as the kernel without it (``decode_flags::kQAsync``).
 FLAG_Q_ASYNC = 262144

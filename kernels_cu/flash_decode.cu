@@ -174,13 +174,14 @@ constexpr int kTma = 65536;
 // own V rows there before P V, as with kTma.
 constexpr int kSpecKV = 131072;
 // Q tile by 16-byte cp.async (the CTA pipeline, cp.async copies: not with kTma, kWarpLocal,
-// kQRegs or kSpecKV), issued before the prologue's K/V copies and in the first tile's commit
-// group, so the loop's first wait lands it. Without the flag the Q tile comes by 2-byte loads
-// after the K/V copies, each load's shared-memory store waiting for it before the next load
-// issues: at b64 x 128 keys those stores held 47% of the kernel's stall samples (ncu source
-// view, experiments/NOTES.md v44). Rows past the block's valid rows and columns past headdim
-// are zeroed by plain stores; a chunk whose source is not 16-byte aligned (a view at an odd
-// offset) is copied by plain loads. The tile holds the same bits either way.
+// kQRegs or kSpecKV), issued beside the length (its round trip overlaps the length's) and
+// landed by the first wait that follows (the length's and ids' with kSpecPageIds, else the
+// first tile's). Without the flag the Q tile comes by 2-byte loads after the K/V copies, each
+// load's shared-memory store waiting for it before the next load issues: at b64 x 128 keys
+// those stores held 47% of the kernel's stall samples (ncu source view, experiments/NOTES.md
+// v44). Rows past the block's valid rows and columns past headdim are zero-filled. A q whose
+// base or varying strides are not 16-byte multiples takes the 2-byte loads (block-uniform
+// check). The tile holds the same bits either way.
 constexpr int kQAsync = 262144;
 constexpr int kAll = 524287;  // every defined bit (decode.py checks flags against its own list)
 }  // namespace decode_flags
@@ -608,8 +609,40 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         if (tid == 0 && p.cache_seqlens != nullptr)
             cp_async_4(smem_u32addr(sLen), p.cache_seqlens + b);
     };
+    // kQAsync: the Q tile by 16-byte cp.async, issued right after the length's load (Q needs
+    // neither the length nor the page ids) so that the two round trips overlap. The copies join
+    // the first commit group that follows: the length's and guessed ids' (kSpecPageIds, waited
+    // for with them) or the first tile's (issue_tile commits it; the loop's first wait lands
+    // it). The loop reads sQ only after that wait and its __syncthreads. Invalid rows and
+    // columns are zero-filled (src-size 0, no byte read). Needs every Q chunk 16-byte aligned:
+    // checked once (block-uniform) on the base and the strides of the dims that vary; else the
+    // Q tile comes by the 2-byte loads after the prologue, as without the flag.
+    const bool q_async = QASYNC && ((reinterpret_cast<unsigned long long>(p.q)
+                                     | (unsigned long long)(p.batch > 1 ? p.q_batch_stride : 0)
+                                         * sizeof(T)
+                                     | (unsigned long long)(p.seqlen_q > 1 ? p.q_row_stride : 0)
+                                         * sizeof(T)
+                                     | (unsigned long long)(p.nheads > 1 ? p.q_head_stride : 0)
+                                         * sizeof(T)) & 15ull) == 0;
+    auto copy_q = [&]() {
+        const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q)
+                            + b * p.q_batch_stride + hk * p.h_per_kv * p.q_head_stride;
+        constexpr int kChunks = HEADDIM / 8;  // 16-byte chunks per row
+        static_assert(GROUP * kChunks % Tr::kThreads == 0, "whole Q chunks per thread");
+#pragma unroll
+        for (int k = 0; k < GROUP * kChunks / Tr::kThreads; ++k) {
+            const int e = tid + k * Tr::kThreads;
+            const int r = e / kChunks, c = (e % kChunks) * 8, rg = row_base + r;
+            const bool valid = rg < rows && c < p.headdim;
+            const int qi = rg / p.h_per_kv, hh = rg - qi * p.h_per_kv;  // head hk * h_per_kv + hh
+            const uint16_t* src = valid ? q + qi * p.q_row_stride + hh * p.q_head_stride + c
+                                        : reinterpret_cast<const uint16_t*>(p.q);
+            cp_async_16(smem_u32addr(sQ + r * Tr::kQStride + c), src, valid);
+        }
+    };
     int len_raw;
     if constexpr (SPEC) {
+        if (q_async) copy_q();  // in the length's and guessed ids' group
         copy_len();
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) fetch_page_ids(spec_begin + s, spec_end, p.seqlen_cache);
@@ -636,6 +669,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         len_raw = p.cache_seqlens != nullptr ? *sLen : 0;
     } else {
         len_raw = p.cache_seqlens ? p.cache_seqlens[b] : 0;
+        if (q_async) copy_q();  // after the length's load, in the first tile's group
     }
     const int len = sequence_length_from(p, len_raw);
     const int n_tiles = (len + BLOCK_N - 1) / BLOCK_N;
@@ -837,30 +871,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // guessed copies are let land (the real ones write the same shared memory: each thread
     // copies the same rows and column of every tile) and the prologue is issued as without it.
     const bool spec_kv_hit = SPECKV && tile_begin == spec_begin;  // block-uniform
-    // kQAsync: the Q tile's copies first, so that they join the first tile's group (issue_tile
-    // commits it) and are the block's first requests in the memory queue.
-    if constexpr (QASYNC) {
-        const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
-        uint16_t* s = reinterpret_cast<uint16_t*>(sQ);
-        constexpr int kChunks = HEADDIM / 8;  // 16-byte chunks per row
-        for (int e = tid; e < GROUP * kChunks; e += Tr::kThreads) {
-            const int r = e / kChunks, c = (e % kChunks) * 8, rg = row_base + r;
-            uint16_t* dst = s + r * Tr::kQStride + c;
-            if (rg < rows && c < p.headdim) {
-                const int qi = rg / p.h_per_kv, h = hk * p.h_per_kv + rg % p.h_per_kv;
-                const uint16_t* src = q + b * p.q_batch_stride + qi * p.q_row_stride
-                                      + h * p.q_head_stride + c;
-                if ((reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
-                    cp_async_16(smem_u32addr(dst), src, true);
-                } else {  // a view at an offset that is not a multiple of 8 elements
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) dst[i] = src[i];
-                }
-            } else {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-    }
     if constexpr (SPECKV)
         if (!spec_kv_hit) cp_async_wait<0>();
     if (!spec_kv_hit) {
@@ -878,8 +888,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // ---- Q tile (16 rows, zero-padded rows and columns) into shared memory, raw 16-bit copy ----
     // After the prologue's K/V copies are issued, so that its load latency overlaps theirs
     // rather than delaying the first K/V request (small problems: ~1 us of a 15-20 us call).
-    // (kQAsync: copied by cp.async before the prologue instead, see above.)
-    if constexpr (!QASYNC) {
+    // (kQAsync: copied by cp.async beside the length instead, see copy_q, unless misaligned.)
+    if (!q_async) {
         const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
         uint16_t* s = reinterpret_cast<uint16_t*>(sQ);
 #pragma unroll 8

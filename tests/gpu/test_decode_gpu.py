@@ -555,11 +555,40 @@ def _run_poisoned(var, case, dtype, qd, kd, vd, csd, btd, ns):
     return out.view(cupy.uint16), lse
 
 
+_POISON_SMEM = r"""
+extern "C" __global__ void poison_smem(unsigned int bits, int words, unsigned int* sink) {
+    extern __shared__ unsigned int sm[];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) sm[i] = bits;
+    __syncthreads();
+    if (sm[(threadIdx.x * 97) % words] != bits) *sink = 1;  // never: keeps the stores
+}
+"""
+
+
+def _poison_shared_memory():
+    """Fill every SM's shared memory with NaN bits (0x7FC0 pairs: NaN in bf16 and fp16) by two
+    blocks per SM of the largest dynamic allocation, so that a kernel reading shared memory it
+    did not write (a Q tile that never landed, padding never zeroed) reads NaN rather than the
+    previous launch's identical leftovers."""
+    dev = cupy.cuda.Device()
+    words = dev.attributes["MaxSharedMemoryPerBlockOptin"] // 4
+    kern = cupy.RawKernel(_POISON_SMEM, "poison_smem")
+    kern.max_dynamic_shared_size_bytes = words * 4
+    sink = cupy.zeros(1, cupy.uint32)
+    kern((2 * dev.attributes["MultiProcessorCount"],), (1024,),
+         (np.uint32(0x7FC07FC0), np.int32(words), sink), shared_mem=words * 4)
+    dev.synchronize()
+    assert int(sink.get()[0]) == 0
+
+
 def _assert_variants_bitwise(run, base, other, tag):
     """``run(var)`` -> (output bits, LSE) for ``base`` and ``other`` (each call poisoned and
-    checked against the reference by :func:`_run_poisoned`); both outputs and LSEs bitwise
-    equal, ``tag`` naming the case in the failure."""
+    checked against the reference by :func:`_run_poisoned`, shared memory poisoned before each
+    by :func:`_poison_shared_memory`); both outputs and LSEs bitwise equal, ``tag`` naming the
+    case in the failure."""
+    _poison_shared_memory()
     o0, l0 = run(base)
+    _poison_shared_memory()
     o1, l1 = run(other)
     assert bool((o1 == o0).all()), tag
     assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), tag
@@ -1003,7 +1032,9 @@ def test_q_async_is_bitwise_the_default(d, tile, page, sq, dtype):
     ids where the defaults have them), K/V groups, ragged NaN-tailed caches, an empty sequence,
     GQA 4, padded head dim 72 (columns past headdim zeroed), causal rows over two row chunks at
     sq = 5 (rows past the block's valid rows zeroed), split counts from 1 to more splits than
-    tiles; and a q view 2 bytes past a 16-byte boundary (every chunk copied by plain loads)."""
+    tiles; a q view 2 bytes past a 16-byte boundary and one whose head stride is not a multiple
+    of 8 elements (both take the 2-byte loads); shared memory poisoned with NaN before every
+    launch, so a Q tile that did not land in time reads NaN."""
     bn, w, st_ = tile
     hk, h, cap = 2, 8, 1100
     if page:
@@ -1028,12 +1059,16 @@ def test_q_async_is_bitwise_the_default(d, tile, page, sq, dtype):
     qm = buf[1:].reshape(qd.shape)
     qm.view(cupy.uint16)[...] = qd.view(cupy.uint16)
     assert qm.data.ptr % 16 == 2
+    wide = cupy.empty(qd.shape[:3] + (qd.shape[3] + 1,), qd.dtype)  # head stride d + 1
+    qw = wide[..., :qd.shape[3]]
+    qw.view(cupy.uint16)[...] = qd.view(cupy.uint16)
     base = decode.SplitVariant(bn, w, st_, flags, order, pdl=True)
     qa = decode.SplitVariant(bn, w, st_, flags | decode.FLAG_Q_ASYNC, order, pdl=True)
-    for ns in (1, 3):
-        def run_m(var):
-            return _run_poisoned(var, case, dtype, qm, kd, vd, csd, btd, ns)
-        _assert_variants_bitwise(run_m, base, qa, ("misaligned q", ns))
+    for name, q_ in (("q 2 bytes off", qm), ("head stride d + 1", qw)):
+        for ns in (1, 3):
+            def run_m(var, q_=q_, ns=ns):
+                return _run_poisoned(var, case, dtype, q_, kd, vd, csd, btd, ns)
+            _assert_variants_bitwise(run_m, base, qa, (name, ns))
 
 
 def test_tma_variant_refuses_a_misaligned_cache():
