@@ -338,13 +338,17 @@ def default_flags(headdim: int, paged: bool, page_size: int | None = None) -> in
     -3.5 to -5%, elsewhere within +-0.5%; bitwise the same output) and for paged caches up to
     hd128 whose ``page_size`` is a power of two (v20 sweep, H200, graph-timed: b1 x 8k pages of
     16 14.2 -> 11.3 us, b16 x 16k pages of 256 -3.8%, b64 x 2k pages of 16 -2%; bitwise the same
-    output; hd256 would spill). ``page_size=None`` (not known): no copy pointers on pages."""
+    output; hd256 would spill). ``page_size=None`` (not known): no copy pointers on pages.
+    Every path also has :data:`FLAG_Q_ASYNC` (v44 run, H200, L2 flushed: b64 x 128 keys 22.2 ->
+    17.8 us, b16 x 128 10.0 -> 9.5, b64 x 1k 69.7 -> 66.8, b64 x 1k pages of 16 73.2 -> 69.7,
+    b1 x 8k 17.4 -> 16.6, from 16k keys within +-0.5%; bitwise the same output; registers equal
+    but hd64 +2, no spills)."""
     if paged:
         cp = (headdim <= 128 and page_size is not None and page_size >= 1
               and page_size & (page_size - 1) == 0)
-        return (DEFAULT_FLAGS | (FLAG_SPEC_PAGE_IDS if headdim <= 128 else 0)
+        return (DEFAULT_FLAGS | FLAG_Q_ASYNC | (FLAG_SPEC_PAGE_IDS if headdim <= 128 else 0)
                 | (FLAG_COPY_POINTERS if cp else 0))
-    return DEFAULT_FLAGS | FLAG_COPY_POINTERS
+    return DEFAULT_FLAGS | FLAG_COPY_POINTERS | FLAG_Q_ASYNC
 
 
 def kv_tensor_map_geometry(shape, strides, itemsize: int, block_n: int) -> tuple:
@@ -425,8 +429,9 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     ``_spid``/``_trearly``/``_trnone``/``_cp``/``_skip``/``_lazy``/``_qreg``/``_mf``/``_tma``/
     ``_spkv``/``_qasync`` for the
     ``flags`` bits (:data:`FLAG_FUSED_COMBINE`, ...); ``flags=None`` is what
-    the public functions launch, :func:`default_flags` for ``page_size`` (``_fused_rel_cp``;
-    paged up to hd128 ``_fused_rel_spid_cp`` for power-of-two pages, else ``_fused_rel_spid``);
+    the public functions launch, :func:`default_flags` for ``page_size``
+    (``_fused_rel_cp_qasync``; paged up to hd128 ``_fused_rel_spid_cp_qasync`` for power-of-two
+    pages, else ``_fused_rel_spid_qasync``; paged hd256 ``_fused_rel_qasync``);
     ``block_n``/``nwarps``/``stages`` override :func:`split_config` (experiments).
     """
     if flags is None:

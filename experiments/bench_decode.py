@@ -21,7 +21,10 @@ is what SDPA is given; the difference is the cost of reading the lengths on the 
 programmatic dependent launch (``cupyflash.decode.pdl_launches(False)``; experiments/NOTES.md v15).
 
     python experiments/bench_decode.py --quick        # ~1 min on an H200
-    python experiments/bench_decode.py                # batch {1, 16, 64}, cache 1k .. 128k
+    python experiments/bench_decode.py                # batch {1, 16, 64}, cache 128 .. 128k
+
+The short caches (128-512 keys: early tokens of a served batch) were added in session 13, where
+the gap to cuDNN was largest (experiments/NOTES.md v41-v44); pages of 256 start at 256 keys.
 
 Fields: impl, dtype, batch, nheads, nheads_k, headdim, seqlen_k, page_size, num_splits (as
 requested; ``num_splits_chosen`` from explain() for 0), us, tbps, gpu, commit, explain.
@@ -171,7 +174,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     batches = args.batches or ([1, 16] if args.quick else [1, 16, 64])
     seqlens = args.seqlens or ([4096, 32768, 131072] if args.quick
-                               else [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])
+                               else [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+                                     65536, 131072])
     pages = args.page_sizes if args.page_sizes is not None else ([0, 16] if args.quick else [0, 16, 256])
     split_lens = args.splits_seqlens or ([131072] if args.quick else [16384, 131072])
     n_repeat = args.n_repeat or (20 if args.quick else 30)

@@ -104,8 +104,8 @@ def variant_cases(bf16):
     """The decode split kernel's experiment variants: TMA copies (decode.FLAG_TMA, sm_90), the
     speculative prologue (decode.FLAG_SPEC_KV: guessed tiles copied before the length
     lands, V rows past it zeroed in shared memory) and the Q tile by cp.async
-    (decode.FLAG_Q_ASYNC, two query rows: padding rows zeroed): both hd128 tiles, ragged lengths (an empty
-    sequence, last tiles partly past len, a capacity that is not a multiple of the tile; with
+    (decode.FLAG_Q_ASYNC, in the public defaults since v44; two query rows: padding rows
+    zeroed): both hd128 tiles, ragged lengths (an empty sequence, last tiles partly past len, a capacity that is not a multiple of the tile; with
     three splits the shorter sequence's guess misses), one split and the fused merge of three."""
     from cupyflash import decode
     kc, vc = rand((3, 300, 2, 128), bf16), rand((3, 300, 2, 128), bf16)

@@ -119,7 +119,8 @@ def variants():
     from cupyflash.decode import FLAG_WARP_LOCAL as WLF
     contiguous += [V(bn, w, 3, F | R | P | WLF, 1, pdl=True) for bn, w in ((128, 8), (64, 4))]
     # v44: the Q tile by cp.async before the prologue's K/V copies (the default's 2-byte Q loads
-    # held half the stall samples at b64 x 128 keys, v43/v44 ncu)
+    # held half the stall samples at b64 x 128 keys, v43/v44 ncu; in the public defaults since
+    # the v44 run, so the variants above without it are the earlier defaults)
     from cupyflash.decode import FLAG_Q_ASYNC as QA
     contiguous += [V(bn, w, st, F | R | P | QA, 1, pdl=True)
                    for bn, w, st in ((128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 2))]

@@ -134,26 +134,26 @@ def test_spec_names_and_table():
     # the public default: fused combine with the release/acquire arrival (DEFAULT_FLAGS)
     s = decode.split_kernel_spec("bfloat16", 128, True)
     assert decode.DEFAULT_FLAGS == decode.FLAG_FUSED_COMBINE | decode.FLAG_RELEASE_ARRIVE
-    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
-    assert decode.default_flags(128, True) == decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
-    assert decode.default_flags(256, True) == decode.DEFAULT_FLAGS  # hd256: registers
+    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_qasync"
+    qa = decode.DEFAULT_FLAGS | decode.FLAG_Q_ASYNC  # v44: the Q tile by cp.async everywhere
+    assert decode.default_flags(128, True) == qa | decode.FLAG_SPEC_PAGE_IDS
+    assert decode.default_flags(256, True) == qa  # hd256: registers
     # v20: copy pointers on pages of a power-of-two size up to hd128 (page_size None: unknown)
-    spid_cp = decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS | decode.FLAG_COPY_POINTERS
+    spid_cp = qa | decode.FLAG_SPEC_PAGE_IDS | decode.FLAG_COPY_POINTERS
     for ps in (1, 2, 16, 64, 256, 1024):
         assert decode.default_flags(128, True, ps) == spid_cp
         assert decode.default_flags(64, True, ps) == spid_cp
-        assert decode.default_flags(256, True, ps) == decode.DEFAULT_FLAGS  # would spill
+        assert decode.default_flags(256, True, ps) == qa  # would spill
     for ps in (3, 12, 100, 255, 0):
-        assert decode.default_flags(128, True, ps) == \
-            decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
+        assert decode.default_flags(128, True, ps) == qa | decode.FLAG_SPEC_PAGE_IDS
     assert decode.split_kernel_spec("bfloat16", 128, True, page_size=16).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp_qasync"
     assert decode.split_kernel_spec("bfloat16", 128, True, page_size=24).name == s.name
     assert decode.split_kernel_spec("bfloat16", 128, False, page_size=24).name == \
         decode.split_kernel_spec("bfloat16", 128, False).name
-    assert decode.default_flags(64, False) == decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS
-    assert decode.default_flags(256, False) == decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS
-    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 321>"
+    assert decode.default_flags(64, False) == qa | decode.FLAG_COPY_POINTERS
+    assert decode.default_flags(256, False) == qa | decode.FLAG_COPY_POINTERS
+    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 262465>"
     c = decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_FUSED_COMBINE
                                  | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)
     assert c.name == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_cluster_rel"
@@ -185,7 +185,7 @@ def test_spec_names_and_table():
     with pytest.raises(ValueError, match="flags"):
         decode.split_kernel_spec("bfloat16", 128, True, flags=decode.FLAG_WARP_LOCAL)
     assert decode.split_kernel_spec("float16", 64, False).name == \
-        "decode_split_fp16_hd64_n128_w4_g16_s3_fused_rel_cp"
+        "decode_split_fp16_hd64_n128_w4_g16_s3_fused_rel_cp_qasync"
     assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
     specs = decode.all_specs()
@@ -202,9 +202,9 @@ def test_spec_names_and_table():
     assert decode.split_config(64) == decode.SPLIT_CONFIGS[64]
     # contiguous hd128: the measured 128-key x 8-warp tile (one block per SM)
     assert decode.split_kernel_spec("bfloat16", 128, False).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp_qasync"
     assert decode.split_kernel_spec("bfloat16", 128, True).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid"
+        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_qasync"
     with pytest.raises(TypeError, match="dtype"):
         decode.split_kernel_spec("float32", 128, False)
     with pytest.raises(ValueError, match="headdim"):
@@ -237,7 +237,7 @@ def test_registers_allow_the_blocks_shared_memory_allows(compiled):
     named: the two-stage 64-key hd128 tile (heuristics.choose_split_stages) would fit three
     blocks by shared memory, but its 191 registers allow two, which is what it was measured and
     is planned with (v24-v25); for it the check is two blocks, and that three do not fit."""
-    two_by_registers = {f"decode_split_{t}_hd128_n64_w4_g16_s2_fused_rel_cp" for t in ("bf16",
+    two_by_registers = {f"decode_split_{t}_hd128_n64_w4_g16_s2_fused_rel_cp_qasync" for t in ("bf16",
                                                                                       "fp16")}
     seen = set()
     for spec in decode.all_specs():
@@ -334,7 +334,7 @@ def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
     paged kernel and say why; the copy-pointer kernel refuses tiles that are not powers of two."""
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
     ok = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
-    assert ok.problem.page_offsets_fit_i32 and ok.name.endswith("_paged_fused_rel_spid_cp")
+    assert ok.problem.page_offsets_fit_i32 and ok.name.endswith("_paged_fused_rel_spid_cp_qasync")
     far = np.lib.stride_tricks.as_strided(kc, shape=kc.shape,
                                           strides=(2 ** 32,) + kc.strides[1:])
     rev = kc[::-1]
@@ -342,7 +342,7 @@ def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
         p = decode.explain_kvcache(q, k_, v_, cache_seqlens=cs, block_table=bt, report=False)
         fits = k_ is kc and v_ is not far and v_.strides[0] > 0
         assert p.problem.page_offsets_fit_i32 == fits
-        assert p.name.endswith("_paged_fused_rel_spid" + ("_cp" if fits else ""))
+        assert p.name.endswith("_paged_fused_rel_spid" + ("_cp" if fits else "") + "_qasync")
         assert ("negative or >= 2^31 elements" in str(p)) != fits
     assert checks.element_strides(kc) == (16 * 2 * 64, 2 * 64, 64, 1)
     assert checks.page_offsets_fit_i32(16, kc, vc) and not checks.page_offsets_fit_i32(16, rev)
@@ -397,12 +397,12 @@ def test_speculative_prologue_flag_where_it_applies():
             decode.split_kernel_spec("bfloat16", 128, paged, flags=fl | decode.FLAG_SPEC_KV)
     for hd, (bn, w, st_) in ((64, (128, 4, 3)), (128, (128, 8, 3)), (128, (64, 4, 2)),
                              (256, (32, 2, 3))):
+        base = decode.default_flags(hd, False) & ~decode.FLAG_Q_ASYNC  # excludes SPEC_KV
         spec = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w, stages=st_,
-                                        flags=decode.default_flags(hd, False)
-                                        | decode.FLAG_SPEC_KV)
+                                        flags=base | decode.FLAG_SPEC_KV)
         assert spec.name.endswith("_cp_spkv"), spec.name
         plain = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w,
-                                         stages=st_, flags=decode.default_flags(hd, False))
+                                         stages=st_, flags=base)
         assert spec.smem_bytes == plain.smem_bytes
         for arch in ("sm_90a", "sm_80"):
             r = jit.compile_report(spec, arch)
@@ -423,7 +423,7 @@ def test_q_async_flag_where_it_applies():
     for hd, (bn, w, st_), page in ((64, (128, 4, 3), 0), (128, (128, 8, 3), 0),
                                    (128, (64, 4, 2), 0), (256, (32, 2, 3), 0),
                                    (128, (128, 8, 3), 16), (128, (64, 4, 3), 3)):
-        flags = decode.default_flags(hd, bool(page), page or None)
+        flags = decode.default_flags(hd, bool(page), page or None) & ~qa  # the v44 defaults
         spec = decode.split_kernel_spec("bfloat16", hd, bool(page), block_n=bn, nwarps=w,
                                         stages=st_, flags=flags | qa)
         assert spec.name.endswith("_qasync"), spec.name
@@ -861,7 +861,7 @@ def test_reason_topics_are_given_with_each_reason(batch, seqlen, hk, group, sq, 
 def test_plan_llama_decode():
     p = decode.launch_config(_problem())
     # 16 splits of 8192 keys: the two-stage pipeline (heuristics.choose_split_stages, v26)
-    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s2_fused_rel_cp"
+    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s2_fused_rel_cp_qasync"
     assert any("2 K/V stages instead of 3" in r for r in p.reasons)
     assert p.smem_bytes == decode.split_smem_bytes("bfloat16", 128, 128, 2)
     assert p.grid == (8, 16, 1) and p.block == (256, 1, 1)
@@ -877,15 +877,15 @@ def test_plan_llama_decode():
     # 512 blocks unsplit (several waves): the 64-key tile at two blocks per SM (v9), from 4k
     # keys with two stages (v24-v25), but not with an explicit num_splits or split_size (a row's
     # result must not depend on the batch); 4096 keys per split keep the one-block tile's 3
-    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp"
+    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp_qasync"
     assert any("two blocks per SM" in r for r in p1.reasons)
     assert any("2 K/V stages instead of 3" in r and "several waves" in r for r in p1.reasons)
     p2 = decode.launch_config(_problem(batch=64, seqlen_cache=2048))
-    assert p2.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel_cp"
+    assert p2.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel_cp_qasync"
     assert not any("K/V stages instead" in r for r in p2.reasons)
     for kw, opts in ((dict(num_splits=1), {}), ({}, dict(split_size=4096))):
         pe = decode.launch_config(_problem(batch=64, seqlen_cache=4096, **kw), **opts)
-        assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp"
+        assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp_qasync"
     # one split of 16k keys: two stages; an explicit split count that leaves 8k per split too
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).template["stages"] == 2
     assert decode.launch_config(_problem(batch=16, seqlen_cache=8192)).template["stages"] == 2
@@ -912,7 +912,7 @@ def test_plan_llama_decode():
         pg = decode.launch_config(_problem(paged=True, page_size=ps, seqlen_cache=cap,
                                            num_pages=cap // ps, max_pages_per_seq=cap // ps))
         assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid" + (
-            "" if ps == 3 else "_cp")
+            "" if ps == 3 else "_cp") + "_qasync"
         assert any((f"page_size {ps} is not a power of two" if ps == 3 else
                     f"page_size {ps} (a power of two): copy pointers") in r for r in pg.reasons)
         assert pg.num_splits == 16 and pg.block == (256, 1, 1)
@@ -923,10 +923,10 @@ def test_plan_llama_decode():
     # other head dims' paged tiles still fill two blocks per SM
     p64 = decode.launch_config(_problem(headdim=64, paged=True, page_size=16, num_pages=8192,
                                         max_pages_per_seq=8192))
-    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp"
+    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp_qasync"
     p256 = decode.launch_config(_problem(headdim=256, paged=True, page_size=16, num_pages=8192,
                                          max_pages_per_seq=8192))
-    assert p256.kernel.endswith("_paged_fused_rel")
+    assert p256.kernel.endswith("_paged_fused_rel_qasync")
     assert any("hd256 paged: the general paged path" in r for r in p256.reasons)
     assert p64.num_splits == 33  # floor(2 * 132 / 8) blocks per KV head
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
@@ -937,7 +937,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
                                     paged=True, page_size=3, seqlen_cache=300,
                                     num_pages=200, max_pages_per_seq=100, seqlen_new=2))
     assert p.row_chunks == 2 and p.grid[2] == 16 and p.template["headdim"] == 128
-    assert p.kernel.endswith("_paged_fused_rel_spid") and p.append == "decode_append_b16_paged"
+    assert p.kernel.endswith("_paged_fused_rel_spid_qasync") and p.append == "decode_append_b16_paged"
     q = decode.launch_config(_problem(seqlen_cache=1000), split_size=100)
     assert q.split_tiles == 1 and q.num_splits == 8  # ceil(1000/128)=8 tiles / 1
     qp = decode.launch_config(_problem(seqlen_cache=1024, paged=True, page_size=16,
@@ -946,7 +946,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
     # an sm_86-like device (99 KB per block): the 64-key tile with two stages
     r = decode.launch_config(_problem(), max_smem_per_block=101376, smem_per_sm=102400)
     assert r.template["stages"] == 2 and r.smem_bytes <= 101376
-    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp"
+    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp_qasync"
     assert any("does not fit" in x for x in r.reasons)
     with pytest.raises(ValueError, match="split_size"):
         decode.launch_config(_problem(), split_size=0)
@@ -955,17 +955,17 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
 def test_explain_kvcache_on_host_arrays():
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
     plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
-    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp"
+    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp_qasync"
     assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
     assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
-    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp" in names
+    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp_qasync" in names
     assert "page_size 16 (a power of two): copy pointers" in str(plan)
     # the choice's reasons are listed apart from the rejected specialisations (fresh-user trial)
     assert "num_splits" in [r[0] for r in plan.reasons] and "num_splits" not in names
     assert all(n.startswith("decode_") for n in names)
     assert "  why (" in str(plan) and str(plan).index("  why (") < str(plan).index("  rejected (")
-    assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel_cp" in names
+    assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel_cp_qasync" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
 
 
@@ -1191,7 +1191,7 @@ def test_plan_spec_matches_the_launch_geometry_on_small_smem_devices():
     q = np.zeros((1, 1, 32, 128), np.float16)
     kc = np.zeros((1, 4096, 8, 128), np.float16)
     p86 = decode.explain_kvcache(q, kc, kc, arch="sm_86", report=False)
-    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused_rel_cp" and p86.block == (128, 1, 1)
+    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused_rel_cp_qasync" and p86.block == (128, 1, 1)
     assert p86.smem_bytes <= 99 * 1024
 
 

@@ -873,7 +873,7 @@ def test_paged_pools_past_32_bit_offsets_take_the_general_path():
     plain = flash_attn_with_kvcache(q, pool, pool, cache_seqlens=cs, block_table=bt)
     for kc, vc in ((far, pool), (pool, far)):
         plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
-        assert plan.name.endswith("_paged_fused_rel_spid"), plan.name
+        assert plan.name.endswith("_paged_fused_rel_spid_qasync"), plan.name
         assert "negative or >= 2^31 elements" in str(plan)
         out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt)
         assert bool((out.view(cupy.uint16) == plain.view(cupy.uint16)).all())
@@ -1003,7 +1003,7 @@ def test_speculative_prologue_is_bitwise_the_plain_one(d, tile, sq, dtype):
                             dtype, sq=sq)
     qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
                                          case.cache_seqlens))
-    flags = decode.default_flags(d, False)
+    flags = decode.default_flags(d, False) & ~decode.FLAG_Q_ASYNC  # Q_ASYNC excludes SPEC_KV
     base = decode.SplitVariant(bn, w, st_, flags, 1, pdl=True)
     spec = decode.SplitVariant(bn, w, st_, flags | decode.FLAG_SPEC_KV, 1, pdl=True)
     assert spec.name.endswith("_spkv_hfirst_pdl"), spec.name
@@ -1026,8 +1026,8 @@ def test_speculative_prologue_is_bitwise_the_plain_one(d, tile, sq, dtype):
                                          (64, (128, 4, 3), 0)])
 @pytest.mark.parametrize("sq,dtype", [(1, "bfloat16"), (5, "float16")])
 def test_q_async_is_bitwise_the_default(d, tile, page, sq, dtype):
-    """decode.FLAG_Q_ASYNC (v44): the Q tile copied by 16-byte cp.async in the first tile's
-    group gives bitwise the output and LSE of the kernel without the flag, and matches the
+    """decode.FLAG_Q_ASYNC (v44; in the defaults since): the Q tile copied by 16-byte cp.async
+    in the first tile's group gives bitwise the output and LSE of the kernel without the flag, and matches the
     reference: contiguous and paged caches (pages of 3, 16, 256; copy pointers and speculative
     ids where the defaults have them), K/V groups, ragged NaN-tailed caches, an empty sequence,
     GQA 4, padded head dim 72 (columns past headdim zeroed), causal rows over two row chunks at
@@ -1043,7 +1043,7 @@ def test_q_async_is_bitwise_the_default(d, tile, page, sq, dtype):
                             sq=sq, page=page, table_seed=5, spare_pages=2)
     qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
                                               case.cache_seqlens, case.block_table))
-    flags = decode.default_flags(d, bool(page), page or None)
+    flags = decode.default_flags(d, bool(page), page or None) & ~decode.FLAG_Q_ASYNC
     order = 0 if page else 1
     extra = [0] if page else [0, decode.FLAG_KV_GROUPS]
     for x in extra:
