@@ -758,6 +758,9 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                              stages=stages, page_size=_flags_page_size(p))
     if p.paged:
         why("copies", _page_copy_reason(hd, p.page_size, p.page_offsets_fit_i32))
+    why("copies", "q: the Q tile by 16-byte cp.async beside the length (FLAG_Q_ASYNC, v44); a q "
+                  "whose pointer or batch/row/head strides are not 16-byte multiples takes "
+                  "2-byte loads instead (bitwise the same; up to 5 us slower at short caches)")
     combine = None  # the fused last-block-done combine (default_flags): no combine launch
     ws = counters = 0
     if num_splits > 1:

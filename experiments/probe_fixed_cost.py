@@ -12,9 +12,10 @@ after the read flush (``common.benchmark(flush_l2=True)``, median of 30), at Lla
 * ``ours``: the public call over a cache of 1024 keys at lengths 0 (prologue and epilogue only:
   the length is read, nothing is copied), 1, 128 and 1024;
 * ``ours`` without any length (``cache_seqlens=None`` over a view of 128 / 1024 keys), launched
-  without programmatic dependent launch, and the default tile as an experiment variant with
-  and without the speculative prologue (``FLAG_SPEC_KV``: the first tiles copied before the
-  length lands);
+  without programmatic dependent launch, and the default tile as an experiment variant: as
+  launched, with the Q tile by 2-byte loads (the defaults before ``FLAG_Q_ASYNC``, v44), and
+  with the speculative prologue (``FLAG_SPEC_KV``: the first tiles copied before the length
+  lands; with 2-byte Q loads, which it requires);
 * ``cuDNN``: torch SDPA over 128 and 1024 keys (no lengths: it reads every key; it has no
   kernel for one key).
 

@@ -832,8 +832,8 @@ def _problem(**kw):
 def test_reason_topics_are_given_with_each_reason(batch, seqlen, hk, group, sq, headdim, page,
                                                   num_splits, split_size):
     """launch_config names the topic of every reason where it gives it (REASON_TOPICS); the
-    plan pairs them: the split count under num_splits, the depth under stages, the paged copy
-    path under copies, the grid and launch under note."""
+    plan pairs them: the split count under num_splits, the depth under stages, the Q tile's and
+    the paged copy path under copies, the grid and launch under note."""
     kw = dict(batch=batch, nheads=hk * group, nheads_k=hk, headdim=headdim, seqlen_q=sq,
               num_splits=num_splits, seqlen_cache=seqlen)
     if page:
@@ -853,7 +853,9 @@ def test_reason_topics_are_given_with_each_reason(batch, seqlen, hk, group, sq, 
                or ("K/V stages kept" in t and page) for t in stages)  # "kept": pages only
     assert ("K/V stages instead" in " ".join(la.reasons)) == ("stages" in by) or \
         any("stages need" in t or "K/V stages kept" in t for t in stages)
-    assert ("copies" in by) == bool(page)
+    copies = by["copies"]  # the Q tile's copy always (v44); the pages' copy path when paged
+    assert sum(t.startswith("q: the Q tile by 16-byte cp.async") for t in copies) == 1
+    assert (len(copies) == 2) == bool(page)
     assert (headdim != decode.padded_headdim(headdim)) == any(
         t.startswith(f"headdim {headdim} runs") for t in by.get("tile", []))
 
