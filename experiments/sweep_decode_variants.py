@@ -125,6 +125,11 @@ def variants():
     contiguous += [V(bn, w, st, F | R | P | QA, 1, pdl=True)
                    for bn, w, st in ((128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 2))]
     paged += [V(bn, w, 3, F | R | S | P | QA, pdl=True) for bn, w in ((128, 8), (64, 4))]
+    # v45: pages with the Q tile by cp.async, heads first (v16 kept pages at (splits, batch,
+    # heads) by 1-2%, before copy pointers and the Q copies) and with two stages at short caches
+    paged += [V(bn, w, st, F | R | S | P | QA, 1, pdl=True)
+              for bn, w, st in ((128, 8, 3), (64, 4, 3))]
+    paged += [V(128, 8, 2, F | R | S | P | QA, pdl=True)]
     return contiguous, paged
 
 
