@@ -306,10 +306,11 @@ FLAG_TMA = 65536
 #: zeroed V rows). Bitwise the same output as the kernel without it
 #: (``decode_flags::kSpecKV``).
 FLAG_SPEC_KV = 131072
-#: The Q tile by 16-byte ``cp.async`` issued beside the sequence's length, landed by the first
-#: wait that follows (v44, experiments/NOTES.md: at short caches the default's 2-byte Q loads,
-#: each followed by its shared-memory store, held half the kernel's stall samples); a q whose
-#: base or strides are not 16-byte multiples keeps the 2-byte loads. Not with
+#: The Q tile by 16-byte ``cp.async`` issued beside the sequence's length (with speculative page
+#: ids: right after the length's and ids' group, outside it, v47), landed with the first K/V
+#: group committed after it (v44, experiments/NOTES.md: at short caches the earlier 2-byte Q
+#: loads, each followed by its shared-memory store, held half the kernel's stall samples); a q
+#: whose base or strides are not 16-byte multiples keeps the 2-byte loads. Not with
 #: :data:`FLAG_TMA`, :data:`FLAG_WARP_LOCAL`, :data:`FLAG_Q_REGS` or :data:`FLAG_SPEC_KV`.
 #: Bitwise the same output as the kernel without it (``decode_flags::kQAsync``).
 FLAG_Q_ASYNC = 262144

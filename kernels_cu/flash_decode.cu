@@ -175,13 +175,13 @@ constexpr int kTma = 65536;
 constexpr int kSpecKV = 131072;
 // Q tile by 16-byte cp.async (the CTA pipeline, cp.async copies: not with kTma, kWarpLocal,
 // kQRegs or kSpecKV), issued beside the length (its round trip overlaps the length's) and
-// landed by the first wait that follows (the length's and ids' with kSpecPageIds, else the
-// first tile's). Without the flag the Q tile comes by 2-byte loads after the K/V copies, each
-// load's shared-memory store waiting for it before the next load issues: at b64 x 128 keys
-// those stores held 47% of the kernel's stall samples (ncu source view, experiments/NOTES.md
-// v44). Rows past the block's valid rows and columns past headdim are zero-filled. A q whose
-// base or varying strides are not 16-byte multiples takes the 2-byte loads (block-uniform
-// check). The tile holds the same bits either way.
+// landed with the first K/V group committed after it (the first tile's; with kSpecPageIds and
+// a missed guess, the real ids'). Without the flag the Q tile comes by 2-byte loads after the
+// K/V copies, each load's shared-memory store waiting for it before the next load issues: at
+// b64 x 128 keys those stores held 47% of the kernel's stall samples (ncu source view,
+// experiments/NOTES.md v44). Rows past the block's valid rows and columns past headdim are
+// zero-filled. A q whose base or varying strides are not 16-byte multiples takes the 2-byte
+// loads (block-uniform check). The tile holds the same bits either way.
 constexpr int kQAsync = 262144;
 constexpr int kAll = 524287;  // every defined bit (decode.py checks flags against its own list)
 }  // namespace decode_flags
@@ -612,7 +612,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
     // kQAsync: the Q tile by 16-byte cp.async, issued right after the length's load (with
     // kSpecPageIds: right after the length's and guessed ids' copies are committed) so that the
     // round trips overlap; Q needs neither the length nor the page ids. The copies join the
-    // first tile's commit group (issue_tile commits it; the loop's first wait lands it). The loop reads sQ only after that wait and its __syncthreads. Invalid rows and
+    // next commit group: the first tile's (issue_tile commits it, also when empty; the loop's
+    // first wait lands it), or with kSpecPageIds and a missed guess the real ids' (waited for
+    // in the prologue); with no tile, the epilogue's wait-all lands them before shared memory
+    // is reused. The loop reads sQ only after its first wait and __syncthreads. Invalid rows and
     // columns are zero-filled (src-size 0, no byte read). Needs every Q chunk 16-byte aligned:
     // checked once (block-uniform) on the base and the strides of the dims that vary; else the
     // Q tile comes by the 2-byte loads after the prologue, as without the flag.
@@ -646,8 +649,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const Decode
         for (int s = 0; s < STAGES - 1; ++s) fetch_page_ids(spec_begin + s, spec_end, p.seqlen_cache);
         cp_async_commit();
         // Q right behind the length and the ids, but outside their group: the wait below lands
-        // only theirs (cp.async.wait_group counts committed groups), and Q joins the first
-        // tile's group (v46: inside the ids' group, its copies held the wait 0.5-0.8 us)
+        // only theirs (cp.async.wait_group counts committed groups), and Q joins the next group
+        // committed (see copy_q; v46: inside the ids' group, its copies held the wait 0.5-0.8 us)
         if (q_async) copy_q();
         cp_async_wait<0>();
         __syncthreads();  // the length and the guessed ids are visible to every thread
