@@ -38,6 +38,7 @@ __all__ = [
     "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
     "check_attention", "check_varlen", "check_kvcache", "check_merge", "resolve_softmax_scale",
     "check_last_dim_contiguous", "element_strides", "page_strides_fit_i32", "page_offsets_fit_i32",
+    "aligned16", "device_pointer",
     "check_window_size",
     "kernel_window", "dtype_name", "to_host", "host_array",
 ]
@@ -127,6 +128,12 @@ class DecodeProblem:
         Paged caches: every page stride of ``k_cache`` and ``v_cache`` and ``page_size`` x
         their row strides lie in [0, 2^31) elements (False when a stride is negative, larger,
         or unknown), so that a page can be addressed with 32-bit offsets; True when contiguous.
+    q_aligned16 : bool
+        ``q``'s strides (of the dims with more than one element) are 16-byte multiples, and so is
+        its data pointer where ``q`` is a device array (a host array's is not the one the
+        kernel will see): the split kernel then copies the Q tile by 16-byte ``cp.async``
+        (``decode.FLAG_Q_ASYNC``), else by 2-byte loads (the same result, slower). Unknown
+        strides: False.
     """
     batch: int
     seqlen_q: int
@@ -144,6 +151,7 @@ class DecodeProblem:
     seqlen_new: int
     num_splits: int
     page_offsets_fit_i32: bool = True
+    q_aligned16: bool = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,6 +298,36 @@ def page_offsets_fit_i32(page_size: int, *caches) -> bool:
         if st is None or not page_strides_fit_i32(page_size, st):
             return False
     return True
+
+
+def device_pointer(x) -> int | None:
+    """The data pointer of a device array (CuPy ``.data.ptr``, torch ``.data_ptr()`` of a CUDA
+    tensor, ``__cuda_array_interface__``), or None for a host array or when unknown."""
+    if isinstance(x, np.ndarray):
+        return None
+    if hasattr(x, "__cuda_array_interface__"):
+        try:
+            return int(x.__cuda_array_interface__["data"][0])
+        except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def aligned16(x) -> bool:
+    """Every stride of ``x`` but the last (a unit-stride row, checked elsewhere) over a dim with
+    more than one element, in bytes, is a multiple of 16, and so is its data pointer when ``x``
+    is a device array (:func:`device_pointer`); unknown strides: False. The decode kernel's
+    16-byte Q copies need it (kQAsync)."""
+    st = element_strides(x)
+    if st is None:
+        return False
+    name = dtype_name(x)
+    itemsize = 2 if name == "bfloat16" else np.dtype(name).itemsize
+    shape = tuple(int(n) for n in x.shape)
+    if any(n > 1 and (s * itemsize) % 16 for n, s in zip(shape[:-1], st[:-1])):
+        return False
+    ptr = device_pointer(x)
+    return ptr is None or ptr % 16 == 0
 
 
 def check_last_dim_contiguous(x, name: str) -> None:
@@ -812,7 +850,8 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
                          seqlen_new=seqlen_new, num_splits=int(num_splits),
                          page_offsets_fit_i32=(not paged
                                                or page_offsets_fit_i32(page_size, k_cache,
-                                                                       v_cache)))
+                                                                       v_cache)),
+                         q_aligned16=aligned16(q))
 
 
 def check_merge(o_parts, lse_parts) -> tuple:

@@ -599,7 +599,7 @@ class DecodeLaunch:
 
 #: Topics of the reasons :func:`launch_config` gives (``Plan.reasons`` pairs them with the text):
 #: the split count and how the splits merge; the tile (head-dim padding, tile shape, query-row
-#: blocks); the pipeline depth; the copy path of paged caches; everything else.
+#: blocks); the pipeline depth; how Q and paged K/V are copied; everything else.
 REASON_TOPICS = ("num_splits", "tile", "stages", "copies", "note")
 
 
@@ -745,7 +745,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
             cause = (f">= {TWO_STAGES_MIN_KEYS_PER_SPLIT} keys per split at capacity: 64 KB of "
                      "copies in flight per SM")
         why("stages", f"{depth} K/V stages instead of {stages} (contiguous cache, {cause}; "
-                      "heuristics.choose_split_stages, v24-v26; bitwise the same output)")
+                      "heuristics.choose_split_stages, v24-v27; bitwise the same output)")
         stages = depth
         smem = split_smem_bytes(p.dtype, hd, cfg.block_n, stages)
     elif p.paged and choose_split_stages(
@@ -759,9 +759,15 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
                              stages=stages, page_size=_flags_page_size(p))
     if p.paged:
         why("copies", _page_copy_reason(hd, p.page_size, p.page_offsets_fit_i32))
-    why("copies", "q: the Q tile by 16-byte cp.async beside the length (FLAG_Q_ASYNC, v44); a q "
-                  "whose pointer or batch/row/head strides are not 16-byte multiples takes "
-                  "2-byte loads instead (bitwise the same; up to 5 us slower at short caches)")
+    if p.q_aligned16:
+        why("copies", "q: the Q tile by 16-byte cp.async beside the length (FLAG_Q_ASYNC, v44); "
+                      "a q whose pointer or strides are not 16-byte multiples would take 2-byte "
+                      "loads")
+    else:
+        why("copies", "q: its strides (or pointer) are not 16-byte multiples: the Q tile by "
+                      "2-byte loads after the K/V copies instead of 16-byte cp.async (bitwise "
+                      "the same result; up to 5 us slower at short caches, v44); a contiguous "
+                      "q avoids it")
     combine = None  # the fused last-block-done combine (default_flags): no combine launch
     ws = counters = 0
     if num_splits > 1:
@@ -856,7 +862,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     ``kernel`` is the split kernel (it also merges the splits: fused combine);
     ``extra_kernels`` the append (if new tokens); ``reasons`` holds the ``(topic, why)`` pairs
     of :func:`launch_config` (topics :data:`REASON_TOPICS`: the split count, tile, pipeline
-    depth, paged copy path, and notes); ``rejected`` lists the other decode specialisations
+    depth, how Q and paged K/V are copied, and notes); ``rejected`` lists the other decode specialisations
     with the reason.
 
     Parameters

@@ -100,8 +100,8 @@ class Plan:
     reasons : list of (str, str)
         ``(topic, text)``: why the chosen launch looks as it does (decode: the topics of
         :data:`cupyflash.decode.REASON_TOPICS`: ``"num_splits"`` for the split count and the
-        merge, ``"tile"``, ``"stages"`` for the pipeline depth, ``"copies"`` for the paged copy
-        path, ``"note"`` for the rest); for prefill only a ``"note"`` when the plan assumed an
+        merge, ``"tile"``, ``"stages"`` for the pipeline depth, ``"copies"`` for how Q and
+        paged K/V are copied, ``"note"`` for the rest); for prefill only a ``"note"`` when the plan assumed an
         H200 (no GPU visible), its choice being explained by ``rejected``.
     extra_kernels : tuple of KernelChoice
         Further launches (decode's KV-append kernel when new tokens are given; the split

@@ -854,7 +854,7 @@ def test_reason_topics_are_given_with_each_reason(batch, seqlen, hk, group, sq, 
     assert ("K/V stages instead" in " ".join(la.reasons)) == ("stages" in by) or \
         any("stages need" in t or "K/V stages kept" in t for t in stages)
     copies = by["copies"]  # the Q tile's copy always (v44); the pages' copy path when paged
-    assert sum(t.startswith("q: the Q tile by 16-byte cp.async") for t in copies) == 1
+    assert sum(t.startswith("q: ") for t in copies) == 1
     assert (len(copies) == 2) == bool(page)
     assert (headdim != decode.padded_headdim(headdim)) == any(
         t.startswith(f"headdim {headdim} runs") for t in by.get("tile", []))
@@ -969,6 +969,30 @@ def test_explain_kvcache_on_host_arrays():
     assert "  why (" in str(plan) and str(plan).index("  why (") < str(plan).index("  rejected (")
     assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel_cp_qasync" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
+
+
+def test_explain_says_how_q_is_copied():
+    """explain_kvcache names how the kernel will copy the Q tile (v44, fresh-user trial of
+    session 13): by 16-byte cp.async when q's strides (and, for device arrays, pointer) are
+    16-byte multiples, else by 2-byte loads; a dim of one element never counts."""
+    _, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
+
+    def q_line(q):
+        plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+        lines = [t for topic, t in plan.reasons if topic == "copies" and t.startswith("q: ")]
+        assert len(lines) == 1 and plan.problem.q_aligned16 == lines[0].startswith(
+            "q: the Q tile by 16-byte cp.async"), lines
+        return plan.problem.q_aligned16
+
+    q = np.ones((2, 1, 4, 64), np.float16)
+    assert q_line(q)
+    wide = np.ones((2, 1, 4, 65), np.float16)[..., :64]  # head stride 65 elements: 130 bytes
+    assert not q_line(wide)
+    odd_batch = np.lib.stride_tricks.as_strided(q, (2, 1, 4, 64), (4 * 64 * 2 + 2, 2, 128, 2))
+    assert not q_line(odd_batch)  # batch stride 514 bytes
+    one = np.lib.stride_tricks.as_strided(q[:1], (1, 1, 4, 64), (6, 10, 128, 2))  # size-1 dims
+    assert checks.aligned16(one) and not checks.aligned16(wide)
+    assert checks.device_pointer(q) is None  # a host pointer is not the kernel's
 
 
 def test_plan_says_when_it_assumed_an_h200():
