@@ -1066,7 +1066,7 @@ def test_q_async_is_bitwise_the_default(d, tile, page, sq, dtype):
         pl = decode.explain_kvcache(q_, kd, vd, cache_seqlens=csd, block_table=btd, report=False)
         assert pl.problem.q_aligned16 == ok
         assert any(t.startswith("q: the Q tile by 16-byte" if ok else "q: its strides")
-                   for t in pl.reasons)
+                   for _, t in pl.reasons)
     base = decode.SplitVariant(bn, w, st_, flags, order, pdl=True)
     qa = decode.SplitVariant(bn, w, st_, flags | decode.FLAG_Q_ASYNC, order, pdl=True)
     for name, q_ in (("q 2 bytes off", qm), ("head stride d + 1", qw)):
