@@ -20,9 +20,9 @@ Errors
 Every message starts with the name of the offending argument, then says what was given and what
 is supported, e.g. ``"k: expected 4 dims (batch, seqlen_k, nheads_k, headdim), got shape (2, 3)"``.
 
-Semantics (README, "Semantics"): causal masking is aligned bottom-right; ``window_size=(left, right)``
-with -1 meaning unbounded, also bottom-right aligned; ``causal=True`` is the same as ``right=0``;
-``softmax_scale=None`` means ``1/sqrt(headdim)``.
+Semantics (README, "Semantics"): causal masking is aligned bottom-right;
+``window_size=(left, right)`` with -1 meaning unbounded, also bottom-right aligned;
+``causal=True`` is the same as ``right=0``; ``softmax_scale=None`` means ``1/sqrt(headdim)``.
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .interop import is_device_array  # (imports no CuPy)
+from .interop import is_device_array, np_dtype  # (imports no CuPy)
 
 __all__ = [
     "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
     "check_attention", "check_varlen", "check_kvcache", "check_merge", "resolve_softmax_scale",
     "check_last_dim_contiguous", "element_strides", "page_strides_fit_i32", "page_offsets_fit_i32",
-    "aligned16", "device_pointer",
+    "aligned16", "rows_aligned16", "device_pointer",
     "check_window_size",
     "kernel_window", "dtype_name", "to_host", "host_array",
 ]
@@ -301,30 +301,35 @@ def page_offsets_fit_i32(page_size: int, *caches) -> bool:
 
 
 def device_pointer(x) -> int | None:
-    """The data pointer of a device array (CuPy ``.data.ptr``, torch ``.data_ptr()`` of a CUDA
-    tensor, ``__cuda_array_interface__``), or None for a host array or when unknown."""
-    if isinstance(x, np.ndarray):
+    """The data pointer of a device array (a CuPy array's ``.data.ptr``, else its
+    ``__cuda_array_interface__``), or None for a host array or when unknown."""
+    if not is_device_array(x):
         return None
-    if hasattr(x, "__cuda_array_interface__"):
-        try:
-            return int(x.__cuda_array_interface__["data"][0])
-        except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
-            return None
-    return None
+    data = getattr(x, "data", None)
+    if hasattr(data, "ptr"):  # CuPy: no interface dict built
+        return int(data.ptr)
+    try:
+        return int(x.__cuda_array_interface__["data"][0])
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
+        return None
+
+
+def rows_aligned16(shape, byte_strides) -> bool:
+    """Every stride but the last (a unit-stride row, checked by
+    :func:`check_last_dim_contiguous`) of a dim with more than one element is a multiple of 16
+    bytes: each row then starts on a 16-byte boundary relative to the base."""
+    return not any(n > 1 and s % 16 for n, s in zip(tuple(shape)[:-1], tuple(byte_strides)[:-1]))
 
 
 def aligned16(x) -> bool:
-    """Every stride of ``x`` but the last (a unit-stride row, checked elsewhere) over a dim with
-    more than one element, in bytes, is a multiple of 16, and so is its data pointer when ``x``
-    is a device array (:func:`device_pointer`); unknown strides: False. The decode kernel's
+    """:func:`rows_aligned16` for ``x``'s strides, and its data pointer a multiple of 16 when
+    ``x`` is a device array (:func:`device_pointer`); unknown strides: False. The decode kernel's
     16-byte Q copies need it (kQAsync)."""
     st = element_strides(x)
     if st is None:
         return False
-    name = dtype_name(x)
-    itemsize = 2 if name == "bfloat16" else np.dtype(name).itemsize
-    shape = tuple(int(n) for n in x.shape)
-    if any(n > 1 and (s * itemsize) % 16 for n, s in zip(shape[:-1], st[:-1])):
+    itemsize = np_dtype(dtype_name(x)).itemsize
+    if not rows_aligned16(x.shape, tuple(v * itemsize for v in st)):
         return False
     ptr = device_pointer(x)
     return ptr is None or ptr % 16 == 0

@@ -862,8 +862,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     ``kernel`` is the split kernel (it also merges the splits: fused combine);
     ``extra_kernels`` the append (if new tokens); ``reasons`` holds the ``(topic, why)`` pairs
     of :func:`launch_config` (topics :data:`REASON_TOPICS`: the split count, tile, pipeline
-    depth, how Q and paged K/V are copied, and notes); ``rejected`` lists the other decode specialisations
-    with the reason.
+    depth, how Q and paged K/V are copied, and notes); ``rejected`` lists the other decode
+    specialisations with the reason.
 
     Parameters
     ----------
@@ -942,8 +942,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     rejected.sort(key=lambda r: (not r[0].startswith(f"decode_split_{_SHORT[p.dtype]}"), r[0]))
     notes = list(zip(la.reason_topics, la.reasons))
     if h200_assumed:
-        notes.append(("note", f"planned for {num_sms} SMs, an H200's: no GPU is visible here; "
-                              f"pass num_sms= (and the device's arch) for another GPU"))
+        notes.append(dispatch.h200_assumed_note(num_sms))
     return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
                          hbm_bytes=la.hbm_bytes, rejected=rejected, reasons=notes,
                          extra_kernels=tuple(extra), num_sms=num_sms,
@@ -1051,9 +1050,7 @@ def _estrides(x) -> tuple:
 def _check_row_strides(shape, strides, name: str, ptr: int | None = None) -> None:
     """The split kernel copies 16-byte chunks of each cache row: rows must be 16-byte aligned
     (``strides`` in bytes; ``ptr`` the data pointer, None on the host)."""
-    bad_ptr = ptr is not None and ptr % 16 != 0
-    bad_stride = any(shape[i] > 1 and strides[i] % 16 for i in range(len(shape) - 1))
-    if bad_ptr or bad_stride:
+    if (ptr is not None and ptr % 16 != 0) or not checks.rows_aligned16(shape, strides):
         where = f"pointer {ptr:#x}, " if ptr is not None else ""
         raise ValueError(f"{name}: rows must be 16-byte aligned for the decode kernel ({where}"
                          f"strides {tuple(strides)} bytes); pass a contiguous cache")
@@ -1225,10 +1222,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Bottom-right causal mask (default True, as decoding needs; note that FlashAttention's
         ``flash_attn_with_kvcache`` defaults to False).
     num_splits : int
-        0 = :func:`cupyflash.decode.choose_num_splits` (from shapes and the device's SM count and shared memory
-        only, never from ``cache_seqlens``; it may also switch hd128 to the two-blocks-per-SM
-        tile when the batch needs several waves); any value >= 1 is honoured, including more
-        splits than tiles (empty splits are harmless).
+        0 = :func:`cupyflash.decode.choose_num_splits` (from shapes and the device's SM count and
+        shared memory only, never from ``cache_seqlens``; it may also switch hd128 to the
+        two-blocks-per-SM tile when the batch needs several waves); any value >= 1 is honoured,
+        including more splits than tiles (empty splits are harmless).
     return_lse : bool
         Also return the natural-log LSE, float32 (batch, nheads, seqlen_q); -inf for a row that
         sees no key (its output is 0).
@@ -1246,12 +1243,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         of such a call is unspecified, not unsafe).
     workspace : float32 CUDA array or None
         Scratch for the fp32 partials and the fused combine's int32 counters, at least
-        :func:`cupyflash.decode.workspace_size` elements, from :func:`cupyflash.decode.alloc_workspace` (or zero-filled once: the
-        counters at its end must start at zero; each launch leaves them zero), contiguous and
-        16-byte aligned. If None, the partials come from CuPy's memory pool and the counters
-        from a zero-filled buffer kept per (device, stream) (per host thread on CuPy's
-        per-thread default stream); such a call cannot be captured in a CUDA graph. Pass it
-        (with ``out``, ``validate=False`` and ``return_lse=False``) to capture in a CUDA graph.
+        :func:`cupyflash.decode.workspace_size` elements, from
+        :func:`cupyflash.decode.alloc_workspace` (or zero-filled once: the counters at its end must
+        start at zero; each launch leaves them zero), contiguous and 16-byte aligned. If None, the
+        partials come from CuPy's memory pool and the counters from a zero-filled buffer kept per
+        (device, stream) (per host thread on CuPy's per-thread default stream); such a call cannot
+        be captured in a CUDA graph. Pass it (with ``out``, ``validate=False`` and
+        ``return_lse=False``) to capture in a CUDA graph.
 
     Returns
     -------
@@ -1269,7 +1267,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
         ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small or not
         16-byte aligned; no ``workspace`` while the stream captures a CUDA graph (with more
-        than one split); a grid dimension over its limit (see :func:`cupyflash.decode.launch_config`).
+        than one split); a grid dimension over its limit (see
+        :func:`cupyflash.decode.launch_config`).
     """
     opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
     if opts is not None and validate is False:  # the warm path (dispatch.LAUNCH_CACHE)

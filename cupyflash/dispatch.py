@@ -22,7 +22,7 @@ import re
 from . import checks, heuristics, jit
 
 __all__ = ["KernelChoice", "Plan", "plan_prefill", "launch_plan", "default_arch",
-           "check_arch", "check_device_limits", "max_smem_bytes_for_arch"]
+           "check_arch", "check_device_limits", "h200_assumed_note", "max_smem_bytes_for_arch"]
 
 #: Opt-in dynamic shared memory per block (bytes) by architecture (CUDA C Programming Guide,
 #: "Compute Capabilities" table). Used when no device is visible; on a GPU the device is asked.
@@ -101,8 +101,8 @@ class Plan:
         ``(topic, text)``: why the chosen launch looks as it does (decode: the topics of
         :data:`cupyflash.decode.REASON_TOPICS`: ``"num_splits"`` for the split count and the
         merge, ``"tile"``, ``"stages"`` for the pipeline depth, ``"copies"`` for how Q and
-        paged K/V are copied, ``"note"`` for the rest); for prefill only a ``"note"`` when the plan assumed an
-        H200 (no GPU visible), its choice being explained by ``rejected``.
+        paged K/V are copied, ``"note"`` for the rest); for prefill only a ``"note"`` when the
+        plan assumed an H200 (no GPU visible), its choice being explained by ``rejected``.
     extra_kernels : tuple of KernelChoice
         Further launches (decode's KV-append kernel when new tokens are given; the split
         kernels merge their partials themselves); empty for prefill.
@@ -243,7 +243,8 @@ def check_arch(arch) -> None:
                         f"{type(arch).__name__} {arch!r}")
     m = re.fullmatch(r"sm_(\d+)[a-z]?", arch)
     if m is None:
-        raise ValueError(f"arch: expected an NVRTC target such as 'sm_80' or 'sm_90a', got {arch!r}")
+        raise ValueError(f"arch: expected an NVRTC target such as 'sm_80' or 'sm_90a', got "
+                         f"{arch!r}")
     if int(m.group(1)) < 80:
         raise ValueError(f"arch: {arch!r} is older than sm_80; the kernels need sm_80 or newer "
                          f"(cp.async, bf16 tensor cores)")
@@ -255,6 +256,13 @@ def check_device_limits(**limits) -> None:
     for name, val in limits.items():
         if val is not None and (not checks._is_int(val) or val < 1):
             raise ValueError(f"{name}: expected an int >= 1 or None, got {val!r}")
+
+
+def h200_assumed_note(num_sms: int) -> tuple:
+    """The ``("note", text)`` reason of a plan made without a visible GPU for an H200's SMs
+    (prefill and decode plans say it alike)."""
+    return ("note", f"planned for {num_sms} SMs, an H200's: no GPU is visible here; pass "
+                    f"num_sms= (and the device's arch) for another GPU")
 
 
 def max_smem_bytes_for_arch(arch: str) -> int:
@@ -349,9 +357,7 @@ def plan_prefill(problem, *, arch: str | None = None, report: bool = True,
                          None if lengths is None else tuple(tuple(int(x) for x in a)
                                                             for a in lengths))
     if h200_assumed:
-        plan = dataclasses.replace(plan, reasons=plan.reasons + [(
-            "note", f"planned for {num_sms} SMs, an H200's: no GPU is visible here; pass "
-                    f"num_sms= (and the device's arch) for another GPU")])
+        plan = dataclasses.replace(plan, reasons=plan.reasons + [h200_assumed_note(num_sms)])
     return plan
 
 

@@ -11,9 +11,9 @@ Conventions
 -----------
 * Sizes are elements; ``dtype`` is a name (``"bfloat16"``, ``"float16"``, ``"float32"``,
   ``"float64"``), a NumPy dtype, or an item size in bytes. Results are integers (FLOPs, bytes).
-* Masks follow the README's "Semantics": causal and ``window_size=(left, right)`` are aligned bottom-right; query
-  row ``i`` sees key ``j`` iff ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (``-1`` =
-  unbounded; causal is ``right = 0``).
+* Masks follow the README's "Semantics": causal and ``window_size=(left, right)`` are aligned
+  bottom-right; query row ``i`` sees key ``j`` iff ``i + Sk - Sq - left <= j <= i + Sk - Sq +
+  right`` (``-1`` = unbounded; causal is ``right = 0``).
 * FLOPs count the two matrix products only, over the visible (query, key) pairs:
   ``4 * batch * nheads * pairs * headdim`` (``2 d`` for ``q.k`` and ``2 d`` for ``p v``); the
   softmax's exponentials are not counted (the field's convention, as in FlashAttention's

@@ -14,11 +14,11 @@ The online-softmax update exists in exactly one function, :func:`online_softmax_
 streaming attention, split-KV partials and the merge all call it. The masking rule exists in
 exactly one function, :func:`visible`.
 
-Semantics (README, "Semantics"): causal masking and windows are aligned bottom-right (query row ``i`` of
-``seqlen_q`` sees key ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
-right``; ``causal`` means ``right = 0``); a row with no visible key gives output 0 and LSE -inf;
-LSE is the natural log of the softmax denominator of the scaled scores; GQA query head ``h`` reads
-KV head ``h // (nheads // nheads_k)``. Every function validates its inputs through
+Semantics (README, "Semantics"): causal masking and windows are aligned bottom-right (query row
+``i`` of ``seqlen_q`` sees key ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
+seqlen_q + right``; ``causal`` means ``right = 0``); a row with no visible key gives output 0 and
+LSE -inf; LSE is the natural log of the softmax denominator of the scaled scores; GQA query head
+``h`` reads KV head ``h // (nheads // nheads_k)``. Every function validates its inputs through
 :mod:`cupyflash.checks` (the same checks the kernels use) before any work.
 """
 from __future__ import annotations
