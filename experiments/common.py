@@ -477,6 +477,59 @@ def llama_decode_inputs(rng, batch: int, seqlen: int, nheads: int = 32, nheads_k
     return q, kc, vc, cupy.full((batch,), seqlen, cupy.int32)
 
 
+def graph_time_us(fn, n: int = 20, reps: int = 3) -> float:
+    """Microseconds per call of a CuPy callable: ``n`` calls captured in one CUDA graph on a
+    fresh stream and replayed (best of ``reps`` replays, CUDA events); back-to-back calls, so
+    part of a small cache may still sit in L2 (:func:`benchmark` with ``flush_l2`` for cold
+    calls). :func:`torch_graph_time_us` is the torch twin."""
+    import cupy as cp
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        fn()
+        s.synchronize()
+        s.begin_capture()
+        for _ in range(n):
+            fn()
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            g.launch(s)
+            e1.record(s)
+            e1.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n)
+    return best
+
+
+def timed_decode_call(q, k_cache, v_cache, cache_seqlens, block_table=None, what: str = "") -> tuple:
+    """The probes' decode measurement: ``cupyflash.flash_attn_with_kvcache`` (``validate=False``,
+    its workspace passed, the output NaN-poisoned first) run once and checked to have written
+    every element, then timed graph-replayed (:func:`graph_time_us`) and alone after the L2
+    flush (:func:`benchmark`, median of 30). Returns ``(out as float32, us_graph,
+    us_flushed)``; ``what`` names the case in the assertion's message."""
+    import cupy as cp
+    import cupyflash
+    out = cp.full(q.shape, np.nan, dtype=cp.float32).astype(q.dtype)
+    ws = cupyflash.decode.alloc_workspace(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                          block_table=block_table)
+
+    def fn():
+        return cupyflash.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, out=out,
+            validate=False, workspace=ws)
+    fn()
+    cp.cuda.Device().synchronize()
+    o32 = out.astype(cp.float32)
+    assert not bool(cp.isnan(o32).any()), f"{what}: unwritten output"
+    g = graph_time_us(fn)
+    f = benchmark(fn, n_warmup=3, n_repeat=30, flush_l2=True)["ms"] * 1e3
+    return o32, g, f
+
+
 def torch_graph_time_us(fn, n: int = 20, reps: int = 3) -> tuple:
     """Microseconds per call of a torch callable, ``n`` calls captured in one
     ``torch.cuda.CUDAGraph`` and replayed (best of ``reps`` replays, torch CUDA events), or, if

@@ -23,8 +23,6 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -36,14 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args(argv)
     import cupy as cp
-    import ml_dtypes
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
-    from sweep_decode_variants import graph_time_us
-    import cupyflash
-    import cupyflash.decode
 
-    bf = ml_dtypes.bfloat16
     H, HK, D = 32, 8, 128
     prov = common.provenance()
     rng = cp.random.default_rng(5)
@@ -58,19 +51,10 @@ def main(argv=None) -> int:
         kv = 2 * B * S * HK * D * 2
         ref = None
         for name, k_, v_ in (("bshd", kc, vc), ("bhsd", kh, vh)):
-            out = cp.full(q.shape, np.nan, dtype=cp.float32).astype(bf)
-            ws = cupyflash.decode.alloc_workspace(q, k_, v_, cache_seqlens=cs)
-            fn = lambda: cupyflash.flash_attn_with_kvcache(  # noqa: E731
-                q, k_, v_, cache_seqlens=cs, out=out, validate=False, workspace=ws)
-            fn()
-            cp.cuda.Device().synchronize()
-            o32 = out.astype(cp.float32)
-            assert not bool(cp.isnan(o32).any()), f"{name}: unwritten output"
+            o32, g, f = common.timed_decode_call(q, k_, v_, cs, what=name)
             if ref is None:
                 ref = o32
             same = bool((o32 == ref).all())
-            g = graph_time_us(fn)
-            f = common.benchmark(fn, n_warmup=3, n_repeat=30, flush_l2=True)["ms"] * 1e3
             impls = [("cupyflash", g, f)]
             if not args.no_torch:
                 try:
@@ -89,7 +73,6 @@ def main(argv=None) -> int:
                 print(f"B={B:3d} S={S:6d} {name} {impl:30s}: graph {g_:8.2f} us "
                       f"{kv / g_ / 1e6:.2f} TB/s | flushed {f_:8.2f} us {kv / f_ / 1e6:.2f} TB/s"
                       + (f" | bitwise {same}" if impl == "cupyflash" else ""), flush=True)
-            del out, ws
         del q, kc, vc, kh, vh
         common.free_memory()
     return 0

@@ -49,14 +49,9 @@ def main(argv=None) -> int:
                     help="batch,seqlen_k pairs (seqlen_k a multiple of 1024)")
     args = ap.parse_args(argv)
     import cupy as cp
-    import ml_dtypes
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
-    from sweep_decode_variants import graph_time_us
-    import cupyflash
-    import cupyflash.decode
 
-    bf = ml_dtypes.bfloat16
     H, HK, D, PAGE = 32, 8, 128, 16
     prov = common.provenance()
     rng = cp.random.default_rng(3)
@@ -74,27 +69,17 @@ def main(argv=None) -> int:
                 k_, v_ = cp.empty_like(kpool), cp.empty_like(vpool)
                 k_[bt.ravel()] = kpool
                 v_[bt.ravel()] = vpool
-            out = cp.full(q.shape, np.nan, dtype=cp.float32).astype(bf)
-            ws = cupyflash.decode.alloc_workspace(q, k_, v_, cache_seqlens=cs, block_table=bt)
-            fn = lambda: cupyflash.flash_attn_with_kvcache(  # noqa: E731
-                q, k_, v_, cache_seqlens=cs, block_table=bt, out=out, validate=False,
-                workspace=ws)
-            fn()
-            cp.cuda.Device().synchronize()
-            o32 = out.astype(cp.float32)
-            assert not bool(cp.isnan(o32).any()), f"{name}: unwritten output"
+            o32, g, f = common.timed_decode_call(q, k_, v_, cs, bt, what=name)
             if ref is None:
                 ref = o32
             same = bool((o32 == ref).all())  # the same keys in the same order: bitwise equal
-            g = graph_time_us(fn)
-            f = common.benchmark(fn, n_warmup=3, n_repeat=30, flush_l2=True)["ms"] * 1e3
             rec = dict(probe="paged_locality", table=name, batch=B, seqlen_k=S, page_size=PAGE,
                        nheads=H, nheads_k=HK, headdim=D, us_graph=g, tbps_graph=kv / g / 1e6,
                        us_flushed=f, tbps_flushed=kv / f / 1e6, equal_to_contiguous=same, **prov)
             common.append_jsonl(os.path.join(args.out, "probe_paged_locality.jsonl"), rec)
             print(f"B={B} S={S} {name:10s}: graph {g:8.1f} us {kv / g / 1e6:.2f} TB/s | flushed "
                   f"{f:8.1f} us {kv / f / 1e6:.2f} TB/s | equal {same}", flush=True)
-            del k_, v_, out
+            del k_, v_
         del q, kc, vc, kpool, vpool
         common.free_memory()
     return 0

@@ -31,7 +31,6 @@ def main(argv=None) -> int:
     import ml_dtypes
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
-    from sweep_decode_variants import graph_time_us
     import cupyflash
 
     bf = ml_dtypes.bfloat16
@@ -54,7 +53,7 @@ def main(argv=None) -> int:
             cp.cuda.Device().synchronize()
             assert not bool(cp.isnan(out.astype(cp.float32)).any()), "unwritten output"
             kv = 2 * B * S * HK * D * 2
-            g = graph_time_us(fn)
+            g = common.graph_time_us(fn)
             f = common.benchmark(fn, n_warmup=3, n_repeat=30, flush_l2=True)["ms"] * 1e3
             blocks = B * HK * max(1, ns or 1)
             rec = dict(probe="sm_fill", batch=B, nheads=H, nheads_k=HK, headdim=D, seqlen_k=S,

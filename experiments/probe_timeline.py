@@ -93,7 +93,6 @@ def main(argv=None) -> int:
     import ml_dtypes
     sys.path.insert(0, here)
     import common
-    from sweep_decode_variants import graph_time_us
     from cupyflash import decode as Dm, jit
 
     mods = {}
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
             ref = o if ref is None else ref
             rec = dict(probe="timeline", batch=B, seqlen_k=S, page_size=ps,
                        kernel=base.spec("bfloat16", D, bool(ps)).name,
-                       num_splits=ns, grid_order=order, us_graph=graph_time_us(fn),
+                       num_splits=ns, grid_order=order, us_graph=common.graph_time_us(fn),
                        bitwise_vs_contiguous=bool(np.array_equal(o, ref)), **prov)
             jit.get_kernel = get_kernel
             try:

@@ -166,30 +166,6 @@ def split_candidates(batch, seqlen, cps, block_n):
     return sorted(s for s in out if s <= max(1, tiles))
 
 
-def graph_time_us(fn, n=20, reps=3):
-    import cupy as cp
-    cp.cuda.Device().synchronize()
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        fn()
-        s.synchronize()
-        s.begin_capture()
-        for _ in range(n):
-            fn()
-        g = s.end_capture()
-        g.launch(s)
-        s.synchronize()
-        best = float("inf")
-        for _ in range(reps):
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(s)
-            g.launch(s)
-            e1.record(s)
-            e1.synchronize()
-            best = min(best, cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n)
-    return best
-
-
 def flushed(fn, kv_bytes):
     """Median of 30 calls with the L2 flushed before each (CUDA events; common.benchmark)."""
     import common
@@ -356,7 +332,7 @@ def main(argv=None) -> int:
                                                   workspace=ws)
         def_ns = def_bn = None
         try:
-            us = graph_time_us(call)
+            us = common.graph_time_us(call)
             plan = Dm.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
             def_ns, def_bn = plan.num_splits, plan.template["block_n"]
             err = rel(out_def, ref)
@@ -381,7 +357,7 @@ def main(argv=None) -> int:
                 validate=False, workspace=ws)
             try:
                 with common.decode_pdl(False):
-                    us = graph_time_us(call_plain)
+                    us = common.graph_time_us(call_plain)
                 same = bool((out_plain.view(cp.uint16) == out_def.view(cp.uint16)).all())
                 rec = dict(case=[B, S, ps], variant="default_plain", num_splits=rec.get("num_splits"),
                            us=us, tbps=kv_bytes / us / 1e6, bitwise_vs_default=same, ok=same)
@@ -414,7 +390,7 @@ def main(argv=None) -> int:
                     cp.cuda.Device().synchronize()
                     nan = bool(cp.isnan(out.astype(cp.float32)).any())
                     err = rel(out, ref)
-                    us = graph_time_us(fn)
+                    us = common.graph_time_us(fn)
                     d_def = rel(out, out_def)
                     if var.flags & Dm.FLAG_FUSED_COMBINE and ns > 1:  # counters back at zero
                         base = ns * B * H * (D + 1)
