@@ -1025,16 +1025,16 @@ def test_speculative_prologue_is_bitwise_the_plain_one(d, tile, sq, dtype):
                                          (72, (64, 4, 3), 0), (256, (32, 2, 3), 16),
                                          (64, (128, 4, 3), 0)])
 @pytest.mark.parametrize("sq,dtype", [(1, "bfloat16"), (5, "float16")])
-def test_q_async_is_bitwise_the_default(d, tile, page, sq, dtype):
-    """decode.FLAG_Q_ASYNC (v44; in the defaults since): the Q tile copied by 16-byte cp.async
-    in the first tile's group gives bitwise the output and LSE of the kernel without the flag, and matches the
-    reference: contiguous and paged caches (pages of 3, 16, 256; copy pointers and speculative
-    ids where the defaults have them), K/V groups, ragged NaN-tailed caches, an empty sequence,
-    GQA 4, padded head dim 72 (columns past headdim zeroed), causal rows over two row chunks at
-    sq = 5 (rows past the block's valid rows zeroed), split counts from 1 to more splits than
-    tiles; a q view 2 bytes past a 16-byte boundary and one whose head stride is not a multiple
-    of 8 elements (both take the 2-byte loads); shared memory poisoned with NaN before every
-    launch, so a Q tile that did not land in time reads NaN."""
+def test_q_async_is_bitwise_the_2byte_q_loads(d, tile, page, sq, dtype):
+    """decode.FLAG_Q_ASYNC (v44, v47; in the defaults since): the Q tile copied by 16-byte cp.async,
+    landing with the next K/V group, gives bitwise the output and LSE of the kernel without the flag
+    (its 2-byte Q loads), and matches the reference: contiguous and paged caches (pages of 3, 16,
+    256; copy pointers and speculative ids where the defaults have them), K/V groups, ragged
+    NaN-tailed caches, an empty sequence, GQA 4, padded head dim 72 (columns past headdim zeroed),
+    causal rows over two row chunks at sq = 5 (rows past the block's valid rows zeroed), split
+    counts from 1 to more splits than tiles; a q view 2 bytes past a 16-byte boundary and one whose
+    head stride is not a multiple of 8 elements (both take the 2-byte loads); shared memory poisoned
+    with NaN before every launch, so a Q tile that did not land in time reads NaN."""
     bn, w, st_ = tile
     hk, h, cap = 2, 8, 1100
     if page:
