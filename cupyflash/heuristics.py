@@ -114,14 +114,14 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         raise ValueError(f"dtype: no prefill tile available for dtype {dtype!r} and headdim "
                          f"{headdim}")
     # Rule 1: the table's first row (cupyflash/prefill.py _TC_TILES). bf16/fp16 hd96 and hd128:
-    # 128x64x4w, measured fastest by experiments/sweep_prefill_variants.py v1 (H200, 16k tokens, S = 4096 /
+    # 128x64x4w, measured fastest by the v1 tile sweep (H200, 16k tokens, S = 4096 /
     # 16384, experiments/NOTES.md): hd128 non-causal 312-321 TFLOP/s vs 292-299 (128x32x4) and
     # 256-262 (128x64x8); hd128 causal 258-281, the best tile at S = 4096 and 0.7% behind
     # 128x128x8 (283) at S = 16384, too small a gap for a causal-specific rule; hd96 296-304
     # vs 234-259 for every other tile, causal 277-302 vs <= 251. hd64 keeps 128x64x4w (305-314).
-    # Not adopted: hd64 causal with 3 K/V stages (prefill VARIANTS, s3): +0.2-2% causal (280 vs
-    # 277 at S = 4096, 304 vs 303 bf16 / 303 vs 297 fp16 at S = 16384) but -1.5% non-causal; a
-    # dispatchable stages column needs dispatch.py to carry the full table key (see NOTES).
+    # Not adopted (and removed from the kernel): hd64 causal with 3 K/V stages: +0.2-2% causal
+    # (280 vs 277 at S = 4096, 304 vs 303 bf16 / 303 vs 297 fp16 at S = 16384) but -1.5%
+    # non-causal.
     # On sm_90a the wgmma rows (prefill._WG_TILES, Hopper warpgroup MMA) come first for hd64 and
     # hd128 and are taken by this rule; v3 in experiments/NOTES.md has their measurements.
     tile = tiles[0]                                              # rule 1

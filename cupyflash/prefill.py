@@ -15,28 +15,24 @@ Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU
 
 * :data:`SUPPORTED` is the table of compiled configurations (a tuple of :class:`PrefillConfig`);
   within one (dtype, headdim) the first row is the suggested default (the first one the device
-  can run), and (block_m, block_n, nwarps, isa) is unique, so a tile names one row. :data:`VARIANTS` holds experimental rows with
-  another pipeline depth (``stages``) or register working set (``sub_n``) than the plain kernel
-  (2 stages, whole tile); the dispatcher never picks them, ``experiments/sweep_prefill_variants.py``
-  measures them, and a variant that wins replaces the SUPPORTED row of its tile.
+  can run), and (block_m, block_n, nwarps, isa) is unique, so a tile names one row.
 * :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one.
 * :func:`kernel_spec` names a specialisation (``fwdwg_bf16_hd128_m128_n64_causal``,
-  ``fwd_bf16_hd128_m128_n64_w8_causal``, ``fwd_bf16_hd128_m128_n64_w4_s3_sub32``,
+  ``fwd_bf16_hd128_m128_n64_w8_causal``, ``fwd_bf16_hd128_m128_n64_w4_pf``,
   ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.jit.KernelSpec`.
 * :func:`launch_config` gives (grid, block, dynamic shared memory) for a spec and a problem.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 from . import checks, jit
 
 __all__ = [
-    "PrefillConfig", "SUPPORTED", "VARIANTS", "OPT_FLAGS", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
-    "padded_headdim", "smem_bytes", "kernel_spec", "all_specs", "variant_specs", "spec_of",
+    "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
+    "padded_headdim", "smem_bytes", "kernel_spec", "all_specs", "spec_of",
     "config_of", "launch_config",
     "kernel_args", "args_template", "check_pointers", "launch",
 ]
@@ -59,9 +55,6 @@ WG_ARCH = "sm_90a"
 ISAS = ("wgmma", "mma", "simt")
 SIMT_THREADS = 128
 
-#: Name suffixes of the kernel's ``OPT`` bit flags (kernels_cu/flash_fwd.cu), in name order.
-OPT_FLAGS = ((1, "fx"), (2, "rs"), (4, "pf"))
-
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 _CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -79,12 +72,9 @@ class PrefillConfig:
         CUDA cores: always 4, i.e. 128 threads).
     smem_bytes : dynamic shared memory per CTA, bytes (same formula as the kernel's traits).
     source : kernel file under ``kernels_cu/``.
-    stages : K/V tiles in the cp.async pipeline (tensor cores; 2 = double buffering).
-    sub_n : keys per register working set (tensor cores): each ``block_n``-key shared-memory
-        tile is consumed as ``block_n / sub_n`` sub-tiles; 0 means ``block_n``.
-    opt : instruction-level options (tensor cores), bit flags of the kernel's ``OPT``
-        (:data:`OPT_FLAGS`): 1 fast exp2 (``fx``), 2 skip the rescale when no row max moved
-        (``rs``), 4 prefetched Q K^T fragments (``pf``); 0 = plain.
+    stages : K/V tiles in the shared-memory ring (mma: 2, double buffering; wgmma: 3).
+    prefetch : mma only: the Q K^T fragments of the next k16 step are loaded before the MMAs of
+        the current one (name suffix ``_pf``; the kernel's ``PREFETCH``).
     isa : ``"wgmma"`` (Hopper warpgroup MMA, :data:`WG_SOURCE`, runs on :data:`WG_ARCH` only;
         ``nwarps = 4 * block_m / 64``), ``"mma"`` (mma.sync) or ``"simt"`` (CUDA cores).
     """
@@ -96,19 +86,8 @@ class PrefillConfig:
     smem_bytes: int
     source: str
     stages: int = 2
-    sub_n: int = 0
-    opt: int = 0
+    prefetch: bool = False
     isa: str = "mma"
-
-    def __post_init__(self):
-        if self.sub_n == 0:
-            object.__setattr__(self, "sub_n", self.block_n)
-
-    @property
-    def plain(self) -> bool:
-        """True for the default pipeline (mma: 2 stages, wgmma: 3; whole-tile working set)."""
-        return (self.stages == (3 if self.isa == "wgmma" else 2) and self.sub_n == self.block_n
-                and self.opt == 0)
 
     @property
     def threads(self) -> int:
@@ -167,31 +146,12 @@ _SIMT_TILES = {
 }
 _SIMT_TILES["float64"][256] = ((16, 32), (16, 16))  # 32x32 needs > 255 registers (spills)
 
-# Experimental tensor-core rows (both dtypes): (headdim, block_m, block_n, nwarps, stages, sub_n,
-# opt), measured by experiments/sweep_prefill_variants.py against the SUPPORTED rows of the same head dim.
-# v1 (experiments/NOTES.md): 3 stages (two K/V tiles in flight) and sub_n < block_n (64-key copies,
-# 32-key softmax steps). The sub32 rows and hd128 128x32x4 s3 lost to 128x64x4 by 6-15% in the v1
-# sweep and were removed; hd64 s3 stays (causal +1-2%).
-# v2 (opt flags, OPT_FLAGS): fx = one ex2.approx.ftz per exp2 (exp2f is 4 instructions), rs = skip
-# acc *= alpha when no row max of the warp moved, pf = K / Q fragments loaded one k16 step ahead.
-_TC_VARIANTS = (
-    (64, 128, 64, 4, 3, 64, 0),
-    (64, 128, 64, 4, 2, 64, 3),
-    (64, 128, 64, 4, 3, 64, 3),
-    (96, 128, 64, 4, 2, 64, 3),
-    (96, 128, 64, 4, 2, 64, 7),
-    (128, 128, 64, 4, 2, 64, 1),
-    (128, 128, 64, 4, 2, 64, 3),
-    (128, 128, 64, 4, 2, 64, 0),  # the supported row without pf, for comparison
-    (128, 128, 64, 4, 2, 64, 7),
-)
-
-
-# Supported rows that carry pipeline options: (headdim, block_m, block_n, nwarps) -> (stages,
-# sub_n, opt). v2 sweep (H200, experiments/NOTES.md "v2 prefill outcome"): hd128 128x64x4 with
-# fragment prefetch (pf) 325-327 TFLOP/s non-causal vs 315-319 without, causal 282-309 vs
-# 257-279; fx/rs add 0-1% (noise) and fx changes results below 2^-126, so only pf is adopted.
-_TC_ROW_OPTS = {(128, 128, 64, 4): (2, 64, 4)}
+# Rows with prefetched Q K^T fragments: (headdim, block_m, block_n, nwarps). v2 sweep (H200,
+# experiments/NOTES.md "v2 prefill outcome"): hd128 128x64x4 with fragment prefetch (pf)
+# 325-327 TFLOP/s non-causal vs 315-319 without, causal 282-309 vs 257-279. Measured there and
+# not adopted (removed): one ex2.approx.ftz per exp2 and skipping the rescale when no row max
+# moved (0-1%, noise), 3 K/V stages and 32-key register working sets (v1).
+_TC_PREFETCH = {(128, 128, 64, 4)}
 
 # Hopper wgmma rows (kernels_cu/flash_fwd_wgmma.cu, sm_90a only): headdim -> (block_m, block_n),
 # nwarps = block_m / 16 (one warpgroup per 64 rows), a 3-tile K/V ring. Listed before the mma.sync
@@ -202,8 +162,6 @@ _TC_ROW_OPTS = {(128, 128, 64, 4): (2, 64, 4)}
 # 128x64 wgmma 366-377); hd64 128x128 308-317 non-causal (mma.sync 128x64x4 310-314), 291-326
 # causal (mma.sync 281-305). The 2-tile rings (s2) lost 20-25% and were dropped.
 _WG_TILES = {64: ((128, 128),), 128: ((128, 128),)}
-# Experimental wgmma rows (sweeps only): (headdim, block_m, block_n, stages).
-_WG_VARIANTS = ((128, 128, 64, 3),)
 
 
 def _wg_row(dtype: str, hd: int, bm: int, bn: int, stages: int = 3) -> PrefillConfig:
@@ -219,9 +177,8 @@ def _build_table() -> tuple:
             for bm, bn in _WG_TILES.get(hd, ()):
                 rows.append(_wg_row(dtype, hd, bm, bn))
             for bm, bn, nw in _TC_TILES[hd]:
-                st, sub, opt = _TC_ROW_OPTS.get((hd, bm, bn, nw), (2, bn, 0))
-                rows.append(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn, st),
-                                          TC_SOURCE, st, sub, opt))
+                rows.append(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn),
+                                          TC_SOURCE, prefetch=(hd, bm, bn, nw) in _TC_PREFETCH))
     for dtype in SIMT_DTYPES:
         for hd in HEADDIMS:
             for bm, bn in _SIMT_TILES[dtype][hd]:
@@ -230,17 +187,8 @@ def _build_table() -> tuple:
     return tuple(rows)
 
 
-def _build_variants() -> tuple:
-    return tuple(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn, st), TC_SOURCE,
-                               st, sub, opt)
-                 for dtype in TC_DTYPES for hd, bm, bn, nw, st, sub, opt in _TC_VARIANTS) + \
-        tuple(_wg_row(dtype, hd, bm, bn, st) for dtype in TC_DTYPES for hd, bm, bn, st in _WG_VARIANTS)
-
-
 #: The supported table: every compiled configuration the dispatcher may choose.
 SUPPORTED: tuple = _build_table()
-#: Experimental rows (a SUPPORTED tile with another ``stages`` / ``sub_n``): sweeps only.
-VARIANTS: tuple = _build_variants()
 
 
 def padded_headdim(d: int) -> int:
@@ -260,14 +208,10 @@ def padded_headdim(d: int) -> int:
 def _name(cfg: PrefillConfig, causal: bool) -> str:
     suffix = "_causal" if causal else ""
     if cfg.isa == "wgmma":
-        return (f"fwdwg_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
-                + (f"_s{cfg.stages}" if cfg.stages != 3 else "") + suffix)
+        return f"fwdwg_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
     if cfg.dtype in TC_DTYPES:
-        pipe = (f"_s{cfg.stages}" if cfg.stages != 2 else "") + \
-               (f"_sub{cfg.sub_n}" if cfg.sub_n != cfg.block_n else "") + \
-               "".join(f"_{tag}" for bit, tag in OPT_FLAGS if cfg.opt & bit)
         return (f"fwd_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
-                f"_w{cfg.nwarps}{pipe}{suffix}")
+                f"_w{cfg.nwarps}{'_pf' if cfg.prefetch else ''}{suffix}")
     return f"fwdsimt_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
 
 
@@ -278,69 +222,49 @@ def _entry(cfg: PrefillConfig, causal: bool) -> str:
         block = (f"cf::FlashFwdWgmma<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {c}, "
                  f"{cfg.stages}>")
     elif cfg.dtype in TC_DTYPES:
-        pipe = "" if cfg.plain else f", {cfg.stages}, {cfg.sub_n}" + (f", {cfg.opt}" if cfg.opt else "")
+        pf = ", true" if cfg.prefetch else ""
         block = (f"cf::FlashFwd<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {cfg.nwarps}, "
-                 f"{c}{pipe}>")
+                 f"{c}{pf}>")
     else:
         block = f"cf::FlashFwdSimt<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {c}>"
     return f"cf::flash_fwd_entry<{block}, {t}>"
 
 
 _BY_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.isa): c for c in SUPPORTED}
-_BY_FULL_KEY = {(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt,
-                 c.isa): c for c in SUPPORTED + VARIANTS}
 _BY_NAME: dict = {}
-for _c in SUPPORTED + VARIANTS:
+for _c in SUPPORTED:
     for _causal in (False, True):
         _BY_NAME[_name(_c, _causal)] = (_c, _causal)
 del _c, _causal
 
 
 def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: int,
-                causal: bool, *, stages: int | None = None,
-                sub_n: int | None = None, opt: int | None = None,
-                isa: str | None = None) -> jit.KernelSpec:
-    """The :class:`~cupyflash.jit.KernelSpec` of one specialisation.
+                causal: bool, *, isa: str | None = None) -> jit.KernelSpec:
+    """The :class:`~cupyflash.jit.KernelSpec` of the :data:`SUPPORTED` row with this tile.
 
     ``isa``: ``"wgmma"``, ``"mma"`` or ``"simt"``; default ``"simt"`` for float32/float64 and
     ``"mma"`` for float16/bfloat16 (a wgmma row must be asked for by name, or through
-    :func:`spec_of`). Without ``stages`` / ``sub_n`` / ``opt``: the :data:`SUPPORTED` row of that
-    tile (for wgmma, which has no pipeline knobs, a :data:`VARIANTS` tile too). With any: the row of :data:`SUPPORTED` or :data:`VARIANTS` with exactly those values
-    (the others defaulting to 2 stages / ``sub_n = block_n`` / ``opt = 0``).
+    :func:`spec_of`).
 
     Raises
     ------
     ValueError
-        If the combination is not in the table (the message lists the tiles that are).
+        If the tile is not in the table (the message lists the tiles that are).
     """
     if isa is None:
         isa = "simt" if dtype in SIMT_DTYPES else "mma"
-    plain = stages is None and sub_n is None and opt is None
-    if plain:
-        cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, isa))
-        if cfg is None and isa == "wgmma":  # a wgmma variant tile (3 stages)
-            cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, 3, block_n, 0, isa))
-    else:
-        cfg = _BY_FULL_KEY.get((dtype, hd_padded, block_m, block_n, nwarps,
-                                2 if stages is None else stages,
-                                block_n if sub_n is None else sub_n,
-                                0 if opt is None else opt, isa))
+    cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, isa))
     if cfg is None:
-        have = [f"m{c.block_m}_n{c.block_n}_w{c.nwarps}"
-                + (f" ({c.isa})" if c.isa == "wgmma" else
-                   _name(c, False)[len(f"fwd_{_SHORT.get(dtype, dtype)}_hd{hd_padded}_"
-                                       f"m{c.block_m}_n{c.block_n}_w{c.nwarps}"):]
-                   if c.dtype in TC_DTYPES else "")
-                for c in SUPPORTED + VARIANTS if c.dtype == dtype and c.headdim == hd_padded]
-        extra = "" if plain else f", stages {stages}, sub_n {sub_n}, opt {opt}"
+        have = [f"m{c.block_m}_n{c.block_n}_w{c.nwarps}" + (f" ({c.isa})" if c.isa == "wgmma" else "")
+                for c in SUPPORTED if c.dtype == dtype and c.headdim == hd_padded]
         raise ValueError(f"prefill tile: ({dtype}, hd{hd_padded}, m{block_m}, n{block_n}, w{nwarps}"
-                         f"{extra}, isa {isa}) is not compiled; compiled for this dtype/headdim: "
+                         f", isa {isa}) is not compiled; compiled for this dtype/headdim: "
                          f"{have or 'none'}")
     return spec_of(cfg, causal)
 
 
 def spec_of(cfg: PrefillConfig, causal: bool) -> jit.KernelSpec:
-    """The :class:`~cupyflash.jit.KernelSpec` of a :data:`SUPPORTED` or :data:`VARIANTS` row."""
+    """The :class:`~cupyflash.jit.KernelSpec` of a :data:`SUPPORTED` row."""
     return jit.KernelSpec(name=_name(cfg, bool(causal)), source=cfg.source,
                           entry=_entry(cfg, bool(causal)), smem_bytes=cfg.smem_bytes,
                           arch=cfg.arch)
@@ -349,11 +273,6 @@ def spec_of(cfg: PrefillConfig, causal: bool) -> jit.KernelSpec:
 def all_specs() -> tuple:
     """Every specialisation in :data:`SUPPORTED` (each configuration, non-causal and causal)."""
     return tuple(spec_of(c, causal) for c in SUPPORTED for causal in (False, True))
-
-
-def variant_specs() -> tuple:
-    """Every specialisation in :data:`VARIANTS` (each row, non-causal and causal)."""
-    return tuple(spec_of(c, causal) for c in VARIANTS for causal in (False, True))
 
 
 def config_of(spec: jit.KernelSpec) -> tuple:

@@ -98,30 +98,36 @@ def attention_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1)) ->
 # ----------------------------------------------------------------------------------------------
 # The online-softmax update (the only place it exists in NumPy)
 # ----------------------------------------------------------------------------------------------
-def online_softmax_update(m, l, acc, s, v):
+def online_softmax_update(m, l, acc, s, v, scale=1.0):
     """Fold one block of scores into the running softmax state.
 
     FlashAttention (arXiv 2205.14135) Sec. 3.1 with FlashAttention-2's (arXiv 2307.08691,
     Sec. 3.1) unscaled accumulator: with ``m_new = max(m, rowmax(s))``,
 
-    ``l_new = exp(m - m_new) * l + sum_j exp(s_j - m_new)``,
-    ``acc_new = exp(m - m_new) * acc + sum_j exp(s_j - m_new) v_j``.
+    ``l_new = exp((m - m_new) scale) * l + sum_j exp((s_j - m_new) scale)``,
+    ``acc_new = exp((m - m_new) scale) * acc + sum_j exp((s_j - m_new) scale) v_j``.
 
-    Rows with nothing visible yet keep ``m = -inf, l = 0, acc = 0`` (the exponentials use 0 as
-    the reference point instead of -inf, so no ``-inf - -inf = NaN`` appears).
+    The same arithmetic as the kernels' ``SoftmaxRow`` (kernels_cu/common/online_softmax.cuh):
+    the max is kept in raw-score units and the difference is taken before the scale, so the
+    key with the row's max gets probability exactly 1 at any finite magnitude, and adding a
+    constant to every score changes no probability. Rows with nothing visible yet keep
+    ``m = -inf, l = 0, acc = 0`` (the exponentials use 0 as the reference point instead of
+    -inf, so no ``-inf - -inf = NaN`` appears).
 
     Parameters
     ----------
     m, l : array, shape (..., rows)
-        Running max (in score units, i.e. after ``softmax_scale``) and normaliser.
+        Running max (raw-score units, before ``scale``) and normaliser.
     acc : array, shape (..., rows, d)
         Unnormalised output accumulator.
     s : array, shape (..., rows, n)
-        Scaled scores of the block; -inf marks a masked key. ``n`` may be 0.
+        Raw scores of the block (``q . k``); -inf marks a masked key. ``n`` may be 0.
     v : array, shape (..., n, d) or (..., rows, n, d)
         Values shared by every row (attention), or one value per row and key (merging partial
         states, :func:`merge_states`). In the per-row form a key with probability 0 contributes
         exactly nothing even if its value is NaN.
+    scale : float
+        ``softmax_scale`` (1 for merging states: their scores are natural-log LSEs).
 
     Returns
     -------
@@ -131,8 +137,9 @@ def online_softmax_update(m, l, acc, s, v):
     m_blk = s.max(axis=-1) if s.shape[-1] else np.full(s.shape[:-1], _NEG_INF, s.dtype)
     m_new = np.maximum(m, m_blk)                         # running max
     m_ref = np.where(m_new == _NEG_INF, 0, m_new).astype(m_new.dtype)  # exp reference point
-    alpha = np.exp(m - m_ref)                            # rescale factor of the old state
-    p = np.exp(s - m_ref[..., None])                     # block probabilities (unnormalised)
+    scale = np.asarray(scale, m_new.dtype)
+    alpha = np.exp((m - m_ref) * scale)                  # rescale factor of the old state
+    p = np.exp((s - m_ref[..., None]) * scale)           # block probabilities (unnormalised)
     if v.ndim == s.ndim + 1:                             # per-row values (merge)
         pv = np.where(p[..., None] > 0, p[..., None] * v, 0).astype(acc.dtype).sum(axis=-2)
     else:
@@ -142,25 +149,27 @@ def online_softmax_update(m, l, acc, s, v):
     return m_new, l_new, acc_new
 
 
-def online_softmax_finalize(m, l, acc):
+def online_softmax_finalize(m, l, acc, scale=1.0):
     """Normalise a streaming state once at the end (FlashAttention-2 Sec. 3.1).
 
     Parameters
     ----------
     m, l : array, shape (..., rows)
     acc : array, shape (..., rows, d)
+    scale : float
+        The ``scale`` of :func:`online_softmax_update`.
 
     Returns
     -------
     out : array, shape (..., rows, d)
         ``acc / l``; 0 for a row with ``l == 0`` (nothing visible).
     lse : array, shape (..., rows)
-        ``m + log(l)``, natural log; -inf for a row with ``l == 0``.
+        ``m * scale + log(l)``, natural log; -inf for a row with ``l == 0``.
     """
     empty = l == 0
     safe_l = np.where(empty, 1, l).astype(l.dtype)
     out = np.where(empty[..., None], 0, acc / safe_l[..., None]).astype(acc.dtype)
-    lse = np.where(empty, _NEG_INF, m + np.log(safe_l)).astype(m.dtype)
+    lse = np.where(empty, _NEG_INF, m * np.asarray(scale, m.dtype) + np.log(safe_l)).astype(m.dtype)
     return out, lse
 
 
@@ -185,17 +194,19 @@ def _compute_dtype(dtype, like):
 
 
 def _one_shot(qh, kh, vh, vis, scale):
-    """Float64 softmax(s) v with the whole score matrix; vis broadcasts to (b, h, sq, sk)."""
-    s = (qh @ kh.swapaxes(-1, -2)) * scale
+    """Float64 softmax(scale * s) v with the whole raw score matrix s = q k^T; vis broadcasts to
+    (b, h, sq, sk). The max is taken on the raw scores and subtracted before the scale (as the
+    kernels do), so the result is exact at any finite magnitude of the scores."""
+    s = qh @ kh.swapaxes(-1, -2)
     s = np.where(vis, s, _NEG_INF)
     m = s.max(axis=-1) if s.shape[-1] else np.full(s.shape[:-1], _NEG_INF)
     m_ref = np.where(m == _NEG_INF, 0.0, m)
-    p = np.exp(s - m_ref[..., None])
+    p = np.exp((s - m_ref[..., None]) * scale)
     l = p.sum(axis=-1)
     empty = l == 0
     safe_l = np.where(empty, 1.0, l)
     out = np.where(empty[..., None], 0.0, (p @ vh) / safe_l[..., None])
-    lse = np.where(empty, _NEG_INF, m_ref + np.log(safe_l))
+    lse = np.where(empty, _NEG_INF, m_ref * scale + np.log(safe_l))
     return out, lse
 
 
@@ -212,9 +223,9 @@ def _stream(qh, kh, vh, vis, scale, block_size_k, dtype, key_start=0, key_stop=N
         stop = min(start + block_size_k, key_stop)
         k_blk = kh[:, :, start:stop].astype(dtype)
         v_blk = vh[:, :, start:stop].astype(dtype)
-        s = (q_ @ k_blk.swapaxes(-1, -2)).astype(dtype) * scale_    # S = Q K^T (scaled)
+        s = (q_ @ k_blk.swapaxes(-1, -2)).astype(dtype)              # S = Q K^T (raw)
         s = np.where(vis[..., start:stop], s, _NEG_INF).astype(dtype)  # mask
-        m, l, acc = online_softmax_update(m, l, acc, s, v_blk)
+        m, l, acc = online_softmax_update(m, l, acc, s, v_blk, scale_)
     return m, l, acc
 
 
@@ -311,7 +322,7 @@ def online_softmax_attention(q, k, v, *, softmax_scale=None, causal=False, windo
     vis = attention_mask(p.seqlen_q, p.seqlen_k, window_size=p.window_size)
     m, l, acc = _stream(_heads_first(q, p.nheads), _heads_first(k, p.nheads),
                         _heads_first(v, p.nheads), vis, p.softmax_scale, block_size_k, dt)
-    out, lse = online_softmax_finalize(m, l, acc)
+    out, lse = online_softmax_finalize(m, l, acc, dt.type(p.softmax_scale))
     return out.transpose(0, 2, 1, 3), lse
 
 
@@ -391,7 +402,7 @@ def split_kv_partials(q, k, v, num_splits, *, softmax_scale=None, causal=False,
     o_parts, lse_parts = [], []
     for start, stop in bounds:
         m, l, acc = _stream(qh, kh, vh, vis, p.softmax_scale, block_size_k, dt, start, stop)
-        o, lse = online_softmax_finalize(m, l, acc)
+        o, lse = online_softmax_finalize(m, l, acc, dt.type(p.softmax_scale))
         o_parts.append(o.transpose(0, 2, 1, 3))
         lse_parts.append(lse)
     return np.stack(o_parts), np.stack(lse_parts)

@@ -36,6 +36,7 @@ __all__ = [
     "segment_lengths", "cu_seqlens_from_lengths", "random_normal",
     "AttentionCase", "attention_cases", "VarlenCase", "varlen_cases",
     "KVCacheCase", "kvcache_cases", "paged_to_contiguous", "contiguous_to_paged",
+    "MAX_SCORE_MAGNITUDE", "MagnitudeCase", "magnitude_cases", "magnitude_tolerance",
 ]
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -645,3 +646,131 @@ def kvcache_cases(draw, *, dtypes=("float64",), paged=None, append=None, max_bat
     return KVCacheCase(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cs,
                        block_table=bt, softmax_scale=sm_scale, causal=is_causal, page_size=ps,
                        seed=seed, k_cache_contiguous=kc, v_cache_contiguous=vc)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scores of any finite magnitude (design.md semantics 6)
+# ----------------------------------------------------------------------------------------------
+#: Largest ``|softmax_scale * q . k|`` that :func:`magnitude_cases` draws. Every kernel
+#: accumulates scores in float32 or float64, but the LSE is float32 for every dtype (design.md
+#: semantics 3), and it holds the scaled max score: 1e30 keeps it far inside float32 (3.4e38).
+MAX_SCORE_MAGNITUDE = 1e30
+#: The shift channel: every key holds this value in its last head-dim channel, so a query whose
+#: last channel is ``a`` has every score of its row raised by ``SHIFT_KEY * a``.
+SHIFT_KEY = 16
+
+
+@dataclass
+class MagnitudeCase:
+    """Attention whose scaled scores reach a drawn magnitude, with exactly computable scores.
+
+    ``q``, ``k`` hold small integers (``[-3, 3]``; exact in every dtype, and so is every partial
+    sum of ``q . k`` in a float32 accumulator), so the kernels and the float64 reference see the
+    same raw scores. ``k``'s last channel is :data:`SHIFT_KEY` for every key and ``q``'s is 0;
+    ``q_shifted`` differs from ``q`` only there, by an integer ``a`` per (batch, query, head), so
+    row ``(b, h, i)`` of ``q_shifted`` has the scores of ``q`` plus ``shift[b, h, i] = SHIFT_KEY *
+    a`` (raw units): the same softmax, and an LSE larger by ``softmax_scale * shift``.
+    ``softmax_scale`` is set so that the largest ``|softmax_scale * score|`` is ``magnitude``,
+    drawn log-uniformly up to :data:`MAX_SCORE_MAGNITUDE`. ``v`` is standard normal.
+    """
+    q: np.ndarray
+    q_shifted: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    shift: np.ndarray
+    softmax_scale: float
+    causal: bool
+    magnitude: float
+    seed: int
+
+    def kwargs(self) -> dict:
+        """``softmax_scale``, ``causal`` as keyword arguments."""
+        return dict(softmax_scale=self.softmax_scale, causal=self.causal)
+
+
+@st.composite
+def magnitude_cases(draw, *, dtypes=("float64",), max_batch=2, max_seqlen_q=40, max_seqlen_k=80,
+                    headdims_from=(8, 64, 128), max_nheads_k=2, max_group=2, causal=None,
+                    max_magnitude=MAX_SCORE_MAGNITUDE):
+    """Strategy: :class:`MagnitudeCase`, scores from about 0.01 to ``max_magnitude`` (log-uniform).
+
+    Parameters
+    ----------
+    dtypes : tuple of str
+    max_batch, max_seqlen_q, max_seqlen_k : int
+        Size limits (lengths from 1, biased to tile edges).
+    headdims_from : tuple of int
+        Head dims to draw from (multiples of 8).
+    max_nheads_k, max_group : int
+    causal : bool or None
+        Fixed, or drawn when None.
+    max_magnitude : float
+        Largest ``|softmax_scale * q . k|``.
+    """
+    dt = draw(st.sampled_from(tuple(dtypes)))
+    batch = draw(st.integers(1, max_batch))
+    sq = draw(seqlens(max_seqlen_q, 1))
+    sk = draw(seqlens(max_seqlen_k, 1))
+    nheads, nheads_k = draw(head_counts(max_nheads_k, max_group))
+    d = draw(st.sampled_from(tuple(headdims_from)))
+    is_causal = draw(st.booleans()) if causal is None else causal
+    magnitude = 10.0 ** draw(st.floats(-2.0, math.log10(max_magnitude)))
+    seed = draw(_seeds())
+    rng = np.random.default_rng(seed)
+    npdt = np_dtype(dt)
+    q = rng.integers(-3, 4, (batch, sq, nheads, d)).astype(np.float64)
+    k = rng.integers(-3, 4, (batch, sk, nheads_k, d)).astype(np.float64)
+    q[..., -1] = 0.0
+    k[..., -1] = SHIFT_KEY
+    a = rng.integers(-64, 65, (batch, sq, nheads)).astype(np.float64)
+    q_shifted = q.copy()
+    q_shifted[..., -1] = a
+    group = nheads // nheads_k
+    kh = np.repeat(k, group, axis=2)
+    raw = np.einsum("bqhd,bkhd->bhqk", q_shifted, kh)
+    raw0 = np.einsum("bqhd,bkhd->bhqk", q, kh)
+    smax = max(float(np.abs(raw).max()), float(np.abs(raw0).max()), 1.0)
+    scale = magnitude / smax
+    return MagnitudeCase(q=q.astype(npdt), q_shifted=q_shifted.astype(npdt), k=k.astype(npdt),
+                         v=random_normal(rng, (batch, sk, nheads_k, d), dt),
+                         shift=(SHIFT_KEY * a).transpose(0, 2, 1), softmax_scale=scale,
+                         causal=is_causal, magnitude=magnitude, seed=seed)
+
+
+def magnitude_tolerance(q, k, v, dtype, *, softmax_scale, causal=False, accumulate="float32"):
+    """Componentwise error bounds for a :class:`MagnitudeCase` (exact scores).
+
+    With exact raw scores the only roundings are the probabilities' (``exp2((s - m) c)``: the
+    difference, the product and the exponential, a few units of the accumulator's roundoff each),
+    P rounded to ``dtype`` for the second product (tensor-core kernels), the sums over at most
+    ``n`` keys and the output rounded to ``dtype``. So ``|out - ref| <= (4 eps_dtype + (32 + n)
+    eps_acc) W`` with ``W = softmax(s) |v|`` (the reference applied to ``|v|``), and for the LSE
+    ``|lse - ref| <= 8 eps32 (1 + |ref|) + (32 + n) eps_acc`` (the LSE is float32).
+
+    Parameters
+    ----------
+    q, k, v : host arrays of the case
+    dtype : str
+        Input dtype (its epsilon bounds the roundings of P and of the output).
+    softmax_scale, causal
+        As in the call.
+    accumulate : str
+        ``"float32"`` or ``"float64"``: the kernel's accumulator.
+
+    Returns
+    -------
+    out_tol : float64 array, shape of ``q``
+    lse_tol : float64 array, shape (batch, nheads, seqlen_q)
+    """
+    from . import reference
+    eps = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23,
+           "float64": 2.0 ** -52}
+    eps_acc = eps[accumulate]
+    n = k.shape[1]
+    f = np.float64
+    w, lse_ref = reference.attention_reference(q.astype(f), k.astype(f), np.abs(v.astype(f)),
+                                               softmax_scale=softmax_scale, causal=causal)
+    out_tol = (4 * eps[dtype] + (32 + n) * eps_acc) * w
+    lse_tol = 8 * eps["float32"] * (1 + np.abs(np.where(np.isfinite(lse_ref), lse_ref, 0)))
+    return out_tol, lse_tol + (32 + n) * eps_acc
+

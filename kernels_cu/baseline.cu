@@ -11,8 +11,8 @@
 // (batch, nheads, seqlen_q) layout of the flash kernels.
 //
 // Pass 1 keeps a per-thread online (max, sum) over the row's visible keys and merges the threads'
-// states (the update of common/online_softmax.cuh); pass 2 re-reads the row and writes
-// P = exp2(s * scale * log2(e) - m) / l, and 0 for masked keys. An empty row (nothing visible)
+// states (SoftmaxRow of common/online_softmax.cuh); pass 2 re-reads the row and writes
+// P = exp2((s - m) * scale * log2(e)) / l, and 0 for masked keys. An empty row (nothing visible)
 // gives P = 0 and LSE = -inf.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -25,14 +25,6 @@ __device__ __forceinline__ void store_prob(__half* p, float x) { *p = __float2ha
 __device__ __forceinline__ void store_prob(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 __device__ __forceinline__ void store_prob(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store_prob(double* p, double x) { *p = x; }
-
-// Merge (m_b, l_b) into (m_a, l_a): running max and normaliser of the union of two key sets.
-template <typename Acc>
-__device__ __forceinline__ void merge_state(Acc& m_a, Acc& l_a, Acc m_b, Acc l_b) {
-    const Acc m_new = m_a > m_b ? m_a : m_b;
-    l_a = l_a * rescale_factor<Acc>(m_a, m_new) + l_b * rescale_factor<Acc>(m_b, m_new);
-    m_a = m_new;
-}
 
 // ScoreT: element type of S (float, or double for float64 inputs); ProbT: element type of P (the
 // input dtype). Acc = ScoreT. kThreads: threads per block (a multiple of 32, at most 1024).
@@ -54,37 +46,35 @@ baseline_softmax_kernel(const ScoreT* __restrict__ S, ProbT* __restrict__ P, flo
     const KeyRange r = visible_keys(i, seqlen_q, seqlen_k, causal != 0, window_left, window_right);
     const Acc scale_log2 = Acc(softmax_scale * 1.4426950408889634073599246810018921);
 
-    // Pass 1: this thread's running max m and normaliser l = sum exp2(x - m) over its keys.
-    Acc m = neg_inf<Acc>(), l = Acc(0);
+    // Pass 1: this thread's running max m and normaliser l over its keys, one key at a time.
+    SoftmaxRow<Acc> st;
+    st.init();
     for (int j = r.lo + threadIdx.x; j < r.hi; j += kThreads) {
-        const Acc x = Acc(s_row[j]) * scale_log2;
-        if (x > m) {
-            l = l * rescale_factor<Acc>(m, x) + Acc(1);
-            m = x;
-        } else {
-            l += prob<Acc>(x, m);
-        }
+        const Acc x = Acc(s_row[j]);
+        st.update(x, scale_log2);
+        st.l += SoftmaxRow<Acc>::prob(x, st.ref(), scale_log2);
     }
     // Merge across the warp, then across warps.
     for (int off = 16; off > 0; off >>= 1) {
-        const Acc m_o = __shfl_xor_sync(0xffffffffu, m, off);
-        const Acc l_o = __shfl_xor_sync(0xffffffffu, l, off);
-        merge_state<Acc>(m, l, m_o, l_o);
+        const Acc m_o = __shfl_xor_sync(0xffffffffu, st.m, off);
+        const Acc l_o = __shfl_xor_sync(0xffffffffu, st.l, off);
+        st.merge(m_o, l_o, scale_log2);
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
+    if (lane == 0) { s_m[warp] = st.m; s_l[warp] = st.l; }
     __syncthreads();
-    m = s_m[0];
-    l = s_l[0];
-    for (int w = 1; w < kWarps; ++w) merge_state<Acc>(m, l, s_m[w], s_l[w]);
+    st.m = s_m[0];
+    st.l = s_l[0];
+    for (int w = 1; w < kWarps; ++w) st.merge(s_m[w], s_l[w], scale_log2);
 
-    if (threadIdx.x == 0) lse[row] = float(lse_from<Acc>(m, l));
+    if (threadIdx.x == 0) lse[row] = float(st.lse(st.l, scale_log2));
 
-    // Pass 2: P = exp2(x - m) / l for visible keys, 0 elsewhere (every element written).
-    const Acc inv_l = inv_normaliser<Acc>(l);
+    // Pass 2: P = exp2((s - m) c) / l for visible keys, 0 elsewhere (every element written).
+    const Acc inv_l = SoftmaxRow<Acc>::inv_l(st.l);
+    const Acc ref = st.ref();
     for (int j = threadIdx.x; j < seqlen_k; j += kThreads) {
         Acc pj = Acc(0);
-        if (key_visible(r, j)) pj = prob<Acc>(Acc(s_row[j]) * scale_log2, m) * inv_l;
+        if (key_visible(r, j)) pj = SoftmaxRow<Acc>::prob(Acc(s_row[j]), ref, scale_log2) * inv_l;
         store_prob(p_row + j, pj);
     }
 }

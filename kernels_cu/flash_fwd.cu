@@ -5,18 +5,13 @@
 // row statistics (m_i, l_i) never need a cross-warp reduction. K_j / V_j tiles of BLOCK_N keys
 // stream through shared memory with cp.async, double-buffered (tile j+1 is in flight while tile j
 // is consumed). S = Q K_j^T and acc += P V_j run on mma.sync.m16n8k16 with fp32 accumulation; the
-// online softmax (Sec. 3.1: unscaled acc, normalised once at the end, exp2 with softmax_scale *
-// log2(e) folded into one FFMA) stays in registers, and P is re-used straight from the S
+// online softmax (Sec. 3.1: unscaled acc, normalised once at the end; the arithmetic is
+// common/online_softmax.cuh) stays in registers, and P is re-used straight from the S
 // accumulator registers as the A operand of P V (see common/mma.cuh for why that is exact).
 // Causal / sliding-window: key tiles outside every row's range are skipped by the loop bounds;
 // only tiles that straddle a boundary evaluate the mask (common/mask.cuh), and on those a warp
-// skips the SUB_N-key sub-tiles that none of its own rows sees (exact: P would be 0; when Q is
-// re-read from smem, FwdTraits::kWarpSkip).
-//
-// Template knobs beyond the tile (defaults = the plain kernel): STAGES K/V tiles in the cp.async
-// ring (2 = double buffering), and SUB_N keys per register working set (a BLOCK_N-key smem tile
-// is consumed as BLOCK_N / SUB_N sub-tiles, each with its own S, online-softmax step and P V),
-// which lets 32 rows per warp keep 64-key copies and barriers within 255 registers.
+// skips a tile that none of its own rows sees (exact: P would be 0; when Q is re-read from smem,
+// FwdTraits::kWarpSkip).
 //
 // Shared memory rows are padded by 16 bytes (HEADDIM + 8 elements): the row pitch is then an odd
 // number of 16-byte chunks, so the 8 row addresses of every ldmatrix phase fall in 8 distinct
@@ -31,53 +26,38 @@
 
 namespace cf {
 
-// STAGES: K/V tiles in flight (2 = double buffering, 3 = two tiles ahead). SUB_N: keys per
-// register working set; a BLOCK_N-key smem tile is consumed as BLOCK_N / SUB_N sub-tiles, each
-// with its own S = Q K^T, online-softmax update and P V (the online softmax is exact for any
-// partition of the keys), so that 32 rows per warp fit in registers with 64-key copies.
-// OPT: bit flags for instruction-level options (v2 plan, experiments/NOTES.md), 0 = plain:
-//   kOptFastExp (1): exp2 as one ex2.approx.ftz (common/mma.cuh ex2_ftz) instead of exp2f's four
-//     instructions; differs only where a result is below 2^-126.
-//   kOptSkipRescale (2): skip acc *= alpha when alpha == 1 for every row of the warp (one vote
-//     per sub-tile; exact: x * 1 == x).
-//   kOptPrefetch (4): software-pipelined fragments in S = Q K^T: the K (and Q) ldmatrix of the
-//     next k16 step is issued before the MMAs of the current one (double-buffered fragments).
-enum : int { kOptFastExp = 1, kOptSkipRescale = 2, kOptPrefetch = 4 };
-
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, int STAGES = 2,
-          int SUB_N = BLOCK_N, int OPT = 0>
+// PREFETCH: software-pipelined fragments in S = Q K^T: the K (and Q) ldmatrix of the next k16
+// step is issued before the MMAs of the current one (double-buffered fragments); the hd128 row
+// (v2 prefill outcome, experiments/NOTES.md).
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool PREFETCH = false>
 struct FwdTraits {
-    static constexpr bool kFastExp = (OPT & kOptFastExp) != 0;
-    static constexpr bool kSkipRescale = (OPT & kOptSkipRescale) != 0;
-    static constexpr bool kPrefetch = (OPT & kOptPrefetch) != 0;
+    static constexpr bool kPrefetch = PREFETCH;
     static constexpr int kThreads = NWARPS * 32;
     static constexpr int kMTiles = BLOCK_M / (16 * NWARPS);  // m16 row tiles per warp
-    static constexpr int kSubN = SUB_N;                      // keys per register working set
-    static constexpr int kSubTiles = BLOCK_N / SUB_N;        // sub-tiles per smem tile
-    static constexpr int kNTiles = SUB_N / 8;                // n8 tiles of S per row tile
+    static constexpr int kNTiles = BLOCK_N / 8;              // n8 tiles of S per row tile
     static constexpr int kDTiles = HEADDIM / 8;              // n8 tiles of acc per row tile
     static constexpr int kKSteps = HEADDIM / 16;             // k16 steps of Q K^T
-    static constexpr int kPSteps = SUB_N / 16;               // k16 steps of P V
+    static constexpr int kPSteps = BLOCK_N / 16;             // k16 steps of P V
     static constexpr int kChunks = HEADDIM / 8;              // 16-byte chunks per row
     static constexpr int kRow = HEADDIM + 8;                 // padded smem row, elements
     static constexpr int kQElems = BLOCK_M * kRow;
     static constexpr int kKVElems = BLOCK_N * kRow;
-    static constexpr int kStages = STAGES;
+    static constexpr int kStages = 2;                        // K/V tiles in the cp.async ring
     // cp.async groups: Q, then one K group and one V group per tile; kStages - 1 tiles are in
     // flight ahead of the one being consumed. At the top of iteration j the committed groups
     // from K_j on are K_j, V_j, ..., K_{j+S-2}, V_{j+S-2}: K_j has landed when at most
     // kWaitK = 2 (S - 1) - 1 are pending; after the prefetch of tile j + S - 1 (2 more groups),
     // V_j has landed when at most kWaitV = 2 (S - 1) are pending. Q (the first group) has landed
     // when at most kWaitQ = 2 (S - 1) are pending after the prologue.
-    static constexpr int kWaitK = 2 * (STAGES - 1) - 1;
-    static constexpr int kWaitV = 2 * (STAGES - 1);
-    static constexpr int kWaitQ = 2 * (STAGES - 1);
+    static constexpr int kWaitK = 2 * (kStages - 1) - 1;
+    static constexpr int kWaitV = 2 * (kStages - 1);
+    static constexpr int kWaitQ = 2 * (kStages - 1);
     // Bytes of dynamic shared memory; cupyflash/prefill.py computes the same number.
     static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * (int)sizeof(T);
     // Q as A fragments held in registers for the whole kernel when the register budget allows
     // (acc + S + Q fragments); otherwise re-read from smem with ldmatrix at every k-step, which is
     // what FlashAttention-2 itself does for these tile shapes.
-    static constexpr int kRegEstimate = kMTiles * (HEADDIM / 2 + SUB_N / 2 + HEADDIM / 4);
+    static constexpr int kRegEstimate = kMTiles * (HEADDIM / 2 + BLOCK_N / 2 + HEADDIM / 4);
     static constexpr bool kQInRegs = kRegEstimate <= 160;
     // Warp-level skip of fully masked sub-tiles on boundary tiles. Off when Q lives in registers:
     // there the extra live state made hd192 128x32x8w spill (ptxas, sm_90a), and those tiles
@@ -88,9 +68,6 @@ struct FwdTraits {
     static_assert(HEADDIM % 32 == 0 && HEADDIM <= 256, "padded head dim");
     static_assert(BLOCK_M % (16 * NWARPS) == 0 && kMTiles >= 1, "BLOCK_M = 16 * NWARPS * kMTiles");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N multiple of 16");
-    static_assert(SUB_N % 16 == 0 && BLOCK_N % SUB_N == 0, "SUB_N: a multiple of 16 dividing BLOCK_N");
-    static_assert(STAGES >= 2 && STAGES <= 4, "2..4 K/V stages");
-    static_assert(OPT >= 0 && OPT < 8, "OPT: kOptFastExp | kOptSkipRescale | kOptPrefetch");
     static_assert((kRow * 2 / 16) % 2 == 1, "odd pitch in 16-byte chunks: conflict-free ldmatrix");
 };
 
@@ -139,17 +116,9 @@ struct TileLoader {
     }
 };
 
-// exp2 of the online softmax: exp2f, or ex2.approx.ftz with kOptFastExp (see FwdTraits).
-template <bool FAST>
-__device__ __forceinline__ float softmax_exp2(float x) {
-    if constexpr (FAST) return ex2_ftz(x);
-    else return exp2f(x);
-}
-
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL, int STAGES,
-          int SUB_N, int OPT>
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL, bool PREFETCH>
 __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
-    using Tr = FwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, STAGES, SUB_N, OPT>;
+    using Tr = FwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, PREFETCH>;
     constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -218,18 +187,19 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                 ldmatrix_x4(q_frag[mt][ks], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks * 16) * 2));
     }
 
-    // acc (unnormalised output), m_i (running max, log2 domain), l_i (this thread's partial sum
-    // of the row normaliser; the quad reduction happens once, in the epilogue).
+    // acc (unnormalised output) and the softmax state of this thread's rows g, g + 8 of each m16
+    // tile (running max m, and l: this thread's share of the row sum, added over the quad once,
+    // in the epilogue).
     float acc[MT][DT][4];
-    float m_i[MT][2], l_i[MT][2];
+    SoftmaxRow<float> row[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
-        m_i[mt][0] = m_i[mt][1] = -INFINITY;
-        l_i[mt][0] = l_i[mt][1] = 0.f;
+        row[mt][0].init();
+        row[mt][1].init();
     }
     const float scale_log2 = p.scale_log2;
 
@@ -261,76 +231,72 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
         }
         const bool mask_tile = tiles.needs_mask(nb);
 
-#pragma unroll
-        for (int sub = 0; sub < Tr::kSubTiles; ++sub) {
-            const int k0 = n0 + sub * SUB_N;       // first key of this sub-tile
-            // A warp skips a sub-tile that none of its (valid) rows sees: its P would be exactly
-            // 0 and (m_i, l_i, acc) would stay bit-for-bit unchanged (alpha = 1, or 0 * 0).
-            // Only boundary tiles can hold such sub-tiles (causal diagonal, window edges).
-            bool active = true;
-            if (Tr::kWarpSkip && mask_tile) {
-                const int r_first = m0 + warp_row0;
-                const int r_last = min(r_first + 16 * MT, seqlen_q) - 1;
-                const KeyRange f = visible_keys(r_first, seqlen_q, seqlen_k, CAUSAL, p.window_left,
-                                                p.window_right);
-                const KeyRange l = visible_keys(r_last, seqlen_q, seqlen_k, CAUSAL, p.window_left,
-                                                p.window_right);
-                active = r_first <= r_last && k0 < l.hi && k0 + SUB_N > f.lo;
-            }
+        // A warp skips a tile that none of its (valid) rows sees: its P would be exactly 0 and
+        // (m, l, acc) would stay bit-for-bit unchanged (alpha = 1, or 0 * 0). Only boundary
+        // tiles can be such tiles (causal diagonal, window edges).
+        bool active = true;
+        if (Tr::kWarpSkip && mask_tile) {
+            const int r_first = m0 + warp_row0;
+            const int r_last = min(r_first + 16 * MT, seqlen_q) - 1;
+            const KeyRange f = visible_keys(r_first, seqlen_q, seqlen_k, CAUSAL, p.window_left,
+                                            p.window_right);
+            const KeyRange l = visible_keys(r_last, seqlen_q, seqlen_k, CAUSAL, p.window_left,
+                                            p.window_right);
+            active = r_first <= r_last && n0 < l.hi && n0 + BLOCK_N > f.lo;
+        }
 
-            // S = Q K^T for this sub-tile (BLOCK_M x SUB_N raw scores: not yet scaled).
-            float s[MT][NT][4];
-            uint32_t p_frag[MT][Tr::kPSteps][4];  // P rounded to T, already in A-fragment order
-            if (active) {
+        // S = Q K^T for this tile (BLOCK_M x BLOCK_N raw scores: not yet scaled).
+        float s[MT][NT][4];
+        uint32_t p_frag[MT][Tr::kPSteps][4];  // P rounded to T, already in A-fragment order
+        if (active) {
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-                const uint32_t sK_addr = sK_base + stage_off
-                                         + (uint32_t)((sub * SUB_N * Tr::kRow + k_lane_off) * 2);
-                if constexpr (Tr::kPrefetch) {
-                    // Steps i = (ks, np) in order; the fragments of step i + 1 are loaded before
-                    // the MMAs of step i (bk: every step; Q's a: when step i + 1 starts a new ks
-                    // and Q is re-read from smem). Fully unrolled: the buffers are renames.
-                    constexpr int NP = NT / 2, kSteps = Tr::kKSteps * NP;
-                    uint32_t a[2][MT][4], bk[2][4];
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+            const uint32_t sK_addr = sK_base + stage_off + (uint32_t)(k_lane_off * 2);
+            if constexpr (Tr::kPrefetch) {
+                // Steps i = (ks, np) in order; the fragments of step i + 1 are loaded before the
+                // MMAs of step i (bk: every step; Q's a: when step i + 1 starts a new ks and Q is
+                // re-read from smem). Fully unrolled: the buffers are renames.
+                constexpr int NP = NT / 2, kSteps = Tr::kKSteps * NP;
+                uint32_t a[2][MT][4], bk[2][4];
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        if constexpr (Tr::kQInRegs) {
+                for (int mt = 0; mt < MT; ++mt) {
+                    if constexpr (Tr::kQInRegs) {
 #pragma unroll
-                            for (int e = 0; e < 4; ++e) a[0][mt][e] = q_frag[mt][0][e];
-                        } else {
-                            ldmatrix_x4(a[0][mt], sQ_addr + (uint32_t)(mt * 16 * Tr::kRow * 2));
-                        }
+                        for (int e = 0; e < 4; ++e) a[0][mt][e] = q_frag[mt][0][e];
+                    } else {
+                        ldmatrix_x4(a[0][mt], sQ_addr + (uint32_t)(mt * 16 * Tr::kRow * 2));
                     }
-                    ldmatrix_x4(bk[0], sK_addr);
+                }
+                ldmatrix_x4(bk[0], sK_addr);
 #pragma unroll
-                    for (int i = 0; i < kSteps; ++i) {
-                        const int ks = i / NP, np = i % NP, cur = i & 1, ab = ks & 1;
-                        if (i + 1 < kSteps) {
-                            const int ks1 = (i + 1) / NP, np1 = (i + 1) % NP;
-                            if (np1 == 0) {
+                for (int i = 0; i < kSteps; ++i) {
+                    const int np = i % NP, cur = i & 1, ab = (i / NP) & 1;
+                    if (i + 1 < kSteps) {
+                        const int ks1 = (i + 1) / NP, np1 = (i + 1) % NP;
+                        if (np1 == 0) {
 #pragma unroll
-                                for (int mt = 0; mt < MT; ++mt) {
-                                    if constexpr (Tr::kQInRegs) {
+                            for (int mt = 0; mt < MT; ++mt) {
+                                if constexpr (Tr::kQInRegs) {
 #pragma unroll
-                                        for (int e = 0; e < 4; ++e) a[ks1 & 1][mt][e] = q_frag[mt][ks1][e];
-                                    } else {
-                                        ldmatrix_x4(a[ks1 & 1][mt], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks1 * 16) * 2));
-                                    }
+                                    for (int e = 0; e < 4; ++e) a[ks1 & 1][mt][e] = q_frag[mt][ks1][e];
+                                } else {
+                                    ldmatrix_x4(a[ks1 & 1][mt], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks1 * 16) * 2));
                                 }
                             }
-                            ldmatrix_x4(bk[cur ^ 1], sK_addr + (uint32_t)((np1 * 16 * Tr::kRow + ks1 * 16) * 2));
                         }
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            mma_m16n8k16<T>(s[mt][2 * np], a[ab][mt], bk[cur][0], bk[cur][1]);
-                            mma_m16n8k16<T>(s[mt][2 * np + 1], a[ab][mt], bk[cur][2], bk[cur][3]);
-                        }
+                        ldmatrix_x4(bk[cur ^ 1], sK_addr + (uint32_t)((np1 * 16 * Tr::kRow + ks1 * 16) * 2));
                     }
-                } else {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_m16n8k16<T>(s[mt][2 * np], a[ab][mt], bk[cur][0], bk[cur][1]);
+                        mma_m16n8k16<T>(s[mt][2 * np + 1], a[ab][mt], bk[cur][2], bk[cur][3]);
+                    }
+                }
+            } else {
 #pragma unroll
                 for (int ks = 0; ks < Tr::kKSteps; ++ks) {
                     uint32_t a[MT][4];
@@ -354,100 +320,77 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                         }
                     }
                 }
-                }
+            }
 
-                // Mask (only tiles that straddle a causal / window / sequence-end boundary): -inf.
-                if (mask_tile) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            const int row = m0 + warp_row0 + mt * 16 + g + hh * 8;
-                            const KeyRange r = visible_keys(row, seqlen_q, seqlen_k, CAUSAL,
-                                                            p.window_left, p.window_right);
-#pragma unroll
-                            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                                for (int e = 0; e < 2; ++e) {
-                                    const int key = k0 + nt * 8 + 2 * t + e;
-                                    if (!key_visible(r, key)) s[mt][nt][2 * hh + e] = -INFINITY;
-                                }
-                        }
-                }
-
-                // Online softmax: m_i <- max(m_i, rowmax(S) * scale_log2); P = exp2(S * scale_log2 - m_i);
-                // l_i <- l_i * exp2(m_old - m_i) + rowsum(P); acc <- acc * exp2(m_old - m_i).
-                float alpha[MT][2];
+            // Mask (only tiles that straddle a causal / window / sequence-end boundary): -inf.
+            if (mask_tile) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
-                        float mx = -INFINITY;
+                        const int r = m0 + warp_row0 + mt * 16 + g + hh * 8;
+                        const KeyRange vis = visible_keys(r, seqlen_q, seqlen_k, CAUSAL,
+                                                          p.window_left, p.window_right);
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt)
-                            mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
-                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the 4 threads of a quad
-                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));   // hold one row
-                        const float m_new = fmaxf(m_i[mt][hh], mx * scale_log2);
-                        const float m_ref = safe_max(m_new);
-                        // rescale_factor(m_i, m_new) (common/online_softmax.cuh) with this exp2
-                        alpha[mt][hh] = softmax_exp2<Tr::kFastExp>(m_i[mt][hh] - m_ref);
-                        float rowsum = 0.f;
 #pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            // prob_fma (common/online_softmax.cuh) with this exp2
-                            const float p0 = softmax_exp2<Tr::kFastExp>(fmaf(s[mt][nt][2 * hh], scale_log2, -m_ref));
-                            const float p1 = softmax_exp2<Tr::kFastExp>(fmaf(s[mt][nt][2 * hh + 1], scale_log2, -m_ref));
-                            rowsum += p0;
-                            rowsum += p1;
-                            // C fragment (row g + 8 hh, keys nt*8 + 2t, +1) -> A fragment register
-                            // (nt & 1) * 2 + hh of k16 step nt / 2 (common/mma.cuh).
-                            p_frag[mt][nt >> 1][(nt & 1) * 2 + hh] = pack2<T>(p0, p1);
-                        }
-                        l_i[mt][hh] = l_i[mt][hh] * alpha[mt][hh] + rowsum;
-                        m_i[mt][hh] = m_new;
+                            for (int e = 0; e < 2; ++e)
+                                if (!key_visible(vis, n0 + nt * 8 + 2 * t + e)) s[mt][nt][2 * hh + e] = -INFINITY;
                     }
-                // acc *= alpha. kSkipRescale: skipped when alpha == 1 for every row of the warp
-                // (the running max moved for none of them), which leaves acc bit-for-bit equal.
-                bool rescale = true;
-                if constexpr (Tr::kSkipRescale) {
-                    bool moved = false;
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-                        moved = moved || alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
-                    rescale = __any_sync(0xffffffffu, moved);
-                }
-                if (rescale) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[mt][e >> 1];
-                }
             }
 
-            if (sub == 0) {
-                // V_j has landed for every thread (every warp passes here, active or not).
-                cp_async_wait<Tr::kWaitV>();
-                __syncthreads();
+            // Online softmax (common/online_softmax.cuh): the row max over the quad, then
+            // alpha = exp2((m_old - m) c) rescales l and acc, P = exp2((S - m) c), l += rowsum(P).
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float alpha[2];
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    float mx = -INFINITY;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+                        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the 4 threads of a quad
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));   // hold one row
+                    alpha[hh] = row[mt][hh].update(mx, scale_log2);
+                    const float ref = row[mt][hh].ref();
+                    float rowsum = 0.f;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const float p0 = SoftmaxRow<float>::prob(s[mt][nt][2 * hh], ref, scale_log2);
+                        const float p1 = SoftmaxRow<float>::prob(s[mt][nt][2 * hh + 1], ref, scale_log2);
+                        rowsum += p0;
+                        rowsum += p1;
+                        // C fragment (row g + 8 hh, keys nt*8 + 2t, +1) -> A fragment register
+                        // (nt & 1) * 2 + hh of k16 step nt / 2 (common/mma.cuh).
+                        p_frag[mt][nt >> 1][(nt & 1) * 2 + hh] = pack2<T>(p0, p1);
+                    }
+                    row[mt][hh].l += rowsum;
+                }
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[e >> 1];
             }
+        }
 
-            // acc += P V for this sub-tile, with P taken straight from registers as the A operand.
-            if (active) {
-                const uint32_t sV_addr = sV_base + stage_off
-                                         + (uint32_t)((sub * SUB_N * Tr::kRow + v_lane_off) * 2);
+        // V_j has landed for every thread (every warp passes here, active or not).
+        cp_async_wait<Tr::kWaitV>();
+        __syncthreads();
+
+        // acc += P V for this tile, with P taken straight from registers as the A operand.
+        if (active) {
+            const uint32_t sV_addr = sV_base + stage_off + (uint32_t)(v_lane_off * 2);
 #pragma unroll
-                for (int kc = 0; kc < Tr::kPSteps; ++kc) {
+            for (int kc = 0; kc < Tr::kPSteps; ++kc) {
 #pragma unroll
-                    for (int dp = 0; dp < DT / 2; ++dp) {
-                        uint32_t bv[4];  // b-fragments of head-dim tiles 2dp (bv[0], bv[1]) and 2dp+1 (bv[2], bv[3])
-                        ldmatrix_x4_trans(bv, sV_addr + (uint32_t)((kc * 16 * Tr::kRow + dp * 16) * 2));
+                for (int dp = 0; dp < DT / 2; ++dp) {
+                    uint32_t bv[4];  // b-fragments of head-dim tiles 2dp (bv[0], bv[1]) and 2dp+1 (bv[2], bv[3])
+                    ldmatrix_x4_trans(bv, sV_addr + (uint32_t)((kc * 16 * Tr::kRow + dp * 16) * 2));
 #pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            mma_m16n8k16<T>(acc[mt][2 * dp], p_frag[mt][kc], bv[0], bv[1]);
-                            mma_m16n8k16<T>(acc[mt][2 * dp + 1], p_frag[mt][kc], bv[2], bv[3]);
-                        }
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_m16n8k16<T>(acc[mt][2 * dp], p_frag[mt][kc], bv[0], bv[1]);
+                        mma_m16n8k16<T>(acc[mt][2 * dp + 1], p_frag[mt][kc], bv[2], bv[3]);
                     }
                 }
             }
@@ -456,18 +399,18 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
     }
     cp_async_wait<0>();  // nothing may still be writing to smem when the CTA retires
 
-    // Epilogue: l_i summed over the quad; out = acc / l_i (0 for an empty row); LSE = m_i ln 2 + ln l_i.
+    // Epilogue: l summed over the quad; out = acc / l (0 for an empty row); LSE = m * scale + ln l.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            float l = l_i[mt][hh];
+            float l = row[mt][hh].l;
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = inv_normaliser(l);
-            const int row = m0 + warp_row0 + mt * 16 + g + hh * 8;
-            if (row < seqlen_q) {
-                T* o_row = o_base + (int64_t)row * p.o_row_stride;
+            const float inv = SoftmaxRow<float>::inv_l(l);
+            const int r = m0 + warp_row0 + mt * 16 + g + hh * 8;
+            if (r < seqlen_q) {
+                T* o_row = o_base + (int64_t)r * p.o_row_stride;
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     const int col = dt * 8 + 2 * t;
@@ -475,20 +418,20 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                         *reinterpret_cast<uint32_t*>(o_row + col) =
                             pack2<T>(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
                 }
-                if (t == 0) lse_base[row] = lse_from(m_i[mt][hh], l);
+                if (t == 0) lse_base[r] = row[mt][hh].lse(l, scale_log2);
             }
         }
 }
 
 // One CTA of the tensor-core forward, for the shared entry cf::flash_fwd_entry
 // (common/fwd_entry.cuh): the name expression is
-// cf::flash_fwd_entry<cf::FlashFwd<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL[, STAGES, SUB_N[, OPT]]>, T>.
+// cf::flash_fwd_entry<cf::FlashFwd<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL, PREFETCH>, T>.
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL,
-          int STAGES = 2, int SUB_N = BLOCK_N, int OPT = 0>
+          bool PREFETCH = false>
 struct FlashFwd {
     static constexpr int kThreads = NWARPS * 32;
     static __device__ __forceinline__ void run(const FwdParams& p) {
-        flash_fwd_block<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL, STAGES, SUB_N, OPT>(p);
+        flash_fwd_block<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL, PREFETCH>(p);
     }
 };
 

@@ -93,15 +93,14 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
                                             seqlen_q - m0, p.headdim, warp, lane);
 
     T acc[RM][DV][VEC];
-    T m_i[RM], l_i[RM];  // running max (log2 domain) and this thread's partial normaliser
+    SoftmaxRow<T> row[RM];  // running max m and this thread's share l of the row sum
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
 #pragma unroll
         for (int c = 0; c < DV; ++c)
 #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[i][c][e] = T(0);
-        m_i[i] = neg_inf<T>();
-        l_i[i] = T(0);
+        row[i].init();
     }
 
     for (int nb = tiles.n_block_min; nb < tiles.n_block_max; ++nb) {
@@ -148,8 +147,8 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
             }
         }
 
-        // Online softmax: m_i <- max(m_i, rowmax(S) scale_log2); P = exp2(S scale_log2 - m_i);
-        // l_i <- l_i exp2(m_old - m_i) + rowsum(P); acc <- acc exp2(m_old - m_i). P -> smem.
+        // Online softmax (common/online_softmax.cuh): the row max over the 8 lanes of the row,
+        // alpha = exp2((m_old - m) c) rescales l and acc, P = exp2((S - m) c) -> smem, l += rowsum(P).
 #pragma unroll
         for (int i = 0; i < RM; ++i) {
             T mx = s[i][0];
@@ -160,19 +159,17 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
                 const T o = __shfl_xor_sync(0xffffffffu, mx, off);
                 mx = o > mx ? o : mx;
             }
-            const T m_new = max(m_i[i], mx * scale_log2);
-            const T alpha = rescale_factor(m_i[i], m_new);
-            const T m_ref = safe_max(m_new);
+            const T alpha = row[i].update(mx, scale_log2);
+            const T ref = row[i].ref();
             T rowsum = T(0);
             T* p_row = sP + (tr + TR * i) * Tr::kPRow;
 #pragma unroll
             for (int j = 0; j < CN; ++j) {
-                const T pr = prob_fma(s[i][j], scale_log2, m_ref);
+                const T pr = SoftmaxRow<T>::prob(s[i][j], ref, scale_log2);
                 p_row[tc + TC * j] = pr;
                 rowsum += pr;
             }
-            l_i[i] = l_i[i] * alpha + rowsum;
-            m_i[i] = m_new;
+            row[i].l += rowsum;
 #pragma unroll
             for (int c = 0; c < DV; ++c)
 #pragma unroll
@@ -201,16 +198,16 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
         }
     }
 
-    // Epilogue: l_i summed over the 8 lanes of the row; out = acc / l_i; LSE = m_i ln 2 + ln l_i.
+    // Epilogue: l summed over the 8 lanes of the row; out = acc / l; LSE = m * scale + ln l.
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
-        T l = l_i[i];
+        T l = row[i].l;
 #pragma unroll
         for (int off = 1; off < TC; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-        const T inv = inv_normaliser(l);
-        const int row = m0 + tr + TR * i;
-        if (row < seqlen_q) {
-            T* o_row = o_base + (int64_t)row * p.o_row_stride;
+        const T inv = SoftmaxRow<T>::inv_l(l);
+        const int r = m0 + tr + TR * i;
+        if (r < seqlen_q) {
+            T* o_row = o_base + (int64_t)r * p.o_row_stride;
 #pragma unroll
             for (int c = 0; c < DV; ++c)
 #pragma unroll
@@ -218,7 +215,7 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
                     const int col = (tc + TC * c) * VEC + x;
                     if (col < p.headdim) o_row[col] = acc[i][c][x] * inv;
                 }
-            if (tc == 0) lse_base[row] = (float)lse_from(m_i[i], l);
+            if (tc == 0) lse_base[r] = (float)row[i].lse(l, scale_log2);
         }
     }
 }

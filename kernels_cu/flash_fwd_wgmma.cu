@@ -3,8 +3,7 @@
 //
 // The algorithm is the one of flash_fwd.cu (FlashAttention-2, Dao, arXiv 2307.08691, Algorithm 1,
 // Sec. 3.1-3.3): one CTA per (BLOCK_M query rows, head, batch), K/V tiles streamed through shared
-// memory, the online softmax in registers with exp2 and softmax_scale * log2(e) folded into one
-// FFMA, P reused from registers as the A operand of P V, the output normalised once at the end.
+// memory, the online softmax in registers (common/online_softmax.cuh), P reused from registers as the A operand of P V, the output normalised once at the end.
 // What changes is the matrix instruction and, with it, the schedule (FlashAttention-3, Shah et al.,
 // arXiv 2407.08608, Sec. 3.1-3.2):
 //   * each warpgroup (4 warps, 128 threads) owns 64 query rows; S = Q K^T is
@@ -101,12 +100,12 @@ struct SwizzledTileLoader {
 };
 
 // The online-softmax step of one S tile for this thread's two rows (row0, row0 + 8): mask (on
-// boundary tiles), row max over the quad, m_i / l_i update, P = exp2(S * scale_log2 - m) packed
-// to 16 bits in A-fragment order, and the factor alpha that rescales the old O
-// (common/online_softmax.cuh: safe_max, rescale_factor, prob_fma, with exp2f).
+// boundary tiles), row max over the quad, the state update and P = exp2((S - m) c) packed to
+// 16 bits in A-fragment order, and the factor alpha that rescales the old O (the arithmetic:
+// common/online_softmax.cuh, SoftmaxRow).
 template <typename T, int BLOCK_N, int NT, bool MASK>
 __device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], uint32_t (&pf)[BLOCK_N / 16][4],
-                                                float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
+                                                SoftmaxRow<float> (&row)[2], float (&alpha)[2],
                                                 int row0, int k0, int t, const FwdParams& p,
                                                 int seqlen_q, int seqlen_k, bool causal,
                                                 float scale_log2) {
@@ -141,16 +140,14 @@ __device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], u
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
             mp[hh][i % kAcc] = fmaxf(mp[hh][i % kAcc], fmaxf(score(i, hh, 0), score(i, hh, 1)));
-    float m_ref[2];
+    float ref[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         float mx = fmaxf(mp[hh][0], mp[hh][1]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // hold one row
-        const float m_new = fmaxf(m_i[hh], mx * scale_log2);
-        m_ref[hh] = safe_max(m_new);
-        alpha[hh] = exp2f(m_i[hh] - m_ref[hh]);              // rescale_factor(m_i, m_new)
-        m_i[hh] = m_new;
+        alpha[hh] = row[hh].update(mx, scale_log2);
+        ref[hh] = row[hh].ref();
     }
     float sp[2][kAcc];
 #pragma unroll
@@ -161,16 +158,15 @@ __device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], u
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            // prob_fma (common/online_softmax.cuh) with exp2f
-            const float p0 = exp2f(fmaf(score(i, hh, 0), scale_log2, -m_ref[hh]));
-            const float p1 = exp2f(fmaf(score(i, hh, 1), scale_log2, -m_ref[hh]));
+            const float p0 = SoftmaxRow<float>::prob(score(i, hh, 0), ref[hh], scale_log2);
+            const float p1 = SoftmaxRow<float>::prob(score(i, hh, 1), ref[hh], scale_log2);
             sp[hh][i % kAcc] += p0 + p1;
             // keys 8i + 2t, +1 of row g + 8 hh -> A register (i & 1) * 2 + hh of k-step i / 2
             pf[i >> 1][(i & 1) * 2 + hh] = pack2<T>(p0, p1);
         }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
-        l_i[hh] = l_i[hh] * alpha[hh] + (sp[hh][0] + sp[hh][1]);
+        row[hh].l += sp[hh][0] + sp[hh][1];
 }
 
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
@@ -260,22 +256,24 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
         wgmma_commit();
     };
 
-    // acc O (unnormalised), m_i (running max, log2 domain), l_i (this thread's partial row sum)
-    // for the rows row0 and row0 + 8 of this thread.
+    // acc O (unnormalised) and the softmax state (running max m, this thread's share l of the row
+    // sum) of the rows row0 and row0 + 8 of this thread.
     const int row0 = m0 + wg * 64 + warp_in_wg * 16 + g;
     float o[Tr::kOAcc];
 #pragma unroll
     for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
-    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+    SoftmaxRow<float> row[2];
+    row[0].init();
+    row[1].init();
     const float scale_log2 = p.scale_log2;
     // The online-softmax step of key tile nb; the mask is evaluated only on boundary tiles.
     auto softmax = [&](const float (&s)[Tr::kSAcc], uint32_t (&pf)[Tr::kPVSteps][4],
                        float (&alpha)[2], int nb) {
         if (tiles.needs_mask(nb))
-            wg_softmax_step<T, BLOCK_N, NT, true>(s, pf, m_i, l_i, alpha, row0, nb * BLOCK_N, t, p,
+            wg_softmax_step<T, BLOCK_N, NT, true>(s, pf, row, alpha, row0, nb * BLOCK_N, t, p,
                                                   seqlen_q, seqlen_k, CAUSAL, scale_log2);
         else
-            wg_softmax_step<T, BLOCK_N, NT, false>(s, pf, m_i, l_i, alpha, row0, nb * BLOCK_N, t, p,
+            wg_softmax_step<T, BLOCK_N, NT, false>(s, pf, row, alpha, row0, nb * BLOCK_N, t, p,
                                                    seqlen_q, seqlen_k, CAUSAL, scale_log2);
     };
 
@@ -381,13 +379,13 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
     float* lse_base = cta.lse;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        float l = l_i[hh];
+        float l = row[hh].l;
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = inv_normaliser(l);
-        const int row = row0 + 8 * hh;
-        if (row < seqlen_q) {
-            T* o_row = o_base + (int64_t)row * p.o_row_stride;
+        const float inv = SoftmaxRow<float>::inv_l(l);
+        const int r = row0 + 8 * hh;
+        if (r < seqlen_q) {
+            T* o_row = o_base + (int64_t)r * p.o_row_stride;
 #pragma unroll
             for (int d = 0; d < DT; ++d) {
                 const int col = d * 8 + 2 * t;
@@ -395,7 +393,7 @@ __device__ __forceinline__ void flash_fwd_wgmma_block(const FwdParams& p) {
                     *reinterpret_cast<uint32_t*>(o_row + col) =
                         pack2<T>(o[4 * d + 2 * hh] * inv, o[4 * d + 2 * hh + 1] * inv);
             }
-            if (t == 0) lse_base[row] = lse_from(m_i[hh], l);
+            if (t == 0) lse_base[r] = row[hh].lse(l, scale_log2);
         }
     }
 }

@@ -1,15 +1,14 @@
 """The prefill kernels compile (NVRTC, no GPU) and the supported table is consistent.
 
-* Every specialisation in ``prefill.all_specs()`` and ``prefill.variant_specs()`` (the
-  experimental pipeline rows) compiles for ``sm_90a`` (the H100/H200 target);
+* Every specialisation in ``prefill.all_specs()`` compiles for ``sm_90a`` (the H100/H200 target);
   for ``sm_80`` one specialisation per kernel file is compiled by default, because all of them
   for both architectures take over 2 minutes on 2 cores. ``CUPYFLASH_COMPILE_ALL_ARCHS=1``
   compiles every specialisation for ``sm_80`` too (all had zero spills when the table was set).
   The wgmma kernels (``KernelSpec.arch == "sm_90a"``) are built for sm_90a only.
 * Tensor-core specialisations of the supported table have zero spill bytes (the ptxas report),
   and no wgmma kernel has its wgmma pipeline serialised by ptxas (warnings C7513 / C7515);
-  every report has a register count; the CUDA-core (float32/float64) reports and the
-  experimental rows' spills are printed, not asserted.
+  every report has a register count; the CUDA-core (float32/float64) reports' spills are
+  printed, not asserted.
 * The table: names unique, shared memory within 227 KiB and equal to the kernel traits' formula,
   every compiled head dim offered with >= 2 tiles per dtype, padded head dims, argument packing.
 """
@@ -29,7 +28,7 @@ def _compile_all(specs, arch):
 
 @pytest.fixture(scope="module")
 def reports():
-    specs = prefill.all_specs() + prefill.variant_specs()
+    specs = prefill.all_specs()
     out = {"sm_90a": _compile_all(specs, "sm_90a")}
     specs80 = [s for s in specs if not s.arch]
     if os.environ.get("CUPYFLASH_COMPILE_ALL_ARCHS") == "1":
@@ -46,7 +45,7 @@ def reports():
 
 
 def test_every_spec_compiles(reports):
-    names = {s.name for s in prefill.all_specs() + prefill.variant_specs()}
+    names = {s.name for s in prefill.all_specs()}
     assert set(reports["sm_90a"]) == names
     assert {s.source for s in prefill.all_specs()} == {prefill.TC_SOURCE, prefill.SIMT_SOURCE,
                                                        prefill.WG_SOURCE}
@@ -106,42 +105,19 @@ def test_table_is_consistent():
             assert sum(c.dtype == dtype and c.headdim == hd for c in prefill.SUPPORTED) >= 2, (dtype, hd)
 
 
-def test_variants_are_consistent():
-    rows = prefill.SUPPORTED + prefill.VARIANTS
-    names = [s.name for s in prefill.all_specs() + prefill.variant_specs()]
+def test_table_names_and_options_are_consistent():
+    rows = prefill.SUPPORTED
+    names = [s.name for s in prefill.all_specs()]
     assert len(names) == len(set(names)) == 2 * len(rows)
-    full = [(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages, c.sub_n, c.opt, c.isa)
-            for c in rows]
-    assert len(full) == len(set(full))
-    with_opts = prefill._TC_ROW_OPTS  # supported rows that carry measured pipeline options
-    for c in prefill.SUPPORTED:
+    for c in rows:
         tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
-        if c.isa == "mma":
-            assert (c.stages, c.sub_n, c.opt) == with_opts.get(tile, (2, c.block_n, 0)), c
-    for c in prefill.VARIANTS:
-        if c.isa == "wgmma":  # other wgmma tiles and ring depths
-            assert c.source == prefill.WG_SOURCE and c.arch == "sm_90a" and c.opt == 0
-            assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n,
-                                                      c.stages, isa="wgmma") <= prefill.MAX_SMEM_BYTES
-            for causal in (False, True):
-                spec = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps,
-                                           causal, stages=c.stages, isa="wgmma")
-                assert prefill.config_of(spec) == (c, causal)
-            continue
-        tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
-        assert c.dtype in prefill.TC_DTYPES and c.source == prefill.TC_SOURCE
-        assert not c.plain or tile in with_opts, c  # a plain variant only beside an optioned row
-        assert c.block_n % c.sub_n == 0 and c.sub_n % 16 == 0 and 2 <= c.stages <= 4
-        assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n, c.stages)
-        assert c.smem_bytes <= prefill.MAX_SMEM_BYTES
+        assert c.prefetch == (c.isa == "mma" and tile in prefill._TC_PREFETCH), c
+        assert c.stages == (3 if c.isa == "wgmma" else 2), c
         for causal in (False, True):
             spec = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, causal,
-                                       stages=c.stages, sub_n=c.sub_n, opt=c.opt)
+                                       isa=c.isa)
             assert prefill.config_of(spec) == (c, causal)
-        assert 0 <= c.opt < 8
-    # a tile without stages / sub_n names its SUPPORTED row, never a variant
-    s = prefill.kernel_spec("bfloat16", 128, 128, 64, 4, False)
-    assert prefill.config_of(s)[0] in prefill.SUPPORTED
+            assert spec.name.endswith("_pf" + ("_causal" if causal else "")) == c.prefetch
 
 
 def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
@@ -180,18 +156,12 @@ def test_names_and_entries():
     s = prefill.kernel_spec("bfloat16", 128, 128, 64, 8, True)
     assert s.name == "fwd_bf16_hd128_m128_n64_w8_causal"
     assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__nv_bfloat16, 128, 128, 64, 8, true>, __nv_bfloat16>"
-    s = prefill.kernel_spec("bfloat16", 64, 128, 64, 4, True, stages=3)
-    assert s.name == "fwd_bf16_hd64_m128_n64_w4_s3_causal"
-    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__nv_bfloat16, 64, 128, 64, 4, true, 3, 64>, __nv_bfloat16>"
-    assert s.smem_bytes == (128 + 2 * 3 * 64) * 72 * 2
-    s = prefill.kernel_spec("float16", 128, 128, 64, 4, False, opt=7)
-    assert s.name == "fwd_f16_hd128_m128_n64_w4_fx_rs_pf"
-    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__half, 128, 128, 64, 4, false, 2, 64, 7>, __half>"
-    s = prefill.kernel_spec("float16", 64, 128, 64, 4, True, stages=3, opt=3)
-    assert s.name == "fwd_f16_hd64_m128_n64_w4_s3_fx_rs_causal"
-    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__half, 64, 128, 64, 4, true, 3, 64, 3>, __half>"
+    s = prefill.kernel_spec("float16", 128, 128, 64, 4, False)
+    assert s.name == "fwd_f16_hd128_m128_n64_w4_pf"
+    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__half, 128, 128, 64, 4, false, true>, __half>"
+    assert s.smem_bytes == (128 + 2 * 2 * 64) * 136 * 2
     with pytest.raises(ValueError, match="not compiled"):
-        prefill.kernel_spec("bfloat16", 128, 128, 64, 4, False, stages=4)
+        prefill.kernel_spec("bfloat16", 128, 128, 48, 4, False)
     s = prefill.kernel_spec("float64", 64, 32, 32, 4, False)
     assert s.name == "fwdsimt_f64_hd64_m32_n32"
     assert s.entry == "cf::flash_fwd_entry<cf::FlashFwdSimt<double, 64, 32, 32, false>, double>"

@@ -30,7 +30,7 @@ from cupyflash import prefill
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 LANE = np.arange(32)
-SKIPPED = []  # sub-tiles skipped per emulated CTA (a causal case must exercise the skip)
+SKIPPED = []  # tiles skipped by warps per emulated CTA (a causal case must exercise the skip)
 G, TQ = LANE >> 2, LANE & 3  # mma groupID, threadID_in_group
 
 
@@ -98,27 +98,24 @@ class Global:
 # The kernel, transliterated (names and order follow flash_fwd.cu)
 # ----------------------------------------------------------------------------------------------
 class Traits:
-    def __init__(self, hd, bm, bn, nw, stages=2, sub_n=None, opt=0):
-        self.kFastExp, self.kSkipRescale, self.kPrefetch = bool(opt & 1), bool(opt & 2), bool(opt & 4)
-        sub_n = bn if sub_n is None else sub_n
+    def __init__(self, hd, bm, bn, nw, prefetch=False):
+        self.kPrefetch = prefetch
         self.kThreads = nw * 32
         self.kMTiles = bm // (16 * nw)
-        self.kSubN = sub_n
-        self.kSubTiles = bn // sub_n
-        self.kNTiles = sub_n // 8
+        self.kNTiles = bn // 8
         self.kDTiles = hd // 8
         self.kKSteps = hd // 16
-        self.kPSteps = sub_n // 16
+        self.kPSteps = bn // 16
         self.kChunks = hd // 8
         self.kRow = hd + 8
         self.kQElems = bm * self.kRow
         self.kKVElems = bn * self.kRow
-        self.kStages = stages
+        self.kStages = stages = 2
         self.kWaitK = 2 * (stages - 1) - 1
         self.kWaitV = 2 * (stages - 1)
         self.kWaitQ = 2 * (stages - 1)
         self.kSmemBytes = (self.kQElems + 2 * self.kStages * self.kKVElems) * 2
-        est = self.kMTiles * (hd // 2 + sub_n // 2 + hd // 4)
+        est = self.kMTiles * (hd // 2 + bn // 2 + hd // 4)
         self.kQInRegs = est <= 160
         self.kWarpSkip = not self.kQInRegs
 
@@ -218,7 +215,6 @@ def fwd_seq(P, b, h):
 def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype):
     """One CTA of flash_fwd_block; P holds the FwdParams fields; out/lse are flat arrays."""
     MT, NT, DT = tr.kMTiles, tr.kNTiles, tr.kDTiles
-    SUB_N = tr.kSubN
     smem = np.full(tr.kSmemBytes // 2, np.nan, np.float32)
     cp = AsyncCopies(smem.size)
     sQ_base, sK_base = 0, tr.kQElems * 2
@@ -301,110 +297,101 @@ def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype)
             cp.commit()
         mask_tile = needs_mask(nb)
         p_frags = {}
-        for sub in range(tr.kSubTiles):
-            k0 = n0 + sub * SUB_N
-            for warp, st in enumerate(W):
-                active = True
-                if tr.kWarpSkip and mask_tile:
-                    r_first = m0 + st["warp_row0"]
-                    r_last = min(r_first + 16 * MT, sq) - 1
-                    f = visible_keys(r_first, sq, sk, causal, wl, wr)
-                    la = visible_keys(r_last, sq, sk, causal, wl, wr)
-                    active = r_first <= r_last and k0 < la[1] and k0 + SUB_N > f[0]
-                    # the skip is exact only if no valid row of the warp sees a key of the sub-tile
-                    if not active:
-                        skipped += 1
-                        for row in range(r_first, min(r_first + 16 * MT, sq)):
-                            lo, hi = visible_keys(row, sq, sk, causal, wl, wr)
-                            assert not (max(lo, k0) < min(hi, k0 + SUB_N)), "skipped a visible key"
-                st["active"] = active
+        for warp, st in enumerate(W):
+            active = True
+            if tr.kWarpSkip and mask_tile:
+                r_first = m0 + st["warp_row0"]
+                r_last = min(r_first + 16 * MT, sq) - 1
+                f = visible_keys(r_first, sq, sk, causal, wl, wr)
+                la = visible_keys(r_last, sq, sk, causal, wl, wr)
+                active = r_first <= r_last and n0 < la[1] and n0 + bn > f[0]
+                # the skip is exact only if no valid row of the warp sees a key of the tile
                 if not active:
-                    continue
-                s = np.zeros((MT, NT, 32, 4), np.float32)
-                sK_addr = sK_base + stage_off + (sub * SUB_N * tr.kRow + st["k_lane_off"]) * 2
-                qa = lambda mt, ks: (st["q_frag"][mt][ks] if tr.kQInRegs else
-                                     ldsm(st["sQ_addr"] + (mt * 16 * tr.kRow + ks * 16) * 2))
-                if tr.kPrefetch:
-                    # kOptPrefetch: the kernel's flattened (ks, np) steps with double buffers,
-                    # fragments of step i + 1 loaded before the MMAs of step i.
-                    NP = NT // 2
-                    steps = tr.kKSteps * NP
-                    a2 = [[qa(mt, 0) for mt in range(MT)], None]
-                    bk2 = [ldsm(sK_addr), None]
-                    for i in range(steps):
-                        ks, np_, cur, ab = i // NP, i % NP, i & 1, (i // NP) & 1
-                        if i + 1 < steps:
-                            ks1, np1 = (i + 1) // NP, (i + 1) % NP
-                            if np1 == 0:
-                                a2[ks1 & 1] = [qa(mt, ks1) for mt in range(MT)]
-                            bk2[cur ^ 1] = ldsm(sK_addr + (np1 * 16 * tr.kRow + ks1 * 16) * 2)
-                        a, bk_ = a2[ab], bk2[cur]
-                        for mt in range(MT):
-                            s[mt, 2 * np_] = mma_m16n8k16(s[mt, 2 * np_], a[mt], bk_[:, 0], bk_[:, 1])
-                            s[mt, 2 * np_ + 1] = mma_m16n8k16(s[mt, 2 * np_ + 1], a[mt], bk_[:, 2], bk_[:, 3])
-                for ks in range(0 if tr.kPrefetch else tr.kKSteps):
-                    a = [qa(mt, ks) for mt in range(MT)]
-                    for np_ in range(NT // 2):
-                        bk_ = ldsm(sK_addr + (np_ * 16 * tr.kRow + ks * 16) * 2)
-                        for mt in range(MT):
-                            s[mt, 2 * np_] = mma_m16n8k16(s[mt, 2 * np_], a[mt], bk_[:, 0], bk_[:, 1])
-                            s[mt, 2 * np_ + 1] = mma_m16n8k16(s[mt, 2 * np_ + 1], a[mt], bk_[:, 2], bk_[:, 3])
-                if mask_tile:
+                    skipped += 1
+                    for row in range(r_first, min(r_first + 16 * MT, sq)):
+                        lo, hi = visible_keys(row, sq, sk, causal, wl, wr)
+                        assert not (max(lo, n0) < min(hi, n0 + bn)), "skipped a visible key"
+            st["active"] = active
+            if not active:
+                continue
+            s = np.zeros((MT, NT, 32, 4), np.float32)
+            sK_addr = sK_base + stage_off + st["k_lane_off"] * 2
+            qa = lambda mt, ks: (st["q_frag"][mt][ks] if tr.kQInRegs else
+                                 ldsm(st["sQ_addr"] + (mt * 16 * tr.kRow + ks * 16) * 2))
+            if tr.kPrefetch:
+                # PREFETCH: the kernel's flattened (ks, np) steps with double buffers,
+                # fragments of step i + 1 loaded before the MMAs of step i.
+                NP = NT // 2
+                steps = tr.kKSteps * NP
+                a2 = [[qa(mt, 0) for mt in range(MT)], None]
+                bk2 = [ldsm(sK_addr), None]
+                for i in range(steps):
+                    ks, np_, cur, ab = i // NP, i % NP, i & 1, (i // NP) & 1
+                    if i + 1 < steps:
+                        ks1, np1 = (i + 1) // NP, (i + 1) % NP
+                        if np1 == 0:
+                            a2[ks1 & 1] = [qa(mt, ks1) for mt in range(MT)]
+                        bk2[cur ^ 1] = ldsm(sK_addr + (np1 * 16 * tr.kRow + ks1 * 16) * 2)
+                    a, bk_ = a2[ab], bk2[cur]
                     for mt in range(MT):
-                        for hh in range(2):
-                            for lane in range(32):
-                                row = m0 + st["warp_row0"] + mt * 16 + G[lane] + hh * 8
-                                lo, hi = visible_keys(row, sq, sk, causal, wl, wr)
-                                for nt in range(NT):
-                                    for e in range(2):
-                                        key = k0 + nt * 8 + 2 * TQ[lane] + e
-                                        if not (lo <= key < hi):
-                                            s[mt, nt, lane, 2 * hh + e] = -np.inf
-                p_frag = np.empty((MT, tr.kPSteps, 32, 4, 2), np.float32)
-                ex2 = _ex2_ftz if tr.kFastExp else np.exp2
-                alphas = np.empty((MT, 2, 32), np.float32)
+                        s[mt, 2 * np_] = mma_m16n8k16(s[mt, 2 * np_], a[mt], bk_[:, 0], bk_[:, 1])
+                        s[mt, 2 * np_ + 1] = mma_m16n8k16(s[mt, 2 * np_ + 1], a[mt], bk_[:, 2], bk_[:, 3])
+            for ks in range(0 if tr.kPrefetch else tr.kKSteps):
+                a = [qa(mt, ks) for mt in range(MT)]
+                for np_ in range(NT // 2):
+                    bk_ = ldsm(sK_addr + (np_ * 16 * tr.kRow + ks * 16) * 2)
+                    for mt in range(MT):
+                        s[mt, 2 * np_] = mma_m16n8k16(s[mt, 2 * np_], a[mt], bk_[:, 0], bk_[:, 1])
+                        s[mt, 2 * np_ + 1] = mma_m16n8k16(s[mt, 2 * np_ + 1], a[mt], bk_[:, 2], bk_[:, 3])
+            if mask_tile:
                 for mt in range(MT):
                     for hh in range(2):
-                        mx = np.max(s[mt, :, :, 2 * hh:2 * hh + 2], axis=(0, 2))      # (32,)
-                        mx = np.maximum(mx, mx[LANE ^ 1])
-                        mx = np.maximum(mx, mx[LANE ^ 2])
-                        m_old = st["m_i"][mt, hh]
-                        m_new = np.maximum(m_old, mx * scale_log2)
-                        ref = np.where(m_new == -np.inf, np.float32(0), m_new)
-                        alpha = ex2(m_old - ref)
-                        alphas[mt, hh] = alpha
-                        rowsum = np.zeros(32, np.float32)
-                        for nt in range(NT):
-                            p0 = ex2(s[mt, nt, :, 2 * hh] * scale_log2 - ref)
-                            p1 = ex2(s[mt, nt, :, 2 * hh + 1] * scale_log2 - ref)
-                            rowsum += p0
-                            rowsum += p1
-                            p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 0] = _round(p0, dtype)
-                            p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 1] = _round(p1, dtype)
-                        st["l_i"][mt, hh] = st["l_i"][mt, hh] * alpha + rowsum
-                        st["m_i"][mt, hh] = m_new
-                # kOptSkipRescale: one warp vote; skipped only when every alpha of the warp is 1
-                if tr.kSkipRescale and (alphas == 1).all():
-                    RESCALE_SKIPS.append(1)
-                else:
+                        for lane in range(32):
+                            row = m0 + st["warp_row0"] + mt * 16 + G[lane] + hh * 8
+                            lo, hi = visible_keys(row, sq, sk, causal, wl, wr)
+                            for nt in range(NT):
+                                for e in range(2):
+                                    key = n0 + nt * 8 + 2 * TQ[lane] + e
+                                    if not (lo <= key < hi):
+                                        s[mt, nt, lane, 2 * hh + e] = -np.inf
+            p_frag = np.empty((MT, tr.kPSteps, 32, 4, 2), np.float32)
+            # SoftmaxRow (common/online_softmax.cuh), float32: alpha = exp2((m_old - ref) c),
+            # l *= alpha, p = exp2((s - ref) c), l += rowsum
+            for mt in range(MT):
+                for hh in range(2):
+                    mx = np.max(s[mt, :, :, 2 * hh:2 * hh + 2], axis=(0, 2))      # (32,)
+                    mx = np.maximum(mx, mx[LANE ^ 1])
+                    mx = np.maximum(mx, mx[LANE ^ 2])
+                    m_old = st["m_i"][mt, hh]
+                    m_new = np.maximum(m_old, mx)
+                    ref = np.where(m_new == -np.inf, np.float32(0), m_new)
+                    alpha = np.exp2((m_old - ref) * scale_log2)
+                    st["l_i"][mt, hh] = st["l_i"][mt, hh] * alpha
+                    st["m_i"][mt, hh] = m_new
+                    rowsum = np.zeros(32, np.float32)
+                    for nt in range(NT):
+                        p0 = np.exp2((s[mt, nt, :, 2 * hh] - ref) * scale_log2)
+                        p1 = np.exp2((s[mt, nt, :, 2 * hh + 1] - ref) * scale_log2)
+                        rowsum += p0
+                        rowsum += p1
+                        p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 0] = _round(p0, dtype)
+                        p_frag[mt, nt >> 1, :, (nt & 1) * 2 + hh, 1] = _round(p1, dtype)
+                    st["l_i"][mt, hh] += rowsum
+                    st["acc"][mt, :, :, 2 * hh] *= alpha
+                    st["acc"][mt, :, :, 2 * hh + 1] *= alpha
+            p_frags[warp] = p_frag
+        cp.wait(tr.kWaitV)   # + __syncthreads, passed by every warp
+        for warp, st in enumerate(W):
+            if not st["active"]:
+                continue
+            p_frag = p_frags[warp]
+            sV_addr = sV_base + stage_off + st["v_lane_off"] * 2
+            for kc in range(tr.kPSteps):
+                for dp in range(DT // 2):
+                    bv = ldsm(sV_addr + (kc * 16 * tr.kRow + dp * 16) * 2, trans=True)
                     for mt in range(MT):
-                        for hh in range(2):
-                            st["acc"][mt, :, :, 2 * hh] *= alphas[mt, hh]
-                            st["acc"][mt, :, :, 2 * hh + 1] *= alphas[mt, hh]
-                p_frags[warp] = p_frag
-            if sub == 0:
-                cp.wait(tr.kWaitV)   # + __syncthreads, passed by every warp
-            for warp, st in enumerate(W):
-                if not st["active"]:
-                    continue
-                p_frag = p_frags[warp]
-                sV_addr = sV_base + stage_off + (sub * SUB_N * tr.kRow + st["v_lane_off"]) * 2
-                for kc in range(tr.kPSteps):
-                    for dp in range(DT // 2):
-                        bv = ldsm(sV_addr + (kc * 16 * tr.kRow + dp * 16) * 2, trans=True)
-                        for mt in range(MT):
-                            st["acc"][mt, 2 * dp] = mma_m16n8k16(st["acc"][mt, 2 * dp], p_frag[mt, kc], bv[:, 0], bv[:, 1])
-                            st["acc"][mt, 2 * dp + 1] = mma_m16n8k16(st["acc"][mt, 2 * dp + 1], p_frag[mt, kc], bv[:, 2], bv[:, 3])
+                        st["acc"][mt, 2 * dp] = mma_m16n8k16(st["acc"][mt, 2 * dp], p_frag[mt, kc], bv[:, 0], bv[:, 1])
+                        st["acc"][mt, 2 * dp + 1] = mma_m16n8k16(st["acc"][mt, 2 * dp + 1], p_frag[mt, kc], bv[:, 2], bv[:, 3])
         stage = 0 if stage + 1 == tr.kStages else stage + 1
     SKIPPED.append(skipped)
 
@@ -427,7 +414,8 @@ def run_cta(tr, hd, bm, bn, nw, causal, P, gmem, out, lse, m_block, h, b, dtype)
                                 out[o_row + col:o_row + col + 2] = _round(pair, dtype)
                         if TQ[lane] == 0:
                             m = st["m_i"][mt, hh][lane]
-                            lse[lse_off + row] = -np.inf if l_[lane] == 0 else m * math.log(2) + math.log(l_[lane])
+                            lse[lse_off + row] = (-np.inf if l_[lane] == 0 else
+                                                  m * scale_log2 * math.log(2) + math.log(l_[lane]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,7 +445,7 @@ def _reference(q, k, v, scale, causal, wl, wr):
 def _emulate(dtype_name, hd_actual, cfg, causal, wl, wr, seqs, nheads, nheads_k, rng, varlen):
     dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype_name]
     hd, bm, bn, nw = cfg.headdim, cfg.block_m, cfg.block_n, cfg.nwarps
-    tr = Traits(hd, bm, bn, nw, cfg.stages, cfg.sub_n, cfg.opt)
+    tr = Traits(hd, bm, bn, nw, cfg.prefetch)
     assert tr.kSmemBytes == cfg.smem_bytes
     batch = len(seqs)
     max_q = max(s[0] for s in seqs)
@@ -538,35 +526,24 @@ def _emulate(dtype_name, hd_actual, cfg, causal, wl, wr, seqs, nheads, nheads_k,
     return worst
 
 
-def _cfg(dtype, hd, bm, bn, nw, stages=2, sub_n=None, opt=0):
-    """The table row of the tile; a kernel shape that is no longer a table row (the v1 sub32
-    variants: the SUB_N code path stays in the kernel) is built the way the table builds rows."""
-    sub_n = bn if sub_n is None else sub_n
-    key = (dtype, hd, bm, bn, nw, stages, sub_n, opt)
-    for c in prefill.SUPPORTED + prefill.VARIANTS:
-        if c.isa == "mma" and (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, c.stages,
-                               c.sub_n, c.opt) == key:
-            return c
-    return prefill.PrefillConfig(dtype, hd, bm, bn, nw, prefill.smem_bytes(dtype, hd, bm, bn, stages),
-                                 prefill.TC_SOURCE, stages, sub_n, opt)
-
-
-def _ex2_ftz(x):
-    """ex2.approx.ftz.f32 as emulated here: exp2 in float32 with results below 2^-126 -> +0."""
-    y = np.exp2(np.asarray(x, np.float32))
-    return np.where(y < np.float32(2.0 ** -126), np.float32(0), y).astype(np.float32)
-
-
-RESCALE_SKIPS: list = []
+def _cfg(dtype, hd, bm, bn, nw, prefetch=None):
+    """The table row of the tile; with ``prefetch`` given and unlike the row's, the same tile
+    built the way the table builds rows (the kernel's PREFETCH code path on another tile)."""
+    for c in prefill.SUPPORTED:
+        if c.isa == "mma" and (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps) == (dtype, hd, bm, bn, nw):
+            if prefetch is None or prefetch == c.prefetch:
+                return c
+    return prefill.PrefillConfig(dtype, hd, bm, bn, nw, prefill.smem_bytes(dtype, hd, bm, bn),
+                                 prefill.TC_SOURCE, prefetch=bool(prefetch))
 
 
 # Dense (non-varlen) problems have one (seqlen_q, seqlen_k) for the whole batch.
 # One config per distinct code path: rows per warp 16 / 32, Q in registers or re-read, 4 / 8 warps,
-# loader layouts (kTPR 4, 8, 16, 32), head dims that are and are not multiples of 64; 2 and 3
-# K/V stages (the 3-stage ring wraps: >= 4 key tiles), 64-key tiles in 32-key sub-tiles, and
-# warp-level skips of sub-tiles on the causal diagonal / window edges.
+# loader layouts (kTPR 4, 8, 16, 32), head dims that are and are not multiples of 64, the
+# prefetched fragments with Q re-read and Q in registers, and warp-level skips of tiles on the
+# causal diagonal / window edges.
 CASES = [
-    # dtype, (hd, bm, bn, nw[, stages, sub_n]), hd_actual, causal, window, seqs (sq, sk),
+    # dtype, (hd, bm, bn, nw[, prefetch]), hd_actual, causal, window, seqs (sq, sk),
     # heads (h, hk), varlen
     ("float16", (64, 128, 64, 4), 64, False, (-1, -1), [(130, 77)] * 2, (2, 1), False),
     ("bfloat16", (64, 128, 128, 8), 40, True, (-1, -1), [(70, 150), (150, 70)], (2, 2), True),
@@ -578,22 +555,19 @@ CASES = [
     ("bfloat16", (160, 64, 32, 4), 160, False, (-1, -1), [(20, 50)], (1, 1), False),
     ("float16", (256, 128, 32, 8), 200, True, (-1, -1), [(130, 40)], (1, 1), False),
     ("bfloat16", (128, 128, 64, 4), 128, True, (-1, -1), [(200, 230)], (1, 1), False),
-    ("float16", (128, 128, 64, 4, 2, 32), 128, True, (-1, -1), [(150, 150), (60, 170)], (1, 1), True),
-    ("bfloat16", (128, 128, 32, 4, 3, 32), 104, True, (40, -1), [(140, 200)], (2, 1), False),
-    ("float16", (64, 128, 64, 4, 3, 64), 56, True, (-1, -1), [(260, 260), (3, 90)], (1, 1), True),
-    ("float16", (96, 128, 64, 4, 2, 32), 96, True, (-1, -1), [(129, 129)], (1, 1), False),
-    # v2 opt flags (fx = 1, rs = 2, pf = 4): Q re-read (hd128 / hd96) and Q in registers (hd64)
-    ("bfloat16", (128, 128, 64, 4, 2, 64, 7), 128, True, (-1, -1), [(200, 230)], (1, 1), False),
-    ("float16", (128, 128, 64, 4, 2, 64, 4), 120, False, (-1, 5), [(90, 140)], (2, 1), False),
-    ("float16", (96, 128, 64, 4, 2, 64, 7), 88, False, (-1, -1), [(130, 200)], (1, 1), True),
-    ("float16", (64, 128, 64, 4, 3, 64, 3), 64, True, (-1, -1), [(260, 300)], (1, 1), False),
-    ("bfloat16", (128, 128, 64, 4, 2, 64, 1), 128, False, (-1, -1), [(70, 130)], (1, 1), False),
+    ("float16", (128, 128, 64, 4), 128, True, (-1, -1), [(150, 150), (60, 170)], (1, 1), True),
+    ("float16", (64, 128, 64, 4), 56, True, (-1, -1), [(260, 260), (3, 90)], (1, 1), True),
+    # PREFETCH: Q re-read (hd128 / hd96) and Q in registers (hd64)
+    ("float16", (128, 128, 64, 4, True), 120, False, (-1, 5), [(90, 140)], (2, 1), False),
+    ("float16", (96, 128, 64, 4, True), 88, False, (-1, -1), [(130, 200)], (1, 1), True),
+    ("float16", (64, 128, 64, 4, True), 64, True, (-1, -1), [(260, 300)], (1, 1), False),
+    ("bfloat16", (128, 128, 64, 4, False), 128, False, (-1, -1), [(70, 130)], (1, 1), False),
 ]
 
 
 def _case_id(c):
     tile = c[1]
-    pipe = "" if len(tile) == 4 else f"-s{tile[4]}-sub{tile[5]}" + (f"-opt{tile[6]}" if len(tile) > 6 else "")
+    pipe = "" if len(tile) == 4 else ("-pf" if tile[4] else "-nopf")
     return f"{c[0]}-hd{tile[0]}-m{tile[1]}-n{tile[2]}-w{tile[3]}{pipe}-d{c[2]}"
 
 
@@ -606,14 +580,14 @@ def test_emulated_kernel_matches_reference(case):
 
 
 def test_every_tensor_core_row_has_an_emulated_pipeline_shape():
-    """Each (rows per warp, stages, sub-tiles) combination of the table is emulated above."""
-    shape = lambda c: (c.block_m // (16 * c.nwarps), c.stages, c.block_n // c.sub_n)
+    """Each (rows per warp, prefetch) combination of the table is emulated above."""
+    shape = lambda c: (c.block_m // (16 * c.nwarps), c.prefetch)
     emulated = {shape(_cfg(dtype, *tile)) for dtype, tile, *_ in CASES}
-    table = {shape(c) for c in prefill.SUPPORTED + prefill.VARIANTS if c.isa == "mma"}
+    table = {shape(c) for c in prefill.SUPPORTED if c.isa == "mma"}
     assert table <= emulated, table - emulated
 
 
-def test_causal_diagonal_skips_sub_tiles():
+def test_causal_diagonal_skips_tiles():
     """32-row warps on a causal diagonal skip the 64-key tile their rows cannot see."""
     SKIPPED.clear()
     cfg = _cfg("bfloat16", 128, 128, 64, 4)
@@ -711,12 +685,12 @@ def run_simt_cta(hd, bm, bn, isz, causal, P, gmem, lse, m_block, h, b):
             mx = s[:, i, :].max(axis=1)
             for off in (1, 2, 4):
                 mx = np.maximum(mx, mx[tid ^ off])
-            m_new = np.maximum(m_i[:, i], mx * scale_log2)
+            m_new = np.maximum(m_i[:, i], mx)
             ref = np.where(m_new == -np.inf, 0.0, m_new)
-            alpha = np.exp2(m_i[:, i] - ref)
+            alpha = np.exp2((m_i[:, i] - ref) * scale_log2)
             rowsum = np.zeros(128)
             for j in range(CN):
-                pr = np.exp2(s[:, i, j] * scale_log2 - ref)
+                pr = np.exp2((s[:, i, j] - ref) * scale_log2)
                 smem[sP + (tr + TR * i) * kPRow + tc + TC * j] = pr
                 rowsum += pr
             l_i[:, i] = l_i[:, i] * alpha + rowsum
@@ -744,7 +718,8 @@ def run_simt_cta(hd, bm, bn, isz, causal, P, gmem, lse, m_block, h, b):
                         if col < P["headdim"]:
                             gmem.buf[o_row + col] = acc[t, i, c, x] * inv[t]
                 if tc[t] == 0:
-                    lse[lse_off + row] = -np.inf if l_[t] == 0 else m_i[t, i] * math.log(2) + math.log(l_[t])
+                    lse[lse_off + row] = (-np.inf if l_[t] == 0 else
+                                          m_i[t, i] * scale_log2 * math.log(2) + math.log(l_[t]))
 
 
 SIMT_CASES = [
@@ -818,19 +793,3 @@ def test_emulated_simt_kernel_matches_reference(case):
                 np.testing.assert_allclose(gmem.buf[off:off + d], ref_o[i, hh], rtol=1e-12, atol=1e-12)
                 lo = hh * nq + tq + i if varlen else bi * h * max_q + hh * max_q + i
                 assert lse[lo] == ref_l[hh, i] or abs(lse[lo] - ref_l[hh, i]) < 1e-12
-
-
-def test_every_opt_flag_combination_is_emulated():
-    """Each OPT value of the variant table runs through the emulator above (CASES)."""
-    emulated = {_cfg(dtype, *tile).opt for dtype, tile, *_ in CASES}
-    table = {c.opt for c in prefill.SUPPORTED + prefill.VARIANTS}
-    assert table <= emulated, table - emulated
-
-
-def test_rescale_skip_happens_and_is_exact():
-    """kOptSkipRescale skips acc *= alpha on later tiles (running max settled) and the result
-    is the same as with every rescale done (x * 1 == x)."""
-    RESCALE_SKIPS.clear()
-    cfg = _cfg("float16", 64, 128, 64, 4, 2, 64, 3)
-    _emulate("float16", 64, cfg, False, -1, -1, [(128, 1024)], 1, 1, np.random.default_rng(3), False)
-    assert len(RESCALE_SKIPS) > 0

@@ -281,3 +281,33 @@ def test_large_logits_overflow_without_running_max():
     small = naive_streaming_sum(q / 100, k / 100, v, dtype=np.float64)
     ref, _ = R.attention_reference(q / 100, k / 100, v, softmax_scale=1.0)
     assert rel_error(small, ref) <= 1e-13
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact at any finite magnitude (design.md semantics 6): the NumPy counterpart of the kernels'
+# SoftmaxRow, streamed in float32 and float64, against the float64 one-shot reference
+# ----------------------------------------------------------------------------------------------
+@given(T.magnitude_cases(dtypes=("float16", "bfloat16", "float32", "float64")),
+       st.sampled_from(("float32", "float64")), st.sampled_from((16, 64)))
+def test_streaming_is_exact_at_any_magnitude_and_shift(case, acc, block):
+    kw = case.kwargs()
+    ref, ref_lse = R.attention_reference(case.q, case.k, case.v, **kw)
+    out_tol, lse_tol = T.magnitude_tolerance(case.q, case.k, case.v, acc, accumulate=acc, **kw)
+    for q, lse_shift in ((case.q, 0.0), (case.q_shifted, case.shift * case.softmax_scale)):
+        out, lse = R.online_softmax_attention(q, case.k, case.v, block_size_k=block, dtype=acc, **kw)
+        assert np.isfinite(out).all()
+        assert np.all(np.abs(out.astype(np.float64) - ref) <= out_tol)
+        fin = np.isfinite(ref_lse)
+        assert np.array_equal(np.isneginf(lse), ~fin)
+        want = ref_lse + lse_shift
+        assert np.all(np.abs(lse[fin].astype(np.float64) - want[fin]) <= lse_tol[fin] + 8 * EPS32 * np.abs(want[fin]))
+
+
+@given(T.magnitude_cases(dtypes=("float32", "float64"), max_seqlen_k=1, causal=False))
+def test_one_visible_key_gives_its_value_row_at_any_magnitude(case):
+    out, lse = R.online_softmax_attention(case.q_shifted, case.k, case.v, dtype=np.float32,
+                                          **case.kwargs())
+    group = case.q.shape[2] // case.k.shape[2]
+    want = np.repeat(case.v[:, :1].astype(np.float32), group, axis=2)
+    assert np.array_equal(out, np.broadcast_to(want, out.shape))
+    assert np.isfinite(lse).all()

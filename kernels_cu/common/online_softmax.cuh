@@ -1,11 +1,27 @@
-// The online-softmax update, in one place (FlashAttention arXiv 2205.14135 Sec. 3.1;
-// FlashAttention-2 arXiv 2307.08691 Sec. 3.1: unscaled accumulator, normalised once at the end).
+// The online softmax, in one place: every kernel that updates or merges a softmax state does it
+// with the functions below (FlashAttention arXiv 2205.14135 Sec. 3.1; FlashAttention-2 arXiv
+// 2307.08691 Sec. 3.1: unscaled accumulator, normalised once at the end). A kernel keeps its own
+// fragment layout (which thread holds which scores, and the shuffles that reduce a row); the
+// arithmetic is here. The NumPy counterpart is cupyflash/reference.py: online_softmax_update.
 //
-// State per query row: running max m (scores in the log2 domain, i.e. already multiplied by
-// softmax_scale * log2(e)), normaliser l = sum exp2(s - m), accumulator acc = sum exp2(s - m) v.
-// A new block with row max m_blk: m_new = max(m, m_blk); acc and l are multiplied by
-// exp2(m - m_new) before the block's terms are added.
-// An empty row keeps m = -inf, l = 0: output 0, LSE = -inf (never NaN).
+// State of one query row, in raw-score units (s = q.k, before softmax_scale):
+//   m   running max of the raw scores seen so far (-inf: none visible yet),
+//   l   sum over those keys of exp2((s - m) * c), c = softmax_scale * log2(e),
+//   acc sum of exp2((s - m) * c) v (the kernel's registers; rescaled by the factor update() gives).
+// A tile of scores with row max mx: m_new = max(m, mx); the old l and acc are multiplied by
+// exp2((m - m_new) * c); each score contributes p = exp2((s - m_new) * c).
+//
+// Why the difference is taken before the scale (s - m, then * c), and not as one
+// fma(s, c, -m * c): the key with the row's max gets p = exp2(0) = 1 exactly, and every other
+// p lies in [0, 1], at any finite magnitude. With the fused form, m * c is rounded to a float
+// whose error grows with |m| (a few thousand at |s c| ~ 1e10), and p of the max key becomes
+// exp2(that error): 0 or inf in fp16/bf16/fp32, so a single visible key returned 0 or NaN. The
+// difference s - m is also exact when s and m are close (Sterbenz), so adding a constant to every
+// score changes no probability. Cost: one FADD and one FMUL per score where the fused form has
+// one FFMA.
+//
+// An empty row keeps m = -inf, l = 0: output 0, LSE = -inf (never NaN). -inf is replaced by 0 as
+// the reference point of the exponentials, so that (-inf) - (-inf) = NaN never appears.
 #pragma once
 // <cstdint>/<cmath> under nvcc; NVRTC has no standard headers (see dtype.cuh)
 #include "dtype.cuh"
@@ -21,50 +37,79 @@ template <> __device__ __forceinline__ double log_<double>(double x) { return lo
 template <typename T> __device__ __forceinline__ T neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return -INFINITY; }
 template <> __device__ __forceinline__ double neg_inf<double>() { return -(double)INFINITY; }
-
-// Reference point for exponentials: -inf (nothing visible yet) is replaced by 0 so that
-// exp2(-inf - ref) = 0 instead of exp2(-inf + inf) = NaN.
-template <typename T>
-__device__ __forceinline__ T safe_max(T m) { return m == neg_inf<T>() ? T(0) : m; }
-
-// Factor that rescales the old (acc, l) when the running max moves from m_old to m_new.
-template <typename T>
-__device__ __forceinline__ T rescale_factor(T m_old, T m_new) {
-    return exp2_<T>(m_old - safe_max(m_new));  // m_old = -inf gives 0 (acc and l are 0 anyway)
-}
-
-// exp2(s - m) for one score against the (new) running max.
-template <typename T>
-__device__ __forceinline__ T prob(T s, T m) { return exp2_<T>(s - safe_max(m)); }
-
-// exp2(s_raw * scale_log2 - m_ref) with the scale folded into one fused multiply-add
-// (FlashAttention-2, Sec. 3.1): s_raw is the unscaled score q.k, scale_log2 = softmax_scale *
-// log2(e), and m_ref = safe_max(m) is the row's reference point, computed once per row.
 template <typename T> __device__ __forceinline__ T fma_(T a, T b, T c);
 template <> __device__ __forceinline__ float fma_<float>(float a, float b, float c) { return fmaf(a, b, c); }
 template <> __device__ __forceinline__ double fma_<double>(double a, double b, double c) { return fma(a, b, c); }
+template <typename T> __device__ __forceinline__ T max_(T a, T b) { return a > b ? a : b; }
+template <> __device__ __forceinline__ float max_<float>(float a, float b) { return fmaxf(a, b); }
 
+// The reference point of the exponentials for a running max m: m, or 0 while m = -inf.
 template <typename T>
-__device__ __forceinline__ T prob_fma(T s_raw, T scale_log2, T m_ref) {
-    return exp2_<T>(fma_<T>(s_raw, scale_log2, -m_ref));
+__device__ __forceinline__ T softmax_ref(T m) { return m == neg_inf<T>() ? T(0) : m; }
+
+// exp2((x - ref) * c): a probability (x a score, ref the row's reference point), the factor that
+// moves a state from one max to a larger one (x the old max), or a merge weight (x a part's LSE,
+// c = log2(e)). In [0, 1] whenever x <= ref; x = -inf gives 0.
+template <typename T>
+__device__ __forceinline__ T softmax_weight(T x, T ref, T c) { return exp2_<T>((x - ref) * c); }
+
+// Per-row state (m, l). l may be one thread's share of the row (the threads of a row add their
+// shares once, at the end: the kernel's shuffles); m is the same in every thread of the row.
+template <typename T>
+struct SoftmaxRow {
+    T m, l;
+
+    __device__ __forceinline__ void init() { m = neg_inf<T>(); l = T(0); }
+
+    // Step 1 of a tile: fold in the tile's row max mx (raw; -inf when the tile shows the row no
+    // key). Returns the factor alpha by which the caller multiplies its accumulator; l is
+    // rescaled here. Afterwards ref() is the reference point of this tile's probabilities.
+    __device__ __forceinline__ T update(T mx, T c) {
+        const T m_new = max_<T>(m, mx);
+        const T alpha = softmax_weight<T>(m, softmax_ref(m_new), c);  // m = -inf: 0 (l, acc are 0)
+        m = m_new;
+        l *= alpha;
+        return alpha;
+    }
+    __device__ __forceinline__ T ref() const { return softmax_ref(m); }
+    // Step 2: p = exp2((s - m) * c) for each score of the tile (ref = ref(), hoisted by the
+    // caller out of its loop over scores); the caller adds p V to acc and the row sum of p to l.
+    static __device__ __forceinline__ T prob(T s, T ref, T c) { return softmax_weight<T>(s, ref, c); }
+
+    // Merge another share (m_o, l_o) of the same row, over other keys, into this one (the
+    // accumulators, if any, are scaled by merge_factor(m_x, m, c) of each side).
+    __device__ __forceinline__ void merge(T m_o, T l_o, T c) {
+        const T m_new = max_<T>(m, m_o);
+        const T ref = softmax_ref(m_new);
+        l = l * softmax_weight<T>(m, ref, c) + l_o * softmax_weight<T>(m_o, ref, c);
+        m = m_new;
+    }
+
+    // Finalisation, with l the whole row's sum: 1 / l (0 for an empty row, so the output is 0),
+    // and the natural-log LSE m * softmax_scale + ln l (-inf for an empty row).
+    static __device__ __forceinline__ T inv_l(T l_row) { return l_row == T(0) ? T(0) : T(1) / l_row; }
+    __device__ __forceinline__ T lse(T l_row, T c) const {
+        const T ln2 = T(0.693147180559945309417232121458176568);
+        return l_row == T(0) ? neg_inf<T>() : fma_<T>(m * c, ln2, log_<T>(l_row));
+    }
+};
+
+// Merge of two unnormalised states of one row over disjoint keys, (m_a, l_a, acc_a) and
+// (m_b, l_b, acc_b): m = max(m_a, m_b), l = f_a l_a + f_b l_b, acc = f_a acc_a + f_b acc_b.
+// merge_factor gives f_x for a part with max m_x against the merged max m.
+template <typename T>
+__device__ __forceinline__ T merge_factor(T m_x, T m, T c) {
+    return softmax_weight<T>(m_x, softmax_ref(m), c);
 }
 
-// Natural-log LSE of the row from its log2-domain max and normaliser; -inf for an empty row.
-template <typename T>
-__device__ __forceinline__ T lse_from(T m_log2, T l) {
-    const T ln2 = T(0.693147180559945309417232121458176568);
-    return l == T(0) ? neg_inf<T>() : m_log2 * ln2 + log_<T>(l);
-}
-
-// 1 / l for the final normalisation; 0 for an empty row so the output is 0.
-template <typename T>
-__device__ __forceinline__ T inv_normaliser(T l) { return l == T(0) ? T(0) : T(1) / l; }
-
-// Merge of two partial states (o normalised, lse natural log): the combine step of split-KV
-// decoding (Flash-Decoding) and of cascade attention. merge(x, (0, -inf)) = x.
-template <typename T>
-__device__ __forceinline__ T merge_weight(T lse_part, T lse_max) {
-    return lse_part == neg_inf<T>() ? T(0) : exp(lse_part - lse_max);
+// Merge of normalised partial states (o_i, lse_i natural log), the combine of Flash-Decoding and
+// of cascade attention: this is the online softmax over "keys" with score lse_i and value o_i
+// (c = log2(e)), so o = sum w_i o_i / sum w_i, w_i = exp(lse_i - lse_max), lse = lse_max +
+// ln(sum w_i). A part with lse = -inf has weight 0 and its o is never read:
+// merge(x, (0, -inf)) = x; merging only empty parts gives (0, -inf).
+constexpr float kLog2e = 1.44269504088896340736f;
+__device__ __forceinline__ float lse_weight(float lse_part, float lse_max) {
+    return lse_part == neg_inf<float>() ? 0.f : softmax_weight<float>(lse_part, softmax_ref(lse_max), kLog2e);
 }
 
 }  // namespace cf

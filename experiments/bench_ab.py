@@ -1,0 +1,147 @@
+"""Before/after timing of two builds of cupyflash on the same GPU, in one run.
+
+A kernel change is judged against the code it replaces, measured side by side: this script times
+the same prefill and decode calls with the library of this checkout ("after") and with the one
+in ``--before DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/before TAG`` or
+``git archive TAG cupyflash kernels_cu | tar -x -C DIR``), alternating the two in ``--rounds``
+rounds of one process each, so that clock drift and a warm or cold GPU fall on both alike. Each
+call is timed by :func:`common.benchmark` (CUDA events, median; decode with L2 flushed between
+repetitions, as in a model step). The record per shape keeps every round's median for both
+builds, their medians, and ``ratio = after / before`` (below 1: the change is faster).
+
+    PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before            # full set
+    PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --only decode --rounds 3
+
+Writes ``experiments/results/bench_ab.jsonl`` (one line per shape, with both commits and the GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# (op, dtype, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, paged page size or 0)
+PREFILL = [("prefill", dt, hd, 16384 // s, s, s, 2048 // hd, 2048 // hd, c, 0)
+           for dt, hd, s in (("bfloat16", 128, 4096), ("bfloat16", 64, 4096),
+                             ("bfloat16", 256, 4096), ("float16", 128, 4096),
+                             ("bfloat16", 128, 1024))
+           for c in (False, True)] + \
+          [("prefill", "float32", 64, 2, 1024, 1024, 8, 8, False, 0)]
+# Llama-3-8B decode heads (32 query, 8 KV, hd128), one new token, full caches
+DECODE = [("decode", "bfloat16", 128, b, 1, s, 32, 8, False, ps)
+          for b, s, ps in ((1, 16384, 0), (1, 131072, 0), (16, 1024, 0), (16, 16384, 0),
+                           (64, 1024, 0), (64, 4096, 0), (16, 4096, 16), (64, 1024, 16))]
+
+
+def _worker(ops, out_path):
+    """Time every shape with whichever cupyflash is first on the path (imported before
+    ``common``, which would put this checkout's first); write {key: median ms}."""
+    import cupyflash  # noqa: F401  (the build under test: PYTHONPATH decides)
+    sys.path.insert(0, str(HERE))
+    import cupy
+    import common
+    res = {"cupyflash": os.path.dirname(cupyflash.__file__)}
+    for op, dt, hd, b, sq, sk, h, hk, causal, ps in [s for s in PREFILL + DECODE if s[0] in ops]:
+        key = json.dumps([op, dt, hd, b, sq, sk, h, hk, causal, ps])
+        q, k, v = common.random_qkv(b, sq, sk, h, hk, hd, dt, seed=1)
+        if op == "prefill":
+            out = cupy.empty_like(q)
+
+            def fn():
+                cupyflash.flash_attn_func(q, k, v, causal=causal, out=out)
+            t = common.benchmark(fn, n_warmup=3, n_repeat=20)
+        else:
+            lens = cupy.full((b,), sk, cupy.int32)
+            bt = None
+            if ps:
+                pages = b * sk // ps
+                perm = cupy.random.default_rng(3).permutation(pages).astype(cupy.int32)
+                bt = perm.reshape(b, sk // ps)
+                k = k.reshape(pages, ps, hk, hd)[cupy.argsort(perm)]
+                v = v.reshape(pages, ps, hk, hd)[cupy.argsort(perm)]
+            out = cupy.empty_like(q)
+
+            def fn():
+                cupyflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=bt,
+                                                  out=out, validate=False)
+            t = common.benchmark(fn, n_warmup=3, n_repeat=30, flush_l2=True)
+        res[key] = t["ms"]
+        del q, k, v, out
+        common.free_memory()
+    Path(out_path).write_text(json.dumps(res))
+
+
+def _commit(root: Path) -> str:
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+        return r.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, help="root of the other build (holds cupyflash/ and "
+                    "kernels_cu/)")
+    ap.add_argument("--rounds", type=int, default=2, help="processes per build, alternated")
+    ap.add_argument("--only", choices=("prefill", "decode"), help="one op only")
+    ap.add_argument("--before-commit", default=None, help="commit of --before (default: its git "
+                    "HEAD, or 'unknown')")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_ab.jsonl")
+    ap.add_argument("--worker", nargs=2, metavar=("OPS", "PATH"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker(args.worker[0].split(","), args.worker[1])
+        return 0
+    if args.before is None:
+        ap.error("--before: the root of the build to compare against is required")
+    if not (args.before / "cupyflash").is_dir():
+        ap.error(f"--before: {args.before} holds no cupyflash/ package")
+    sys.path.insert(0, str(HERE))
+    import common
+    ops = [args.only] if args.only else ["prefill", "decode"]
+    after_root = HERE.parent
+    sides = {"before": args.before.resolve(), "after": after_root}
+    runs = {"before": [], "after": []}
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    for r in range(args.rounds):
+        for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            path = tmp / f"bench_ab_{side}_{r}.json"
+            env = dict(os.environ, PYTHONPATH=str(sides[side]))
+            print(f"round {r}: {side} ({sides[side]})", flush=True)
+            subprocess.run([sys.executable, __file__, "--worker", ",".join(ops), str(path)],
+                           env=env, check=True)
+            runs[side].append(json.loads(path.read_text()))
+    for side in sides:  # each side really imported its own build
+        got = {Path(x["cupyflash"]).resolve().parent for x in runs[side]}
+        assert got == {sides[side]}, f"{side}: imported cupyflash from {got}"
+    prov = common.provenance()
+    recs = []
+    import statistics
+    for key in runs["after"][0]:
+        if key == "cupyflash":
+            continue
+        op, dt, hd, b, sq, sk, h, hk, causal, ps = json.loads(key)
+        before = [x[key] for x in runs["before"]]
+        after = [x[key] for x in runs["after"]]
+        mb, ma = statistics.median(before), statistics.median(after)
+        recs.append(dict(prov, what="bench_ab", op=op, dtype=dt, headdim=hd, batch=b, seqlen_q=sq,
+                         seqlen_k=sk, nheads=h, nheads_k=hk, causal=causal, page_size=ps,
+                         ms_before=before, ms_after=after, ms_before_median=mb,
+                         ms_after_median=ma, ratio=ma / mb,
+                         commit_before=args.before_commit or _commit(sides["before"])))
+        print(f"{op:7s} {dt:8s} hd{hd:<3d} b{b:<3d} sq{sq:<5d} sk{sk:<6d} "
+              f"{'causal' if causal else 'full  '} p{ps:<3d} before {mb:8.4f} ms  after "
+              f"{ma:8.4f} ms  ratio {ma / mb:.4f}", flush=True)
+    common.append_jsonl(args.out, recs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
