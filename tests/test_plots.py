@@ -131,6 +131,31 @@ def test_plot_every_figure_from_synthetic_results(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_every_figure_from_the_committed_results(tmp_path, capsys):
+    """The README's figures regenerate from experiments/results as committed (no file a figure
+    reads has left the tree)."""
+    figs = tmp_path / "figures"
+    assert plot.main(["--figures", str(figs)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped" not in out.replace("0 figures skipped", "") and "FAILED" not in out, out
+    for name in FIGS:
+        assert (figs / f"{name}.png").is_file(), name
+
+
+def test_explain_record_keeps_the_plans_summary():
+    """A result record's plan is its summary: the kernel and its launch, not every rejected
+    specialisation."""
+    import numpy as np
+    import common
+    q = np.zeros((1, 1024, 16, 128), np.float16)
+    rec = common.explain_record(q, q, q, causal=True)
+    assert "rejected" not in rec and "error" not in rec, rec
+    assert {"problem", "kernel", "num_splits", "flops", "hbm_bytes"} <= set(rec)
+    k = rec["kernel"]
+    assert k["name"] and len(k["grid"]) == 3 and len(k["block"]) == 3 and k["smem_bytes"] > 0
+    assert "registers" in k and "spill_bytes" in k
+
+
 def test_plot_skips_missing_results(tmp_path, capsys):
     assert plot.main(["--results", str(tmp_path / "nothing"), "--figures", str(tmp_path / "f")]) == 0
     out = capsys.readouterr().out
