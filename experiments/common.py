@@ -628,14 +628,20 @@ def peak_extra_memory_torch(fn) -> dict:
 # explain() records
 # ------------------------------------------------------------------------------------------------
 def explain_record(*args, kind: str = "prefill", **kwargs):
-    """``dataclasses.asdict`` of the plan for the call's arguments (``cupyflash.explain`` for
-    prefill, ``cupyflash.explain_kvcache`` for ``kind="decode"``), or ``{"error": ...}`` when
-    planning raises (recorded beside the measurement rather than aborting a sweep)."""
+    """The plan's summary for the call's arguments (``cupyflash.explain`` for prefill,
+    ``cupyflash.explain_kvcache`` for ``kind="decode"``): ``dataclasses.asdict`` of the plan
+    (problem; kernel name, template, grid, block, shared memory, registers, spills;
+    ``num_splits``, modelled FLOPs and HBM bytes, workspace, the reasons for the choice) without
+    ``rejected``, the list of every other specialisation and why it was not chosen, which made
+    the bench records megabytes (``explain()`` at the record's commit gives it). ``{"error":
+    ...}`` when planning raises (recorded beside the measurement rather than aborting a
+    sweep)."""
     try:
         import cupyflash
         fn = cupyflash.explain_kvcache if kind == "decode" else cupyflash.explain
         plan = fn(*args, **kwargs)
         rec = dataclasses.asdict(plan) if dataclasses.is_dataclass(plan) else dict(plan)
+        rec.pop("rejected", None)
         return json.loads(json.dumps(rec, default=jsonable))
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -226,10 +226,13 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, scale, arch=None, num_splits
 
 
 def plan_record(plan) -> dict:
-    """JSON-ready record of a plan (``Plan.as_dict`` where it exists)."""
-    if hasattr(plan, "as_dict"):
-        return plan.as_dict()
-    return json.loads(json.dumps(plan, default=common.jsonable))
+    """JSON-ready summary of a plan (``Plan.as_dict`` where it exists) without ``rejected``, the
+    list of every specialisation not chosen (as ``common.explain_record``)."""
+    rec = plan.as_dict() if hasattr(plan, "as_dict") else json.loads(
+        json.dumps(plan, default=common.jsonable))
+    if isinstance(rec, dict):
+        rec.pop("rejected", None)
+    return rec
 
 
 def decode_inputs(fx: dict, layer: int, seqlen_q: int, dtype: str):
