@@ -111,5 +111,64 @@ constexpr float kLog2e = 1.44269504088896340736f;
 __device__ __forceinline__ float lse_weight(float lse_part, float lse_max) {
     return lse_part == neg_inf<float>() ? 0.f : softmax_weight<float>(lse_part, softmax_ref(lse_max), kLog2e);
 }
+// The merged LSE from the parts' max and the sum of their weights (-inf when every part is empty).
+__device__ __forceinline__ float merged_lse(float lse_max, float wsum) {
+    return wsum == 0.f ? neg_inf<float>() : lse_max + logf(wsum);
+}
+
+// A running merge of normalised parts for 4 output columns, folded a batch of N parts at a
+// time (the fused combine of the split-decode kernel): the batch's max, then each part's weight
+// independently (no dependent chain of exponentials through a running max), then one rescale of
+// the running state. Parts past n and empty parts (lse = -inf; their o is unused and may be NaN)
+// are masked by selects, so the N weights are computed back to back without a branch per part
+// (v11-v12). Result: o = acc / l, lse = merged_lse(m, l).
+template <int N> struct MergeBatch { static constexpr int kN = N; };
+
+struct LseMerge4 {
+    float m, l, acc[4];
+    __device__ __forceinline__ void init() {
+        m = neg_inf<float>();
+        l = 0.f;
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+    }
+    template <int N>
+    __device__ __forceinline__ void add_batch(const float (&lse)[N], const float4 (&o)[N], int n) {
+        static_assert(N % 4 == 0, "batch: a multiple of 4 (four max chains)");
+        float m0 = neg_inf<float>(), m1 = m0, m2 = m0, m3 = m0;  // four independent max chains
+#pragma unroll
+        for (int u = 0; u < N; u += 4) {
+            m0 = fmaxf(m0, u < n ? lse[u] : neg_inf<float>());
+            m1 = fmaxf(m1, u + 1 < n ? lse[u + 1] : neg_inf<float>());
+            m2 = fmaxf(m2, u + 2 < n ? lse[u + 2] : neg_inf<float>());
+            m3 = fmaxf(m3, u + 3 < n ? lse[u + 3] : neg_inf<float>());
+        }
+        const float mb = fmaxf(fmaxf(m0, m1), fmaxf(m2, m3));
+        if (mb == neg_inf<float>()) return;  // every part of the batch is empty
+        const float m_new = fmaxf(m, mb);
+        const float f = lse_weight(m, m_new);  // m = -inf (first batch): 0
+        float wt[N];
+        bool ok[N];
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            ok[u] = u < n && lse[u] != neg_inf<float>();
+            wt[u] = lse_weight(ok[u] ? lse[u] : neg_inf<float>(), m_new);  // 0 where masked
+        }
+        float lb = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            lb = ok[u] ? lb + wt[u] : lb;
+            a0 = ok[u] ? fmaf(wt[u], o[u].x, a0) : a0;
+            a1 = ok[u] ? fmaf(wt[u], o[u].y, a1) : a1;
+            a2 = ok[u] ? fmaf(wt[u], o[u].z, a2) : a2;
+            a3 = ok[u] ? fmaf(wt[u], o[u].w, a3) : a3;
+        }
+        l = fmaf(l, f, lb);
+        acc[0] = fmaf(acc[0], f, a0);
+        acc[1] = fmaf(acc[1], f, a1);
+        acc[2] = fmaf(acc[2], f, a2);
+        acc[3] = fmaf(acc[3], f, a3);
+        m = m_new;
+    }
+};
 
 }  // namespace cf
