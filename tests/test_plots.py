@@ -141,7 +141,7 @@ def test_plot_skips_missing_results(tmp_path, capsys):
 @pytest.mark.parametrize("script", ["bench_prefill", "bench_decode", "exp_memory", "exp_hbm",
                                     "bench_tiles", "bench_ceilings", "exp_numerics", "plot",
                                     "bench_overhead", "gpu_suite", "real_model",
-                                    "sweep_prefill_variants", "sweep_decode_variants"])
+                                    "sweep_prefill_variants"])
 def test_scripts_have_help(script):
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--help"],
                        capture_output=True, text=True, timeout=60)
@@ -202,41 +202,6 @@ def test_ncu_csv_parser():
     assert r["kernels"] == ["void cf::softmax<float, 256>(const float *, int)", "sm90_xmma_gemm"]
     with pytest.raises(ValueError, match="no ncu CSV header"):
         exp_hbm.parse_ncu_csv("==ERROR== Failed to initialize the profiler\n")
-
-
-NCU_DECODE_CSV = '''==WARNING== Note: Running with unmodified GPU clocks.
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value","Rule Name","Rule Type","Rule Description","Estimated Speedup Type","Estimated Speedup"
-"0","882","python3.12","127.0.0.1","void cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, 0, 65>(const void *)","1","7","(128, 1, 1)","(1, 64, 8)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","269.04",
-"0","882","python3.12","127.0.0.1","void cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, 0, 65>(const void *)","1","7","(128, 1, 1)","(1, 64, 8)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","77.97",
-"0","882","python3.12","127.0.0.1","void cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, 0, 65>(const void *)","1","7","(128, 1, 1)","(1, 64, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","72.45",
-"0","882","python3.12","127.0.0.1","void cf::decode_split_kernel<__nv_bfloat16, 128, 64, 4, 16, 3, 0, 65>(const void *)","1","7","(128, 1, 1)","(1, 64, 8)","0","9.0","WarpStateStats","","","","CPIStall","WRN","The optional metric",
-"1","882","python3.12","127.0.0.1","cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x128_1x4x1_cga1x1x1_kernel0_0","1","7","(128, 1, 1)","(1, 8, 64)","0","9.0","Command line profiler metrics","smsp__inst_executed.sum","inst","10,985,285",
-"1","882","python3.12","127.0.0.1","cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x128_1x4x1_cga1x1x1_kernel0_0","1","7","(128, 1, 1)","(1, 8, 64)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","183",
-"2","882","python3.12","127.0.0.1","void cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, 0, 65>(const void *)","1","7","(256, 1, 1)","(1, 16, 8)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","37,920",
-"3","882","python3.12","127.0.0.1","cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x128_1x4x1_cga1x1x1_kernel0_0","1","7","(128, 1, 1)","(1, 8, 16)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","79.81",
-"4","882","python3.12","127.0.0.1","cudnn::lean_reduction_kernel","1","7","(128, 1, 1)","(4, 1, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","1.5",
-'''
-
-
-def test_ncu_decode_parser_units_impls_and_call_groups():
-    import ncu_decode
-    ks = ncu_decode.parse_kernels("program output\n" + NCU_DECODE_CSV)
-    assert [k["id"] for k in ks] == [0, 1, 2, 3, 4]
-    assert [k["impl"] for k in ks] == ["cupyflash", "torch_cudnn", "cupyflash", "torch_cudnn",
-                                       "torch_cudnn"]
-    a = ks[0]
-    assert a["grid"] == (1, 64, 8) and a["block"] == (128, 1, 1)
-    assert a["dram_bytes_read"] == 269040000 and a["dram_throughput_pct"] == 77.97
-    assert a["duration_ns"] == 72450 and "warp_instructions" not in a  # rule rows are skipped
-    assert ks[1]["warp_instructions"] == 10985285 and ks[1]["registers_per_thread"] == 183
-    assert ks[2]["duration_ns"] == 37920
-    groups = ncu_decode.split_by_call(ks)
-    assert [[k["id"] for k in g] for g in groups] == [[0, 1], [2, 3, 4]]
-    recs = ncu_decode.records(groups[1], 16, 2048, {"commit": "x"})
-    assert all(r["batch"] == 16 and r["seqlen_k"] == 2048 and r["commit"] == "x" for r in recs)
-    assert recs[0]["kv_bytes"] == 2 * 16 * 2048 * 8 * 128 * 2
-    with pytest.raises(ValueError, match="no ncu CSV header"):
-        ncu_decode.parse_kernels("==ERROR== Failed to initialize the profiler\n")
 
 
 def test_run_profiled_returns_both_streams_and_kills_on_timeout():
