@@ -132,7 +132,7 @@ class DecodeProblem:
         ``q``'s strides (of the dims with more than one element) are 16-byte multiples, and so is
         its data pointer where ``q`` is a device array (a host array's is not the one the
         kernel will see): the split kernel then copies the Q tile by 16-byte ``cp.async``
-        (``decode.FLAG_Q_ASYNC``), else by 2-byte loads (the same result, slower). Unknown
+        beside the sequence's length, else by 2-byte loads (the same result, slower). Unknown
         strides: False.
     """
     batch: int
