@@ -462,14 +462,25 @@ def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
 
     Raises what the call raises for bad shapes, dtypes, layouts (a last dimension that is not
     contiguous, cache row strides that are not 16-byte multiples; a host array's pointer is not
-    checked), options, ``return_lse`` and a ``workspace`` of the wrong dtype, size or layout;
-    the values of ``cache_seqlens`` and ``block_table`` (lengths over the capacity, page ids
-    outside the pool) are checked only with ``validate=True``, the call's default, here
-    ``False``. ``arch`` and ``num_sms``: see :func:`plan_decode` (without a GPU: an H200's 132
-    SMs unless ``num_sms`` is given; ``arch`` must name sm_80 or newer)."""
+    checked), options, ``return_lse`` and a ``workspace`` of the wrong dtype, size or layout.
+    The values of ``cache_seqlens`` and ``block_table`` (negative lengths, lengths over the
+    capacity, page ids outside the pool: :func:`cupyflash.checks.check_kvcache_values`) are
+    checked as the call checks them when they are host arrays (NumPy; reading them costs no
+    synchronisation); CUDA arrays only with ``validate=True`` (the call's default, here
+    ``False``). ``arch`` and ``num_sms``: see :func:`plan_decode` (without a GPU: an H200's 132
+    SMs unless ``num_sms`` is given; ``arch`` must name sm_80 or newer).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cupyflash.decode.flash_attn_with_kvcache` (the message names the argument and
+        what was expected), and :func:`plan_decode`'s for ``arch`` and ``num_sms``.
+    """
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 softmax_scale=softmax_scale, causal=causal,
                                 num_splits=num_splits, out=out, dtypes=DTYPES, validate=validate)
+    if not validate and cache_seqlens is not None and not checks.is_device_array(cache_seqlens):
+        checks.check_kvcache_values(prob, cache_seqlens, block_table)  # host arrays: free
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),

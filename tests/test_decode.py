@@ -1115,6 +1115,50 @@ def test_explain_kvcache_takes_the_calls_arguments():
         decode.explain_kvcache(strided, kc, kc, cache_seqlens=cs, report=False)
 
 
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: a.update(cache_seqlens=np.array([3, -1], np.int32)), ValueError,
+     r"^cache_seqlens: must be >= 0, got cache_seqlens\[1\]=-1$"),
+    (lambda a: a.update(cache_seqlens=np.array([3, 49], np.int32)), ValueError,
+     r"^cache_seqlens: cache_seqlens\[1\]=49 \+ seqlen_new 0 exceeds the cache capacity 48 "
+     r"\(max_pages_per_seq \* page_size\)$"),
+    (lambda a: a.update(k=np.zeros((2, 2, 2, 64), np.float16),
+                        v=np.zeros((2, 2, 2, 64), np.float16),
+                        cache_seqlens=np.array([46, 47], np.int32)), ValueError,
+     r"^cache_seqlens: cache_seqlens\[1\]=47 \+ seqlen_new 2 exceeds the cache capacity 48"),
+    (lambda a: a["block_table"].__setitem__((1, 0), 6), ValueError,
+     r"^block_table: page id block_table\[1, 0\]=6 is outside the pool \[0, 6\) \(sequence 1 "
+     r"uses 1 page\)$"),
+    (lambda a: a["block_table"].__setitem__((0, 0), -2), ValueError,
+     r"^block_table: page id block_table\[0, 0\]=-2 is outside the pool \[0, 6\)"),
+    (lambda a: a.update(cache_seqlens=[3, 5]), TypeError,
+     r"^cache_seqlens: expected an array \(NumPy, CuPy, or torch tensor\)"),
+    (lambda a: a.update(block_table=[[0, 1, 2], [3, 4, 5]]), TypeError,
+     r"^block_table: expected an array \(NumPy, CuPy, or torch tensor\)"),
+])
+def test_explain_kvcache_checks_host_lengths_and_page_ids(no_launch, mutate, exc, match):
+    """explain_kvcache applies the call's value checks to host cache_seqlens and block_table
+    (negative lengths, lengths over the capacity, page ids outside the pool; lists are not
+    arrays), with the call's messages, whatever its validate flag (reading host arrays costs no
+    synchronisation); page ids past the pages a sequence uses are not read."""
+    q, kc, vc, cs, bt = _arrays(paged=True)
+    a = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=cs, block_table=bt)
+    mutate(a)
+    for validate in (False, True):
+        with pytest.raises(exc, match=match):
+            decode.explain_kvcache(**a, validate=validate, report=False)
+    with pytest.raises(exc, match=match):  # the call: the same error, before any launch
+        decode.flash_attn_with_kvcache(**a)
+    # the contiguous cache's capacity is its dim 1
+    q, kc, vc, _, _ = _arrays()
+    with pytest.raises(ValueError, match=r"exceeds the cache capacity 48 \(k_cache dim 1\)$"):
+        decode.explain_kvcache(q, kc, vc, cache_seqlens=np.array([48, 49], np.int32),
+                               report=False)
+    q, kc, vc, cs, bt = _arrays(paged=True)
+    bt[0, 1], bt[1, 2] = 99, -5  # both sequences (3 and 5 tokens) use page slot 0 only
+    plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+    assert plan.name.endswith("_paged_cp")
+
+
 @pytest.mark.parametrize("arch,exc,msg", [("foo", ValueError, "NVRTC target"),
                                           (90, TypeError, "expected a str"),
                                           ("sm_75", ValueError, "older than sm_80"),
