@@ -9,7 +9,8 @@ attention_baseline                      : the materialising baseline (S x S scor
 reference                               : NumPy float64 / online-softmax reference (no GPU needed)
 testing                                 : Hypothesis strategies for fuzzing kernels against it
 decode                                  : decode planning and workspaces (workspace_size,
-                                          alloc_workspace, launch_config, plan_decode)
+                                          alloc_workspace, launch_config, plan_decode), from
+                                          decode_plan and decode_kernels (specialisations)
 
 CuPy is imported lazily: ``import cupyflash`` and the reference work on a machine without a GPU.
 """
@@ -22,7 +23,8 @@ _LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "
          "flash_attn_with_kvcache": "decode", "merge_states": "decode", "explain_kvcache": "decode",
          "attention_baseline": "baseline",
          "reference": None, "checks": None, "testing": None, "dispatch": None, "heuristics": None, "prefill": None,
-         "decode": None, "baseline": None, "io_model": None, "jit": None}
+         "decode": None, "decode_plan": None, "decode_kernels": None, "baseline": None,
+         "io_model": None, "jit": None}
 
 
 def __getattr__(name):  # PEP 562: submodules load on first use

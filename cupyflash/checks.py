@@ -36,7 +36,8 @@ from .interop import is_device_array, np_dtype  # (imports no CuPy)
 
 __all__ = [
     "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
-    "check_attention", "check_varlen", "check_kvcache", "check_merge", "resolve_softmax_scale",
+    "check_attention", "check_varlen", "check_kvcache", "check_kvcache_values", "check_merge",
+    "resolve_softmax_scale",
     "check_last_dim_contiguous", "element_strides", "page_strides_fit_i32", "page_offsets_fit_i32",
     "aligned16", "rows_aligned16", "device_pointer",
     "check_window_size",
@@ -132,7 +133,7 @@ class DecodeProblem:
         ``q``'s strides (of the dims with more than one element) are 16-byte multiples, and so is
         its data pointer where ``q`` is a device array (a host array's is not the one the
         kernel will see): the split kernel then copies the Q tile by 16-byte ``cp.async``
-        (``decode.FLAG_Q_ASYNC``), else by 2-byte loads (the same result, slower). Unknown
+        beside the sequence's length, else by 2-byte loads (the same result, slower). Unknown
         strides: False.
     """
     batch: int
@@ -731,9 +732,8 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
     dtypes : tuple of str
         Supported element types.
     validate : bool
-        When True, read ``cache_seqlens`` and ``block_table`` (host copy if on the GPU) and check
-        ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + seqlen_new <= seqlen_cache``, and page
-        ids in ``[0, num_pages)`` for the pages each sequence uses.
+        When True, check the values of ``cache_seqlens`` and ``block_table``
+        (:func:`check_kvcache_values`; a host copy, so a synchronisation if on the GPU).
 
     Returns
     -------
@@ -826,37 +826,62 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
                                "out": out})
     if not isinstance(validate, (bool, np.bool_)):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    problem = DecodeProblem(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k,
+                            headdim=headdim, dtype=dt, softmax_scale=scale, causal=causal,
+                            paged=paged, seqlen_cache=seqlen_cache, page_size=page_size,
+                            num_pages=num_pages, max_pages_per_seq=max_pages,
+                            seqlen_new=seqlen_new, num_splits=int(num_splits),
+                            page_offsets_fit_i32=(not paged
+                                                  or page_offsets_fit_i32(page_size, k_cache,
+                                                                          v_cache)),
+                            q_aligned16=aligned16(q))
     if validate and cache_seqlens is not None:
-        cs = to_host(cache_seqlens).astype(np.int64)
-        if (cs < 0).any():
-            b = int(np.argmax(cs < 0))
-            raise ValueError(f"cache_seqlens: must be >= 0, got cache_seqlens[{b}]={cs[b]}")
-        total = cs + seqlen_new
-        if (total > seqlen_cache).any():
-            b = int(np.argmax(total > seqlen_cache))
-            raise ValueError(f"cache_seqlens: cache_seqlens[{b}]={cs[b]} + seqlen_new "
-                             f"{seqlen_new} exceeds the cache capacity {seqlen_cache} "
-                             + ("(max_pages_per_seq * page_size)" if paged
-                                else "(k_cache dim 1)"))
-        if paged:
-            bt = to_host(block_table).astype(np.int64)
-            used = -(-total // page_size)  # pages each sequence reads or writes
-            cols = np.arange(max_pages)[None, :]
-            bad = (cols < used[:, None]) & ((bt < 0) | (bt >= num_pages))
-            if bad.any():
-                b, p = (int(i) for i in np.argwhere(bad)[0])
-                raise ValueError(f"block_table: page id block_table[{b}, {p}]={bt[b, p]} is "
-                                 f"outside the pool [0, {num_pages}) (sequence {b} uses "
-                                 f"{int(used[b])} page{'s' if int(used[b]) != 1 else ''})")
-    return DecodeProblem(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k,
-                         headdim=headdim, dtype=dt, softmax_scale=scale, causal=causal,
-                         paged=paged, seqlen_cache=seqlen_cache, page_size=page_size,
-                         num_pages=num_pages, max_pages_per_seq=max_pages,
-                         seqlen_new=seqlen_new, num_splits=int(num_splits),
-                         page_offsets_fit_i32=(not paged
-                                               or page_offsets_fit_i32(page_size, k_cache,
-                                                                       v_cache)),
-                         q_aligned16=aligned16(q))
+        check_kvcache_values(problem, cache_seqlens, block_table)
+    return problem
+
+
+def check_kvcache_values(problem: DecodeProblem, cache_seqlens, block_table=None) -> None:
+    """The values of a decode call's ``cache_seqlens`` and ``block_table`` (read on the host: a
+    synchronisation for device arrays): ``0 <= cache_seqlens[b]``, ``cache_seqlens[b] +
+    seqlen_new <= seqlen_cache``, and (paged) page ids in ``[0, num_pages)`` in the first
+    ``ceil((cache_seqlens[b] + seqlen_new) / page_size)`` entries of each row (the pages the
+    sequence uses; the others are never read).
+
+    Parameters
+    ----------
+    problem : DecodeProblem
+        From :func:`check_kvcache` for the same arrays (shapes and dtypes already checked).
+    cache_seqlens : int32 array, shape (batch,)
+    block_table : int32 array, shape (batch, max_pages_per_seq), or None (contiguous)
+
+    Raises
+    ------
+    ValueError
+        A negative length, a length over the capacity, a page id outside the pool (the message
+        names the argument, the entry and what was expected).
+    """
+    p = problem
+    cs = to_host(cache_seqlens).astype(np.int64)
+    if (cs < 0).any():
+        b = int(np.argmax(cs < 0))
+        raise ValueError(f"cache_seqlens: must be >= 0, got cache_seqlens[{b}]={cs[b]}")
+    total = cs + p.seqlen_new
+    if (total > p.seqlen_cache).any():
+        b = int(np.argmax(total > p.seqlen_cache))
+        raise ValueError(f"cache_seqlens: cache_seqlens[{b}]={cs[b]} + seqlen_new "
+                         f"{p.seqlen_new} exceeds the cache capacity {p.seqlen_cache} "
+                         + ("(max_pages_per_seq * page_size)" if p.paged
+                            else "(k_cache dim 1)"))
+    if p.paged:
+        bt = to_host(block_table).astype(np.int64)
+        used = -(-total // p.page_size)  # pages each sequence reads or writes
+        cols = np.arange(p.max_pages_per_seq)[None, :]
+        bad = (cols < used[:, None]) & ((bt < 0) | (bt >= p.num_pages))
+        if bad.any():
+            b, j = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"block_table: page id block_table[{b}, {j}]={bt[b, j]} is "
+                             f"outside the pool [0, {p.num_pages}) (sequence {b} uses "
+                             f"{int(used[b])} page{'s' if int(used[b]) != 1 else ''})")
 
 
 def check_merge(o_parts, lse_parts) -> tuple:

@@ -21,18 +21,10 @@ def rand(shape, dtype):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--small", action="store_true", help="fewer prefill cases (racecheck is slow)")
-    ap.add_argument("--variants-only", action="store_true",
-                    help="only the decode split kernel's experiment variants (TMA copies, "
-                         "speculative prologue)")
     args = ap.parse_args()
     small = args.small
     import ml_dtypes
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    if args.variants_only:
-        variant_cases(bf16)
-        cp.cuda.runtime.deviceSynchronize()
-        print("sanitize cases: done")
-        return
     dtypes = [bf16, cp.float64] if small else [cp.float16, bf16, cp.float32, cp.float64]
     for dt in dtypes:
         for d in ((64, 40) if small else (64, 128, 40)):
@@ -70,9 +62,7 @@ def main():
         table = cp.asarray(rng.permutation(64)[:3 * 19].reshape(3, 19).astype(np.int32))
         cf.flash_attn_with_kvcache(rand((3, 1, 8, 128), dt), pool_k, pool_v, cache_seqlens=lens,
                                    block_table=table, num_splits=0)
-    # decode: more unsplit blocks than SMs (the 64-key tile, two blocks per SM), and the cluster
-    # combine variant (distributed shared memory; sm_90 only)
-    from cupyflash import decode
+    # decode: more unsplit blocks than SMs (the 64-key tile, two blocks per SM)
     b = cp.cuda.Device().attributes["MultiProcessorCount"] // 8 + 1
     kc, vc = rand((b, 200, 8, 128), bf16), rand((b, 200, 8, 128), bf16)
     lens = cp.asarray(rng.integers(0, 201, b).astype(np.int32))
@@ -86,41 +76,14 @@ def main():
     lens = cp.asarray(np.array([8200, 5003], dtype=np.int32))
     cf.flash_attn_with_kvcache(rand((2, 1, 8, 128), bf16), kc, vc, cache_seqlens=lens,
                                num_splits=1)
-    if int(cp.cuda.Device().compute_capability) >= 90:
-        var = decode.SplitVariant(128, 8, 3, decode.FLAG_FUSED_COMBINE
-                                  | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)
-        kc, vc = rand((2, 900, 2, 128), bf16), rand((2, 900, 2, 128), bf16)
-        lens = cp.asarray(np.array([0, 877], dtype=np.int32))
-        qd = rand((2, 2, 8, 128), bf16)
-        for ns in (3, 8):
-            decode.run_split_variant(var, qd, kc, vc, lens, None, cp.empty_like(qd), None,
-                                     num_splits=ns, lse=cp.empty((2, 8, 2), cp.float32))
-    variant_cases(bf16)
-    cp.cuda.runtime.deviceSynchronize()
-    print("sanitize cases: done")
-
-
-def variant_cases(bf16):
-    """The decode split kernel's experiment variants: TMA copies (decode.FLAG_TMA, sm_90), the
-    speculative prologue (decode.FLAG_SPEC_KV: guessed tiles copied before the length
-    lands, V rows past it zeroed in shared memory) and the Q tile by cp.async
-    (decode.FLAG_Q_ASYNC, in the public defaults since v44; two query rows: padding rows
-    zeroed): both hd128 tiles, ragged lengths (an empty sequence, last tiles partly past len, a capacity that is not a multiple of the tile; with
-    three splits the shorter sequence's guess misses), one split and the fused merge of three."""
-    from cupyflash import decode
+    # decode: a q 2 bytes off a 16-byte boundary (the Q tile by 2-byte loads, not cp.async)
     kc, vc = rand((3, 300, 2, 128), bf16), rand((3, 300, 2, 128), bf16)
     lens = cp.asarray(np.array([0, 277, 300], dtype=np.int32))
-    qd = rand((3, 2, 8, 128), bf16)
-    extra = [decode.FLAG_COPY_POINTERS | decode.FLAG_SPEC_KV,
-             decode.FLAG_COPY_POINTERS | decode.FLAG_Q_ASYNC]
-    if int(cp.cuda.Device().compute_capability) >= 90:
-        extra.append(decode.FLAG_TMA)
-    for (bn, w, st), fl in ((t, f) for t in ((128, 8, 3), (64, 4, 2)) for f in extra):
-        var = decode.SplitVariant(bn, w, st, decode.DEFAULT_FLAGS | fl, 1)
-        for ns in (1, 3):
-            ws = cp.zeros(max(var.workspace_elems(3, 2, 8, 2, 128, ns), 1), cp.float32)
-            decode.run_split_variant(var, qd, kc, vc, lens, None, cp.empty_like(qd), ws,
-                                     num_splits=ns, lse=cp.empty((3, 8, 2), cp.float32))
+    qm = rand((3 * 2 * 8 * 128 + 1,), bf16)[1:].reshape(3, 2, 8, 128)
+    for ns in (1, 3):
+        cf.flash_attn_with_kvcache(qm, kc, vc, cache_seqlens=lens, num_splits=ns)
+    cp.cuda.runtime.deviceSynchronize()
+    print("sanitize cases: done")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import ml_dtypes
 
-from cupyflash import checks, decode, jit, reference, testing
+from cupyflash import checks, decode, decode_plan, jit, reference, testing
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -131,63 +131,45 @@ def test_heuristic_rejects_bad_arguments():
 # Specs
 # ----------------------------------------------------------------------------------------------
 def test_spec_names_and_table():
-    # the public default: fused combine with the release/acquire arrival (DEFAULT_FLAGS)
-    s = decode.split_kernel_spec("bfloat16", 128, True)
-    assert decode.DEFAULT_FLAGS == decode.FLAG_FUSED_COMBINE | decode.FLAG_RELEASE_ARRIVE
-    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_qasync"
-    qa = decode.DEFAULT_FLAGS | decode.FLAG_Q_ASYNC  # v44: the Q tile by cp.async everywhere
-    assert decode.default_flags(128, True) == qa | decode.FLAG_SPEC_PAGE_IDS
-    assert decode.default_flags(256, True) == qa  # hd256: registers
-    # v20: copy pointers on pages of a power-of-two size up to hd128 (page_size None: unknown)
-    spid_cp = qa | decode.FLAG_SPEC_PAGE_IDS | decode.FLAG_COPY_POINTERS
+    # the K/V path the public functions run (v18, v20): contiguous; paged with copy pointers up to
+    # hd128 for a power-of-two page_size; otherwise paged with page ids per row
+    for hd in (64, 128, 256):
+        assert decode.kv_path(hd, False) == decode.kv_path(hd, False, 16) == "contiguous"
+        assert decode.kv_path(hd, True) == "paged_rows"  # page_size None: not known
     for ps in (1, 2, 16, 64, 256, 1024):
-        assert decode.default_flags(128, True, ps) == spid_cp
-        assert decode.default_flags(64, True, ps) == spid_cp
-        assert decode.default_flags(256, True, ps) == qa  # would spill
+        assert decode.kv_path(128, True, ps) == "paged_copy_pointers"
+        assert decode.kv_path(64, True, ps) == "paged_copy_pointers"
+        assert decode.kv_path(256, True, ps) == "paged_rows"  # would spill
     for ps in (3, 12, 100, 255, 0):
-        assert decode.default_flags(128, True, ps) == qa | decode.FLAG_SPEC_PAGE_IDS
-    assert decode.split_kernel_spec("bfloat16", 128, True, page_size=16).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp_qasync"
+        assert decode.kv_path(128, True, ps) == "paged_rows"
+    s = decode.split_kernel_spec("bfloat16", 128, True)
+    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged"
+    assert s.entry == ("cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, "
+                       "cf::KvPath::kPagedRows>")
+    cp = decode.split_kernel_spec("bfloat16", 128, True, page_size=16)
+    assert cp.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_cp"
+    assert cp.entry == ("cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, "
+                        "cf::KvPath::kPagedCopyPointers>")
     assert decode.split_kernel_spec("bfloat16", 128, True, page_size=24).name == s.name
     assert decode.split_kernel_spec("bfloat16", 128, False, page_size=24).name == \
         decode.split_kernel_spec("bfloat16", 128, False).name
-    assert decode.default_flags(64, False) == qa | decode.FLAG_COPY_POINTERS
-    assert decode.default_flags(256, False) == qa | decode.FLAG_COPY_POINTERS
-    assert s.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 262465>"
-    c = decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_FUSED_COMBINE
-                                 | decode.FLAG_CLUSTER_COMBINE | decode.FLAG_RELEASE_ARRIVE)
-    assert c.name == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_cluster_rel"
-    assert decode.split_kernel_spec("bfloat16", 128, True, flags=0).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged"
+    assert decode.split_kernel_spec("bfloat16", 256, True, page_size=16).name == \
+        "decode_split_bf16_hd256_n32_w2_g16_s3_paged"
     # Q tile (rows padded by 16 B), 3 stages of K and V tiles (swizzled, unpadded rows),
     # a ring of 3 x 128 page ids
     assert s.smem_bytes == (16 * 136 + 3 * 2 * 128 * 128) * 2 + 3 * 128 * 4
     s64 = decode.split_kernel_spec("bfloat16", 128, True, block_n=64, nwarps=4)
     assert s64.smem_bytes == (16 * 136 + 3 * 2 * 64 * 128) * 2 + 3 * 64 * 4
-    f = decode.split_kernel_spec("bfloat16", 128, False, block_n=32, nwarps=2, stages=6,
-                                 flags=decode.FLAG_FUSED_COMBINE | decode.FLAG_EVICT_FIRST)
-    assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6_fused_ef"
-    assert f.entry == "cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, false, 3>"
-    with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=131072)
-    with pytest.raises(ValueError, match="exclude"):
-        decode.split_kernel_spec("bfloat16", 128, False, flags=decode.FLAG_PDL_EARLY_TRIGGER
-                                 | decode.FLAG_PDL_NO_TRIGGER)
-    assert decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
-                                    | decode.FLAG_KV_GROUPS).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_kvg"
-    assert decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
-                                    | decode.FLAG_SPEC_PAGE_IDS).entry == \
-        "cf::decode_split_kernel<__nv_bfloat16, 128, 128, 8, 16, 3, true, 321>"
-    with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, False,
-                                 flags=decode.FLAG_PREFETCH_128 | decode.FLAG_PREFETCH_256)
-    with pytest.raises(ValueError, match="flags"):
-        decode.split_kernel_spec("bfloat16", 128, True, flags=decode.FLAG_WARP_LOCAL)
+    f = decode.split_kernel_spec("bfloat16", 128, False, block_n=32, nwarps=2, stages=6)
+    assert f.name == "decode_split_bf16_hd128_n32_w2_g16_s6"
+    assert f.entry == ("cf::decode_split_kernel<__nv_bfloat16, 128, 32, 2, 16, 6, "
+                       "cf::KvPath::kContiguous>")
     assert decode.split_kernel_spec("float16", 64, False).name == \
-        "decode_split_fp16_hd64_n128_w4_g16_s3_fused_rel_cp_qasync"
+        "decode_split_fp16_hd64_n128_w4_g16_s3"
     assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
+    assert decode.combine_kernel_spec("float32").source == "decode_combine.cu"
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
+    assert decode.append_kernel_spec(True).source == "decode_append.cu"
     specs = decode.all_specs()
     names = [x.name for x in specs]
     # (2 dtypes x (hd64, hd128: contiguous, paged copy pointers, paged per-row ids; hd256:
@@ -202,9 +184,7 @@ def test_spec_names_and_table():
     assert decode.split_config(64) == decode.SPLIT_CONFIGS[64]
     # contiguous hd128: the measured 128-key x 8-warp tile (one block per SM)
     assert decode.split_kernel_spec("bfloat16", 128, False).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp_qasync"
-    assert decode.split_kernel_spec("bfloat16", 128, True).name == \
-        "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_qasync"
+        "decode_split_bf16_hd128_n128_w8_g16_s3"
     with pytest.raises(TypeError, match="dtype"):
         decode.split_kernel_spec("float32", 128, False)
     with pytest.raises(ValueError, match="headdim"):
@@ -237,8 +217,7 @@ def test_registers_allow_the_blocks_shared_memory_allows(compiled):
     named: the two-stage 64-key hd128 tile (heuristics.choose_split_stages) would fit three
     blocks by shared memory, but its 191 registers allow two, which is what it was measured and
     is planned with (v24-v25); for it the check is two blocks, and that three do not fit."""
-    two_by_registers = {f"decode_split_{t}_hd128_n64_w4_g16_s2_fused_rel_cp_qasync" for t in ("bf16",
-                                                                                      "fp16")}
+    two_by_registers = {f"decode_split_{t}_hd128_n64_w4_g16_s2" for t in ("bf16", "fp16")}
     seen = set()
     for spec in decode.all_specs():
         if not spec.name.startswith("decode_split"):
@@ -254,87 +233,13 @@ def test_registers_allow_the_blocks_shared_memory_allows(compiled):
     assert seen == two_by_registers
 
 
-#: The variants experiments/sweep_decode_variants.py measures (bf16 hd128, contiguous and paged).
-VARIANTS = [decode.SplitVariant(64, 4, 3, decode.FLAG_FUSED_COMBINE),
-            decode.SplitVariant(64, 4, 3, decode.FLAG_EVICT_FIRST | decode.FLAG_PREFETCH_256),
-            decode.SplitVariant(64, 4, 6, decode.FLAG_FUSED_COMBINE),
-            decode.SplitVariant(32, 2, 6, decode.FLAG_FUSED_COMBINE),
-            decode.SplitVariant(32, 2, 4), decode.SplitVariant(128, 8, 3),
-            decode.SplitVariant(32, 2, 12)]
-#: v2 candidates (experiments/NOTES.md "v2 decode plan"): 128-key tiles with 4 warps; v4:
-#: the .L2::128B prefetch-size hint (with and without evict_first).
-_F = decode.FLAG_FUSED_COMBINE
-VARIANTS += [decode.SplitVariant(128, 4, 3, _F), decode.SplitVariant(128, 4, 2, _F),
-             decode.SplitVariant(128, 8, 3, _F | decode.FLAG_PREFETCH_128),
-             decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128 | decode.FLAG_EVICT_FIRST)]
-#: v11: K and V in separate cp.async groups (with the default flags, and warp-local)
-VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS),
-             decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS),
-             decode.SplitVariant(128, 8, 2, decode.DEFAULT_FLAGS | decode.FLAG_KV_GROUPS)]
-#: v13: speculative page ids
-VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS),
-             decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS)]
-#: v15: where the next kernel is let be scheduled under programmatic dependent launch
-VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=True)
-             for bn, w in ((128, 8), (64, 4))
-             for t in (0, decode.FLAG_PDL_EARLY_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
-
-
-#: v18: fewer tile-loop instructions (copy pointers, skip / lazy rescale, Q in registers, no
-#: per-score mask on whole tiles), with both hd128 tiles
-_LOOP = [decode.FLAG_COPY_POINTERS, decode.FLAG_COPY_POINTERS | decode.FLAG_SKIP_RESCALE,
-         decode.FLAG_COPY_POINTERS | decode.FLAG_LAZY_RESCALE,
-         decode.FLAG_COPY_POINTERS | decode.FLAG_LAZY_RESCALE | decode.FLAG_MASK_FAST,
-         decode.FLAG_COPY_POINTERS | decode.FLAG_SKIP_RESCALE | decode.FLAG_MASK_FAST
-         | decode.FLAG_Q_REGS,
-         decode.FLAG_COPY_POINTERS | decode.FLAG_LAZY_RESCALE | decode.FLAG_MASK_FAST
-         | decode.FLAG_Q_REGS]
-VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | x, 1, pdl=True)
-             for bn, w in ((128, 8), (64, 4))
-             for x in _LOOP + [decode.FLAG_COPY_POINTERS | decode.FLAG_KV_GROUPS]]
-
-
-#: v20: copy pointers on paged caches (page ids per page), with the speculative page ids of the
-#: paged default, both hd128 tiles, the (splits, batch, heads) grid and heads first
-PAGED_CP_VARIANTS = [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | decode.FLAG_SPEC_PAGE_IDS
-                                         | decode.FLAG_COPY_POINTERS, order, pdl=True)
-                     for bn, w in ((128, 8), (64, 4)) for order in (0, 1)]
-
-
-@pytest.mark.parametrize("var", PAGED_CP_VARIANTS[::2], ids=lambda v: v.name)
-def test_paged_copy_pointer_variants_compile_without_spills(var):
-    spec = var.spec("bfloat16", 128, True)
-    assert spec.name.endswith("_paged_fused_rel_spid_cp")
-    for arch in ("sm_90a", "sm_80"):
-        r = jit.compile_report(spec, arch)
-        assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
-
-
-def test_paged_copy_pointers_refusal():
-    """The paged copy-pointer kernel takes power-of-two pages and 32-bit page strides and in-page
-    row offsets; anything else gets a reason (run_split_variant raises it; the kernel traps)."""
-    ps_st = (16 * 8 * 128, 8 * 128, 128, 1)  # (page, row, head, dim) of a contiguous page pool
-    for ps in (1, 2, 4, 16, 64, 256):
-        assert decode.paged_copy_pointers_refusal(ps, (ps * 1024, 1024), (ps * 1024, 1024)) is None
-    for ps in (3, 12, 24, 100, 255):
-        assert "not a power of two" in decode.paged_copy_pointers_refusal(ps, ps_st, ps_st)
-    assert decode.paged_copy_pointers_refusal(16, (2 ** 31, 1), ps_st).startswith(
-        "k_cache: page stride 2147483648 or page_size x row stride 16 elements is negative or")
-    assert decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23)).startswith(
-        "v_cache: page stride 1073741824 or page_size x row stride 2147483648 elements")
-    assert decode.paged_copy_pointers_refusal(256, ps_st, (2 ** 30, 2 ** 23 - 1)) is None
-    assert "k_cache: page stride -1 " in decode.paged_copy_pointers_refusal(16, (-1, 1), ps_st)
-    assert checks.page_strides_fit_i32(16, (2 ** 31 - 1, 2 ** 27 - 1))
-    assert not checks.page_strides_fit_i32(16, (0, 2 ** 27))
-
-
 def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
     """check_kvcache records whether a paged pool's page offsets fit 32 bits; where they do not
     (a page stride of 2^31 elements, negative strides), the plan and explain() name the general
     paged kernel and say why; the copy-pointer kernel refuses tiles that are not powers of two."""
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
     ok = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
-    assert ok.problem.page_offsets_fit_i32 and ok.name.endswith("_paged_fused_rel_spid_cp_qasync")
+    assert ok.problem.page_offsets_fit_i32 and ok.name.endswith("_paged_cp")
     far = np.lib.stride_tricks.as_strided(kc, shape=kc.shape,
                                           strides=(2 ** 32,) + kc.strides[1:])
     rev = kc[::-1]
@@ -342,16 +247,18 @@ def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
         p = decode.explain_kvcache(q, k_, v_, cache_seqlens=cs, block_table=bt, report=False)
         fits = k_ is kc and v_ is not far and v_.strides[0] > 0
         assert p.problem.page_offsets_fit_i32 == fits
-        assert p.name.endswith("_paged_fused_rel_spid" + ("_cp" if fits else "") + "_qasync")
+        assert p.name.endswith("_paged" + ("_cp" if fits else ""))
         assert ("negative or >= 2^31 elements" in str(p)) != fits
     assert checks.element_strides(kc) == (16 * 2 * 64, 2 * 64, 64, 1)
     assert checks.page_offsets_fit_i32(16, kc, vc) and not checks.page_offsets_fit_i32(16, rev)
     big = np.lib.stride_tricks.as_strided(kc, shape=kc.shape, strides=(kc.strides[0], 2 ** 28,
                                                                        128, 2))
     assert not checks.page_offsets_fit_i32(16, big)  # 16 x 2^27 elements per page = 2^31
-    with pytest.raises(ValueError, match="block_n and the copy pass"):
-        decode.split_kernel_spec("bfloat16", 64, True, block_n=96, nwarps=6,
-                                 flags=decode.FLAG_COPY_POINTERS)
+    assert checks.page_strides_fit_i32(16, (2 ** 31 - 1, 2 ** 27 - 1))
+    assert not checks.page_strides_fit_i32(16, (0, 2 ** 27))
+    with pytest.raises(ValueError, match="^block_n: paged copy pointers need block_n and the "
+                                         "copy pass"):
+        decode.split_kernel_spec("bfloat16", 64, True, block_n=96, nwarps=6, page_size=16)
 
 
 def test_heads_mismatch_names_both_axes():
@@ -372,160 +279,6 @@ def test_explain_checks_cache_row_strides_on_host_arrays():
         with pytest.raises(ValueError, match=f"^{name}: rows must be 16-byte aligned for the "
                                              r"decode kernel \(strides \(4160, 260, 130, 2\)"):
             decode.explain_kvcache(q, k_, v_, cache_seqlens=cs, block_table=bt, report=False)
-
-
-def test_loop_flags_rejected_where_they_do_not_apply():
-    with pytest.raises(ValueError, match="FLAG_Q_REGS"):
-        decode.split_kernel_spec("bfloat16", 256, False, flags=decode.FLAG_Q_REGS)
-    s = decode.split_kernel_spec("bfloat16", 128, True, flags=decode.DEFAULT_FLAGS
-                                 | decode.FLAG_SKIP_RESCALE | decode.FLAG_Q_REGS
-                                 | decode.FLAG_MASK_FAST)
-    assert s.name == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_skip_qreg_mf"
-    assert s.entry.endswith(f", true, {65 + 4096 + 16384 + 32768}>")
-
-
-def test_speculative_prologue_flag_where_it_applies():
-    """FLAG_SPEC_KV (v35) guesses contiguous tiles through the copy-pointer path: refused on
-    paged caches, without copy pointers, and with warp-local copies, K/V groups or TMA; compiles
-    for every head dim's tiles without spills, with the plain kernel's shared memory."""
-    cp_flags = decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS
-    for paged, fl in ((True, cp_flags), (False, decode.DEFAULT_FLAGS),
-                      (False, cp_flags | decode.FLAG_WARP_LOCAL),
-                      (False, cp_flags | decode.FLAG_KV_GROUPS),
-                      (False, decode.DEFAULT_FLAGS | decode.FLAG_TMA)):
-        with pytest.raises(ValueError, match="FLAG_SPEC_KV is for contiguous caches"):
-            decode.split_kernel_spec("bfloat16", 128, paged, flags=fl | decode.FLAG_SPEC_KV)
-    for hd, (bn, w, st_) in ((64, (128, 4, 3)), (128, (128, 8, 3)), (128, (64, 4, 2)),
-                             (256, (32, 2, 3))):
-        base = decode.default_flags(hd, False) & ~decode.FLAG_Q_ASYNC  # excludes SPEC_KV
-        spec = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w, stages=st_,
-                                        flags=base | decode.FLAG_SPEC_KV)
-        assert spec.name.endswith("_cp_spkv"), spec.name
-        plain = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w,
-                                         stages=st_, flags=base)
-        assert spec.smem_bytes == plain.smem_bytes
-        for arch in ("sm_90a", "sm_80"):
-            r = jit.compile_report(spec, arch)
-            assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
-
-
-def test_q_async_flag_where_it_applies():
-    """FLAG_Q_ASYNC (v44) copies the Q tile by cp.async beside the length: refused with TMA,
-    warp-local copies, Q in registers and the speculative prologue; compiles for every head
-    dim's tiles, contiguous and paged, K/V groups, sm_90a and sm_80, without spills, with the
-    plain kernel's shared memory and at most 8 more registers."""
-    qa = decode.FLAG_Q_ASYNC
-    for fl in (decode.DEFAULT_FLAGS | decode.FLAG_TMA, decode.DEFAULT_FLAGS | decode.FLAG_WARP_LOCAL,
-               decode.DEFAULT_FLAGS | decode.FLAG_Q_REGS,
-               decode.DEFAULT_FLAGS | decode.FLAG_COPY_POINTERS | decode.FLAG_SPEC_KV):
-        with pytest.raises(ValueError, match="FLAG_Q_ASYNC is for the CTA pipeline"):
-            decode.split_kernel_spec("bfloat16", 128, False, flags=fl | qa)
-    for hd, (bn, w, st_), page in ((64, (128, 4, 3), 0), (128, (128, 8, 3), 0),
-                                   (128, (64, 4, 2), 0), (256, (32, 2, 3), 0),
-                                   (128, (128, 8, 3), 16), (128, (64, 4, 3), 3)):
-        flags = decode.default_flags(hd, bool(page), page or None) & ~qa  # the v44 defaults
-        spec = decode.split_kernel_spec("bfloat16", hd, bool(page), block_n=bn, nwarps=w,
-                                        stages=st_, flags=flags | qa)
-        assert spec.name.endswith("_qasync"), spec.name
-        plain = decode.split_kernel_spec("bfloat16", hd, bool(page), block_n=bn, nwarps=w,
-                                         stages=st_, flags=flags)
-        assert spec.smem_bytes == plain.smem_bytes
-        r, r0 = jit.compile_report(spec, "sm_90a"), jit.compile_report(plain, "sm_90a")
-        assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, spec.name
-        assert r.ptxas.registers <= r0.ptxas.registers + 8, (spec.name, r.ptxas, r0.ptxas)
-        r80 = jit.compile_report(spec, "sm_80").ptxas
-        assert r80.spill_bytes == 0 and r80.stack_bytes == 0, spec.name
-    kvg = decode.split_kernel_spec("float16", 128, False, flags=decode.default_flags(128, False)
-                                   | decode.FLAG_KV_GROUPS | qa)
-    assert kvg.name.endswith("_kvg_cp_qasync")
-    assert jit.compile_report(kvg, "sm_90a").ptxas.spill_bytes == 0
-
-
-#: v30: TMA copies on contiguous caches (both hd128 tiles, three and two stages), heads first
-TMA_VARIANTS = [decode.SplitVariant(bn, w, st_, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1,
-                                    pdl=True)
-                for bn, w in ((128, 8), (64, 4)) for st_ in (3, 2)]
-
-
-@pytest.mark.parametrize("hd,tile", [(64, (128, 4, 3)), (128, (128, 8, 3)), (128, (64, 4, 2)),
-                                     (256, (32, 2, 3))])
-def test_tma_kernels_compile_without_spills(hd, tile):
-    """The TMA split kernel (decode_split_tma_kernel) compiles for every head dim, for sm_90a
-    and (as traps, never selected there) sm_80, without spills; its shared memory is the
-    cp.async kernel's plus the Q area's padding to 1024 bytes."""
-    bn, w, st_ = tile
-    spec = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w, stages=st_,
-                                    flags=decode.DEFAULT_FLAGS | decode.FLAG_TMA)
-    assert spec.name.endswith("_fused_rel_tma") and "decode_split_tma_kernel<" in spec.entry
-    plain = decode.split_kernel_spec("bfloat16", hd, False, block_n=bn, nwarps=w, stages=st_,
-                                     flags=decode.DEFAULT_FLAGS)
-    q_bytes = 16 * (hd + 8) * 2
-    assert spec.smem_bytes - plain.smem_bytes == -(-q_bytes // 1024) * 1024 - q_bytes
-    assert spec.smem_bytes <= decode.H200_SMEM_PER_BLOCK_OPTIN
-    for arch in ("sm_90a", "sm_80"):
-        r = jit.compile_report(spec, arch)
-        assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
-
-
-def test_tma_flag_refused_where_it_does_not_apply():
-    """FLAG_TMA replaces the cp.async copies: the flags that shape those copies (warp-local,
-    K/V groups, copy pointers, L2 hints) would be silently ignored, so they are refused, as are
-    paged caches and tiles past the TMA box limit of 256 keys."""
-    for paged, extra in ((True, 0), (False, decode.FLAG_WARP_LOCAL),
-                         (False, decode.FLAG_KV_GROUPS), (False, decode.FLAG_COPY_POINTERS),
-                         (False, decode.FLAG_EVICT_FIRST), (False, decode.FLAG_PREFETCH_128),
-                         (False, decode.FLAG_PREFETCH_256)):
-        with pytest.raises(ValueError, match="FLAG_TMA is for contiguous caches"):
-            decode.split_kernel_spec("bfloat16", 128, paged, flags=decode.FLAG_TMA | extra)
-    with pytest.raises(ValueError, match="block_n: FLAG_TMA .* got 512"):
-        decode.split_kernel_spec("bfloat16", 64, False, block_n=512, nwarps=8,
-                                 flags=decode.FLAG_TMA)
-    assert decode.SplitVariant(128, 8, 3, decode.FLAG_TMA).name == "n128_w8_s3_tma"
-    assert decode.SplitVariant(128, 8, 3, decode.FLAG_TMA, l2_promotion=128).name == \
-        "n128_w8_s3_tma_l2p128"
-
-
-def test_kv_tensor_map_geometry():
-    """The tensor map of a contiguous cache: dims (headdim, KV heads, capacity, batch) with
-    byte strides (head, row, sequence) and a box of 64 elements x block_n keys; layouts the TMA
-    unit cannot describe get a reason."""
-    shape, st_ = (3, 1000, 8, 128), (1000 * 8 * 128, 8 * 128, 128, 1)
-    dims, strides, box = decode.kv_tensor_map_geometry(shape, st_, 2, 128)
-    assert dims == (128, 8, 1000, 3) and strides == (256, 2048, 2048 * 1000)
-    assert box == (64, 1, 128, 1)
-    # padded head dim 72 (144-byte rows: a multiple of 16) and one KV head
-    assert decode.kv_tensor_map_geometry((2, 10, 1, 72), (720, 72, 72, 1), 2, 64)[1] == \
-        (144, 144, 1440)
-    assert decode.tma_refusal(shape, st_, 2) is None
-    assert "headdim stride 2" in decode.tma_refusal(shape, st_[:3] + (2,), 2)
-    assert "row stride 2056 bytes" in decode.tma_refusal(shape, (1000 * 1028, 1028, 128, 1), 2)
-    # a head-major cache (the (b, hk, s, d) storage seen as (b, s, hk, d)) is accepted as is
-    head_major = (1000 * 8 * 128, 128, 1000 * 128, 1)
-    assert decode.tma_refusal(shape, head_major, 2) is None
-    assert decode.kv_tensor_map_geometry(shape, head_major, 2, 64)[1] == (256000, 256, 2048000)
-    # a dim of one element: its stride never moves the box (0 or unaligned in a view) -> 16
-    one = (1, 1000, 1, 128)
-    assert decode.tma_refusal(one, (0, 128, 3, 1), 2) is None
-    assert decode.kv_tensor_map_geometry(one, (0, 128, 3, 1), 2, 64)[1] == (16, 256, 16)
-    assert decode.kv_tensor_map_geometry(one, (128000, 128, 128, 1), 2, 64)[1] == \
-        (256, 256, 256000)
-    assert "row stride 6 bytes" in decode.tma_refusal(one, (0, 3, 3, 1), 2)
-    assert "every dim" in decode.tma_refusal((0, 10, 8, 128), st_, 2)
-    with pytest.raises(ValueError, match="^k_cache/v_cache: no TMA copies: batch stride -"):
-        decode.kv_tensor_map_geometry(shape, (-st_[0],) + st_[1:], 2, 64)
-
-
-@pytest.mark.parametrize("var", VARIANTS, ids=lambda v: v.name)
-def test_variants_compile_without_spills(var):
-    for paged in (False,) if var.flags & decode.FLAG_COPY_POINTERS else (False, True):
-        spec = var.spec("bfloat16", 128, paged)
-        assert spec.smem_bytes + 1024 <= decode.H200_SMEM_PER_BLOCK_OPTIN + 1024
-        for arch in ("sm_90a", "sm_80"):
-            r = jit.compile_report(spec, arch)
-            assert r.ptxas.spill_bytes == 0 and r.ptxas.stack_bytes == 0, (spec.name, arch)
-    assert var.workspace_elems(2, 1, 32, 8, 128, 1) == 0
-    extra = 2 * 8 if var.flags & decode.FLAG_FUSED_COMBINE else 0  # counters (batch, hk, chunks)
-    assert var.workspace_elems(2, 1, 32, 8, 128, 5) == 5 * 2 * 32 * 129 + extra
 
 
 def test_ptxas_table_covers_every_spec(compiled):
@@ -863,31 +616,31 @@ def test_reason_topics_are_given_with_each_reason(batch, seqlen, hk, group, sq, 
 def test_plan_llama_decode():
     p = decode.launch_config(_problem())
     # 16 splits of 8192 keys: the two-stage pipeline (heuristics.choose_split_stages, v26)
-    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s2_fused_rel_cp_qasync"
+    assert p.kernel == "decode_split_bf16_hd128_n128_w8_g16_s2"
     assert any("2 K/V stages instead of 3" in r for r in p.reasons)
     assert p.smem_bytes == decode.split_smem_bytes("bfloat16", 128, 128, 2)
     assert p.grid == (8, 16, 1) and p.block == (256, 1, 1)
-    assert p.num_splits == 16 and p.combine is None and p.append is None  # fused combine
+    assert p.num_splits == 16 and p.append is None  # fused combine: no combine launch
     # fp32 partials, then int32 counters (batch, nheads_k, row_chunks)
     assert p.counter_elems == 8
     assert p.workspace_elems == 16 * 1 * 1 * 32 * 129 + 8
     assert any("heuristic" in r for r in p.reasons)
     assert any("fused combine" in r for r in p.reasons)
     p1 = decode.launch_config(_problem(batch=64, seqlen_cache=4096))
-    assert p1.num_splits == 1 and p1.combine is None and p1.workspace_elems == 0
+    assert p1.num_splits == 1 and p1.workspace_elems == 0
     assert p1.counter_elems == 0
     # 512 blocks unsplit (several waves): the 64-key tile at two blocks per SM (v9), from 4k
     # keys with two stages (v24-v25), but not with an explicit num_splits or split_size (a row's
     # result must not depend on the batch); 4096 keys per split keep the one-block tile's 3
-    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp_qasync"
+    assert p1.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2"
     assert any("two blocks per SM" in r for r in p1.reasons)
     assert any("2 K/V stages instead of 3" in r and "several waves" in r for r in p1.reasons)
     p2 = decode.launch_config(_problem(batch=64, seqlen_cache=2048))
-    assert p2.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3_fused_rel_cp_qasync"
+    assert p2.kernel == "decode_split_bf16_hd128_n64_w4_g16_s3"
     assert not any("K/V stages instead" in r for r in p2.reasons)
     for kw, opts in ((dict(num_splits=1), {}), ({}, dict(split_size=4096))):
         pe = decode.launch_config(_problem(batch=64, seqlen_cache=4096, **kw), **opts)
-        assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_fused_rel_cp_qasync"
+        assert pe.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3"
     # one split of 16k keys: two stages; an explicit split count that leaves 8k per split too
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).template["stages"] == 2
     assert decode.launch_config(_problem(batch=16, seqlen_cache=8192)).template["stages"] == 2
@@ -913,8 +666,8 @@ def test_plan_llama_decode():
         cap = -(-131072 // ps) * ps
         pg = decode.launch_config(_problem(paged=True, page_size=ps, seqlen_cache=cap,
                                            num_pages=cap // ps, max_pages_per_seq=cap // ps))
-        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged_fused_rel_spid" + (
-            "" if ps == 3 else "_cp") + "_qasync"
+        assert pg.kernel == "decode_split_bf16_hd128_n128_w8_g16_s3_paged" + (
+            "" if ps == 3 else "_cp")
         assert any((f"page_size {ps} is not a power of two" if ps == 3 else
                     f"page_size {ps} (a power of two): copy pointers") in r for r in pg.reasons)
         assert pg.num_splits == 16 and pg.block == (256, 1, 1)
@@ -925,10 +678,10 @@ def test_plan_llama_decode():
     # other head dims' paged tiles still fill two blocks per SM
     p64 = decode.launch_config(_problem(headdim=64, paged=True, page_size=16, num_pages=8192,
                                         max_pages_per_seq=8192))
-    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp_qasync"
+    assert p64.kernel == "decode_split_bf16_hd64_n128_w4_g16_s3_paged_cp"
     p256 = decode.launch_config(_problem(headdim=256, paged=True, page_size=16, num_pages=8192,
                                          max_pages_per_seq=8192))
-    assert p256.kernel.endswith("_paged_fused_rel_qasync")
+    assert p256.kernel.endswith("_paged")
     assert any("hd256 paged: the general paged path" in r for r in p256.reasons)
     assert p64.num_splits == 33  # floor(2 * 132 / 8) blocks per KV head
     assert decode.launch_config(_problem(batch=16, seqlen_cache=16384)).num_splits == 1
@@ -939,7 +692,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
                                     paged=True, page_size=3, seqlen_cache=300,
                                     num_pages=200, max_pages_per_seq=100, seqlen_new=2))
     assert p.row_chunks == 2 and p.grid[2] == 16 and p.template["headdim"] == 128
-    assert p.kernel.endswith("_paged_fused_rel_spid_qasync") and p.append == "decode_append_b16_paged"
+    assert p.kernel.endswith("_paged") and p.append == "decode_append_b16_paged"
     q = decode.launch_config(_problem(seqlen_cache=1000), split_size=100)
     assert q.split_tiles == 1 and q.num_splits == 8  # ceil(1000/128)=8 tiles / 1
     qp = decode.launch_config(_problem(seqlen_cache=1024, paged=True, page_size=16,
@@ -948,7 +701,7 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
     # an sm_86-like device (99 KB per block): the 64-key tile with two stages
     r = decode.launch_config(_problem(), max_smem_per_block=101376, smem_per_sm=102400)
     assert r.template["stages"] == 2 and r.smem_bytes <= 101376
-    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2_fused_rel_cp_qasync"
+    assert r.kernel == "decode_split_bf16_hd128_n64_w4_g16_s2"
     assert any("does not fit" in x for x in r.reasons)
     with pytest.raises(ValueError, match="split_size"):
         decode.launch_config(_problem(), split_size=0)
@@ -957,17 +710,17 @@ def test_plan_row_chunks_padding_split_size_and_small_smem():
 def test_explain_kvcache_on_host_arrays():
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=96, paged=True)
     plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_splits=3)
-    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_fused_rel_spid_cp_qasync"
+    assert plan.name == "decode_split_fp16_hd128_n128_w8_g16_s3_paged_cp"
     assert plan.num_splits == 3 and plan.grid == (3, 2, 2) and plan.spill_bytes == 0
     assert [e.name for e in plan.extra_kernels] == []  # fused combine: no combine launch
     names = [r[0] for r in plan.rejected]
-    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_fused_rel_spid_cp_qasync" in names
+    assert "decode_split_fp16_hd64_n128_w4_g16_s3_paged_cp" in names
     assert "page_size 16 (a power of two): copy pointers" in str(plan)
     # the choice's reasons are listed apart from the rejected specialisations (fresh-user trial)
     assert "num_splits" in [r[0] for r in plan.reasons] and "num_splits" not in names
     assert all(n.startswith("decode_") for n in names)
     assert "  why (" in str(plan) and str(plan).index("  why (") < str(plan).index("  rejected (")
-    assert "decode_split_fp16_hd128_n128_w8_g16_s3_fused_rel_cp_qasync" in names
+    assert "decode_split_fp16_hd128_n128_w8_g16_s3" in names
     str(plan), plan.as_dict()  # printable and JSON-ready
 
 
@@ -1001,7 +754,7 @@ def test_plan_says_when_it_assumed_an_h200():
     q = np.zeros((1, 1, 32, 128), ml_dtypes.bfloat16)
     kc = np.zeros((1, 8192, 8, 128), ml_dtypes.bfloat16)
     cs = np.full(1, 8192, np.int32)
-    if not decode._planning_limits().get("assumed"):
+    if not decode_plan._planning_limits().get("assumed"):
         pytest.skip("a GPU is visible: its limits are used")
     plan = decode.explain_kvcache(q, kc, kc, cache_seqlens=cs, arch="sm_80", report=False)
     assert ("note", "planned for 132 SMs, an H200's: no GPU is visible here; pass num_sms= "
@@ -1205,24 +958,24 @@ def test_fragment_addressing_computes_qk_and_pv(headdim, block_n, nwarps):
 
 def test_plan_spec_matches_the_launch_geometry_on_small_smem_devices():
     # sm_86-like limits: the contiguous 128-key tile does not fit, the 64-key tile is planned,
-    # and every place that names the kernel names that one (explain and the launch path both
-    # rebuild the spec from the template)
+    # and every place that names the kernel names that one (the plan's spec, which the launch
+    # path compiles, is the one its template values give)
     for kw in (dict(), dict(max_smem_per_block=101376, smem_per_sm=102400)):
         la = decode.launch_config(_problem(), **kw)
         t = la.template
         spec = decode.split_kernel_spec(t["dtype"], t["headdim"], False, block_n=t["block_n"],
                                         nwarps=t["nwarps"], stages=t["stages"])
-        assert spec.name == la.kernel and la.block == (32 * t["nwarps"], 1, 1)
+        assert spec == la.spec and spec.name == la.kernel and la.block == (32 * t["nwarps"], 1, 1)
         assert spec.smem_bytes == la.smem_bytes
     q = np.zeros((1, 1, 32, 128), np.float16)
     kc = np.zeros((1, 4096, 8, 128), np.float16)
     p86 = decode.explain_kvcache(q, kc, kc, arch="sm_86", report=False)
-    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2_fused_rel_cp_qasync" and p86.block == (128, 1, 1)
+    assert p86.name == "decode_split_fp16_hd128_n64_w4_g16_s2" and p86.block == (128, 1, 1)
     assert p86.smem_bytes <= 99 * 1024
 
 
 # ----------------------------------------------------------------------------------------------
-# FLAG_SPEC_PAGE_IDS (v13): the split kernel's two partitions, restated (flash_decode.cu,
+# Speculative page ids (v13): the split kernel's two partitions, restated (flash_decode.cu,
 # decode_split: the guess for len = capacity, then the real one)
 # ----------------------------------------------------------------------------------------------
 def _split_tiles(length, block_n, num_splits, split_tiles, split):
@@ -1270,11 +1023,11 @@ def _kernel_block_coords(block_idx, grid_order):
 @pytest.mark.parametrize("ns,batch,head_blocks", [(1, 1, 8), (16, 1, 8), (3, 5, 4), (7, 2, 16)])
 def test_public_grid_and_grid_order_cover_every_split_sequence_and_head_once(paged, ns, batch,
                                                                             head_blocks):
-    """The grid the public path launches (decode._split_grid) and the grid_order it passes
-    (decode._grid_order) make the kernel visit every (split, sequence, KV-head block) exactly
-    once: contiguous caches heads first, paged caches splits first (v16)."""
-    grid = decode._split_grid(paged, ns, batch, head_blocks)
-    order = decode._grid_order(paged)
+    """The grid the public path launches (decode_plan._split_grid) and the grid_order it
+    passes (decode_plan._grid_order) make the kernel visit every (split, sequence, KV-head
+    block) exactly once: contiguous caches heads first, paged caches splits first (v16)."""
+    grid = decode_plan._split_grid(paged, ns, batch, head_blocks)
+    order = decode_plan._grid_order(paged)
     assert order == (0 if paged else 1)
     seen = [_kernel_block_coords((x, y, z), order)
             for x in range(grid[0]) for y in range(grid[1]) for z in range(grid[2])]
@@ -1283,7 +1036,7 @@ def test_public_grid_and_grid_order_cover_every_split_sequence_and_head_once(pag
     plan = decode.launch_config(_problem(batch=batch, seqlen_cache=4096, paged=paged,
                                          **({"page_size": 16, "num_pages": 4096 * batch // 16,
                                              "max_pages_per_seq": 256} if paged else {})),)
-    assert plan.grid == decode._split_grid(paged, plan.num_splits, batch,
+    assert plan.grid == decode_plan._split_grid(paged, plan.num_splits, batch,
                                            8 * plan.row_chunks)
 
 
@@ -1360,6 +1113,50 @@ def test_explain_kvcache_takes_the_calls_arguments():
     strided = np.zeros((1, 1, 32, 256), bf)[..., ::2]  # headdim 128 with stride 2
     with pytest.raises(ValueError, match="q: last dimension must be contiguous"):
         decode.explain_kvcache(strided, kc, kc, cache_seqlens=cs, report=False)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: a.update(cache_seqlens=np.array([3, -1], np.int32)), ValueError,
+     r"^cache_seqlens: must be >= 0, got cache_seqlens\[1\]=-1$"),
+    (lambda a: a.update(cache_seqlens=np.array([3, 49], np.int32)), ValueError,
+     r"^cache_seqlens: cache_seqlens\[1\]=49 \+ seqlen_new 0 exceeds the cache capacity 48 "
+     r"\(max_pages_per_seq \* page_size\)$"),
+    (lambda a: a.update(k=np.zeros((2, 2, 2, 64), np.float16),
+                        v=np.zeros((2, 2, 2, 64), np.float16),
+                        cache_seqlens=np.array([46, 47], np.int32)), ValueError,
+     r"^cache_seqlens: cache_seqlens\[1\]=47 \+ seqlen_new 2 exceeds the cache capacity 48"),
+    (lambda a: a["block_table"].__setitem__((1, 0), 6), ValueError,
+     r"^block_table: page id block_table\[1, 0\]=6 is outside the pool \[0, 6\) \(sequence 1 "
+     r"uses 1 page\)$"),
+    (lambda a: a["block_table"].__setitem__((0, 0), -2), ValueError,
+     r"^block_table: page id block_table\[0, 0\]=-2 is outside the pool \[0, 6\)"),
+    (lambda a: a.update(cache_seqlens=[3, 5]), TypeError,
+     r"^cache_seqlens: expected an array \(NumPy, CuPy, or torch tensor\)"),
+    (lambda a: a.update(block_table=[[0, 1, 2], [3, 4, 5]]), TypeError,
+     r"^block_table: expected an array \(NumPy, CuPy, or torch tensor\)"),
+])
+def test_explain_kvcache_checks_host_lengths_and_page_ids(no_launch, mutate, exc, match):
+    """explain_kvcache applies the call's value checks to host cache_seqlens and block_table
+    (negative lengths, lengths over the capacity, page ids outside the pool; lists are not
+    arrays), with the call's messages, whatever its validate flag (reading host arrays costs no
+    synchronisation); page ids past the pages a sequence uses are not read."""
+    q, kc, vc, cs, bt = _arrays(paged=True)
+    a = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=cs, block_table=bt)
+    mutate(a)
+    for validate in (False, True):
+        with pytest.raises(exc, match=match):
+            decode.explain_kvcache(**a, validate=validate, report=False)
+    with pytest.raises(exc, match=match):  # the call: the same error, before any launch
+        decode.flash_attn_with_kvcache(**a)
+    # the contiguous cache's capacity is its dim 1
+    q, kc, vc, _, _ = _arrays()
+    with pytest.raises(ValueError, match=r"exceeds the cache capacity 48 \(k_cache dim 1\)$"):
+        decode.explain_kvcache(q, kc, vc, cache_seqlens=np.array([48, 49], np.int32),
+                               report=False)
+    q, kc, vc, cs, bt = _arrays(paged=True)
+    bt[0, 1], bt[1, 2] = 99, -5  # both sequences (3 and 5 tokens) use page slot 0 only
+    plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
+    assert plan.name.endswith("_paged_cp")
 
 
 @pytest.mark.parametrize("arch,exc,msg", [("foo", ValueError, "NVRTC target"),

@@ -585,8 +585,8 @@ def test_prefill_options_are_keyword_only():
 def test_prefill_plan_says_when_it_assumed_an_h200():
     """Without a visible GPU a prefill plan is made for an H200's 132 SMs and says so, unless
     num_sms is given (then used by the tile heuristic)."""
-    from cupyflash import decode
-    if not decode._planning_limits().get("assumed"):
+    from cupyflash import decode_plan
+    if not decode_plan._planning_limits().get("assumed"):
         pytest.skip("a GPU is visible: its limits are used")
     q = np.zeros((1, 300, 8, 128), np.float16)
     plan = api.explain(q, q, q, causal=True)

@@ -36,35 +36,17 @@ def _cuda_h_text() -> str:
 def test_enum_values_match_the_header_when_present():
     """The enum values used are those of cuda.h (checked against the installed header)."""
     text = _cuda_h_text()
-    for name, val in (("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION",
-                       launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
-                      ("CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
-                       launch.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED),
-                      ("CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION",
-                       launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)):
-        m = re.search(rf"\b{name}\s*=\s*(\d+)", text)
-        assert m and int(m.group(1)) == val, name
+    name = "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
+    m = re.search(rf"\b{name}\s*=\s*(\d+)", text)
+    assert m and int(m.group(1)) == launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
-def test_config_holds_grid_block_cluster():
-    cfg, attrs = launch._config((16, 2, 8), (256, 1, 1), 202496, 0, (16, 1, 1))
-    assert tuple(cfg.grid) == (16, 2, 8) and tuple(cfg.block) == (256, 1, 1)
-    assert cfg.shared_mem_bytes == 202496 and cfg.num_attrs == 1
-    assert attrs[0].id == launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    assert tuple(attrs[0].value.cluster_dim) == (16, 1, 1)
-
-
-def test_config_pdl_attribute_alone_or_after_the_cluster():
-    cfg, attrs = launch._config((8, 1, 1), (128, 1, 1), 0, 0, None, pdl=True)
-    assert cfg.num_attrs == 1
+def test_pdl_attribute():
+    attrs = launch._pdl_attrs()
+    assert len(attrs) == 1
     assert attrs[0].id == launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     # programmaticStreamSerializationAllowed: the union's first int
     assert launch._AttrValue.programmatic.offset == 0 and attrs[0].value.programmatic == 1
-    cfg, attrs = launch._config((8, 1, 1), (128, 1, 1), 0, 0, (2, 1, 1), pdl=True)
-    assert cfg.num_attrs == 2 and attrs[0].id == launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    assert attrs[1].id == launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    cfg, _ = launch._config((8, 1, 1), (128, 1, 1), 0, 0, None)
-    assert cfg.num_attrs == 0
 
 
 class _FakeKernel:
@@ -86,6 +68,8 @@ def test_prepared_launch_fills_pointer_slots_and_keeps_scalars():
         pl.params((1,))
     with pytest.raises(ValueError, match="pointer_slots"):
         launch.PreparedLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), args, (5,))
+    with pytest.raises(ValueError, match="grid, block"):
+        launch.PreparedLaunch(_FakeKernel(), (32, 1), (32, 1, 1), args, (0,))
 
 
 def test_kernel_arguments_convert_numpy_scalars():
@@ -98,53 +82,3 @@ def test_kernel_arguments_convert_numpy_scalars():
     assert ctypes.cast(ptrs[3], ctypes.POINTER(ctypes.c_float)).contents.value == 0.5
     with pytest.raises(TypeError, match="kernel argument 1"):
         launch.kernel_arguments((np.int32(1), 5))  # a Python int has no C type
-
-
-@pytest.mark.parametrize("cluster,match", [((3, 1, 1), "dividing the grid"),
-                                           ((0, 1, 1), "positive"),
-                                           ((32, 1, 1), "at most 16")])
-def test_launch_checks_cluster_before_the_driver(cluster, match):
-    with pytest.raises(ValueError, match=match):
-        launch.launch(object(), (32, 1, 1), (32, 1, 1), (), cluster=cluster)
-
-
-def test_launch_and_occupancy_check_shapes_before_the_driver():
-    with pytest.raises(ValueError, match="grid, block"):
-        launch.launch(object(), (32, 1), (32, 1, 1), ())
-    with pytest.raises(ValueError, match="at most 16"):
-        launch.max_active_clusters(object(), (32, 1, 1), (32, 1, 1))
-
-
-def test_tensor_map_argument_layout():
-    """A CUtensorMap is 16 opaque 64-bit words (cuda.h CU_TENSOR_MAP_NUM_QWORDS), passed by
-    value; encode_tensor_map checks the rank of its description before calling the driver."""
-    import ctypes
-    assert ctypes.sizeof(launch.TensorMap) == 128
-    with pytest.raises(ValueError, match="rank 1-5"):
-        launch.encode_tensor_map(0, (128, 8, 1000), (256,), (64, 1, 128))
-    assert launch.CU_TENSOR_MAP_L2_PROMOTION == {None: 0, 64: 1, 128: 2, 256: 3}
-
-
-def _enum_index(text: str, enum: str, name: str) -> int:
-    """Value of ``name`` in cuda.h's ``typedef enum <enum> { ... }`` (implicit, sequential)."""
-    body = re.search(rf"typedef enum {enum}\s*\{{(.*?)\}}", text, re.S).group(1)
-    names = [re.match(r"\s*(\w+)", x).group(1) for x in body.split(",") if x.strip()]
-    return names.index(name)
-
-
-def test_tensor_map_enums_match_the_header_when_present():
-    text = _cuda_h_text()
-    for enum, name, val in (
-            ("CUtensorMapDataType_enum", "CU_TENSOR_MAP_DATA_TYPE_UINT16",
-             launch.CU_TENSOR_MAP_DATA_TYPE_UINT16),
-            ("CUtensorMapInterleave_enum", "CU_TENSOR_MAP_INTERLEAVE_NONE",
-             launch.CU_TENSOR_MAP_INTERLEAVE_NONE),
-            ("CUtensorMapSwizzle_enum", "CU_TENSOR_MAP_SWIZZLE_128B",
-             launch.CU_TENSOR_MAP_SWIZZLE_128B),
-            ("CUtensorMapL2promotion_enum", "CU_TENSOR_MAP_L2_PROMOTION_L2_128B",
-             launch.CU_TENSOR_MAP_L2_PROMOTION[128]),
-            ("CUtensorMapL2promotion_enum", "CU_TENSOR_MAP_L2_PROMOTION_L2_256B",
-             launch.CU_TENSOR_MAP_L2_PROMOTION[256]),
-            ("CUtensorMapFloatOOBfill_enum", "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE",
-             launch.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)):
-        assert _enum_index(text, enum, name) == val, name

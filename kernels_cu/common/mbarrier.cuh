@@ -1,15 +1,12 @@
-// mbarriers and the async-proxy fence (sm_90; PTX ISA 8.0, "mbarrier", "fence.proxy.async"),
-// shared by the wgmma prefill kernel's K/V ring (flash_fwd_wgmma.cu, through wgmma.cuh) and the
-// decode kernel's TMA copies (flash_decode.cu, through tma.cuh). CTA scope throughout.
-//
-// The decode kernel is also compiled for sm_80, where it never takes these paths: there the
-// sm_90-only instructions compile to traps.
+// mbarriers and the async-proxy fence (sm_90; PTX ISA 8.0, "mbarrier", "fence.proxy.async") of
+// the wgmma prefill kernel's K/V ring (flash_fwd_wgmma.cu, through wgmma.cuh). CTA scope
+// throughout. Before sm_90 the sm_90-only instructions compile to traps.
 #pragma once
 
 namespace cf {
 
 // Generic-proxy shared-memory accesses (cp.async, st.shared, ld.shared) before -> ordered with
-// the async proxy's (wgmma reads, TMA writes) after.
+// the async proxy's (wgmma reads) after.
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -34,28 +31,9 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
 
-// Makes the initialised mbarriers visible to the async proxy (the TMA unit); the CTA barrier
-// that follows makes them visible to the other threads.
-__device__ __forceinline__ void mbarrier_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-
-// This thread's arrival, announcing `bytes` of copies that will complete on the barrier.
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(bar), "r"(bytes) : "memory");
-#else
-    __trap();
-#endif
-}
-
 // Wait until the phase with parity `parity` of the barrier has completed (the k-th completion,
 // counted from 0, has parity k & 1). Memory operations of the arriving threads before their
-// arrival (and, for cp.async arrivals, the copies; for expect_tx arrivals, the TMA bytes) are
-// visible to this thread afterwards.
+// arrival (and, for cp.async arrivals, the copies) are visible to this thread afterwards.
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     uint32_t done;

@@ -468,93 +468,9 @@ def test_float32_is_rejected_on_gpu():
 
 
 # ----------------------------------------------------------------------------------------------
-# Split-kernel variants (experiments/sweep_decode_variants.py): fused combine, grid order, tile shapes,
-# L2 hints, per-tile page ids (page_size % block_n == 0) and per-row page ids
+# The split kernel's paths against each other, bitwise: the fused combine, speculative page ids,
+# copy pointers on pages, two stages, the Q tile by cp.async; shared memory NaN-poisoned first
 # ----------------------------------------------------------------------------------------------
-_F = decode.FLAG_FUSED_COMBINE
-_VARIANTS = [decode.SplitVariant(64, 4, 3), decode.SplitVariant(64, 4, 3, _F),
-             decode.SplitVariant(64, 4, 3, 0, 1), decode.SplitVariant(64, 4, 3, _F, 1),
-             decode.SplitVariant(64, 4, 3, decode.FLAG_EVICT_FIRST | decode.FLAG_PREFETCH_256),
-             decode.SplitVariant(64, 4, 6, _F), decode.SplitVariant(32, 2, 6, _F, 1),
-             decode.SplitVariant(32, 2, 4), decode.SplitVariant(128, 8, 3),
-             decode.SplitVariant(32, 2, 12),
-             # v2 candidates: 128-key tiles with 4 warps; v4: the .L2::128B hint
-             decode.SplitVariant(128, 4, 3, _F), decode.SplitVariant(128, 4, 2, _F),
-             decode.SplitVariant(128, 8, 3, _F | decode.FLAG_PREFETCH_128),
-             decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128),
-             decode.SplitVariant(64, 4, 3, decode.FLAG_PREFETCH_128 | decode.FLAG_EVICT_FIRST, 1)]
-# v3 candidates: the warp-local pipeline (contiguous caches only)
-_W = decode.FLAG_WARP_LOCAL
-_WL_VARIANTS = [decode.SplitVariant(64, 4, 3, _F | _W), decode.SplitVariant(64, 4, 4, _F | _W),
-                decode.SplitVariant(128, 8, 3, _F | _W), decode.SplitVariant(64, 4, 6, _F | _W),
-                decode.SplitVariant(64, 4, 3, _W)]
-# v11: K and V of a tile in separate cp.async groups (the V wait after the probabilities)
-_KVG = decode.FLAG_KV_GROUPS
-_KVG_VARIANTS = [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _KVG),
-                 decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | _KVG),
-                 decode.SplitVariant(128, 8, 2, decode.DEFAULT_FLAGS | _KVG),
-                 decode.SplitVariant(32, 2, 6, _KVG, 1)]
-_VARIANTS += _KVG_VARIANTS
-# v13: page ids fetched speculatively (for the split at full capacity) while the length is read
-_SPID = decode.FLAG_SPEC_PAGE_IDS
-_VARIANTS += [decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _SPID),
-              decode.SplitVariant(64, 4, 3, decode.DEFAULT_FLAGS | _SPID),
-              decode.SplitVariant(32, 2, 6, _SPID, 1)]
-_WL_VARIANTS += [decode.SplitVariant(64, 4, 3, _F | _W | _KVG)]
-# v15: programmatic dependent launches, the next kernel let be scheduled after the loop (the
-# default), at entry, or at exit (launched on sm_90+ only: _check_variant skips them elsewhere)
-_PDL_VARIANTS = [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | t, pdl=True)
-                 for bn, w in ((128, 8), (64, 4))
-                 for t in (0, decode.FLAG_PDL_EARLY_TRIGGER, decode.FLAG_PDL_NO_TRIGGER)]
-_VARIANTS += _PDL_VARIANTS
-
-
-# v20: copy pointers on paged caches (page ids per page), as the sweep measures them
-_VARIANTS += [decode.SplitVariant(bn, w, 3, decode.DEFAULT_FLAGS | _SPID
-                                  | decode.FLAG_COPY_POINTERS, order, pdl=True)
-              for bn, w, order in ((128, 8, 0), (64, 4, 1))]
-
-
-# v18: fewer tile-loop instructions. Every flag but the lazy rescale is bitwise neutral.
-_CP, _SKIP, _LAZY = decode.FLAG_COPY_POINTERS, decode.FLAG_SKIP_RESCALE, decode.FLAG_LAZY_RESCALE
-_QREG, _MF = decode.FLAG_Q_REGS, decode.FLAG_MASK_FAST
-# one kernel each (compile time): every bitwise-neutral flag together, and the lazy rescale
-# with them. One flag at a time is compiled by the CPU tests and compared bitwise with the
-# default only by sweep_decode_variants.py (bitwise_vs_default), not here.
-_LOOP_EXACT = [_CP | _SKIP | _QREG | _MF]
-_LOOP_LAZY = [_CP | _LAZY | _QREG | _MF]
-
-
-def _loop_flag_sets(page, d):
-    """(flags, exact) of the loop flags that apply: copy pointers on pages of a power-of-two
-    size only (v20), no Q registers above hd128."""
-    out = []
-    for fl in _LOOP_EXACT + _LOOP_LAZY:
-        if page & (page - 1):
-            fl &= ~_CP
-        if d > 128:
-            fl &= ~_QREG
-        if fl and (fl, not fl & _LAZY) not in out:
-            out.append((fl, not fl & _LAZY))
-    return out
-
-
-def _run_poisoned(var, case, dtype, qd, kd, vd, csd, btd, ns):
-    """One ``run_split_variant`` call with NaN-poisoned output, LSE and partials (counters
-    zeroed), checked against the reference; returns (output bits, LSE)."""
-    batch, sq, h, d = qd.shape
-    hk = kd.shape[2]
-    n = var.workspace_elems(batch, sq, h, hk, d, ns)
-    ws = cupy.full(max(n, 1), np.nan, cupy.float32)
-    if ns > 1:
-        ws[ns * batch * sq * h * (d + 1):n] = 0  # counters; the partials are poisoned
-    out = _nan_like(qd)
-    lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
-    decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns, lse=lse)
-    _check_against_reference(case, out, lse, dtype)
-    return out.view(cupy.uint16), lse
-
-
 _POISON_SMEM = r"""
 extern "C" __global__ void poison_smem(unsigned int bits, int words, unsigned int* sink) {
     extern __shared__ unsigned int sm[];
@@ -581,155 +497,39 @@ def _poison_shared_memory():
     assert int(sink.get()[0]) == 0
 
 
-def _assert_variants_bitwise(run, base, other, tag):
-    """``run(var)`` -> (output bits, LSE) for ``base`` and ``other`` (each call poisoned and
-    checked against the reference by :func:`_run_poisoned`, shared memory poisoned before each
-    by :func:`_poison_shared_memory`); both outputs and LSEs bitwise equal, ``tag`` naming the
-    case in the failure."""
+def _call_bits(case, dtype, q, kc, vc, cs, bt, ns, *, check=True, validate=True, ws=None):
+    """One ``flash_attn_with_kvcache`` call with ``num_splits=ns`` over the CuPy arrays given
+    (``case``'s values, in any layout), the output NaN-poisoned and, unless ``ws`` is passed, a
+    workspace whose partials are NaN-poisoned (:func:`_poisoned_workspace`), shared memory
+    NaN-poisoned last (:func:`_poison_shared_memory`); checked against the reference if
+    ``check``; the fused combine's counters zero afterwards. Returns the output and LSE bits
+    (host)."""
+    if ws is None:
+        ws, n, counters = _poisoned_workspace(q, kc, vc, None, None, cs, bt, num_splits=ns)
+    else:
+        n = counters = 0
+    out = _nan_like(q)
     _poison_shared_memory()
-    o0, l0 = run(base)
-    _poison_shared_memory()
-    o1, l1 = run(other)
-    assert bool((o1 == o0).all()), tag
-    assert bool((l1.view(cupy.uint32) == l0.view(cupy.uint32)).all()), tag
+    o, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt,
+                                     softmax_scale=case.softmax_scale, causal=case.causal,
+                                     num_splits=ns, return_lse=True, out=out, workspace=ws,
+                                     validate=validate)
+    if check:
+        _check_against_reference(case, o, lse, dtype)
+    if counters:
+        assert bool((ws[n - counters:n].view(cupy.int32) == 0).all())
+    return _host(o).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)
 
 
-@pytest.mark.parametrize("d,block_n,nwarps", [(128, 128, 8), (72, 64, 4), (256, 32, 2)])
-@pytest.mark.parametrize("page,sq", [(0, 1), (0, 5), (16, 1), (3, 2)])
-def test_loop_flags_match_reference_exact_ones_bitwise(d, block_n, nwarps, page, sq):
-    """Copy pointers, skipped rescales, Q in registers and unmasked whole tiles give bitwise the
-    output and LSE of the same tile without them; the lazy rescale matches the reference (ragged
-    NaN-tailed caches, an empty sequence, GQA 4, causal query rows over two row chunks at sq = 5,
-    padded head dim 72, split counts from 1 to more splits than tiles)."""
-    dtype = "bfloat16"
-    hk, h, cap = 2, 8, 1100
-    if page:
-        cap = -(-cap // page) * page
-    case = _nan_tailed_case(31, np.array([1037, 0, 130, 64], np.int32), cap, hk, h, d, dtype,
-                            sq=sq, page=page, table_seed=7, spare_pages=2)
-    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
-                                              case.cache_seqlens, case.block_table))
-    base_flags = decode.DEFAULT_FLAGS | (_SPID if page and d <= 128 else 0)
-    order = 0 if page else 1
-    base = decode.SplitVariant(block_n, nwarps, 3, base_flags, order)
-    for ns in (1, 3, 16):
-        def run(var):
-            return _run_poisoned(var, case, dtype, qd, kd, vd, csd, btd, ns)
-        o0, l0 = run(base)
-        for fl, exact in _loop_flag_sets(page, d):
-            o1, l1 = run(decode.SplitVariant(block_n, nwarps, 3, base_flags | fl, order))
-            if exact:
-                assert bool((o1 == o0).all()), (fl, ns)
-                assert bool(cupy.array_equal(l1, l0, equal_nan=True)), (fl, ns)
-
-
-@pytest.mark.parametrize("rise", [-40.0, 5.0, 7.9, 12.0, 300.0])
-@pytest.mark.parametrize("flags", [_CP | _LAZY | _QREG | _MF, _CP | _SKIP | _QREG | _MF])
-def test_lazy_rescale_on_rising_scores(rise, flags):
-    """Scores that climb (or fall) steadily over 1000 keys by about ``rise`` (log2 units, plus
-    noise): below the lazy rescale's threshold of 8 a warp's reference point moves rarely after
-    its first tile (probabilities up to ~2^rise), above it several times; falling, hardly ever.
-    Matches the reference at 1 and 4 splits. (Only the result is checked: the test would also
-    pass if the flag ran the exact path; the sweep's bitwise check shows it does not.)"""
-    dtype = "bfloat16"
-    hk = h = 2
-    d, cap, n = 128, 1024, 1000
-    case = _nan_tailed_case(41, np.array([n, 700], np.int32), cap, hk, h, d, dtype)
-    scale = d ** -0.5
-    q = case.q.astype(np.float64)
-    for b in range(2):
-        L = int(case.cache_seqlens[b])  # the NaN tail past L stays
-        for hh in range(h):
-            qv = q[b, 0, hh]
-            # key j: small noise plus t_j q / (scale |q|^2), so scale q.k_j ~ t_j (natural units)
-            t = np.linspace(0.0, rise / np.log2(np.e), n)[:L]
-            k = 0.05 * case.k_cache[b, :L, hh].astype(np.float64) + np.outer(t, qv) / (scale * qv @ qv)
-            case.k_cache[b, :L, hh] = k.astype(case.k_cache.dtype)
-    qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache, case.cache_seqlens))
-    for ns in (1, 4):
-        var = decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | flags, 1)
-        nws = var.workspace_elems(2, 1, h, hk, d, ns)
-        ws = cupy.zeros(max(nws, 1), cupy.float32)
-        out = _nan_like(qd)
-        lse = cupy.full((2, h, 1), np.nan, cupy.float32)
-        decode.run_split_variant(var, qd, kd, vd, csd, None, out, ws, num_splits=ns, lse=lse)
-        _check_against_reference(case, out, lse, dtype)
-
-
-@pytest.mark.parametrize("var", _VARIANTS, ids=lambda v: v.name)
-@pytest.mark.parametrize("page", [0, 16, 128])
-def test_split_variants_match_reference(var, page):
-    _check_variant(var, page)
-
-
-@pytest.mark.parametrize("var", _WL_VARIANTS, ids=lambda v: v.name)
-@pytest.mark.parametrize("hk,h,d", [(2, 8, 128), (3, 12, 72), (1, 16, 128)])
-def test_warp_local_variants_match_reference(var, hk, h, d):
-    """Warp-local copies: contiguous caches, GQA 4 / 16, a padded head dim (72 in hd128)."""
-    _check_variant(var, 0, hk=hk, h=h, d=d)
-
-
-def test_warp_local_rejects_paged():
-    with pytest.raises(ValueError, match="FLAG_WARP_LOCAL"):
-        decode.split_kernel_spec("bfloat16", 128, True, flags=_W)
-
-
-@pytest.mark.parametrize("var", [decode.SplitVariant(128, 8, 3, _F),
-                                 decode.SplitVariant(64, 4, 3, _F | decode.FLAG_PREFETCH_128),
-                                 decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | _KVG)],
-                         ids=lambda v: v.name)
-@pytest.mark.parametrize("page", [0, 3, 64])
-def test_variants_padded_headdim_gqa_odd_pages(var, page):
-    """Swizzled K/V tiles with a padded head dim (72 in the hd128 kernel: the padding chunks
-    are zero-filled copies), GQA 4, a non-power-of-two page size (per-row page ids)."""
-    _check_variant(var, page, hk=3, h=12, d=72)
-
-
-def _check_variant(var, page, hk=2, h=8, d=128):
-    if var.pdl:
-        _skip_unless_pdl()
-    dtype = "bfloat16"
-    batch, cap = 3, 1024
-    if page:
-        cap = -(-cap // page) * page
-    case = _nan_tailed_case(19, np.array([1000, 0, 517], np.int32), cap, hk, h, d, dtype,
-                            page=page, table_seed=2, spare_pages=2)
-    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
-                                              case.cache_seqlens, case.block_table))
-    for ns in (1, 3, 7, 40):
-        n = var.workspace_elems(batch, 1, h, hk, d, ns)
-        ws = cupy.full(max(n, 1), np.nan, cupy.float32)
-        if var.flags & _F and ns > 1:
-            base = ns * batch * h * (d + 1)
-            ws[base:n] = 0  # the counters start at zero; the partials are NaN-poisoned
-        for rep in range(2):  # the second launch reuses the counters the first one reset
-            out = _nan_like(qd)
-            lse = cupy.full((batch, h, 1), np.nan, cupy.float32)
-            decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns, lse=lse)
-            _check_against_reference(case, out, lse, dtype)
-        if var.flags & _F and ns > 1:
-            assert bool((ws[base:n].view(cupy.int32) == 0).all())
-
-
-# ----------------------------------------------------------------------------------------------
-# Merge protocols (v8, v9): fused combine with per-thread fences or one release/acquire arrival,
-# cluster combine through distributed shared memory
-# ----------------------------------------------------------------------------------------------
-_C, _R = decode.FLAG_CLUSTER_COMBINE, decode.FLAG_RELEASE_ARRIVE
-
-
-@pytest.mark.parametrize("d,block_n,nwarps", [(128, 128, 8), (64, 128, 4), (256, 32, 2),
-                                              (72, 64, 4)])
+@pytest.mark.parametrize("d", [128, 64, 256, 72])
 @pytest.mark.parametrize("page,sq", [(0, 1), (16, 1), (0, 5), (3, 2)])
-def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
-    """For split counts 2-16 (odd ones and more splits than tiles included), ragged NaN-tailed
-    caches, an empty sequence, GQA 4 and several query rows (two row chunks at sq = 5): the fused
-    combine with per-thread fences, with the release/acquire arrival, and the cluster combine
-    (up to 16 splits; above, the same kernel falls back to its fused path) all match the
-    reference and give bitwise the same output and LSE (same parts, same merge order, explicit
-    roundings); so do the K/V-groups pipeline (v11: the same arithmetic, other waits) and the
-    speculative page ids (v13: the same ids, fetched earlier where the guess is right). The cluster launch never touches its NaN-poisoned workspace; the fused launches
-    leave their counters at zero."""
+def test_fused_combine_matches_reference_and_resets_counters(d, page, sq):
+    """The fused combine (the last split block of each (batch, KV head, row chunk) merges, v1,
+    v9, v12) for split counts 2-19 (odd ones, more than 8 and 16: both merge batches, and more
+    splits than tiles), ragged NaN-tailed caches, an empty sequence, GQA 4 and several query
+    rows (two row chunks at sq = 5), contiguous and paged (pages of 16: copy pointers, of 3:
+    page ids per row): matches the reference with NaN-poisoned partials, leaves its counters at
+    zero, and a second launch on the same workspace gives bitwise the same output and LSE."""
     dtype = "bfloat16"
     hk, h, cap = 2, 8, 1200
     if page:
@@ -738,30 +538,14 @@ def test_merge_protocols_bitwise_equal(d, block_n, nwarps, page, sq):
                             sq=sq, page=page, table_seed=5, spare_pages=2)
     qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
                                               case.cache_seqlens, case.block_table))
-    batch = qd.shape[0]
-    variants = [decode.SplitVariant(block_n, nwarps, 3, fl)
-                for fl in (_F, _F | _R, _F | _C | _R, _F | _R | _KVG, _F | _R | _SPID)]
     for ns in (2, 3, 7, 8, 12, 16, 19):
-        res = []
-        for var in variants:
-            n = var.workspace_elems(batch, sq, h, hk, d, ns)
-            parts = 0 if n == 0 else ns * batch * sq * h * (d + 1)
-            ws = cupy.zeros(max(n, 64), cupy.float32)
-            ws[:max(parts, 64 if n == 0 else 0)] = np.nan
-            for rep in range(2):  # the second launch reuses the counters the first one reset
-                out = _nan_like(qd)
-                lse = cupy.full((batch, h, sq), np.nan, cupy.float32)
-                decode.run_split_variant(var, qd, kd, vd, csd, btd, out, ws, num_splits=ns,
-                                         lse=lse)
-                _check_against_reference(case, out, lse, dtype)
-            if n == 0:
-                assert var.flags & _C and ns <= 16 and bool(cupy.isnan(ws[:64]).all())
-            else:
-                assert bool((ws[parts:n].view(cupy.int32) == 0).all())
-            res.append((_host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)))
-        for o, l in res[1:]:
-            assert np.array_equal(o, res[0][0]), ns
-            assert np.array_equal(l, res[0][1]), ns
+        ws, n, counters = _poisoned_workspace(qd, kd, vd, None, None, csd, btd, num_splits=ns)
+        assert counters > 0 and n > counters
+        first = _call_bits(case, dtype, qd, kd, vd, csd, btd, ns, ws=ws)
+        assert bool((ws[n - counters:n].view(cupy.int32) == 0).all()), ns
+        again = _call_bits(case, dtype, qd, kd, vd, csd, btd, ns, ws=ws)
+        assert bool((ws[n - counters:n].view(cupy.int32) == 0).all()), ns
+        assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1]), ns
 
 
 def _capacity_edge_case(seed, page, d, table_seed):
@@ -780,82 +564,75 @@ def _capacity_edge_case(seed, page, d, table_seed):
     return replace(case, block_table=bt)
 
 
-def _run_variant_bits(var, case, table, ns, check):
-    """One run_split_variant launch of ``var`` over ``case`` with block table ``table`` and
-    ``ns`` splits (NaN-poisoned output, LSE and partials; counters zeroed); checked against the
-    reference if ``check``. Returns the output and LSE bits (host)."""
-    qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache, case.cache_seqlens))
-    batch, _, h, d = qd.shape
-    hk = kd.shape[2]
-    n = var.workspace_elems(batch, 1, h, hk, d, ns)
-    ws = cupy.full(max(n, 64), np.nan, cupy.float32)
-    if n:
-        ws[ns * batch * h * (d + 1):n] = 0  # counters
-    out = _nan_like(qd)
-    lse = cupy.full((batch, h, 1), np.nan, cupy.float32)
-    decode.run_split_variant(var, qd, kd, vd, csd, _dev(table), out, ws, num_splits=ns, lse=lse)
-    if check:
-        _check_against_reference(case, out, lse, "bfloat16")
-    return _host(out).view(np.uint16), cupy.asnumpy(lse).view(np.uint32)
+def _reversed_pool(x):
+    """The same pages as the CuPy pool ``x`` in a view with a negative page stride: its page
+    offsets do not fit 32 bits, so the call runs the per-row page-id path (v20)."""
+    y = x[::-1].copy()[::-1]
+    assert y.strides[0] < 0 and bool((y.view(cupy.uint16) == x.view(cupy.uint16)).all())
+    return y
 
 
 @pytest.mark.parametrize("page", [1, 16, 64, 256])
-@pytest.mark.parametrize("block_n,nwarps", [(128, 8), (64, 4)])
-def test_speculative_page_ids(page, block_n, nwarps):
-    """FLAG_SPEC_PAGE_IDS guesses each split's first tiles from the block_table width. Sequences
-    at capacity and one short of it (the guess is right), a page short, ragged and empty (the
-    guess is wrong: the ids are fetched again), NaN cache tails, and table slots past each
-    sequence's pages holding ids outside the pool (fetched by the guess, never dereferenced):
-    bitwise the output and LSE of the default flags, and the reference, for 1-19 splits."""
+def test_speculative_page_ids_give_the_contiguous_result(page):
+    """The paged kernels up to hd128 guess each split's first tiles' page ids from the
+    block_table width (v13). Sequences at capacity and one short of it (the guess is right), a
+    page short, ragged and empty (the guess is wrong: the ids are fetched again), NaN cache
+    tails, and table slots past each sequence's pages holding ids outside the pool (fetched by
+    the guess, never dereferenced), with copy pointers and with per-row ids (a reversed pool):
+    the reference, and bitwise the output and LSE of the same values in a contiguous cache (the
+    same tile and split count), for 1-19 splits."""
     case = _capacity_edge_case(41, page, 128, 3)
-    variants = [decode.SplitVariant(block_n, nwarps, 3, fl)
-                for fl in (decode.DEFAULT_FLAGS, decode.DEFAULT_FLAGS | _SPID)]
+    q, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
+                                             case.cache_seqlens, case.block_table))
+    kc, vc = _dev(case.k_cache_contiguous), _dev(case.v_cache_contiguous)
+    krev, vrev = _reversed_pool(kd), _reversed_pool(vd)
+    for name, k_, v_ in (("_paged_cp", kd, vd), ("_paged", krev, vrev)):
+        plan = decode.explain_kvcache(q, k_, v_, cache_seqlens=csd, block_table=btd, num_splits=3,
+                                      report=False)
+        assert plan.name.endswith(name) and plan.template["block_n"] == 128, plan.name
+    flat = decode.explain_kvcache(q, kc, vc, cache_seqlens=csd, num_splits=3, report=False)
+    assert flat.template == dict(plan.template, paged=False), (flat.template, plan.template)
     for ns in (1, 2, 3, 8, 16, 19):
-        res = [_run_variant_bits(var, case, case.block_table, ns, True) for var in variants]
-        assert np.array_equal(res[0][0], res[1][0]), ns
-        assert np.array_equal(res[0][1], res[1][1]), ns
+        want = _call_bits(case, "bfloat16", q, kc, vc, csd, None, ns)
+        for k_, v_ in ((kd, vd), (krev, vrev)):
+            got = _call_bits(case, "bfloat16", q, k_, v_, csd, btd, ns)
+            assert np.array_equal(got[0], want[0]), (ns, k_.strides)
+            assert np.array_equal(got[1], want[1]), (ns, k_.strides)
 
 
 @pytest.mark.parametrize("page", [1, 2, 8, 16, 32, 64, 128, 256])
-@pytest.mark.parametrize("block_n,nwarps,d", [(128, 8, 128), (64, 4, 72), (128, 4, 64)])
-def test_paged_copy_pointers_bitwise(page, block_n, nwarps, d):
-    """v20: copy pointers on paged caches (one page id per page of a tile; pages smaller than a
-    copy pass, between a pass and a tile, and of whole tiles). Sequences at capacity, one short
-    of it, a page short, ragged and empty, NaN cache tails, table slots past each sequence's
-    pages holding ids outside the pool, a padded head dim (72 in hd128): the reference, and
-    bitwise the output and LSE of the default paged kernel, for 1-19 splits. Then ids outside
-    the pool inside a sequence's pages (validate=False: those rows are zero-filled, never read):
-    bitwise the default kernel's result."""
+@pytest.mark.parametrize("d", [128, 72, 64])
+def test_paged_copy_pointers_are_bitwise_the_per_row_page_ids(page, d):
+    """v20: copy pointers on pages of a power-of-two size (one page id per page of a tile;
+    pages smaller than a copy pass, between a pass and a tile, and of whole tiles) against the
+    per-row page ids of the same pages (a reversed pool view, whose page offsets do not fit 32
+    bits). Sequences at capacity, one short of it, a page short, ragged and empty, NaN cache
+    tails, table slots past each sequence's pages holding ids outside the pool, a padded head
+    dim (72 in hd128): the reference, and bitwise the same output and LSE, for 1-19 splits.
+    Then ids outside the pool inside a sequence's pages (validate=False: those rows are
+    zero-filled, never read): bitwise the same result."""
     case = _capacity_edge_case(43, page, d, 4)
     cs, bt = case.cache_seqlens, case.block_table
     bad = bt.copy()
     # outside the pool, inside pages the sequences read (seq 1: its last page)
     bad[0, 3], bad[3, 0] = -1, 2 ** 31 - 1
     bad[1, (int(cs[1]) - 1) // page] = case.k_cache.shape[0]
-    base = decode.SplitVariant(block_n, nwarps, 3, decode.DEFAULT_FLAGS | _SPID)
-    # with the speculative ids, and with K/V groups (128 x 8) or without the speculation (64 x 4)
-    flag_sets = [base.flags | _CP, base.flags | _CP | _KVG if block_n == 128
-                 else (base.flags & ~_SPID) | _CP]
-    variants = [decode.SplitVariant(block_n, nwarps, 3, f) for f in flag_sets]
+    q, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache, cs))
+    krev, vrev = _reversed_pool(kd), _reversed_pool(vd)
+    for name, k_ in (("_paged_cp", kd), ("_paged", krev)):
+        plan = decode.explain_kvcache(q, k_, k_, cache_seqlens=csd, block_table=_dev(bt),
+                                      num_splits=3, report=False)
+        assert plan.name.endswith(name), plan.name
     for ns in (1, 3, 16, 19):
         for table, check in ((bt, True), (bad, False)):
-            res = [_run_variant_bits(var, case, table, ns, check) for var in [base] + variants]
-            for i, (o, l) in enumerate(res[1:]):
-                assert np.array_equal(o, res[0][0]), (variants[i].name, ns, check)
-                assert np.array_equal(l, res[0][1]), (variants[i].name, ns, check)
+            btd = _dev(table)
+            cp = _call_bits(case, "bfloat16", q, kd, vd, csd, btd, ns, check=check,
+                            validate=check)
+            rows = _call_bits(case, "bfloat16", q, krev, vrev, csd, btd, ns, check=check,
+                              validate=check)
+            assert np.array_equal(cp[0], rows[0]), (ns, check)
+            assert np.array_equal(cp[1], rows[1]), (ns, check)
 
-
-def test_paged_copy_pointers_refuse_other_pages():
-    """run_split_variant refuses the paged copy-pointer kernel for a page size that is not a
-    power of two, before any launch."""
-    case = _nan_tailed_case(5, np.array([40], np.int32), 48, 1, 2, 64, "bfloat16", page=12)
-    qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
-                                              case.cache_seqlens, case.block_table))
-    out = _nan_like(qd)
-    var = decode.SplitVariant(128, 8, 3, _CP)
-    with pytest.raises(ValueError, match="not a power of two"):
-        decode.run_split_variant(var, qd, kd, vd, csd, btd, out, None, num_splits=1)
-    assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # nothing was launched
 
 
 def test_paged_pools_past_32_bit_offsets_take_the_general_path():
@@ -873,7 +650,7 @@ def test_paged_pools_past_32_bit_offsets_take_the_general_path():
     plain = flash_attn_with_kvcache(q, pool, pool, cache_seqlens=cs, block_table=bt)
     for kc, vc in ((far, pool), (pool, far)):
         plan = decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, report=False)
-        assert plan.name.endswith("_paged_fused_rel_spid_qasync"), plan.name
+        assert plan.name.endswith("_paged"), plan.name
         assert "negative or >= 2^31 elements" in str(plan)
         out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt)
         assert bool((out.view(cupy.uint16) == plain.view(cupy.uint16)).all())
@@ -911,11 +688,13 @@ def test_several_waves_run_the_two_blocks_per_sm_tile(page):
 
 
 @pytest.mark.parametrize("which", ["one_block", "two_splits", "several_waves"])
-def test_two_stage_pipeline_is_bitwise_the_three_stage_one(which):
+def test_two_stage_pipeline_is_bitwise_the_three_stage_one(which, monkeypatch):
     """heuristics.choose_split_stages: where the public path runs two K/V stages (the one-block
     tile with >= 8k keys per split, alone or with the fused merge of two splits; the
-    several-waves tile from 4k keys), its output and LSE are bitwise those of the same tile
-    with three stages (ragged, NaN-tailed caches)."""
+    several-waves tile from 4k keys), its output and LSE are bitwise those of the same call
+    with the two-stage rule off (three stages, the same tile and split count; ragged,
+    NaN-tailed caches)."""
+    from cupyflash import decode_plan, dispatch
     dtype, d = "bfloat16", 128
     if which == "one_block":
         b, hk, h, cap, ns, tile = 2, 2, 8, 8192, 1, (128, 8)
@@ -934,108 +713,34 @@ def test_two_stage_pipeline_is_bitwise_the_three_stage_one(which):
     if which == "several_waves" and b * hk <= nsm:
         pytest.skip(f"{b * hk} blocks do not exceed {nsm} SMs")
     assert plan.template["stages"] == 2 and plan.template["block_n"] == tile[0], plan.name
-    (o, lse), _ = _run(case, dtype, num_splits=ns)
-    if which != "several_waves":
-        _check_against_reference(case, o, lse, dtype)
-    var = decode.SplitVariant(*tile, 3, decode.default_flags(d, False), 1)
-    out3 = _nan_like(q)
-    lse3 = cupy.full((b, h, 1), np.nan, cupy.float32)
-    ns3 = plan.num_splits
-    ws = cupy.zeros(max(var.workspace_elems(b, 1, h, hk, d, ns3), 1), cupy.float32)
-    decode.run_split_variant(var, q, kc, vc, csd, None, out3, ws, num_splits=ns3, lse=lse3)
-    assert bool((o.view(cupy.uint16) == out3.view(cupy.uint16)).all())
-    assert bool((lse.view(cupy.uint32) == lse3.view(cupy.uint32)).all())
+    two = _call_bits(case, dtype, q, kc, vc, csd, None, ns, check=which != "several_waves")
+    # the same call planned with the two-stage rule off (plans and launches not cached across)
+    monkeypatch.setattr(decode_plan, "choose_split_stages", lambda stages, **kw: stages)
+    monkeypatch.setattr(dispatch, "LAUNCH_CACHE", {})
+    decode_plan._plan_cached.cache_clear()
+    try:
+        plan3 = decode.explain_kvcache(q, kc, vc, cache_seqlens=csd, num_splits=ns, report=False)
+        assert plan3.template == dict(plan.template, stages=3), plan3.template
+        assert plan3.num_splits == plan.num_splits
+        three = _call_bits(case, dtype, q, kc, vc, csd, None, ns, check=False)
+    finally:
+        decode_plan._plan_cached.cache_clear()
+    assert np.array_equal(two[0], three[0]) and np.array_equal(two[1], three[1])
 
 
-@pytest.mark.parametrize("d,tile", [(128, (128, 8, 3)), (128, (64, 4, 2)), (72, (64, 4, 3)),
-                                    (256, (32, 2, 3)), (64, (128, 4, 3)), (128, (128, 8, 2))])
+@pytest.mark.parametrize("d,page", [(128, 0), (128, 16), (128, 256), (128, 3), (72, 0),
+                                    (256, 16), (64, 0)])
 @pytest.mark.parametrize("sq,dtype", [(1, "bfloat16"), (5, "float16")])
-def test_tma_copies_are_bitwise_the_cp_async_ones(d, tile, sq, dtype):
-    """decode.FLAG_TMA (v30): K/V tiles copied by the TMA unit through tensor maps give bitwise
-    the output and LSE of the cp.async kernel of the same tile, and match the reference: ragged
-    NaN-tailed caches (the TMA reads the tails of last tiles, the kernel masks K and zeroes V
-    there), an empty sequence, a capacity that is not a multiple of the tile (zero-filled
-    boxes), a cache that is a view of a larger one, GQA 4, padded head dim 72, causal rows over
-    two row chunks at sq = 5, split counts from 1 to more splits than tiles; outputs, LSE and
-    workspace poisoned with NaN."""
-    bn, w, st_ = tile
-    hk, h, cap = 2, 8, 1100
-    case = _nan_tailed_case(61, np.array([1037, 0, 130, 64, 1100], np.int32), cap, hk, h, d,
-                            dtype, sq=sq)
-    qd, csd = _dev(case.q), _dev(case.cache_seqlens)
-    big = cap + 77  # a view of a larger cache: the batch stride is not capacity x row
-    kb, vb = (_nan_like(cupy.empty((5, big, hk, d), qd.dtype)) for _ in range(2))
-    kb.view(cupy.uint16)[:, :cap] = _dev(case.k_cache).view(cupy.uint16)
-    vb.view(cupy.uint16)[:, :cap] = _dev(case.v_cache).view(cupy.uint16)
-    kd, vd = kb[:, :cap], vb[:, :cap]
-    base = decode.SplitVariant(bn, w, st_, decode.default_flags(d, False), 1)
-    tma = decode.SplitVariant(bn, w, st_, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1, pdl=True)
-    for ns in (1, 3, 16):
-        def run(var):
-            return _run_poisoned(var, case, dtype, qd, kd, vd, csd, None, ns)
-        _assert_variants_bitwise(run, base, tma, ns)
-        if tile == (128, 8, 3) and sq == 1:  # a head-major cache: (b, hk, s, d) storage
-            kd_, vd_ = kd, vd
-            kd, vd = (cupy.ascontiguousarray(x.view(cupy.uint16).transpose(0, 2, 1, 3))
-                      .transpose(0, 2, 1, 3).view(x.dtype) for x in (kd_, vd_))
-            assert kd.strides[2] > kd.strides[1]
-            _assert_variants_bitwise(run, base, tma, ("head-major", ns))
-            kd, vd = kd_, vd_
-
-
-@pytest.mark.parametrize("d,tile", [(128, (128, 8, 3)), (128, (64, 4, 3)), (128, (64, 4, 2)),
-                                    (72, (64, 4, 3)), (256, (32, 2, 3)), (64, (128, 4, 3)),
-                                    (128, (128, 8, 2))])
-@pytest.mark.parametrize("sq,dtype", [(1, "bfloat16"), (5, "float16")])
-def test_speculative_prologue_is_bitwise_the_plain_one(d, tile, sq, dtype):
-    """decode.FLAG_SPEC_KV (v35): the prologue's tiles copied for the split at full capacity
-    before the length has landed give bitwise the output and LSE of the kernel without the flag,
-    and match the reference: ragged NaN-tailed caches where the guessed tiles hold NaN rows past
-    the length (lengths 130, 40, 1: the guessed last tile's K masked and V zeroed), guesses that
-    miss (several splits, shorter sequences: the copies issued again), a sequence at the full
-    capacity (the guess right at every split count, the rows past the capacity zero-filled), an
-    empty sequence, GQA 4, padded head dim 72, causal rows over two row chunks at sq = 5, split
-    counts from 1 to more splits than tiles; outputs, LSE and workspace poisoned with NaN; and
-    the same with cache_seqlens=None (every guess right)."""
-    bn, w, st_ = tile
-    hk, h, cap = 2, 8, 1100
-    case = _nan_tailed_case(67, np.array([1037, 0, 130, 40, 1100, 1], np.int32), cap, hk, h, d,
-                            dtype, sq=sq)
-    qd, kd, vd, csd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
-                                         case.cache_seqlens))
-    flags = decode.default_flags(d, False) & ~decode.FLAG_Q_ASYNC  # Q_ASYNC excludes SPEC_KV
-    base = decode.SplitVariant(bn, w, st_, flags, 1, pdl=True)
-    spec = decode.SplitVariant(bn, w, st_, flags | decode.FLAG_SPEC_KV, 1, pdl=True)
-    assert spec.name.endswith("_spkv_hfirst_pdl"), spec.name
-    for ns in (1, 3, 16):
-        def run(var):
-            return _run_poisoned(var, case, dtype, qd, kd, vd, csd, None, ns)
-        _assert_variants_bitwise(run, base, spec, ns)
-    full = _nan_tailed_case(68, np.full(3, cap, np.int32), cap, hk, h, d, dtype, sq=sq)
-    qf, kf, vf = (_dev(x) for x in (full.q, full.k_cache, full.v_cache))
-    for ns in (1, 7):
-        def run_full(var):
-            return _run_poisoned(var, full, dtype, qf, kf, vf, None, None, ns)
-        _assert_variants_bitwise(run_full, base, spec, ("cache_seqlens=None", ns))
-
-
-@pytest.mark.parametrize("d,tile,page", [(128, (128, 8, 3), 0), (128, (64, 4, 3), 0),
-                                         (128, (128, 8, 2), 0), (128, (128, 8, 3), 16),
-                                         (128, (64, 4, 3), 256), (128, (128, 8, 3), 3),
-                                         (72, (64, 4, 3), 0), (256, (32, 2, 3), 16),
-                                         (64, (128, 4, 3), 0)])
-@pytest.mark.parametrize("sq,dtype", [(1, "bfloat16"), (5, "float16")])
-def test_q_async_is_bitwise_the_2byte_q_loads(d, tile, page, sq, dtype):
-    """decode.FLAG_Q_ASYNC (v44, v47; in the defaults since): the Q tile copied by 16-byte cp.async,
-    landing with the next K/V group, gives bitwise the output and LSE of the kernel without the flag
-    (its 2-byte Q loads), and matches the reference: contiguous and paged caches (pages of 3, 16,
-    256; copy pointers and speculative ids where the defaults have them), K/V groups, ragged
-    NaN-tailed caches, an empty sequence, GQA 4, padded head dim 72 (columns past headdim zeroed),
-    causal rows over two row chunks at sq = 5 (rows past the block's valid rows zeroed), split
-    counts from 1 to more splits than tiles; a q view 2 bytes past a 16-byte boundary and one whose
-    head stride is not a multiple of 8 elements (both take the 2-byte loads); shared memory poisoned
-    with NaN before every launch, so a Q tile that did not land in time reads NaN."""
-    bn, w, st_ = tile
+def test_q_async_is_bitwise_the_2byte_q_loads(d, page, sq, dtype):
+    """The Q tile copied by 16-byte cp.async beside the length (v44, v47), landing with the next
+    K/V group, gives bitwise the output and LSE of the 2-byte Q loads that a q off 16-byte
+    strides takes (a q view 2 bytes past a 16-byte boundary, and one whose head stride is not a
+    multiple of 8 elements), and matches the reference: contiguous and paged caches (pages of 3,
+    16, 256: per-row ids, copy pointers and speculative ids where the public path has them),
+    ragged NaN-tailed caches, an empty sequence, GQA 4, padded head dim 72 (columns past headdim
+    zeroed), causal rows over two row chunks at sq = 5 (rows past the block's valid rows
+    zeroed), split counts from 1 to more splits than tiles; shared memory poisoned with NaN
+    before every launch, so a Q tile that did not land in time reads NaN."""
     hk, h, cap = 2, 8, 1100
     if page:
         cap = -(-cap // page) * page
@@ -1043,18 +748,7 @@ def test_q_async_is_bitwise_the_2byte_q_loads(d, tile, page, sq, dtype):
                             sq=sq, page=page, table_seed=5, spare_pages=2)
     qd, kd, vd, csd, btd = (_dev(x) for x in (case.q, case.k_cache, case.v_cache,
                                               case.cache_seqlens, case.block_table))
-    flags = decode.default_flags(d, bool(page), page or None) & ~decode.FLAG_Q_ASYNC
-    order = 0 if page else 1
-    extra = [0] if page else [0, decode.FLAG_KV_GROUPS]
-    for x in extra:
-        base = decode.SplitVariant(bn, w, st_, flags | x, order, pdl=True)
-        qa = decode.SplitVariant(bn, w, st_, flags | x | decode.FLAG_Q_ASYNC, order, pdl=True)
-        assert qa.name.endswith("_qasync" + ("_hfirst" if order else "") + "_pdl"), qa.name
-        for ns in (1, 3, 16):
-            def run(var, q_=qd):
-                return _run_poisoned(var, case, dtype, q_, kd, vd, csd, btd, ns)
-            _assert_variants_bitwise(run, base, qa, (x, ns))
-    # q 2 bytes past a 16-byte boundary: the kernel's plain-load fallback for every chunk
+    # q 2 bytes past a 16-byte boundary: the kernel's 2-byte loads for every chunk
     buf = cupy.empty(qd.size + 1, qd.dtype)
     qm = buf[1:].reshape(qd.shape)
     qm.view(cupy.uint16)[...] = qd.view(cupy.uint16)
@@ -1067,28 +761,29 @@ def test_q_async_is_bitwise_the_2byte_q_loads(d, tile, page, sq, dtype):
         assert pl.problem.q_aligned16 == ok
         assert any(t.startswith("q: the Q tile by 16-byte" if ok else "q: its strides")
                    for _, t in pl.reasons)
-    base = decode.SplitVariant(bn, w, st_, flags, order, pdl=True)
-    qa = decode.SplitVariant(bn, w, st_, flags | decode.FLAG_Q_ASYNC, order, pdl=True)
-    for name, q_ in (("q 2 bytes off", qm), ("head stride d + 1", qw)):
-        for ns in (1, 3):
-            def run_m(var, q_=q_, ns=ns):
-                return _run_poisoned(var, case, dtype, q_, kd, vd, csd, btd, ns)
-            _assert_variants_bitwise(run_m, base, qa, (name, ns))
+    for ns in (1, 3, 16):
+        want = _call_bits(case, dtype, qd, kd, vd, csd, btd, ns)
+        for name, q_ in (("q 2 bytes off", qm), ("head stride d + 1", qw)):
+            got = _call_bits(case, dtype, q_, kd, vd, csd, btd, ns)
+            assert np.array_equal(got[0], want[0]), (name, ns)
+            assert np.array_equal(got[1], want[1]), (name, ns)
 
 
-def test_tma_variant_refuses_a_misaligned_cache():
-    """TMA copies (like cp.async) need a 16-byte aligned global address: a cache view 8 bytes
-    into its buffer (rows still 16-byte multiples) is refused with a ValueError before any
-    launch, by the public path's alignment check."""
+def test_misaligned_cache_is_rejected_before_launch():
+    """cp.async needs a 16-byte aligned global address: a cache view 8 bytes into its buffer
+    (rows still 16-byte multiples) is a ValueError naming the argument, before any launch."""
     buf = cupy.zeros(2 * 64 * 2 * 128 + 8, cupy.float16)
     kc = cupy.ndarray((2, 64, 2, 128), cupy.float16, memptr=buf.data + 8)
     q = cupy.ones((2, 1, 8, 128), cupy.float16)
     cs = cupy.full((2,), 64, cupy.int32)
-    var = decode.SplitVariant(128, 8, 3, decode.DEFAULT_FLAGS | decode.FLAG_TMA, 1)
-    with pytest.raises(ValueError, match=r"^k_cache: rows must be 16-byte aligned for the "
-                                         r"decode kernel \(pointer 0x[0-9a-f]*8, strides"):
-        decode.run_split_variant(var, q, kc, kc, cs, None, cupy.empty_like(q), None,
-                                 num_splits=1)
+    out = _nan_like(q)
+    for validate in (True, False):
+        with pytest.raises(ValueError, match=r"^k_cache: rows must be 16-byte aligned for the "
+                                             r"decode kernel \(pointer 0x[0-9a-f]*8, strides"):
+            flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=1, out=out,
+                                    validate=validate)
+    assert bool(cupy.isnan(out.astype(cupy.float32)).all())  # nothing was launched
+
 
 
 def test_misaligned_workspace_is_rejected_before_launch():
@@ -1199,9 +894,10 @@ def test_pdl_launch_waits_for_the_previous_kernel(page, ns):
     # control: a dependent launch that does not wait sees the poison the late writer replaces
     seen = cupy.zeros(1, cupy.uint32)
     poison = int(kc.reshape(-1).view(cupy.uint32)[0])
+    read_first_pdl = launch.PreparedLaunch(read_first, (1, 1, 1), (1, 1, 1),
+                                           (np.uint64(0), np.uint64(0)), (0, 1))
     _late_copy(late, pairs, unused)
-    launch.launch(read_first, (1, 1, 1), (1, 1, 1), (kc.reshape(-1).view(cupy.uint32), seen),
-                  pdl=True)
+    read_first_pdl((kc.data.ptr, seen.data.ptr), cupy.cuda.get_current_stream().ptr)
     cupy.cuda.Device().synchronize()
     assert int(seen[0]) == poison, "the dependent launch did not overlap the writer"
     for src, dst in pairs:

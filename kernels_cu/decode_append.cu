@@ -1,0 +1,48 @@
+// KV append of the decode call (cupyflash/decode.py, flash_attn_with_kvcache with k and v):
+// cache[b, cache_seqlens[b] + i, h, :] = new[b, i, h, :] (paged: through block_table), in place,
+// before the split kernel (flash_decode.cu) runs. Raw element copy (E = uint16_t for fp16/bf16).
+// Positions past the capacity and page ids outside the pool are skipped (checks.check_kvcache
+// rejects them when validate=True). grid (ceil(seqlen_new * nheads_k * headdim / 256), batch),
+// block 256. Waits (common/pdl.cuh) before its first global load: decode.py launches it as a
+// programmatic dependent launch on sm_90+.
+#include "common/dtype.cuh"
+#include "common/pdl.cuh"
+
+namespace cf {
+
+template <typename E, bool PAGED>
+__global__ void __launch_bounds__(256)
+decode_append_kernel(const E* k_new, const E* v_new, E* k_cache, E* v_cache,
+                     const int* cache_seqlens, const int* block_table,
+                     long long kn_bs, long long kn_rs, long long kn_hs,
+                     long long vn_bs, long long vn_rs, long long vn_hs,
+                     long long k_bs, long long k_rs, long long k_hs,
+                     long long v_bs, long long v_rs, long long v_hs, long long bt_bs,
+                     int seqlen_new, int nheads_k, int headdim, int seqlen_cache,
+                     int page_size, int num_pages) {
+    pdl_wait();  // common/pdl.cuh
+    pdl_launch_dependents();
+    const int b = blockIdx.y;
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (long long)seqlen_new * nheads_k * headdim) return;
+    const int c = (int)(e % headdim);
+    const int h = (int)((e / headdim) % nheads_k);
+    const int i = (int)(e / ((long long)headdim * nheads_k));
+    const int pos = cache_seqlens[b] + i;
+    if (pos < 0 || pos >= seqlen_cache) return;
+    long long kdst, vdst;
+    if constexpr (PAGED) {
+        const int page = block_table[b * bt_bs + pos / page_size];
+        if (page < 0 || page >= num_pages) return;
+        const int in_page = pos % page_size;
+        kdst = page * k_bs + in_page * k_rs + h * k_hs + c;
+        vdst = page * v_bs + in_page * v_rs + h * v_hs + c;
+    } else {
+        kdst = b * k_bs + (long long)pos * k_rs + h * k_hs + c;
+        vdst = b * v_bs + (long long)pos * v_rs + h * v_hs + c;
+    }
+    k_cache[kdst] = k_new[b * kn_bs + i * kn_rs + h * kn_hs + c];
+    v_cache[vdst] = v_new[b * vn_bs + i * vn_rs + h * vn_hs + c];
+}
+
+}  // namespace cf
