@@ -43,10 +43,10 @@ decode_combine_kernel(const float* o_part, const float* lse_part, T* out, float*
 #pragma unroll
     for (int x = 16; x >= 1; x >>= 1) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, x));
     float wsum = 0.f;
-    for (int s = lane; s < num_parts; s += 32) wsum += merge_weight(lp[s * lp_ps], lse_max);
+    for (int s = lane; s < num_parts; s += 32) wsum += lse_weight(lp[s * lp_ps], lse_max);
 #pragma unroll
     for (int x = 16; x >= 1; x >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, x);
-    const float inv = inv_normaliser(wsum);  // all parts empty: output 0
+    const float inv = SoftmaxRow<float>::inv_l(wsum);  // all parts empty: output 0
 
     float acc[kMaxCols];
 #pragma unroll
@@ -54,7 +54,7 @@ decode_combine_kernel(const float* o_part, const float* lse_part, T* out, float*
 #pragma unroll 8
     for (int s = 0; s < num_parts; ++s) {
         const float ls = lp[s * lp_ps];
-        const float w = merge_weight(ls, lse_max);
+        const float w = lse_weight(ls, lse_max);
         const bool empty = ls == neg_inf<float>();
 #pragma unroll
         for (int k = 0; k < kMaxCols; ++k) {
@@ -72,8 +72,7 @@ decode_combine_kernel(const float* o_part, const float* lse_part, T* out, float*
         if (c < headdim) orow[c] = from_float<T>(acc[k] * inv);
     }
     if (lane == 0 && lse_out != nullptr)
-        lse_out[b * lse_bs + h * lse_hs + i] =
-            wsum == 0.f ? neg_inf<float>() : lse_max + logf(wsum);
+        lse_out[b * lse_bs + h * lse_hs + i] = merged_lse(lse_max, wsum);
 }
 
 }  // namespace cf

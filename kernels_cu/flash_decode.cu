@@ -61,65 +61,6 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* counter, int v) {
     return old;
 }
 
-// Online merge of partial states (o normalised, lse natural log) into a running (m, l, acc), a
-// batch at a time; parts with lse = -inf are skipped. Result o = acc / l, lse = m + log(l).
-// MergeBatch: the compile-time batch size, passed to the generic lambda that loads a batch.
-template <int N> struct MergeBatch { static constexpr int kN = N; };
-
-struct MergeState4 {
-    float m, l, acc[4];
-    __device__ __forceinline__ void init() {
-        m = neg_inf<float>();
-        l = 0.f;
-        acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-    }
-    // Merges the first n <= N parts of a batch at once: the batch's max, then each part's weight
-    // exp(lse - max) independently (no chain of exps through a running max), then one rescale of
-    // the running state; explicit roundings (__fmaf_rn, __fadd_rn). Branch-free (v12): parts past
-    // n and empty parts (lse = -inf; their o may be NaN) are masked by selects, so the N weights
-    // are computed back to back (v11 timeline: 0.77 us at 8 parts, 1.0 us at 16).
-    template <int N>
-    __device__ __forceinline__ void add_batch(const float (&lse)[N], const float4 (&o)[N],
-                                              int n) {
-        static_assert(N % 4 == 0, "batch: a multiple of 4 (four max chains)");
-        // four interleaved max chains (max is exact: any order gives the same value)
-        float m0 = neg_inf<float>(), m1 = m0, m2 = m0, m3 = m0;
-#pragma unroll
-        for (int u = 0; u < N; u += 4) {
-            m0 = fmaxf(m0, u < n ? lse[u] : neg_inf<float>());
-            m1 = fmaxf(m1, u + 1 < n ? lse[u + 1] : neg_inf<float>());
-            m2 = fmaxf(m2, u + 2 < n ? lse[u + 2] : neg_inf<float>());
-            m3 = fmaxf(m3, u + 3 < n ? lse[u + 3] : neg_inf<float>());
-        }
-        const float mb = fmaxf(fmaxf(m0, m1), fmaxf(m2, m3));
-        if (mb == neg_inf<float>()) return;  // every part of the batch is empty
-        const float m_new = fmaxf(m, mb);
-        const float f = expf(m - m_new);     // m = -inf (first batch): 0
-        float wt[N];
-        bool ok[N];
-#pragma unroll
-        for (int u = 0; u < N; ++u) {
-            ok[u] = u < n && lse[u] != neg_inf<float>();
-            wt[u] = expf(ok[u] ? lse[u] - m_new : neg_inf<float>());  // 0 where masked
-        }
-        float lb = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll
-        for (int u = 0; u < N; ++u) {
-            lb = ok[u] ? __fadd_rn(lb, wt[u]) : lb;
-            a0 = ok[u] ? __fmaf_rn(wt[u], o[u].x, a0) : a0;
-            a1 = ok[u] ? __fmaf_rn(wt[u], o[u].y, a1) : a1;
-            a2 = ok[u] ? __fmaf_rn(wt[u], o[u].z, a2) : a2;
-            a3 = ok[u] ? __fmaf_rn(wt[u], o[u].w, a3) : a3;
-        }
-        l = __fmaf_rn(l, f, lb);
-        acc[0] = __fmaf_rn(acc[0], f, a0);
-        acc[1] = __fmaf_rn(acc[1], f, a1);
-        acc[2] = __fmaf_rn(acc[2], f, a2);
-        acc[3] = __fmaf_rn(acc[3], f, a3);
-        m = m_new;
-    }
-};
-
 // Compile-time shape of the split kernel; decode.py's smem formula mirrors kSmemBytes.
 template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES>
 struct DecodeTraits {
@@ -465,9 +406,12 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
                         ? visible_keys(row_qi[rh], p.seqlen_q, len, p.causal != 0, -1, -1)
                         : KeyRange{0, 0};  // padding row: sees nothing, never written
 
-    // ---- online-softmax state of this warp (FA-2: unscaled acc, normalised at the end) -------
-    float m_i[2] = {neg_inf<float>(), neg_inf<float>()};  // running max, log2 domain
-    float l_i[2] = {0.f, 0.f};                            // this thread's part of the row sum
+    // ---- online-softmax state of this warp (FA-2: unscaled acc, normalised at the end;
+    // common/online_softmax.cuh): running max m and this thread's share l of the row sum -------
+    SoftmaxRow<float> row[2];
+    row[0].init();
+    row[1].init();
+    const float scale_log2 = p.scale_log2;
     float acc[HEADDIM / 8][4];
 #pragma unroll
     for (int dt = 0; dt < HEADDIM / 8; ++dt)
@@ -549,7 +493,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
             }
         }
 
-        // scale to the log2 domain and mask: -inf outside the row's visible range (incl. j >= len)
+        // mask: -inf outside the row's visible range (incl. j >= len); the raw row max
         float mx[2] = {neg_inf<float>(), neg_inf<float>()};
 #pragma unroll
         for (int kw = 0; kw < Tr::kKSteps; ++kw)
@@ -559,10 +503,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
                 for (int e = 0; e < 4; ++e) {
                     const int rh = e >> 1;
                     const int j = key0 + kw * 16 + nt * 8 + 2 * t + (e & 1);
-                    float x = __fmul_rn(s[kw][nt][e], p.scale_log2);
-                    if (!key_visible(range[rh], j)) x = neg_inf<float>();
-                    s[kw][nt][e] = x;
-                    mx[rh] = fmaxf(mx[rh], x);
+                    if (!key_visible(range[rh], j)) s[kw][nt][e] = neg_inf<float>();
+                    mx[rh] = fmaxf(mx[rh], s[kw][nt][e]);
                 }
         // row max over the quad (the 4 threads holding one row), then rescale the old state
 #pragma unroll
@@ -570,30 +512,28 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
             mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
             mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
         }
-        // (the scaled scores and the rescaled l are rounded products, __fmul_rn: never fused)
-        float corr[2];
+        // alpha = exp2((m_old - m) c) rescales l and acc; then P = exp2((S - m) c), l += rowsum(P)
+        float alpha[2], ref[2];
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
-            const float m_new = fmaxf(m_i[rh], mx[rh]);
-            corr[rh] = rescale_factor(m_i[rh], m_new);
-            m_i[rh] = m_new;
-            l_i[rh] = __fmul_rn(l_i[rh], corr[rh]);
+            alpha[rh] = row[rh].update(mx[rh], scale_log2);
+            ref[rh] = row[rh].ref();
         }
 #pragma unroll
         for (int dt = 0; dt < HEADDIM / 8; ++dt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[dt][e] *= corr[e >> 1];
+            for (int e = 0; e < 4; ++e) acc[dt][e] *= alpha[e >> 1];
 
-        // P = exp2(S - m), row sums, and O += P V (P stays in registers as the A fragment)
+        // P (in registers, the A fragment of P V), row sums, and O += P V
 #pragma unroll
         for (int kw = 0; kw < Tr::kKSteps; ++kw) {
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float pr = prob(s[kw][nt][e], m_i[e >> 1]);
+                    const float pr = SoftmaxRow<float>::prob(s[kw][nt][e], ref[e >> 1], scale_log2);
                     s[kw][nt][e] = pr;
-                    l_i[e >> 1] += pr;
+                    row[e >> 1].l += pr;
                 }
             uint32_t pa[4];
             pa[0] = pack2<T>(s[kw][0][0], s[kw][0][1]);
@@ -620,8 +560,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
     __syncthreads();  // stage buffers are free: reuse them as fp32 scratch
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
-        l_i[rh] += __shfl_xor_sync(0xffffffffu, l_i[rh], 1);
-        l_i[rh] += __shfl_xor_sync(0xffffffffu, l_i[rh], 2);
+        row[rh].l += __shfl_xor_sync(0xffffffffu, row[rh].l, 1);
+        row[rh].l += __shfl_xor_sync(0xffffffffu, row[rh].l, 2);
     }
     // Only the CTA's valid rows are merged and written (b1 with GQA 4 and one token: 4 of 16).
     const int nrows = min(GROUP, rows - row_base);
@@ -642,26 +582,26 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
     if (t == 0) {
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
-            sM[warp * GROUP + g + 8 * rh] = m_i[rh];
-            sL[warp * GROUP + g + 8 * rh] = l_i[rh];
+            sM[warp * GROUP + g + 8 * rh] = row[rh].m;
+            sL[warp * GROUP + g + 8 * rh] = row[rh].l;
         }
     }
     __syncthreads();
     // One thread per row: the row's max over the warps, each warp's rescale factor, 1 / l, LSE
     // (computed once per row rather than once per output element).
     if (tid < nrows) {
-        float m_tot = neg_inf<float>();
+        SoftmaxRow<float> tot;  // the warps' states merged: max, then each warp's factor
+        tot.init();
 #pragma unroll
-        for (int w = 0; w < NWARPS; ++w) m_tot = fmaxf(m_tot, sM[w * GROUP + tid]);
-        float l_tot = 0.f;
+        for (int w = 0; w < NWARPS; ++w) tot.m = fmaxf(tot.m, sM[w * GROUP + tid]);
 #pragma unroll
         for (int w = 0; w < NWARPS; ++w) {
-            const float f = rescale_factor(sM[w * GROUP + tid], m_tot);
+            const float f = merge_factor(sM[w * GROUP + tid], tot.m, scale_log2);
             sF[w * GROUP + tid] = f;
-            l_tot += sL[w * GROUP + tid] * f;
+            tot.l += sL[w * GROUP + tid] * f;
         }
-        sRow[tid] = inv_normaliser(l_tot);
-        sRow[GROUP + tid] = lse_from(m_tot, l_tot);
+        sRow[tid] = SoftmaxRow<float>::inv_l(tot.l);
+        sRow[GROUP + tid] = tot.lse(tot.l, scale_log2);
     }
     __syncthreads();
 
@@ -731,7 +671,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
         const float* lp = p.lse_part + ((int64_t)b * p.nheads + h) * p.seqlen_q + qi;
         const float4* op = reinterpret_cast<const float4*>(
             p.o_part + (((int64_t)b * p.seqlen_q + qi) * p.nheads + h) * p.headdim + c);
-        MergeState4 st;
+        LseMerge4 st;  // common/online_softmax.cuh
         st.init();
         // A batch's loads are issued before any of them is merged (one L2 round trip per batch;
         // per part before v10: 4.2 us at 16 splits), pointers advanced by a stride.
@@ -755,14 +695,13 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
         if (p.num_splits <= Tr::kMergeHalf) merge(MergeBatch<Tr::kMergeHalf>{});
         else merge(MergeBatch<Tr::kMergeBatch>{});
         // o = acc / l in T, and the LSE (natural log; -inf for a row that saw no key) once per row
-        const float inv = inv_normaliser(st.l);
+        const float inv = SoftmaxRow<float>::inv_l(st.l);
         T* out = reinterpret_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride
                  + h * p.o_head_stride + c;
 #pragma unroll
         for (int x = 0; x < 4; ++x) out[x] = from_float<T>(st.acc[x] * inv);
         if (c == 0 && p.lse != nullptr)
-            p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + qi] =
-                st.l == 0.f ? neg_inf<float>() : st.m + logf(st.l);
+            p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + qi] = merged_lse(st.m, st.l);
     }
 }
 
