@@ -44,6 +44,7 @@ def _worker(ops, out_path):
     import cupyflash  # noqa: F401  (the build under test: PYTHONPATH decides)
     sys.path.insert(0, str(HERE))
     import cupy
+    import numpy as np
     import common
     res = {"cupyflash": os.path.dirname(cupyflash.__file__)}
     for op, dt, hd, b, sq, sk, h, hk, causal, ps in [s for s in PREFILL + DECODE if s[0] in ops]:
@@ -60,7 +61,7 @@ def _worker(ops, out_path):
             bt = None
             if ps:
                 pages = b * sk // ps
-                perm = cupy.random.default_rng(3).permutation(pages).astype(cupy.int32)
+                perm = cupy.asarray(np.random.default_rng(3).permutation(pages).astype(np.int32))
                 bt = perm.reshape(b, sk // ps)
                 k = k.reshape(pages, ps, hk, hd)[cupy.argsort(perm)]
                 v = v.reshape(pages, ps, hk, hd)[cupy.argsort(perm)]
