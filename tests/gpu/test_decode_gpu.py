@@ -19,24 +19,12 @@ import ml_dtypes  # noqa: E402
 
 from cupyflash import checks, decode, reference, testing  # noqa: E402
 from cupyflash.decode import flash_attn_with_kvcache, merge_states  # noqa: E402
+from gpu_arrays import to_device as _dev, to_host as _host  # noqa: E402 (tests/gpu/gpu_arrays.py)
 
 NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23}
 
 
-def _dev(x):
-    if x is None:
-        return None
-    x = np.ascontiguousarray(x)
-    if x.dtype.itemsize == 2 and x.dtype != np.int16:  # fp16/bf16 bits, NaN payloads kept
-        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
-    return cupy.asarray(x)
-
-
-def _host(x):
-    if x.dtype.itemsize == 2:
-        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
-    return cupy.asnumpy(x)
 
 
 def _nan_tailed_case(seed, cs, cap, hk, h, d, dtype, *, sq=1, page=0, table_seed=1,

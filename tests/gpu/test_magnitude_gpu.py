@@ -27,24 +27,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("precompiled")]
 
 from cupyflash import baseline, checks, prefill, reference, testing  # noqa: E402
 from cupyflash import flash_attn_func, flash_attn_with_kvcache, merge_states  # noqa: E402
+from gpu_arrays import to_device as _dev, to_host as _host  # noqa: E402 (tests/gpu/gpu_arrays.py)
 
 EPS32 = 2.0 ** -23
 ACC = {"float16": "float32", "bfloat16": "float32", "float32": "float32", "float64": "float64"}
 _ALL_ONES = {2: np.int16, 4: np.int32, 8: np.int64}  # -1: every bit set, a NaN in each float type
 
 
-def _dev(x):
-    """Host array -> CuPy array of the same dtype (bfloat16 through its bits)."""
-    x = np.ascontiguousarray(x)
-    if str(x.dtype) == "bfloat16":
-        return cupy.asarray(x.view(np.uint16)).view(x.dtype)
-    return cupy.asarray(x)
-
-
-def _host(x):
-    if x.dtype.itemsize == 2:
-        return cupy.asnumpy(x.view(cupy.uint16)).view(x.dtype)
-    return cupy.asnumpy(x)
 
 
 def _poisoned(shape, dtype):
