@@ -493,23 +493,27 @@ LAUNCH_CACHE: dict = {}
 LAUNCH_CACHE_SIZE = 4096
 
 
-def launch_key(kind: str, dev: int, options: tuple, arrays: tuple) -> tuple:
+def launch_key(kind: str, dev: int, options: tuple, arrays: tuple, layout=None) -> tuple:
     """The :data:`LAUNCH_CACHE` key of a call.
 
     Parameters
     ----------
     kind : str
-        ``"dense"``, ``"varlen"`` or ``"kvcache"``.
+        ``"dense"``, ``"varlen"`` or ``"kvcache"``; the calls of torch tensors add ``":torch"``
+        (their layouts are torch's: strides in elements, torch dtypes).
     dev : int
         CUDA device of ``q`` (the launch device).
     options : tuple
         The call's options as given (hashable plain values; see :data:`LAUNCH_CACHE`).
     arrays : tuple
         The array arguments in signature order (None where absent); each contributes its
-        ``(shape, strides, dtype)``.
+        ``(shape, strides, dtype)``, or ``layout(array)`` when given
+        (:meth:`cupyflash.interop.TorchCaller.layout`).
     """
-    return (kind, dev, options) + tuple(None if a is None else (a.shape, a.strides, a.dtype)
-                                        for a in arrays)
+    if layout is None:
+        return (kind, dev, options) + tuple(None if a is None else (a.shape, a.strides, a.dtype)
+                                            for a in arrays)
+    return (kind, dev, options) + tuple(None if a is None else layout(a) for a in arrays)
 
 
 def cache_put(key, entry) -> None:
@@ -555,9 +559,13 @@ class PrefillLaunch:
         arguments are ``(q, k, v, out, lse) + tail``.
     kernel : cupy.RawKernel or None
         Fetched on the first launch.
+    prepared : cupyflash.launch.PreparedLaunch or None
+        The launch with the constant arguments converted once (built on the first launch);
+        a call passes the 7 pointers (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k; 0 for
+        the dense call's) and the stream.
     """
     __slots__ = ("problem", "plan", "action", "lse_shape", "grid", "block", "smem",
-                 "tensor_cores", "strides", "sizes", "tail", "kernel")
+                 "tensor_cores", "strides", "sizes", "tail", "kernel", "prepared")
 
     def __init__(self, problem, q, k, v, out):
         from . import prefill
@@ -571,7 +579,7 @@ class PrefillLaunch:
         no_keys = p.total_k == 0 if p.varlen else p.seqlen_k == 0
         self.action = "none" if n_lse == 0 else "fill" if no_keys else "launch"
         self.grid, self.block, self.smem = prefill.launch_config(spec, p)
-        self.kernel = None
+        self.kernel = self.prepared = None
         self.strides = self.sizes = self.tail = None
         self.tensor_cores = prefill.config_of(spec)[0].dtype in prefill.TC_DTYPES
         if self.action == "launch" and 0 in self.grid:
