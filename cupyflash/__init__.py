@@ -13,6 +13,9 @@ decode                                  : decode planning and workspaces (worksp
                                           alloc_workspace, launch_config, plan_decode), from
                                           decode_plan and decode_kernels (specialisations)
 
+torch_ops                               : the calls as torch.library custom ops (torch.compile,
+                                          CUDA graphs); imports torch
+
 CuPy is imported lazily: ``import cupyflash`` and the reference work on a machine without a GPU.
 """
 __version__ = "0.1.0"
@@ -25,7 +28,8 @@ _LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "
          "attention_baseline": "baseline", "check_errors": "guard",
          "reference": None, "checks": None, "testing": None, "dispatch": None, "heuristics": None, "prefill": None,
          "decode": None, "decode_plan": None, "decode_kernels": None, "baseline": None,
-         "io_model": None, "jit": None, "guard": None, "interop": None}
+         "io_model": None, "jit": None, "guard": None, "interop": None,
+         "torch_ops": None}
 
 
 def __getattr__(name):  # PEP 562: submodules load on first use

@@ -393,3 +393,63 @@ def test_check_kernel_source_matches_the_host_checks():
         nvrtc.compileProgram(prog, ["--gpu-architecture=compute_80"])
     finally:
         nvrtc.destroyProgram(prog)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops (cupyflash.torch_ops): fake implementations, no graph breaks
+# ----------------------------------------------------------------------------------------------
+def test_custom_ops_match_their_fake_implementations(fake_cuda):
+    """torch.library.opcheck: schema (declared mutations) and fake (meta) outputs against the
+    real ones, for the three operators (AOT dispatch compares output values: the GPU tests; the
+    fake launches here write nothing)."""
+    from cupyflash import torch_ops  # noqa: F401 (registers the operators)
+    utils = ("test_schema", "test_faketensor")
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn.default, (q, k, k, None, True, -1, -1),
+                          test_utils=utils)
+    qv, kv = _t((40, 4, 64)), _t((50, 2, 64))
+    cq = torch.tensor([0, 10, 40], dtype=torch.int32)
+    ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn_varlen.default,
+                          (qv, kv, kv, cq, ck, 30, 30, 0.125, False, -1, -1, False),
+                          test_utils=utils)
+    qd, kc, cs, _ = _decode_args()
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn_with_kvcache.default,
+                          (qd, kc, kc.clone(), None, None, cs, None, torch.empty_like(qd), None,
+                           None, True, 1, None, True), test_utils=utils)
+
+
+def test_compile_fullgraph_traces_the_ops(fake_cuda):
+    """torch.compile(fullgraph=True) of functions calling the operators (prefill, varlen, a
+    decode step with out and workspace): no graph break, the outputs' shapes and dtypes, and the
+    compiled code launches the kernels (the launch log grows)."""
+    from cupyflash import torch_ops
+    torch._dynamo.reset()
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    qv, kv = _t((40, 4, 64)), _t((50, 2, 64))
+    cq = torch.tensor([0, 10, 40], dtype=torch.int32)
+    ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+    qd, kc, cs, _ = _decode_args()
+    ws = torch.zeros(1 << 16, dtype=torch.float32)
+    out = torch.empty_like(qd)
+
+    def prefill(q, k, cq, ck):
+        o, lse = torch_ops.flash_attn_func(q, k, k, causal=True, return_lse=True)
+        ov = torch_ops.flash_attn_varlen_func(qv, kv, kv, cq, ck, 30, 30, validate=False)
+        return o * 2, lse, ov
+
+    def step(qd, kc, cs):
+        o = torch_ops.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, out=out,
+                                              workspace=ws, num_splits=4)
+        return o + 1
+
+    def step_int(qd, kc):
+        return torch_ops.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=37) + 1
+    for f, args in ((prefill, (q, k, cq, ck)), (step, (qd, kc, cs)), (step_int, (qd, kc))):
+        n = len(fake_cuda)
+        res = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+        eager = f(*args)
+        res, eager = (r if isinstance(r, tuple) else (r,) for r in (res, eager))
+        assert [(x.shape, x.dtype) for x in res] == [(x.shape, x.dtype) for x in eager]
+        assert len(fake_cuda) > n
+    assert res[0].shape == qd.shape

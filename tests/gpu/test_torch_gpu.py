@@ -340,13 +340,64 @@ def test_bad_host_metadata_raises_before_the_launch():
 # ----------------------------------------------------------------------------------------------
 # 4. A decode step in a torch CUDA graph
 # ----------------------------------------------------------------------------------------------
+def test_compile_fullgraph_gives_the_eager_result():
+    """torch.compile(fullgraph=True) (inductor) of functions calling the custom ops: prefill,
+    varlen, and a decode step that appends a token and writes into out with a workspace: no
+    graph break, and bitwise the eager result (outputs, LSE, the appended caches)."""
+    from torch._dynamo.utils import counters
+
+    from cupyflash import torch_ops
+    torch._dynamo.reset()
+    counters.clear()
+    dtype = torch.bfloat16
+    q, k, v = (_randn((2, 200, 8, 128), dtype, s) for s in (81, 82, 83))
+    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()  # GQA: 2 KV heads
+    cq = torch.tensor([0, 150, 400], dtype=torch.int32, device=_dev())
+    qv, kv = q.reshape(400, 8, 128), k.reshape(400, 2, 128)
+
+    def prefill(q, k, v, qv, kv, cq):
+        o, lse = torch_ops.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        ov, lv = torch_ops.flash_attn_varlen_func(qv, kv, kv, cq, cq, 250, 250, causal=True,
+                                                  return_lse=True, validate=False)
+        return o, lse, ov, lv
+    eager = prefill(q, k, v, qv, kv, cq)
+    compiled = torch.compile(prefill, fullgraph=True)(q, k, v, qv, kv, cq)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+    qd, kc, vc, cs, bt = _decode_case(True, seed=84)
+    k_new, v_new = _randn((4, 1, 8, 128), dtype, 85), _randn((4, 1, 8, 128), dtype, 86)
+    n = decode.workspace_size(qd, kc, vc, k_new, v_new, cs, bt)
+
+    def step(qd, kc, vc, k_new, v_new, cs, bt, out, ws):
+        o, lse = torch_ops.flash_attn_with_kvcache(qd, kc, vc, k_new, v_new, cache_seqlens=cs,
+                                                   block_table=bt, out=out, workspace=ws,
+                                                   return_lse=True)
+        return o * 1, lse
+    res = []
+    for f in (step, torch.compile(step, fullgraph=True)):
+        kc_i, vc_i = kc.clone(), vc.clone()
+        out = torch.empty_like(qd)
+        ws = torch.zeros(max(n, 1), dtype=torch.float32, device=_dev())
+        o, lse = f(qd, kc_i, vc_i, k_new, v_new, cs, bt, out, ws)
+        torch.cuda.synchronize()
+        res.append((o, lse, kc_i, vc_i, out))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+    assert torch.equal(res[0][0], res[0][4])  # out was written
+    ref = _decode_ref(qd, kc, vc, cs, bt, dtype, k_new, v_new)
+    _assert_close(res[1][0], res[1][1], ref.out, ref.lse, dtype)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("via", ["call", "op"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_decode_step_captured_in_a_torch_cuda_graph(paged):
+def test_decode_step_captured_in_a_torch_cuda_graph(paged, via):
     """One decode step (append the new token's k, v; attend) with a preallocated workspace and
-    out, captured by torch.cuda.graph with the default validate=True (its device-side check is
-    captured too); replayed with new lengths, new cache contents and new tokens: each replay's
-    output and cache equal the reference's. A replay with a length over the capacity is reported
-    by check_errors()."""
+    out, called directly or through the custom op, captured by torch.cuda.graph with the
+    default validate=True (its device-side check is captured too); replayed with new lengths,
+    new cache contents and new tokens: each replay's output and cache equal the reference's. A
+    replay with a length over the capacity is reported by check_errors()."""
     dtype = torch.bfloat16
     q, kc, vc, cs, bt = _decode_case(paged, seed=61, lens=(1000, 17, 513, 0))
     k_new, v_new = _randn((4, 1, 8, 128), dtype, 62), _randn((4, 1, 8, 128), dtype, 63)
@@ -354,9 +405,14 @@ def test_decode_step_captured_in_a_torch_cuda_graph(paged):
     ws = torch.zeros(max(n, 1), dtype=torch.float32, device=_dev())
     out = torch.empty_like(q)
 
+    if via == "op":  # the custom operator (cupyflash.torch_ops)
+        from cupyflash.torch_ops import flash_attn_with_kvcache as call
+    else:
+        call = cupyflash.flash_attn_with_kvcache
+
     def step():
-        return cupyflash.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=cs,
-                                                 block_table=bt, out=out, workspace=ws)
+        return call(q, kc, vc, k_new, v_new, cache_seqlens=cs, block_table=bt, out=out,
+                    workspace=ws)
     side = torch.cuda.Stream(device=_dev())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
