@@ -15,6 +15,8 @@ decode                                  : decode planning and workspaces (worksp
 
 torch_ops                               : the calls as torch.library custom ops (torch.compile,
                                           CUDA graphs); imports torch
+hf                                      : register() makes "cupyfa" an attention implementation
+                                          of Hugging Face transformers
 
 CuPy is imported lazily: ``import cupyflash`` and the reference work on a machine without a GPU.
 """
@@ -29,7 +31,7 @@ _LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "
          "reference": None, "checks": None, "testing": None, "dispatch": None, "heuristics": None, "prefill": None,
          "decode": None, "decode_plan": None, "decode_kernels": None, "baseline": None,
          "io_model": None, "jit": None, "guard": None, "interop": None,
-         "torch_ops": None}
+         "torch_ops": None, "hf": None}
 
 
 def __getattr__(name):  # PEP 562: submodules load on first use

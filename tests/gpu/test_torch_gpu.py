@@ -445,3 +445,61 @@ def test_decode_step_captured_in_a_torch_cuda_graph(paged, via):
     with pytest.raises(ValueError, match=r"^cache_seqlens: cache_seqlens\[2\]=1024 \+ seqlen_new "
                                          r"1 exceeds the cache capacity 1024"):
         cupyflash.check_errors()
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. A real client: Hugging Face transformers
+# ----------------------------------------------------------------------------------------------
+def test_hf_llama_generate_with_cupyflash_matches_sdpa(monkeypatch):
+    """A small Llama-style decoder built from a config (random weights, no download), bf16:
+    generate() with attn_implementation="cupyfa" runs cupyflash for prefill and for every decode
+    step; its per-step logits, and a plain forward's, are as close to the float32 model's as
+    SDPA's bf16 logits are (within 2x SDPA's error plus 2 bf16 ulp of the logits' scale)."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import cupyflash.hf
+    name = cupyflash.hf.register()
+    calls = {"prefill": 0, "decode": 0}
+    ops = cupyflash.hf.torch_ops
+
+    def counted(kind, f):
+        def g(*a, **k):
+            calls[kind] += 1
+            return f(*a, **k)
+        return g
+    monkeypatch.setattr(cupyflash.hf, "torch_ops", SimpleNamespace(
+        flash_attn_func=counted("prefill", ops.flash_attn_func),
+        flash_attn_with_kvcache=counted("decode", ops.flash_attn_with_kvcache)))
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                      max_position_embeddings=512)  # head_dim 64, GQA 4
+    torch.manual_seed(0)
+    models = {}
+    for key, attn, dtype in (("ours", name, torch.bfloat16), ("sdpa", "sdpa", torch.bfloat16),
+                             ("fp32", "sdpa", torch.float32)):
+        m = LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
+        if models:
+            m.load_state_dict(models["ours"].state_dict())
+        models[key] = m.to(device=_dev(), dtype=dtype).eval()
+    ids = torch.randint(0, 1024, (3, 64), device=_dev(),
+                        generator=torch.Generator(device=_dev()).manual_seed(1))
+    with torch.no_grad():
+        g = models["ours"].generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                                    return_dict_in_generate=True, output_logits=True)
+        assert calls["prefill"] > 0 and calls["decode"] >= 2 * 15, calls  # 2 layers x 15 steps
+        seq = g.sequences
+        fp32 = models["fp32"](seq).logits.float()
+        sdpa = models["sdpa"](seq).logits.float()
+        ours_fwd = models["ours"](seq).logits.float()  # a plain forward: prefill only
+    scale = fp32.abs().max().item()
+
+    def check(ours, pos):
+        err = (ours.float() - fp32[:, pos]).abs().max().item()
+        err_sdpa = (sdpa[:, pos] - fp32[:, pos]).abs().max().item()
+        assert err <= 2 * err_sdpa + 2 * EPS[torch.bfloat16] * scale, (pos, err, err_sdpa)
+    for step, logits in enumerate(g.logits):  # step 0: prefill; then one decode step each
+        check(logits, 63 + step)
+    check(ours_fwd, slice(None))
