@@ -35,8 +35,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks, dispatch, interop
-from .interop import (ArrayDesc, CupyCaller, TorchCaller, _cupy, as_cupy, caller_of,
-                      cupy_ndarray_type, describe_torch, is_device_array, torch_tensor_type)
+from .interop import (ArrayDesc, TorchCaller, _cupy, as_cupy, caller_of,
+                      describe_torch, is_device_array)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "explain_varlen"]
 
@@ -81,10 +81,6 @@ def _same_device(arrays: dict) -> None:
                              f"device {first_dev}; pass all arrays on one device")
 
 
-#: the launch-cache kind of a torch caller's call (its layouts are torch's)
-_TORCH_KIND = {"dense": "dense:torch", "varlen": "varlen:torch"}
-
-
 def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=None):
     """Plan, allocate, launch (inputs already validated). Returns ``(out, lse)``: torch tensors
     for a torch caller (:func:`cupyflash.interop.caller_of`), else CuPy arrays.
@@ -108,11 +104,7 @@ def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=No
     with device:  # the device of q: its current stream, its SM count
         key = None
         if options is not None:
-            if caller is TorchCaller:
-                key = dispatch.launch_key(_TORCH_KIND[options[0]], dev, options[1:], arrays,
-                                          TorchCaller.layout)
-            else:
-                key = dispatch.launch_key(options[0], dev, options[1:], arrays)
+            key = dispatch.caller_key(caller, options[0], dev, options[1:], arrays)
         d = tuple(views.values())
         entry = dispatch.prefill_launch(problem, key, *d[:4])
         return _execute(entry, caller, dev, *arrays)
@@ -170,30 +162,11 @@ def _cached_call(key_options, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None
     None (not every array exactly a ``cupy.ndarray``, or every one exactly a ``torch.Tensor``;
     not cached yet; arrays on different devices: the caller runs the full checks, which raise
     or fill the cache). Reads each array's layout and pointer from its own attributes."""
-    tq = type(q)
-    if tq is (interop._CUPY_NDARRAY or cupy_ndarray_type()):
-        caller = CupyCaller
-    elif tq is (interop._TORCH_TENSOR or torch_tensor_type()) and tq is not type(None):
-        caller = TorchCaller
-    else:
-        return None
     arrays = (q, k, v, out, cu_seqlens_q, cu_seqlens_k)
-    for a in arrays:
-        if a is not None and type(a) is not tq:
-            return None
-    dev = caller.device(q)
-    if caller is CupyCaller:
-        key = dispatch.launch_key(key_options[0], dev, key_options[1:], arrays)
-    else:
-        key = dispatch.launch_key(_TORCH_KIND[key_options[0]], dev, key_options[1:], arrays,
-                                  TorchCaller.layout)
-    entry = dispatch.LAUNCH_CACHE.get(key)
-    if entry is None:
+    hit = dispatch.warm_entry(key_options[0], key_options[1:], arrays)
+    if hit is None:
         return None
-    device = caller.device
-    for a in (k, v, out, cu_seqlens_q, cu_seqlens_k):
-        if a is not None and device(a) != dev:
-            return None
+    caller, dev, entry = hit
     if _current_device() == dev:
         return _execute(entry, caller, dev, *arrays)
     with interop.on_device(dev):

@@ -99,7 +99,7 @@ from .decode_plan import (H200_SMEM_PER_BLOCK_OPTIN, H200_SMEM_PER_SM, REASON_TO
                           split_layout, workspace_elems, workspace_size)
 from .heuristics import MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
 from .interop import (CupyCaller, TorchCaller, _cupy, as_cupy, caller_of, cupy_ndarray_type,
-                      describe_torch, is_device_array, torch_tensor_type)
+                      describe_torch, is_device_array)
 
 __all__ = [
     # the call path (this module)
@@ -396,29 +396,12 @@ def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block
     different devices or with unaligned cache pointers (the full path then validates: it raises
     or caches). With ``validate`` the device-side check of ``cache_seqlens`` / ``block_table``
     (:mod:`cupyflash.guard`) is enqueued before the kernels."""
-    tq = type(q)
-    if tq is (interop._CUPY_NDARRAY or cupy_ndarray_type()):
-        caller = CupyCaller
-    elif tq is (interop._TORCH_TENSOR or torch_tensor_type()) and tq is not type(None):
-        caller = TorchCaller
-    else:
-        return None
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
-    for a in arrays:
-        if a is not None and type(a) is not tq:
-            return None
-    dev = caller.device(q)
-    if caller is CupyCaller:
-        key = dispatch.launch_key(opts[0], dev, opts[1:], arrays)
-    else:
-        key = dispatch.launch_key("kvcache:torch", dev, opts[1:], arrays, TorchCaller.layout)
-    entry = dispatch.LAUNCH_CACHE.get(key)
-    if entry is None:
+    hit = dispatch.warm_entry(opts[0], opts[1:], arrays)
+    if hit is None:
         return None
-    device, ptr = caller.device, caller.ptr
-    for a in arrays:
-        if a is not None and device(a) != dev:
-            return None
+    caller, dev, entry = hit
+    ptr = caller.ptr
     if (ptr(k_cache) | ptr(v_cache) | (ptr(workspace) if workspace is not None else 0)) % 16:
         return None
     check = validate and cache_seqlens is not None
@@ -447,11 +430,7 @@ def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts,
     values = tuple(arrays[n] for n in _ARRAY_NAMES)
     key = None
     if opts is not None:
-        if caller is CupyCaller:
-            key = dispatch.launch_key(opts[0], dev, opts[1:], values)
-        else:
-            key = dispatch.launch_key("kvcache:torch", dev, opts[1:], values,
-                                      TorchCaller.layout)
+        key = dispatch.caller_key(caller, opts[0], dev, opts[1:], values)
     entry = dispatch.LAUNCH_CACHE.get(key) if key is not None else None
     if entry is None:
         entry = _KVCacheLaunch(prob, plan, *(descs[n] for n in _ARRAY_NAMES[:8]), return_lse,

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import re
 
-from . import checks, heuristics, jit
+from . import checks, heuristics, interop, jit
 
 __all__ = ["KernelChoice", "Plan", "plan_prefill", "launch_plan", "default_arch",
            "check_arch", "check_device_limits", "h200_assumed_note", "max_smem_bytes_for_arch"]
@@ -514,6 +514,51 @@ def launch_key(kind: str, dev: int, options: tuple, arrays: tuple, layout=None) 
         return (kind, dev, options) + tuple(None if a is None else (a.shape, a.strides, a.dtype)
                                             for a in arrays)
     return (kind, dev, options) + tuple(None if a is None else layout(a) for a in arrays)
+
+
+#: the launch-cache kind of a torch caller's call (its layouts are torch's)
+TORCH_KINDS = {"dense": "dense:torch", "varlen": "varlen:torch", "kvcache": "kvcache:torch"}
+
+
+def caller_key(caller, kind: str, dev: int, options: tuple, arrays: tuple) -> tuple:
+    """:func:`launch_key` of a call by ``caller`` (:mod:`cupyflash.interop`'s CupyCaller or
+    TorchCaller: the kind and the layouts it reads)."""
+    if caller is interop.TorchCaller:
+        return launch_key(TORCH_KINDS[kind], dev, options, arrays, caller.layout)
+    return launch_key(kind, dev, options, arrays)
+
+
+def warm_entry(kind: str, options: tuple, arrays: tuple):
+    """``(caller, device, entry)`` of a warm call: every array (``q`` first) exactly a
+    ``cupy.ndarray``, or every one exactly a ``torch.Tensor``, their :func:`caller_key` in
+    :data:`LAUNCH_CACHE` and all on ``q``'s device; else None (the caller runs the full checks,
+    which raise or fill the cache). One pass over the arrays' attributes."""
+    q = arrays[0]
+    tq = type(q)
+    if tq is (interop._CUPY_NDARRAY or interop.cupy_ndarray_type()):
+        caller, dev, layout = interop.CupyCaller, q.data.device_id, interop.CupyCaller.layout
+    elif tq is (interop._TORCH_TENSOR or interop.torch_tensor_type()) and tq is not type(None):
+        # (a torch layout holds the device: a hit proves every array is where it was)
+        caller, layout = interop.TorchCaller, interop.TorchCaller.layout
+        dev, kind = caller.device(q), TORCH_KINDS[kind]
+    else:
+        return None
+    key = [kind, dev, options]
+    for a in arrays:
+        if a is None:
+            key.append(None)
+        elif type(a) is not tq:
+            return None
+        else:
+            key.append(layout(a))
+    entry = LAUNCH_CACHE.get(tuple(key))
+    if entry is None:
+        return None
+    if caller is interop.CupyCaller:
+        for a in arrays:
+            if a is not None and a.data.device_id != dev:
+                return None
+    return caller, dev, entry
 
 
 def cache_put(key, entry) -> None:

@@ -327,7 +327,9 @@ class TorchCaller:
 
     @staticmethod
     def layout(a) -> tuple:
-        return (a.shape, a.stride(), a.dtype)
+        """Shape, strides (elements), dtype and device: a launch-cache hit proves that every
+        array is on the device its entry was validated for."""
+        return (a.shape, a.stride(), a.dtype, a.is_cuda, a.get_device())
 
     @staticmethod
     def device(a) -> int:
