@@ -27,13 +27,17 @@ _CUPY_NDARRAY = None
 _TORCH_TENSOR = None
 
 
+def _imported(module: str, attr: str):
+    """``module.attr`` if ``module`` has been imported (by anyone), else None; never imports."""
+    mod = sys.modules.get(module)
+    return getattr(mod, attr, None) if mod is not None else None
+
+
 def torch_tensor_type():
     """``torch.Tensor`` if torch has been imported, else None (never imports torch)."""
     global _TORCH_TENSOR
     if _TORCH_TENSOR is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and hasattr(torch, "Tensor"):
-            _TORCH_TENSOR = torch.Tensor
+        _TORCH_TENSOR = _imported("torch", "Tensor")
     return _TORCH_TENSOR
 
 
@@ -42,9 +46,7 @@ def cupy_ndarray_type():
     before CuPy is imported, so this never imports it)."""
     global _CUPY_NDARRAY
     if _CUPY_NDARRAY is None:
-        cupy = sys.modules.get("cupy")
-        if cupy is not None and hasattr(cupy, "ndarray"):
-            _CUPY_NDARRAY = cupy.ndarray
+        _CUPY_NDARRAY = _imported("cupy", "ndarray")
     return _CUPY_NDARRAY
 
 

@@ -118,39 +118,6 @@ def graph_us(torch, fn, calls: int, repeats: int) -> list:
     return eager_us(g.replay, calls, repeats, torch.cuda.synchronize)
 
 
-def sdpa_call(torch, q, k, v, backend: str, causal: bool, gqa: bool):
-    """``(callable, layout)`` of torch SDPA on (batch, seqlen, heads, d) tensors with only
-    ``backend`` enabled (the backend context is entered by the caller, once around the loop):
-    transposed views, else contiguous (batch, heads, seqlen, d) copies made once here."""
-    import torch.nn.functional as F
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    kw = {"is_causal": causal}
-    if gqa:
-        kw["enable_gqa"] = True
-    errors = []
-    for layout in ("view", "contiguous"):
-        if layout == "contiguous":
-            qt, kt, vt = qt.contiguous(), kt.contiguous(), vt.contiguous()
-
-        def run(qt=qt, kt=kt, vt=vt):
-            return F.scaled_dot_product_attention(qt, kt, vt, **kw)
-        try:
-            with backend_ctx(torch, backend):
-                run()
-            torch.cuda.synchronize()
-            return run, layout
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{layout}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    raise RuntimeError(" | ".join(errors))
-
-
-def backend_ctx(torch, backend: str):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION,
-                         "flash": SDPBackend.FLASH_ATTENTION,
-                         "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]])
-
-
 def measure_shape(shape, calls: int, repeats: int, prov: dict) -> list:
     import cupy
     import torch
@@ -208,9 +175,11 @@ def measure_shape(shape, calls: int, repeats: int, prov: dict) -> list:
                         us_all=[round(x, 2) for x in us]))
     for backend in ("cudnn", "flash", "efficient"):
         impl = f"sdpa_{backend}"
-        try:
-            fn, layout = sdpa_call(torch, q, k, v, backend, causal, gqa=H != HK)
-            with backend_ctx(torch, backend):
+        try:  # the backend selected once around the loop, not per call
+            fn = common.torch_sdpa(q, k, v, backend, causal=causal, enable_gqa=H != HK,
+                                   select_per_call=False)
+            layout = fn.layout
+            with common.sdpa_backend(backend):
                 us = eager_us(fn, calls, repeats, tsync)
         except Exception as e:  # noqa: BLE001 - a backend that rejects the shape: say why
             records.append(dict(base, impl=impl, caller="torch", variant="defaults",

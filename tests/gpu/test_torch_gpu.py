@@ -67,6 +67,25 @@ def _assert_close(out, lse, ref_out, ref_lse, dtype):
         assert np.all(np.abs(lh[fin] - ref_lse[fin]) <= 1e-4 * (1 + np.abs(ref_lse[fin])))
 
 
+def _late_inputs_on_a_side_stream(pairs, call):
+    """On a new side stream: a long kernel, then the real inputs copied over the poison
+    (``(dst, src)`` pairs), then ``call()``, whose results are cloned on that stream. Checks
+    that the call returned while the stream was still busy (no synchronisation); returns
+    ``(results, clones)`` once the stream is done."""
+    side = torch.cuda.Stream(device=_dev())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the long kernel
+        for dst, src in pairs:
+            dst.copy_(src)  # the real inputs arrive late, on this stream
+        res = call()
+        clones = tuple(r.clone() for r in res)  # consumed on this stream
+        done = torch.cuda.Event()
+        done.record()
+    assert not done.query(), "the call synchronised (the side stream is already idle)"
+    torch.cuda.synchronize()
+    return res, clones
+
+
 def _poisoned(*xs):
     return [torch.full_like(x, float("nan")) for x in xs]
 
@@ -100,23 +119,15 @@ def test_prefill_runs_on_torch_stream_and_returns_tensors(dtype):
     k, v = _poisoned(k_src, v_src)
     cupyflash.flash_attn_func(q, k, v, causal=True)  # compile and cache (result discarded)
     torch.cuda.synchronize()
-    side = torch.cuda.Stream(device=_dev())
     before = torch.cuda.memory_allocated(_dev())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)  # the long kernel
-        for dst, src in ((q, q_src), (k, k_src), (v, v_src)):
-            dst.copy_(src)  # the real inputs arrive late, on this stream
-        out, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
-        res, res_lse = out.clone(), lse.clone()  # consumed on this stream
-        done = torch.cuda.Event()
-        done.record()
-    assert not done.query(), "the call synchronised (the side stream is already idle)"
+    (out, lse), (res, res_lse) = _late_inputs_on_a_side_stream(
+        ((q, q_src), (k, k_src), (v, v_src)),
+        lambda: cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True))
     assert type(out) is torch.Tensor and type(lse) is torch.Tensor
     assert out.device == q.device and out.dtype == dtype and out.shape == q.shape
     assert out.is_contiguous() and lse.shape == (B, H, S) and lse.dtype == torch.float32
     # allocated by torch's caching allocator (CuPy's pool would not count here)
     assert torch.cuda.memory_allocated(_dev()) - before >= out.nbytes + lse.nbytes
-    torch.cuda.synchronize()
     ref, ref_lse = reference.attention_reference(*(_host(x, dtype) for x in (q_src, k_src, v_src)),
                                                  causal=True)
     _assert_close(res, res_lse, ref, ref_lse, dtype)
@@ -134,17 +145,9 @@ def test_varlen_runs_on_torch_stream():
     call = dict(causal=True, return_lse=True, validate=False)
     cupyflash.flash_attn_varlen_func(q, k, v, cq, ck, 100, 120, **call)
     torch.cuda.synchronize()
-    side = torch.cuda.Stream(device=_dev())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for dst, src in ((q, q_src), (k, k_src), (v, v_src)):
-            dst.copy_(src)
-        out, lse = cupyflash.flash_attn_varlen_func(q, k, v, cq, ck, 100, 120, **call)
-        res, res_lse = out.clone(), lse.clone()
-        done = torch.cuda.Event()
-        done.record()
-    assert not done.query()
-    torch.cuda.synchronize()
+    (out, lse), (res, res_lse) = _late_inputs_on_a_side_stream(
+        ((q, q_src), (k, k_src), (v, v_src)),
+        lambda: cupyflash.flash_attn_varlen_func(q, k, v, cq, ck, 100, 120, **call))
     assert type(out) is torch.Tensor and out.shape == q.shape and lse.shape == (8, sum(lens_q))
     ref, ref_lse = reference.varlen_attention_reference(
         *(_host(x, dtype) for x in (q_src, k_src, v_src)), cq.cpu().numpy(), ck.cpu().numpy(),
@@ -190,19 +193,11 @@ def test_decode_runs_on_torch_stream_with_defaults(paged):
     q, kc, vc = _poisoned(q_src, kc_src, vc_src)
     cupyflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt)  # warm
     torch.cuda.synchronize()
-    side = torch.cuda.Stream(device=_dev())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for dst, src in ((q, q_src), (kc, kc_src), (vc, vc_src)):
-            dst.copy_(src)
-        out, lse = cupyflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt,
-                                                     return_lse=True)
-        res, res_lse = out.clone(), lse.clone()
-        done = torch.cuda.Event()
-        done.record()
-    assert not done.query(), "the default decode call synchronised"
+    (out, lse), (res, res_lse) = _late_inputs_on_a_side_stream(
+        ((q, q_src), (kc, kc_src), (vc, vc_src)),
+        lambda: cupyflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt,
+                                                 return_lse=True))
     assert type(out) is torch.Tensor and out.shape == q.shape and lse.shape == (4, 32, 1)
-    torch.cuda.synchronize()
     ref = _decode_ref(q_src, kc_src, vc_src, cs, bt, dtype)
     _assert_close(res, res_lse, ref.out, ref.lse, dtype)
     guard.check_errors()  # the device-side check found nothing
