@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .interop import is_device_array, np_dtype  # (imports no CuPy)
+from .interop import is_device_array, np_dtype, torch_tensor_type  # (imports no CuPy)
 
 __all__ = [
     "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
@@ -307,6 +307,9 @@ def device_pointer(x) -> int | None:
     ``__cuda_array_interface__``), or None for a host array or when unknown."""
     if not is_device_array(x):
         return None
+    tt = torch_tensor_type()
+    if tt is not None and isinstance(x, tt):  # torch: no interface dict built either
+        return int(x.data_ptr())
     data = getattr(x, "data", None)
     if hasattr(data, "ptr"):  # CuPy: no interface dict built
         return int(data.ptr)

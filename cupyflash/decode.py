@@ -404,6 +404,8 @@ def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block
     ptr = caller.ptr
     if (ptr(k_cache) | ptr(v_cache) | (ptr(workspace) if workspace is not None else 0)) % 16:
         return None
+    if entry.prob.q_aligned16 and ptr(q) % 16:  # the entry copies Q by 16 bytes: not this q
+        return None
     check = validate and cache_seqlens is not None
     if interop.current_device() == dev:
         return _execute_kvcache(entry, caller, dev, check, *arrays)
@@ -432,7 +434,7 @@ def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts,
     if opts is not None:
         key = dispatch.caller_key(caller, opts[0], dev, opts[1:], values)
     entry = dispatch.LAUNCH_CACHE.get(key) if key is not None else None
-    if entry is None:
+    if entry is None or entry.prob != prob:  # (a q of the same layout, on another alignment)
         entry = _KVCacheLaunch(prob, plan, *(descs[n] for n in _ARRAY_NAMES[:8]), return_lse,
                                descs["workspace"] if plan.workspace_elems else None)
         if key is not None:

@@ -270,6 +270,31 @@ def test_decode_default_call_checks_on_the_device_without_a_host_read(fake_cuda,
     assert fake_cuda[-1][1] is False  # a plain launch
 
 
+def test_decode_q_alignment_is_part_of_what_a_hit_proves(fake_cuda):
+    """A q of the same layout but 2 bytes off a 16-byte boundary must not reuse the entry built
+    for an aligned q (its kernel copies Q by 16 bytes): the call re-plans (2-byte Q loads) and
+    that entry replaces the first; an aligned q may use it (the same result)."""
+    q, kc, cs, _ = _decode_args()
+    buf = torch.empty(q.numel() + 8, dtype=q.dtype)
+    base = 8 - (buf.data_ptr() % 16) // 2  # elements to the next 16-byte boundary, + 8
+    aligned = buf[base % 8:base % 8 + q.numel()].view(q.shape)
+    off = buf[base % 8 + 1:base % 8 + 1 + q.numel()].view(q.shape)
+    assert aligned.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 2
+    seen = []
+    orig = decode._KVCacheLaunch.__init__
+
+    def spy(self, prob, *a, **k):
+        seen.append(prob.q_aligned16)
+        orig(self, prob, *a, **k)
+    decode._KVCacheLaunch.__init__ = spy
+    try:
+        for x in (aligned, off, off, aligned, aligned):
+            decode.flash_attn_with_kvcache(x, kc, kc, cache_seqlens=cs, num_splits=1)
+    finally:
+        decode._KVCacheLaunch.__init__ = orig
+    assert seen == [True, False]  # then every call hits the entry of the 2-byte loads
+
+
 def test_decode_workspace_and_lse_pointers(fake_cuda):
     q, kc, cs, _ = _decode_args()
     hq, hk = np.zeros(tuple(q.shape), np.float16), np.zeros(tuple(kc.shape), np.float16)
