@@ -90,6 +90,14 @@ def _poisoned(*xs):
     return [torch.full_like(x, float("nan")) for x in xs]
 
 
+def _to_cupy(x):
+    """A CuPy view of a torch tensor, the same memory (bfloat16 through int16 bits, then viewed
+    as ml_dtypes' bfloat16, CuPy's bf16)."""
+    if x.dtype == torch.bfloat16:
+        return cupy.from_dlpack(x.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return cupy.from_dlpack(x)
+
+
 def _from_cupy(x):
     """A bfloat16 CuPy array as a torch tensor (through int16: the same bits)."""
     return torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16)
@@ -208,9 +216,9 @@ def test_cupy_callers_keep_cupy_conventions():
     on a non-blocking CuPy stream), for prefill and decode."""
     dtype = torch.bfloat16
     q_t, kc_t, vc_t, cs_t, _ = _decode_case(False, seed=21)
-    srcs = [cupy.from_dlpack(x) for x in (q_t, kc_t, vc_t)]
-    cs = cupy.from_dlpack(cs_t)
-    q, kc, vc = (cupy.from_dlpack(torch.full_like(x, float("nan"))) for x in (q_t, kc_t, vc_t))
+    srcs = [_to_cupy(x) for x in (q_t, kc_t, vc_t)]
+    cs = _to_cupy(cs_t)
+    q, kc, vc = (_to_cupy(torch.full_like(x, float("nan"))) for x in (q_t, kc_t, vc_t))
     cupyflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs)
     cupyflash.flash_attn_func(q, kc, vc)
     cupy.cuda.Device().synchronize()
@@ -244,8 +252,8 @@ def test_default_decode_call_does_not_synchronise(kind, lengths):
     q, kc, vc, cs, _ = _decode_case(False, seed=31, lens=(700, 700, 700, 700))
     lens = {"device": cs, "int": 700, "list": [700] * 4}[lengths]
     if kind == "cupy":
-        q_, kc_, vc_ = (cupy.from_dlpack(x) for x in (q, kc, vc))
-        lens = cupy.from_dlpack(cs) if lengths == "device" else lens
+        q_, kc_, vc_ = (_to_cupy(x) for x in (q, kc, vc))
+        lens = _to_cupy(cs) if lengths == "device" else lens
         stream_busy = lambda: not cupy.cuda.get_current_stream().done  # noqa: E731
         sleep = _cupy_sleep
     else:
@@ -271,7 +279,7 @@ def test_bad_device_metadata_is_reported_without_a_synchronisation(kind):
     """Device lengths over the capacity, negative, and page ids outside the pool: the call
     returns (no read-back), check_errors() raises the host check's message, or the next call
     raises it once the check has run; reported once; the output has no NaN from outside."""
-    conv = (lambda x: x) if kind == "torch" else cupy.from_dlpack
+    conv = (lambda x: x) if kind == "torch" else _to_cupy
     q, kc, vc, cs, _ = _decode_case(False, seed=41)
     bad = cs.clone()
     bad[1] = 1024 + 7
