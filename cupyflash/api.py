@@ -16,9 +16,16 @@ Every call does its work in this order, so bad input never reaches a kernel:
    ``out`` (``TypeError`` / ``ValueError`` naming the argument);
 3. :func:`cupyflash.dispatch.plan_prefill` picks the specialisation (``ValueError`` listing why
    each candidate was rejected when none fits);
-4. the arrays are viewed as CuPy arrays without copying (:func:`cupyflash.interop.as_cupy`), the
-   output (unless given) and the float32 LSE are allocated, and the kernel is launched on the
-   caller's current CuPy stream of the device holding ``q``.
+4. the output (unless given) and the float32 LSE are allocated and the kernel is launched, by the
+   caller's conventions (:mod:`cupyflash.interop`): PyTorch CUDA tensors (every array argument a
+   tensor) are read through their own attributes, the results are tensors from torch's caching
+   allocator and the launch goes to torch's current stream of ``q``'s device; anything else is
+   viewed as CuPy arrays without copying (:func:`cupyflash.interop.as_cupy`), the results are
+   CuPy arrays and the launch goes to CuPy's current stream of that device.
+
+A warm call (same layouts and options as an earlier one, see
+:data:`cupyflash.dispatch.LAUNCH_CACHE`) skips steps 1-3: it reads each array's pointer, shape,
+strides and dtype, allocates the outputs and launches.
 
 The only device memory a call allocates besides its output is the LSE,
 ``batch * nheads * seqlen_q * 4`` bytes.
@@ -27,8 +34,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks, dispatch
-from .interop import as_cupy, cupy_ndarray_type, is_device_array
+from . import checks, dispatch, interop
+from .interop import (ArrayDesc, TorchCaller, _cupy, as_cupy, caller_of,
+                      describe_torch, is_device_array)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "explain_varlen"]
 
@@ -56,88 +64,117 @@ def _require_bool(x, name: str) -> bool:
     return bool(x)
 
 
+def _device_of(a) -> int:
+    """CUDA device of a CuPy array or an :class:`cupyflash.interop.ArrayDesc`."""
+    return a.device_id if isinstance(a, ArrayDesc) else a.device.id
+
+
 def _same_device(arrays: dict) -> None:
-    """ValueError unless every CuPy array lives on the device of the first (``q``)."""
+    """ValueError unless every array (CuPy array or ArrayDesc) lives on the device of the first
+    (``q``)."""
     items = [(n, a) for n, a in arrays.items() if a is not None]
     first_name, first = items[0]
+    first_dev = _device_of(first)
     for n, a in items[1:]:
-        if a.device.id != first.device.id:
-            raise ValueError(f"{n}: on CUDA device {a.device.id}, but {first_name} is on device "
-                             f"{first.device.id}; pass all arrays on one device")
+        if _device_of(a) != first_dev:
+            raise ValueError(f"{n}: on CUDA device {_device_of(a)}, but {first_name} is on "
+                             f"device {first_dev}; pass all arrays on one device")
 
 
 def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=None):
-    """Plan, allocate, launch (inputs already validated). Returns ``(out, lse)`` CuPy arrays.
+    """Plan, allocate, launch (inputs already validated). Returns ``(out, lse)``: torch tensors
+    for a torch caller (:func:`cupyflash.interop.caller_of`), else CuPy arrays.
 
     ``options``: the call's ``(kind, ...)`` options when they are plain values (the launch
     cache key, see :data:`cupyflash.dispatch.LAUNCH_CACHE`), else None (nothing is cached).
     """
     named = {"q": q, "k": k, "v": v, "out": out,
              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    views = {n: (as_cupy(a, n, problem.dtype if n in ("q", "k", "v", "out") else "int32")
-                 if a is not None else None) for n, a in named.items()}
+    caller = caller_of(q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+    if caller is TorchCaller:  # descriptors for the planning; the tensors themselves launch
+        views = {n: describe_torch(a) if a is not None else None for n, a in named.items()}
+        arrays = (q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+    else:
+        views = {n: (as_cupy(a, n, problem.dtype if n in ("q", "k", "v", "out") else "int32")
+                     if a is not None else None) for n, a in named.items()}
+        arrays = tuple(views.values())
     _same_device(views)
-    qc = views["q"]
-    with qc.device:  # the device of q: its current stream, its SM count
-        arrays = (qc, views["k"], views["v"], views["out"], views["cu_seqlens_q"],
-                  views["cu_seqlens_k"])
+    dev = _device_of(views["q"])
+    device = interop.on_device(dev) if caller is TorchCaller else views["q"].device
+    with device:  # the device of q: its current stream, its SM count
         key = None
         if options is not None:
-            key = dispatch.launch_key(options[0], qc.device.id, options[1:], arrays)
-        entry = dispatch.prefill_launch(problem, key, *arrays[:4])
-        return _execute(entry, *arrays)
+            key = dispatch.caller_key(caller, options[0], dev, options[1:], arrays)
+        d = tuple(views.values())
+        entry = dispatch.prefill_launch(problem, key, *d[:4])
+        return _execute(entry, caller, dev, *arrays)
 
 
-def _execute(entry, q, k, v, out, cu_seqlens_q, cu_seqlens_k):
+def _execute(entry, caller, dev, q, k, v, out, cu_seqlens_q, cu_seqlens_k):
     """Allocate and launch a :class:`cupyflash.dispatch.PrefillLaunch` on the current device
-    (the device of every array). Returns ``(out, lse)``."""
-    import cupy
+    ``dev`` (that of every array) and the caller's stream. Returns ``(out, lse)``."""
     if out is None:
-        out = cupy.empty(q.shape, dtype=q.dtype)
-    lse = cupy.empty(entry.lse_shape, dtype=cupy.float32)
+        out = caller.empty(q.shape, entry.problem.dtype, dev)
+    lse = caller.empty(entry.lse_shape, "float32", dev)
     action = entry.action
     if action == "launch":
-        if entry.tensor_cores and (q.data.ptr | k.data.ptr | v.data.ptr | out.data.ptr) % 16:
+        ptr = caller.ptr
+        qp, kp, vp, op = ptr(q), ptr(k), ptr(v), ptr(out)
+        if entry.tensor_cores and (qp | kp | vp | op) % 16:
             from . import prefill
-            prefill.check_pointers(entry.plan.kernel.spec, q, k, v, out)  # raises
-        kern = entry.kernel
-        if kern is None:
-            from . import jit
-            kern = entry.kernel = jit.get_kernel(entry.plan.kernel.spec)
-        if cu_seqlens_q is None:
-            args = (q, k, v, out, lse) + entry.tail
-        else:
-            args = (q, k, v, out, lse) + entry.strides + (cu_seqlens_q, cu_seqlens_k) \
-                + entry.sizes
-        kern(entry.grid, entry.block, args, shared_mem=entry.smem)  # current stream
+            prefill.check_pointers(entry.plan.kernel.spec,
+                                   *(_desc(caller, x) for x in (q, k, v, out)))  # raises
+        run = entry.prepared
+        if run is None:
+            run = _prepare(entry)
+        run((qp, kp, vp, op, ptr(lse),
+             ptr(cu_seqlens_q) if cu_seqlens_q is not None else 0,
+             ptr(cu_seqlens_k) if cu_seqlens_k is not None else 0), caller.stream(dev))
     elif action == "fill":  # every row sees no key: 0 and -inf (Semantics 2), no launch
-        out.view({2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[out.dtype.itemsize]).fill(0)
-        lse.fill(-np.inf)
+        caller.fill(out, 0)
+        caller.fill(lse, -np.inf)
     # "none": no query rows, batch or heads: nothing to compute, no empty grid
     return out, lse
 
 
+def _desc(caller, x):
+    """``x`` as the planning reads it (a torch tensor's :class:`ArrayDesc`; a CuPy array)."""
+    return describe_torch(x) if caller is TorchCaller else x
+
+
+def _prepare(entry):
+    """The :class:`cupyflash.launch.PreparedLaunch` of a prefill entry (a plain launch: the
+    prefill kernels do not wait for the previous kernel), built once on its device."""
+    from . import jit, launch, prefill
+    kern = entry.kernel
+    if kern is None:
+        kern = entry.kernel = jit.get_kernel(entry.plan.kernel.spec)
+    n = len(entry.strides)
+    args = (prefill._NULL2[0],) * 5 + entry.strides + prefill._NULL2 + entry.sizes
+    entry.prepared = launch.PreparedLaunch(kern, entry.grid, entry.block, args,
+                                           (0, 1, 2, 3, 4, 5 + n, 6 + n), shared_mem=entry.smem,
+                                           pdl=False)
+    return entry.prepared
+
+
 def _cached_call(key_options, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None):
     """The warm path: ``(out, lse)`` from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or
-    None (not cached yet, or arrays on different devices: the caller runs the full checks,
-    which raise or fill the cache). Every array is exactly a ``cupy.ndarray``."""
-    dev = q.data.device_id
-    entry = dispatch.LAUNCH_CACHE.get(dispatch.launch_key(
-        key_options[0], dev, key_options[1:], (q, k, v, out, cu_seqlens_q, cu_seqlens_k)))
-    if entry is None:
+    None (not every array exactly a ``cupy.ndarray``, or every one exactly a ``torch.Tensor``;
+    not cached yet; arrays on different devices: the caller runs the full checks, which raise
+    or fill the cache). Reads each array's layout and pointer from its own attributes."""
+    arrays = (q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+    hit = dispatch.warm_entry(key_options[0], key_options[1:], arrays)
+    if hit is None:
         return None
-    for a in (k, v, out, cu_seqlens_q, cu_seqlens_k):
-        if a is not None and a.data.device_id != dev:
-            return None
+    caller, dev, entry = hit
     if _current_device() == dev:
-        return _execute(entry, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
-    with q.device:
-        return _execute(entry, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+        return _execute(entry, caller, dev, *arrays)
+    with interop.on_device(dev):
+        return _execute(entry, caller, dev, *arrays)
 
 
 def _current_device() -> int:
-    import cupy
-    return cupy.cuda.runtime.getDevice()
+    return _cupy().cuda.runtime.getDevice()
 
 
 def _plain_options(softmax_scale, causal, window_size):
@@ -148,17 +185,6 @@ def _plain_options(softmax_scale, causal, window_size):
             and type(window_size[0]) is int and type(window_size[1]) is int):
         return softmax_scale, causal, window_size
     return None
-
-
-def _all_cupy(*arrays) -> bool:
-    """Every argument is exactly a ``cupy.ndarray`` or None (q first, never None)."""
-    nd = cupy_ndarray_type()
-    if nd is None:
-        return False
-    for a in arrays:
-        if a is not None and type(a) is not nd:
-            return False
-    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,13 +225,15 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         Also return the log-sum-exp of each row.
     out : CUDA array, optional
         Output buffer, same shape, dtype and device as ``q``; written in place and returned
-        (as a CuPy view of the same memory). Allocated when None.
+        (itself for a torch caller, else as a CuPy view of the same memory). Allocated when
+        None.
 
     Returns
     -------
-    out : cupy.ndarray, shape (batch, seqlen_q, nheads, headdim), dtype of ``q``
-        Rows with no visible key are 0.
-    lse : cupy.ndarray, shape (batch, nheads, seqlen_q), float32
+    out : torch.Tensor or cupy.ndarray, shape (batch, seqlen_q, nheads, headdim), dtype of ``q``
+        A contiguous ``torch.Tensor`` when every array argument is a torch tensor, else a
+        ``cupy.ndarray``. Rows with no visible key are 0.
+    lse : torch.Tensor or cupy.ndarray, shape (batch, nheads, seqlen_q), float32
         Only if ``return_lse``: natural log of each row's softmax denominator of the scaled
         scores (``-inf`` for a row with no visible key). Always computed (the kernel writes it).
 
@@ -224,13 +252,14 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
 
     Notes
     -----
-    Runs on CuPy's current stream of the device holding ``q`` (``with cupy.cuda.Stream(): ...``);
-    when mixing with PyTorch, make both libraries use the same stream or synchronise.
+    Runs on torch's current stream of ``q``'s device for torch tensors
+    (``torch.cuda.current_stream(q.device)``; inside ``with torch.cuda.stream(s):`` on ``s``),
+    else on CuPy's current stream of the device holding ``q`` (``with cupy.cuda.Stream(): ...``).
     """
     opts = _plain_options(softmax_scale, causal, window_size)
     if opts is not None:
         opts = ("dense",) + opts
-        if type(return_lse) is bool and _all_cupy(q, k, v, out):
+        if type(return_lse) is bool:
             r = _cached_call(opts, q, k, v, out)
             if r is not None:
                 return r if return_lse else r[0]
@@ -271,8 +300,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Returns
     -------
-    out : cupy.ndarray, shape (total_q, nheads, headdim), dtype of ``q``
-    lse : cupy.ndarray, shape (nheads, total_q), float32
+    out : torch.Tensor or cupy.ndarray, shape (total_q, nheads, headdim), dtype of ``q``
+        By the caller's kind and on the caller's stream, as in :func:`flash_attn_func`.
+    lse : torch.Tensor or cupy.ndarray, shape (nheads, total_q), float32
         Only if ``return_lse``.
 
     Raises
@@ -288,7 +318,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         # validate=False may skip the checks (validate=True reads the values every call)
         opts = ("varlen",) + opts + (max_seqlen_q, max_seqlen_k)
         if (validate is False and type(return_lse) is bool
-                and _all_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
                 and cu_seqlens_q is not None and cu_seqlens_k is not None):
             r = _cached_call(opts, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
             if r is not None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .interop import is_device_array, np_dtype  # (imports no CuPy)
+from .interop import is_device_array, np_dtype, torch_tensor_type  # (imports no CuPy)
 
 __all__ = [
     "AttnProblem", "DecodeProblem", "SUPPORTED_DTYPES", "MAX_HEADDIM", "HEADDIM_MULTIPLE",
@@ -41,7 +41,8 @@ __all__ = [
     "check_last_dim_contiguous", "element_strides", "page_strides_fit_i32", "page_offsets_fit_i32",
     "aligned16", "rows_aligned16", "device_pointer",
     "check_window_size",
-    "kernel_window", "dtype_name", "to_host", "host_array",
+    "kernel_window", "dtype_name", "to_host", "host_array", "lengths_from_host",
+    "negative_length_message", "capacity_message", "page_id_message",
 ]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -306,6 +307,9 @@ def device_pointer(x) -> int | None:
     ``__cuda_array_interface__``), or None for a host array or when unknown."""
     if not is_device_array(x):
         return None
+    tt = torch_tensor_type()
+    if tt is not None and isinstance(x, tt):  # torch: no interface dict built either
+        return int(x.data_ptr())
     data = getattr(x, "data", None)
     if hasattr(data, "ptr"):  # CuPy: no interface dict built
         return int(data.ptr)
@@ -704,7 +708,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, *,
                   softmax_scale=None, causal=True, num_splits=0, out=None,
-                  dtypes=SUPPORTED_DTYPES, validate=True) -> DecodeProblem:
+                  dtypes=SUPPORTED_DTYPES, validate=True, device_values=True) -> DecodeProblem:
     """Validate attention against a KV cache (Flash-Decoding; FlashAttention-2 Sec. 3.1 per split).
 
     Parameters
@@ -734,6 +738,11 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
     validate : bool
         When True, check the values of ``cache_seqlens`` and ``block_table``
         (:func:`check_kvcache_values`; a host copy, so a synchronisation if on the GPU).
+    device_values : bool
+        With ``validate``: also read device arrays' values on the host (True, a
+        synchronisation), or only host arrays' (False: the caller checks device arrays on the
+        device, :mod:`cupyflash.guard`). Host ``cache_seqlens`` and ``block_table`` are
+        accepted beside device arrays (the call copies them to the device).
 
     Returns
     -------
@@ -821,9 +830,13 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
         raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits}")
     scale = resolve_softmax_scale(softmax_scale, headdim)
     _check_out(out, qs, dt)
-    _check_device_consistency({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
-                               "cache_seqlens": cache_seqlens, "block_table": block_table,
-                               "out": out})
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v,
+             "cache_seqlens": cache_seqlens, "block_table": block_table, "out": out}
+    if _is_device(q):  # host index data beside device arrays: checked here, copied by the call
+        for n in ("cache_seqlens", "block_table"):
+            if named[n] is not None and not _is_device(named[n]):
+                del named[n]
+    _check_device_consistency(named)
     if not isinstance(validate, (bool, np.bool_)):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
     problem = DecodeProblem(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k,
@@ -836,7 +849,11 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
                                                                           v_cache)),
                             q_aligned16=aligned16(q))
     if validate and cache_seqlens is not None:
-        check_kvcache_values(problem, cache_seqlens, block_table)
+        if device_values:
+            check_kvcache_values(problem, cache_seqlens, block_table)
+        elif not _is_device(cache_seqlens):  # host lengths; host page ids too, if any
+            check_kvcache_values(problem, cache_seqlens,
+                                 None if _is_device(block_table) else block_table)
     return problem
 
 
@@ -852,7 +869,8 @@ def check_kvcache_values(problem: DecodeProblem, cache_seqlens, block_table=None
     problem : DecodeProblem
         From :func:`check_kvcache` for the same arrays (shapes and dtypes already checked).
     cache_seqlens : int32 array, shape (batch,)
-    block_table : int32 array, shape (batch, max_pages_per_seq), or None (contiguous)
+    block_table : int32 array, shape (batch, max_pages_per_seq), or None (contiguous; or page
+        ids not checked here: the call checks a device block_table on the device)
 
     Raises
     ------
@@ -864,24 +882,64 @@ def check_kvcache_values(problem: DecodeProblem, cache_seqlens, block_table=None
     cs = to_host(cache_seqlens).astype(np.int64)
     if (cs < 0).any():
         b = int(np.argmax(cs < 0))
-        raise ValueError(f"cache_seqlens: must be >= 0, got cache_seqlens[{b}]={cs[b]}")
+        raise ValueError(negative_length_message(b, int(cs[b])))
     total = cs + p.seqlen_new
     if (total > p.seqlen_cache).any():
         b = int(np.argmax(total > p.seqlen_cache))
-        raise ValueError(f"cache_seqlens: cache_seqlens[{b}]={cs[b]} + seqlen_new "
-                         f"{p.seqlen_new} exceeds the cache capacity {p.seqlen_cache} "
-                         + ("(max_pages_per_seq * page_size)" if p.paged
-                            else "(k_cache dim 1)"))
-    if p.paged:
+        raise ValueError(capacity_message(b, int(cs[b]), p.seqlen_new, p.seqlen_cache, p.paged))
+    if p.paged and block_table is not None:
         bt = to_host(block_table).astype(np.int64)
         used = -(-total // p.page_size)  # pages each sequence reads or writes
         cols = np.arange(p.max_pages_per_seq)[None, :]
         bad = (cols < used[:, None]) & ((bt < 0) | (bt >= p.num_pages))
         if bad.any():
             b, j = (int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"block_table: page id block_table[{b}, {j}]={bt[b, j]} is "
-                             f"outside the pool [0, {p.num_pages}) (sequence {b} uses "
-                             f"{int(used[b])} page{'s' if int(used[b]) != 1 else ''})")
+            raise ValueError(page_id_message(b, j, int(bt[b, j]), p.num_pages, int(used[b])))
+
+
+# The messages of the value checks (also those of the device-side check, cupyflash.guard)
+def negative_length_message(b: int, value: int) -> str:
+    return f"cache_seqlens: must be >= 0, got cache_seqlens[{b}]={value}"
+
+
+def capacity_message(b: int, value: int, seqlen_new: int, capacity: int, paged: bool) -> str:
+    return (f"cache_seqlens: cache_seqlens[{b}]={value} + seqlen_new {seqlen_new} exceeds the "
+            f"cache capacity {capacity} "
+            + ("(max_pages_per_seq * page_size)" if paged else "(k_cache dim 1)"))
+
+
+def page_id_message(b: int, j: int, value: int, num_pages: int, used: int) -> str:
+    return (f"block_table: page id block_table[{b}, {j}]={value} is outside the pool "
+            f"[0, {num_pages}) (sequence {b} uses {used} page{'s' if used != 1 else ''})")
+
+
+def lengths_from_host(cache_seqlens, q):
+    """FlashAttention's forms of ``cache_seqlens``: an int (every sequence's length) or a list
+    or tuple of ints becomes an int32 NumPy array of ``q``'s batch; anything else (arrays,
+    None, other types, which the checks then judge) is returned as it is.
+
+    Raises
+    ------
+    TypeError
+        A list with an entry that is not an int.
+    ValueError
+        A value outside int32.
+    """
+    if _is_int(cache_seqlens):
+        shape = getattr(q, "shape", None)
+        if shape is None or len(shape) < 1:
+            return cache_seqlens  # the checks name q
+        values = np.full((int(shape[0]),), int(cache_seqlens), np.int64)
+    elif isinstance(cache_seqlens, (list, tuple)):
+        if not all(_is_int(x) for x in cache_seqlens):
+            raise TypeError(f"cache_seqlens: expected an int32 array, an int or a list of ints, "
+                            f"got {type(cache_seqlens).__name__} {cache_seqlens!r}"[:300])
+        values = np.array([int(x) for x in cache_seqlens], np.int64).reshape(-1)
+    else:
+        return cache_seqlens
+    if values.size and (values.min() < -2 ** 31 or values.max() >= 2 ** 31):
+        raise ValueError(f"cache_seqlens: values must fit int32, got {cache_seqlens!r}"[:300])
+    return values.astype(np.int32)
 
 
 def check_merge(o_parts, lse_parts) -> tuple:

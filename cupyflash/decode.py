@@ -20,8 +20,9 @@ tile and pipeline depth of a call: :mod:`cupyflash.decode_plan`.
 
 CUDA graphs
 -----------
-With ``validate=False`` (no host read of ``cache_seqlens``/``block_table``), ``out=`` given,
-``return_lse=False`` and, when more than one split is used, a ``workspace=`` from
+With device ``cache_seqlens``/``block_table`` (never read on the host; with ``validate`` the
+device-side check is captured too), ``out=`` given, ``return_lse=False`` and, when more than
+one split is used, a ``workspace=`` from
 :func:`alloc_workspace` (or any float32 CuPy array of at least :func:`workspace_size` elements,
 zero-filled once), the call launches only kernels: no allocation and no host synchronisation,
 so it can be captured in a CUDA graph. The number of splits depends only on shapes (never on
@@ -53,8 +54,20 @@ loop is done (the append kernel at entry), so the next launch overlaps its epilo
 H200, graph-timed (experiments/NOTES.md v15): 0.5-0.7 us faster at batch 1 up to 8k keys
 (6.6 vs 7.2 us at 1k), 0.7 us at b16 x 1k, within noise from 16k keys up. Set
 :data:`PDL` to False, run a block inside ``with pdl_launches(False):`` (restores the previous
-value), or set the environment variable ``CUPYFLASH_PDL=0`` before import, to launch through
-``cupy.RawKernel`` instead; measured in experiments/NOTES.md v15.
+value), or set the environment variable ``CUPYFLASH_PDL=0`` before import, to launch plainly
+instead (the same driver call without the attribute); measured in experiments/NOTES.md v15.
+
+Callers, streams and checks
+---------------------------
+torch tensors in give torch tensors out, launched on torch's current stream of their device;
+CuPy arrays keep CuPy's conventions (:mod:`cupyflash.interop`). A warm call (same layouts and
+options as an earlier one) reads pointers and layouts from the arrays' attributes and launches
+through prepared driver launches (:class:`cupyflash.launch.PreparedLaunch`). With
+``validate=True`` (the default) nothing is read back to the host: host ``cache_seqlens`` /
+``block_table`` (an int, a list, NumPy) are checked on the host before the launch and copied to
+the device asynchronously; device ones are checked by a small kernel on the call's stream, whose
+findings are raised by the next call or by :func:`cupyflash.check_errors`
+(:mod:`cupyflash.guard`).
 
 Modules
 -------
@@ -75,7 +88,7 @@ import weakref
 
 import numpy as np
 
-from . import checks, jit, launch
+from . import checks, dispatch, guard, interop, jit, launch
 from .decode_kernels import (COMBINE_DTYPES, DTYPES, GROUP, HEADDIMS, KV_PATHS,
                              ONE_BLOCK_SPLIT_CONFIGS, SPLIT_CONFIGS, SplitConfig, all_specs,
                              append_kernel_spec, combine_kernel_spec, kv_path, padded_headdim,
@@ -85,7 +98,8 @@ from .decode_plan import (H200_SMEM_PER_BLOCK_OPTIN, H200_SMEM_PER_SM, REASON_TO
                           _resolve_plan, explain_kvcache, launch_config, plan_decode,
                           split_layout, workspace_elems, workspace_size)
 from .heuristics import MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
-from .interop import as_cupy
+from .interop import (CupyCaller, TorchCaller, _cupy, as_cupy, caller_of, cupy_ndarray_type,
+                      describe_torch, is_device_array)
 
 __all__ = [
     # the call path (this module)
@@ -230,9 +244,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         caches). Modified in place when ``k``/``v`` are given.
     k, v : CUDA arrays or None, shape (batch, seqlen_new, nheads_k, headdim)
         New tokens to append before attending.
-    cache_seqlens : int32 CUDA array, shape (batch,), or None
-        Cached tokens per sequence before appending; None = the whole contiguous cache.
-    block_table : int32 CUDA array, shape (batch, max_pages_per_seq), or None
+    cache_seqlens : int32 CUDA array, shape (batch,), int, list of ints, host int32 array, or None
+        Cached tokens per sequence before appending; None = the whole contiguous cache. An int
+        (every sequence's length, as in FlashAttention), a list, or a host array (NumPy, CPU
+        tensor) is checked on the host and copied to the device asynchronously (no
+        synchronisation).
+    block_table : int32 CUDA array (or host int32 array), shape (batch, max_pages_per_seq), or None
         Page ids: token ``t`` of sequence ``b`` lives in page ``block_table[b, t // page_size]``
         at row ``t % page_size``. Only the entries a sequence uses are read.
     softmax_scale : float or None
@@ -255,25 +272,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         only on the sequence, so a row's result is bitwise the same alone or in any batch.
         Overrides ``num_splits``.
     validate : bool
-        Read ``cache_seqlens`` and ``block_table`` on the host (a synchronisation) and raise on
-        lengths above the capacity and page ids outside ``[0, num_pages)``. With False nothing
-        is read on the host; the kernels still never access memory outside the cache (bad
-        lengths are clamped to the capacity and rows of bad pages are zero-filled: the result
-        of such a call is unspecified, not unsafe).
+        Check ``cache_seqlens`` and ``block_table``: negative lengths, lengths above the
+        capacity, page ids outside ``[0, num_pages)``, without a synchronisation. Host data
+        raises ValueError before the launch. Device arrays are checked by a small kernel on the
+        call's stream (:mod:`cupyflash.guard`): a violation is raised as
+        :class:`cupyflash.guard.DeviceCheckError` (a ValueError, the same message) by the next
+        ``flash_attn_with_kvcache`` call once the check has run, or by
+        :func:`cupyflash.check_errors` (which synchronises first). With False nothing is
+        checked. Either way the kernels never access memory outside the cache (bad lengths are
+        clamped to the capacity and rows of bad pages are zero-filled: the result of such a call
+        is unspecified, not unsafe).
     workspace : float32 CUDA array or None
         Scratch for the fp32 partials and the fused combine's int32 counters, at least
         :func:`cupyflash.decode.workspace_size` elements, from
         :func:`cupyflash.decode.alloc_workspace` (or zero-filled once: the counters at its end must
         start at zero; each launch leaves them zero), contiguous and 16-byte aligned. If None, the
-        partials come from CuPy's memory pool and the counters from a zero-filled buffer kept per
-        (device, stream) (per host thread on CuPy's per-thread default stream); such a call cannot
-        be captured in a CUDA graph. Pass it (with ``out``, ``validate=False`` and
-        ``return_lse=False``) to capture in a CUDA graph.
+        partials come from the caller's allocator (CuPy's memory pool, torch's caching
+        allocator) and the counters from a zero-filled buffer kept per (device, stream) (per host
+        thread on CuPy's per-thread default stream); such a call cannot be captured in a CUDA
+        graph. Pass it (with ``out`` and ``return_lse=False``; device ``cache_seqlens`` and
+        ``block_table``) to capture in a CUDA graph.
 
     Returns
     -------
-    out : CUDA array, shape (batch, seqlen_q, nheads, headdim), dtype of ``q``
-    lse : float32 CUDA array, shape (batch, nheads, seqlen_q)
+    out : torch.Tensor or cupy.ndarray, shape (batch, seqlen_q, nheads, headdim), dtype of ``q``
+        A torch tensor when the arrays are torch tensors (launched on torch's current stream of
+        their device), else a CuPy array (CuPy's current stream).
+    lse : float32, shape (batch, nheads, seqlen_q), of the same kind
         Only if ``return_lse``.
 
     Raises
@@ -289,40 +314,64 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         than one split); a grid dimension over its limit (see
         :func:`cupyflash.decode.launch_config`).
     """
+    if guard._record is not None and guard._record[0]:  # an earlier call's device check
+        guard.raise_pending()
     opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
-    if opts is not None and validate is False:  # the warm path (dispatch.LAUNCH_CACHE)
-        r = _cached_call(opts, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
-                         workspace)
+    if opts is not None and (validate is False or validate is True):  # the warm path
+        r = _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                         out, workspace)
         if r is not None:
             return r
+    cache_seqlens = checks.lengths_from_host(cache_seqlens, q)  # an int or a list of ints
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 softmax_scale=softmax_scale, causal=causal,
-                                num_splits=num_splits, out=out, dtypes=DTYPES, validate=validate)
-    from .interop import is_device_array
+                                num_splits=num_splits, out=out, dtypes=DTYPES, validate=validate,
+                                device_values=False)
     if not is_device_array(q):
         raise TypeError("q: flash_attn_with_kvcache runs on the GPU, got a host array "
                         f"{type(q).__name__}; use cupyflash.reference.kvcache_attention_reference")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    host_cs = cache_seqlens is not None and not is_device_array(cache_seqlens)
+    host_bt = block_table is not None and not is_device_array(block_table)
+    # lengths or page ids on the device: checked there (validate; host ones were checked above)
+    device_check = bool(validate) and cache_seqlens is not None and not (host_cs and
+                                                                         (host_bt or
+                                                                          block_table is None))
     dt = prob.dtype
-    q = as_cupy(q, "q", dt)
-    k_cache = as_cupy(k_cache, "k_cache", dt)
-    v_cache = as_cupy(v_cache, "v_cache", dt)
-    k = None if k is None else as_cupy(k, "k", dt)
-    v = None if v is None else as_cupy(v, "v", dt)
-    out = None if out is None else as_cupy(out, "out", dt)
-    cache_seqlens = None if cache_seqlens is None else as_cupy(cache_seqlens, "cache_seqlens", "int32")
-    block_table = None if block_table is None else as_cupy(block_table, "block_table", "int32")
-    for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
-                    ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
-        if a is not None and a.device.id != q.device.id:
-            raise ValueError(f"{name}: on CUDA device {a.device.id}, but q is on device "
-                             f"{q.device.id}; pass all arrays on one device")
-    _check_cache_alignment(k_cache, "k_cache")
-    _check_cache_alignment(v_cache, "v_cache")
-    with q.device:
-        return _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
-                            return_lse, split_size, workspace, opts)
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "out": out,
+             "cache_seqlens": None if host_cs else cache_seqlens,
+             "block_table": None if host_bt else block_table, "workspace": workspace}
+    caller = caller_of(*named.values())
+    if caller is TorchCaller:
+        descs = {n: None if a is None else describe_torch(a) for n, a in named.items()}
+        arrays = dict(named)
+    else:
+        descs = {n: None if a is None else as_cupy(
+            a, n, dt if n not in ("cache_seqlens", "block_table", "workspace")
+            else "int32" if n != "workspace" else checks.dtype_name(a))
+            for n, a in named.items() if n != "workspace"}
+        descs["workspace"] = workspace  # viewed only when the plan uses it (_run_kvcache)
+        arrays = dict(descs)
+    dev = descs["q"].device_id if caller is TorchCaller else descs["q"].device.id
+    for name, a in descs.items():
+        if a is None or name == "workspace":
+            continue
+        a_dev = a.device_id if caller is TorchCaller else a.device.id
+        if a_dev != dev:
+            raise ValueError(f"{name}: on CUDA device {a_dev}, but q is on device {dev}; pass "
+                             f"all arrays on one device")
+    _check_cache_alignment(descs["k_cache"], "k_cache")
+    _check_cache_alignment(descs["v_cache"], "v_cache")
+    with interop.on_device(dev):
+        for name, host in (("cache_seqlens", cache_seqlens if host_cs else None),
+                           ("block_table", block_table if host_bt else None)):
+            if host is not None:  # to the device, asynchronously on the caller's stream
+                a = caller.from_host(checks.to_host(host), "int32", dev)
+                arrays[name] = a
+                descs[name] = describe_torch(a) if caller is TorchCaller else a
+        return _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts,
+                            device_check)
 
 
 def _plain_options(softmax_scale, causal, num_splits, split_size, return_lse):
@@ -336,73 +385,78 @@ def _plain_options(softmax_scale, causal, num_splits, split_size, return_lse):
     return None
 
 
-def _cached_call(opts, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace):
-    """A warm call (``validate=False``) from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or
-    None when the arguments are not all ``cupy.ndarray``, not cached yet, on different devices
-    or with unaligned cache pointers (the full path then validates: it raises or caches)."""
-    from . import dispatch
-    from .interop import cupy_ndarray_type
-    nd = cupy_ndarray_type()
+_ARRAY_NAMES = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table", "out",
+                "workspace")
+
+
+def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
+                 workspace):
+    """A warm call from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or None when the arrays
+    are not all exactly ``cupy.ndarray`` or all exactly ``torch.Tensor``, not cached yet, on
+    different devices or with unaligned cache pointers (the full path then validates: it raises
+    or caches). With ``validate`` the device-side check of ``cache_seqlens`` / ``block_table``
+    (:mod:`cupyflash.guard`) is enqueued before the kernels."""
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
-    if nd is None or type(q) is not nd:
+    hit = dispatch.warm_entry(opts[0], opts[1:], arrays)
+    if hit is None:
         return None
-    for a in arrays:
-        if a is not None and type(a) is not nd:
-            return None
-    dev = q.data.device_id
-    entry = dispatch.LAUNCH_CACHE.get(dispatch.launch_key(opts[0], dev, opts[1:], arrays))
-    if entry is None:
+    caller, dev, entry = hit
+    ptr = caller.ptr
+    if (ptr(k_cache) | ptr(v_cache) | (ptr(workspace) if workspace is not None else 0)) % 16:
         return None
-    for a in arrays:
-        if a is not None and a.data.device_id != dev:
-            return None
-    if (k_cache.data.ptr | v_cache.data.ptr | (workspace.data.ptr if workspace is not None
-                                                else 0)) % 16:
+    if entry.prob.q_aligned16 and ptr(q) % 16:  # the entry copies Q by 16 bytes: not this q
         return None
-    import cupy
-    if cupy.cuda.runtime.getDevice() == dev:
-        return _execute_kvcache(entry, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                out, workspace)
-    with q.device:
-        return _execute_kvcache(entry, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                out, workspace)
+    check = validate and cache_seqlens is not None
+    if interop.current_device() == dev:
+        return _execute_kvcache(entry, caller, dev, check, *arrays)
+    with interop.on_device(dev):
+        return _execute_kvcache(entry, caller, dev, check, *arrays)
 
 
-def _run_kvcache(prob, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, return_lse,
-                 split_size, workspace, opts=None):
+def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts, check):
     """Plan (cached in :data:`cupyflash.dispatch.LAUNCH_CACHE` when ``opts`` are plain), then
-    allocate what the caller did not pass and launch append / split. Arrays are CuPy
-    views on the current device, validated."""
-    from . import dispatch
-    from .interop import cupy_ndarray_type
+    allocate what the caller did not pass and launch check / append / split on the current
+    device ``dev``. ``arrays``: the call's arrays by name (torch tensors, or CuPy arrays and
+    views), validated; ``descs``: what the planning reads of them (ArrayDesc or CuPy arrays)."""
     plan = _resolve_plan(prob, split_size)  # also validates split_size
+    workspace = arrays["workspace"]
     if plan.workspace_elems and workspace is not None:
-        workspace = as_cupy(workspace, "workspace", checks.dtype_name(workspace))
+        if caller is CupyCaller:
+            workspace = as_cupy(workspace, "workspace", checks.dtype_name(workspace))
+            arrays["workspace"] = descs["workspace"] = workspace
         # every call (the launch cache keys layouts, not pointers)
-        _check_workspace_alignment(workspace)
-    elif workspace is not None and type(workspace) is not cupy_ndarray_type():
+        _check_workspace_alignment(descs["workspace"])
+    elif workspace is not None and caller is CupyCaller and type(workspace) is not \
+            cupy_ndarray_type():
         opts = None  # an unused workspace of another kind: its layout is no key
-    arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
+    values = tuple(arrays[n] for n in _ARRAY_NAMES)
     key = None
     if opts is not None:
-        key = dispatch.launch_key(opts[0], q.device.id, opts[1:], arrays)
+        key = dispatch.caller_key(caller, opts[0], dev, opts[1:], values)
     entry = dispatch.LAUNCH_CACHE.get(key) if key is not None else None
-    if entry is None:
-        entry = _KVCacheLaunch(prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                               out, return_lse, workspace)
+    if entry is None or entry.prob != prob:  # (a q of the same layout, on another alignment)
+        entry = _KVCacheLaunch(prob, plan, *(descs[n] for n in _ARRAY_NAMES[:8]), return_lse,
+                               descs["workspace"] if plan.workspace_elems else None)
         if key is not None:
             dispatch.cache_put(key, entry)
-    return _execute_kvcache(entry, *arrays)
+    return _execute_kvcache(entry, caller, dev, check, *values)
+
+
+def _compute_capability() -> int:
+    """Of the current device, as an int (90 for sm_90)."""
+    return int(_cupy().cuda.Device().compute_capability)
 
 
 class _KVCacheLaunch:
     """One :data:`cupyflash.dispatch.LAUNCH_CACHE` entry of :func:`flash_attn_with_kvcache`:
-    the plan, the kernels and their constant arguments (NumPy scalars, from the layouts), built
-    once per key after the checks; :func:`_execute_kvcache` adds the pointers per call."""
+    the plan, the kernels' prepared launches with their constant arguments (from the layouts),
+    built once per key after the checks on the current device; :func:`_execute_kvcache` adds
+    the pointers and the stream per call. Arrays: CuPy arrays or
+    :class:`cupyflash.interop.ArrayDesc` (layouts only)."""
     __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
                  "o_part_bytes", "counters_bytes", "counters_nbytes", "append_kernel",
                  "append_grid", "append_tail", "split_kernel", "split_tail", "split_end",
-                 "append_pdl", "split_pdl")
+                 "pdl_ok", "launches", "cs_stride", "bt_stride", "check")
 
     def __init__(self, prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                  return_lse, workspace):
@@ -410,6 +464,9 @@ class _KVCacheLaunch:
         self.prob, self.plan, self.return_lse = prob, plan, return_lse
         ns = plan.num_splits
         self.copy_seqlens = cache_seqlens is not None and cache_seqlens.strides[0] != 4
+        self.cs_stride = _estrides(cache_seqlens)[0] if cache_seqlens is not None else 0
+        self.bt_stride = _estrides(block_table)[0] if block_table is not None else 0
+        self.check = None  # the device-side check's launch (guard), built on first use
         b, sq, h, d = prob.batch, prob.seqlen_q, prob.nheads, prob.headdim
         self.lse_shape = (b, h, sq) if return_lse else None
         self.ws_need = plan.workspace_elems
@@ -420,18 +477,14 @@ class _KVCacheLaunch:
         self.o_part_bytes = 4 * ns * rows * d
         self.counters_bytes = 4 * ns * rows * (d + 1)
         self.counters_nbytes = 4 * plan.counter_elems
-        import cupy
-        pdl_ok = int(cupy.cuda.Device().compute_capability) >= 90
-        self.append_kernel = self.append_tail = self.append_grid = self.append_pdl = None
+        self.pdl_ok = _compute_capability() >= 90
+        self.launches = {}  # ("append" | "split", pdl) -> PreparedLaunch
+        self.append_kernel = self.append_tail = self.append_grid = None
         if prob.seqlen_new > 0 and b > 0:
             self.append_kernel = jit.get_kernel(append_kernel_spec(prob.paged))
             self.append_grid = _append_grid(prob)
             self.append_tail = _append_tail(prob, k, v, k_cache, v_cache, block_table)
-            if pdl_ok:
-                self.append_pdl = launch.PreparedLaunch(
-                    self.append_kernel, self.append_grid, (256, 1, 1),
-                    (_NULL,) * 6 + self.append_tail, range(6))
-        self.split_kernel = self.split_tail = self.split_end = self.split_pdl = None
+        self.split_kernel = self.split_tail = self.split_end = None
         if b == 0 or sq == 0:  # no query rows: an empty grid is not launchable
             return
         if out is None:
@@ -439,7 +492,6 @@ class _KVCacheLaunch:
         self.split_kernel = jit.get_kernel(plan.spec)
         qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
         lse_bs, lse_hs = (h * sq, sq) if return_lse else (0, 0)  # contiguous (b, h, sq)
-        bt_bs = _estrides(block_table)[0] if block_table is not None else 0
         page_size = prob.page_size if prob.paged else 1
         page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
         i64, i32 = np.int64, np.int32
@@ -448,7 +500,7 @@ class _KVCacheLaunch:
             i64(ks[0]), i64(ks[1]), i64(ks[2]),
             i64(vs[0]), i64(vs[1]), i64(vs[2]),
             i64(os_[0]), i64(os_[1]), i64(os_[2]),
-            i64(lse_bs), i64(lse_hs), i64(bt_bs),
+            i64(lse_bs), i64(lse_hs), i64(self.bt_stride),
             i32(prob.batch), i32(prob.nheads), i32(prob.nheads_k), i32(prob.seqlen_q),
             i32(prob.headdim), i32(prob.seqlen_cache), i32(prob.seqlen_new), i32(page_size),
             i32(page_shift), i32(prob.num_pages), i32(ns), i32(plan.split_tiles),
@@ -456,23 +508,41 @@ class _KVCacheLaunch:
             np.float32(prob.softmax_scale * math.log2(math.e)))
         # counters (one split: unused), grid order (_grid_order)
         self.split_end = (_NULL, i32(_grid_order(prob.paged)))
-        if pdl_ok:  # pointers: the 9 of the head, then the counters
-            n = 9 + len(self.split_tail)
-            self.split_pdl = launch.PreparedLaunch(
-                self.split_kernel, plan.grid, plan.block,
-                (_NULL,) * 9 + self.split_tail + self.split_end, tuple(range(9)) + (n,),
-                shared_mem=plan.smem_bytes)
+        if self.pdl_ok:  # build the default launches now (on the entry's device)
+            self.launcher("append", True)
+            self.launcher("split", True)
+
+    def launcher(self, which: str, pdl: bool):
+        """The prepared launch of the ``"append"`` or ``"split"`` kernel (None when the call
+        has none), programmatic dependent (``pdl``, sm_90+) or plain; built once per entry."""
+        run = self.launches.get((which, pdl))
+        if run is None and (which, pdl) not in self.launches:
+            if which == "append" and self.append_tail is not None:
+                run = launch.PreparedLaunch(self.append_kernel, self.append_grid, (256, 1, 1),
+                                            (_NULL,) * 6 + self.append_tail, range(6), pdl=pdl)
+            elif which == "split" and self.split_tail is not None:
+                # pointers: the 9 of the head, then the counters
+                n = 9 + len(self.split_tail)
+                run = launch.PreparedLaunch(
+                    self.split_kernel, self.plan.grid, self.plan.block,
+                    (_NULL,) * 9 + self.split_tail + self.split_end, tuple(range(9)) + (n,),
+                    shared_mem=self.plan.smem_bytes, pdl=pdl)
+            self.launches[(which, pdl)] = run
+        return run
 
 
 # The fused combine's counters for calls without ``workspace=``: one zero-filled int32 buffer
 # per (device, stream), grown on demand. Every complete launch leaves the counters it used at
 # zero, so calls in stream order can share them whatever their shapes, and a call costs no
-# memset launch (bench_decode v18: ~0.6 us of a 12 us call at batch 1). Keyed by the stream
-# object (a weak reference, whose death drops the entry): a new stream that reuses a destroyed
-# one's handle gets a new buffer. CuPy's per-thread default stream is one object whose work runs
-# on each host thread's own CUDA stream, so its buffers are kept per host thread.
+# memset launch (bench_decode v18: ~0.6 us of a 12 us call at batch 1). CuPy callers' buffers
+# are keyed by the stream object (a weak reference, whose death drops the entry): a new stream
+# that reuses a destroyed one's handle gets a new buffer. CuPy's per-thread default stream is one
+# object whose work runs on each host thread's own CUDA stream, so its buffers are kept per host
+# thread. torch callers' buffers (torch tensors, zeroed on the stream) are keyed by the stream
+# handle: torch keeps its streams for the life of the process.
 _COUNTERS: dict = {}
 _COUNTERS_PER_THREAD = threading.local()
+_TORCH_COUNTERS: dict = {}
 
 
 def _drop_counters(table: dict, key, ref) -> None:
@@ -482,29 +552,41 @@ def _drop_counters(table: dict, key, ref) -> None:
         del table[key]
 
 
-def _stream_counters(nbytes: int) -> int:
-    """Device address of at least ``nbytes`` zero bytes of counters for the current stream.
+def _is_capturing(stream_ptr: int) -> bool:
+    """Whether the stream (handle) is capturing a CUDA graph."""
+    cupy = _cupy()
+    try:
+        return bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
+    except cupy.cuda.runtime.CUDARuntimeError:  # the legacy stream during a global capture
+        return True
+
+
+def _stream_counters(caller, dev: int, stream_ptr: int, nbytes: int) -> int:
+    """Device address of at least ``nbytes`` zero bytes of counters for the caller's current
+    stream ``stream_ptr`` on device ``dev`` (the current device).
 
     Raises
     ------
     ValueError
         The stream is capturing a CUDA graph (the caller must pass ``workspace=``)."""
-    import cupy
-    stream = cupy.cuda.get_current_stream()
-    try:
-        capturing = cupy.cuda.runtime.streamIsCapturing(stream.ptr)
-    except cupy.cuda.runtime.CUDARuntimeError:  # the legacy stream during a global capture
-        capturing = True
-    if capturing:
+    if _is_capturing(stream_ptr):
         raise ValueError("workspace: a call captured in a CUDA graph needs workspace= "
                          "(alloc_workspace): a buffer allocated inside the call would be freed "
                          "while the graph still uses it")
-    device = cupy.cuda.runtime.getDevice()
+    if caller is TorchCaller:
+        key = (dev, stream_ptr)
+        buf = _TORCH_COUNTERS.get(key)
+        if buf is None or buf.numel() * 4 < nbytes:  # zeroed on the stream itself
+            buf = _TORCH_COUNTERS[key] = caller.full((max(-(-nbytes // 4), 1024),), 0, "int32",
+                                                     dev)
+        return buf.data_ptr()
+    cupy = _cupy()
+    stream = cupy.cuda.get_current_stream()
     if stream.ptr == cupy.cuda.runtime.streamPerThread:
         table = _COUNTERS_PER_THREAD.__dict__.setdefault("table", {})
     else:
         table = _COUNTERS
-    key = (device, stream.ptr)
+    key = (dev, stream.ptr)
     hit = table.get(key)
     if hit is None or hit[0]() is not stream or hit[1].nbytes < nbytes:
         buf = cupy.zeros(max(-(-nbytes // 4), 1024), cupy.int32)  # memset on this stream
@@ -513,55 +595,44 @@ def _stream_counters(nbytes: int) -> int:
     return hit[1].data.ptr
 
 
-def _execute_kvcache(e, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace):
-    """Allocate what the caller did not pass and launch append / split for the
-    :class:`_KVCacheLaunch` ``e`` on the current device (that of every array)."""
-    import cupy
+def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seqlens,
+                     block_table, out, workspace):
+    """Allocate what the caller did not pass and launch the device-side check (``check``),
+    append and split for the :class:`_KVCacheLaunch` ``e`` on the current device ``dev`` (that
+    of every array), on the caller's current stream (:mod:`cupyflash.interop`)."""
+    ptr = caller.ptr
+    stream = caller.stream(dev)
     counters = None  # device address of the fused combine's counters
     if e.ws_need and workspace is None:
         # first, before anything is enqueued (refused while capturing a graph): the counters
-        # from the stream's zero buffer, the partials from CuPy's pool (no kernel)
-        counters = _stream_counters(e.counters_nbytes)
-        workspace = cupy.empty(e.counters_bytes // 4, cupy.float32)
+        # from the stream's zero buffer, the partials from the caller's allocator (no kernel)
+        counters = _stream_counters(caller, dev, stream, e.counters_nbytes)
+        workspace = caller.empty((e.counters_bytes // 4,), "float32", dev)
     elif e.ws_need:
-        counters = workspace.data.ptr + e.counters_bytes
+        counters = ptr(workspace) + e.counters_bytes
+    bt_ptr = ptr(block_table) if block_table is not None else 0
+    if check:  # bad lengths / page ids: recorded on the device, raised later (guard)
+        run = e.check
+        if run is None:
+            run = e.check = guard.kvcache_check_launch(e.prob, e.cs_stride, e.bt_stride, dev)
+        if run is not None:
+            run((ptr(cache_seqlens), bt_ptr), stream)
     if e.copy_seqlens:
-        cache_seqlens = cupy.ascontiguousarray(cache_seqlens)
+        cache_seqlens = caller.contiguous(cache_seqlens)
     if out is None:
-        out = cupy.empty(q.shape, q.dtype)
-    lse = cupy.empty(e.lse_shape, cupy.float32) if e.lse_shape is not None else None
-    ns = e.plan.num_splits
-    bt = block_table if block_table is not None else _NULL
-    pdl = PDL and e.split_pdl is not None
-    if pdl:  # programmatic dependent launches (module docstring), pointers as ints
-        stream = cupy.cuda.get_current_stream().ptr
-        bt_ptr = block_table.data.ptr if block_table is not None else 0
-        cs_ptr = cache_seqlens.data.ptr if cache_seqlens is not None else 0
-        if e.append_pdl is not None:
-            e.append_pdl((k.data.ptr, v.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cs_ptr,
-                          bt_ptr), stream)
-        ws = workspace.data.ptr if ns > 1 else 0
-        e.split_pdl((q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cs_ptr, bt_ptr,
-                     out.data.ptr, lse.data.ptr if lse is not None else 0, ws,
-                     ws + e.o_part_bytes if ns > 1 else 0, counters if ns > 1 else 0),
-                    stream)
-        return (out, lse) if e.return_lse else out
+        out = caller.empty(q.shape, e.prob.dtype, dev)
+    lse = caller.empty(e.lse_shape, "float32", dev) if e.lse_shape is not None else None
+    pdl = PDL and e.pdl_ok  # programmatic dependent launches (module docstring)
+    cs_ptr = ptr(cache_seqlens) if cache_seqlens is not None else 0
     if e.append_tail is not None:  # append first; same stream, so the split kernel sees it
-        e.append_kernel(e.append_grid, (256, 1, 1),
-                        (k, v, k_cache, v_cache, cache_seqlens, bt) + e.append_tail)
+        e.launcher("append", pdl)((ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr),
+                                  stream)
     if e.split_tail is not None:
-        cs = cache_seqlens if cache_seqlens is not None else _NULL
-        lse_arg = lse if lse is not None else _NULL
-        p = e.plan
-        if ns > 1:  # fused combine: the last block of each group writes out and lse
-            ptr = workspace.data.ptr
-            head = (q, k_cache, v_cache, cs, bt, out, lse_arg, np.uint64(ptr),
-                    np.uint64(ptr + e.o_part_bytes))
-            end = (np.uint64(counters), e.split_end[1])
-        else:
-            head = (q, k_cache, v_cache, cs, bt, out, lse_arg, _NULL, _NULL)
-            end = e.split_end
-        e.split_kernel(p.grid, p.block, head + e.split_tail + end, shared_mem=p.smem_bytes)
+        ws = ptr(workspace) if e.plan.num_splits > 1 else 0
+        e.launcher("split", pdl)(
+            (ptr(q), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr, ptr(out),
+             ptr(lse) if lse is not None else 0, ws, ws + e.o_part_bytes if ws else 0,
+             counters if ws else 0), stream)
     return (out, lse) if e.return_lse else out
 
 

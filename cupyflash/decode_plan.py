@@ -476,6 +476,7 @@ def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
         As :func:`cupyflash.decode.flash_attn_with_kvcache` (the message names the argument and
         what was expected), and :func:`plan_decode`'s for ``arch`` and ``num_sms``.
     """
+    cache_seqlens = checks.lengths_from_host(cache_seqlens, q)  # an int or a list of ints
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 softmax_scale=softmax_scale, causal=causal,
                                 num_splits=num_splits, out=out, dtypes=DTYPES, validate=validate)
@@ -540,6 +541,7 @@ def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, bloc
         The shape, dtype and option errors of :func:`cupyflash.checks.check_kvcache`, a bad
         ``split_size``.
     """
+    cache_seqlens = checks.lengths_from_host(cache_seqlens, q)
     prob = checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 num_splits=num_splits, dtypes=DTYPES, validate=False)
     # host arrays: plan for an H200 (no device is touched)

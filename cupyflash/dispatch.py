@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import re
 
-from . import checks, heuristics, jit
+from . import checks, heuristics, interop, jit
 
 __all__ = ["KernelChoice", "Plan", "plan_prefill", "launch_plan", "default_arch",
            "check_arch", "check_device_limits", "h200_assumed_note", "max_smem_bytes_for_arch"]
@@ -493,23 +493,72 @@ LAUNCH_CACHE: dict = {}
 LAUNCH_CACHE_SIZE = 4096
 
 
-def launch_key(kind: str, dev: int, options: tuple, arrays: tuple) -> tuple:
+def launch_key(kind: str, dev: int, options: tuple, arrays: tuple, layout=None) -> tuple:
     """The :data:`LAUNCH_CACHE` key of a call.
 
     Parameters
     ----------
     kind : str
-        ``"dense"``, ``"varlen"`` or ``"kvcache"``.
+        ``"dense"``, ``"varlen"`` or ``"kvcache"``; the calls of torch tensors add ``":torch"``
+        (their layouts are torch's: strides in elements, torch dtypes).
     dev : int
         CUDA device of ``q`` (the launch device).
     options : tuple
         The call's options as given (hashable plain values; see :data:`LAUNCH_CACHE`).
     arrays : tuple
         The array arguments in signature order (None where absent); each contributes its
-        ``(shape, strides, dtype)``.
+        ``(shape, strides, dtype)``, or ``layout(array)`` when given
+        (:meth:`cupyflash.interop.TorchCaller.layout`).
     """
-    return (kind, dev, options) + tuple(None if a is None else (a.shape, a.strides, a.dtype)
-                                        for a in arrays)
+    if layout is None:
+        return (kind, dev, options) + tuple(None if a is None else (a.shape, a.strides, a.dtype)
+                                            for a in arrays)
+    return (kind, dev, options) + tuple(None if a is None else layout(a) for a in arrays)
+
+
+#: the launch-cache kind of a torch caller's call (its layouts are torch's)
+TORCH_KINDS = {"dense": "dense:torch", "varlen": "varlen:torch", "kvcache": "kvcache:torch"}
+
+
+def caller_key(caller, kind: str, dev: int, options: tuple, arrays: tuple) -> tuple:
+    """:func:`launch_key` of a call by ``caller`` (:mod:`cupyflash.interop`'s CupyCaller or
+    TorchCaller: the kind and the layouts it reads)."""
+    if caller is interop.TorchCaller:
+        return launch_key(TORCH_KINDS[kind], dev, options, arrays, caller.layout)
+    return launch_key(kind, dev, options, arrays)
+
+
+def warm_entry(kind: str, options: tuple, arrays: tuple):
+    """``(caller, device, entry)`` of a warm call: every array (``q`` first) exactly a
+    ``cupy.ndarray``, or every one exactly a ``torch.Tensor``, their :func:`caller_key` in
+    :data:`LAUNCH_CACHE` and all on ``q``'s device; else None (the caller runs the full checks,
+    which raise or fill the cache). One pass over the arrays' attributes."""
+    q = arrays[0]
+    tq = type(q)
+    if tq is (interop._CUPY_NDARRAY or interop.cupy_ndarray_type()):
+        caller, dev, layout = interop.CupyCaller, q.data.device_id, interop.CupyCaller.layout
+    elif tq is (interop._TORCH_TENSOR or interop.torch_tensor_type()) and tq is not type(None):
+        # (a torch layout holds the device: a hit proves every array is where it was)
+        caller, layout = interop.TorchCaller, interop.TorchCaller.layout
+        dev, kind = caller.device(q), TORCH_KINDS[kind]
+    else:
+        return None
+    key = [kind, dev, options]
+    for a in arrays:
+        if a is None:
+            key.append(None)
+        elif type(a) is not tq:
+            return None
+        else:
+            key.append(layout(a))
+    entry = LAUNCH_CACHE.get(tuple(key))
+    if entry is None:
+        return None
+    if caller is interop.CupyCaller:
+        for a in arrays:
+            if a is not None and a.data.device_id != dev:
+                return None
+    return caller, dev, entry
 
 
 def cache_put(key, entry) -> None:
@@ -555,9 +604,13 @@ class PrefillLaunch:
         arguments are ``(q, k, v, out, lse) + tail``.
     kernel : cupy.RawKernel or None
         Fetched on the first launch.
+    prepared : cupyflash.launch.PreparedLaunch or None
+        The launch with the constant arguments converted once (built on the first launch);
+        a call passes the 7 pointers (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k; 0 for
+        the dense call's) and the stream.
     """
     __slots__ = ("problem", "plan", "action", "lse_shape", "grid", "block", "smem",
-                 "tensor_cores", "strides", "sizes", "tail", "kernel")
+                 "tensor_cores", "strides", "sizes", "tail", "kernel", "prepared")
 
     def __init__(self, problem, q, k, v, out):
         from . import prefill
@@ -571,7 +624,7 @@ class PrefillLaunch:
         no_keys = p.total_k == 0 if p.varlen else p.seqlen_k == 0
         self.action = "none" if n_lse == 0 else "fill" if no_keys else "launch"
         self.grid, self.block, self.smem = prefill.launch_config(spec, p)
-        self.kernel = None
+        self.kernel = self.prepared = None
         self.strides = self.sizes = self.tail = None
         self.tensor_cores = prefill.config_of(spec)[0].dtype in prefill.TC_DTYPES
         if self.action == "launch" and 0 in self.grid:

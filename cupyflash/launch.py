@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import numpy as np
 
@@ -70,6 +71,17 @@ def _driver():
     return lib
 
 
+_LAUNCH_EX = None
+
+
+def _launch_ex():
+    """``cuLaunchKernelEx`` with its argument types (looked up once)."""
+    global _LAUNCH_EX
+    if _LAUNCH_EX is None:
+        _LAUNCH_EX = _driver().cuLaunchKernelEx
+    return _LAUNCH_EX
+
+
 def _check(call: str, status: int) -> None:
     if status != 0:
         name = ctypes.c_char_p()
@@ -92,6 +104,7 @@ def kernel_arguments(args) -> tuple:
     import cupy
     c_types = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
                np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float,
+               np.dtype(np.float64): ctypes.c_double,
                np.dtype(np.uint32): ctypes.c_uint32}
     keep = []
     for i, a in enumerate(args):
@@ -113,11 +126,16 @@ def _function_ptr(kernel) -> int:
 
 
 class PreparedLaunch:
-    """A programmatic dependent launch (see the module docstring) of one kernel whose grid,
-    block, shared memory and scalar arguments are converted once; each call supplies only the
-    pointer arguments and the stream, so that the per-call host cost stays near that of
-    ``cupy.RawKernel`` (the full conversion of :func:`kernel_arguments` takes tens of us for a
-    kernel with ~50 arguments). Calls do not share mutable state, so threads may share one.
+    """A launch through ``cuLaunchKernelEx`` of one kernel whose grid, block, shared memory and
+    scalar arguments are converted once; each call supplies only the pointer arguments and the
+    stream handle, so the per-call host cost stays below that of ``cupy.RawKernel`` (the full
+    conversion of :func:`kernel_arguments` takes tens of us for a kernel with ~50 arguments).
+    With ``pdl`` (default) it is a programmatic dependent launch (see the module docstring);
+    without, a plain launch on the given stream (any CUDA stream handle: CuPy's, PyTorch's).
+
+    The launch configuration and the pointer holders are built once and reused: a call sets the
+    holders' values and the stream under a lock, so threads may share one object (the driver
+    copies the arguments before ``cuLaunchKernelEx`` returns).
 
     Parameters
     ----------
@@ -131,6 +149,9 @@ class PreparedLaunch:
         Indices of the per-call pointer arguments.
     shared_mem : int
         Dynamic shared memory per block, bytes.
+    pdl : bool
+        Request programmatic stream serialization (sm_90+ kernels that wait with
+        ``griddepcontrol.wait`` before their first global load).
 
     Raises
     ------
@@ -141,9 +162,11 @@ class PreparedLaunch:
     """
 
     __slots__ = ("_func", "_grid", "_block", "_shared_mem", "_attrs", "_template", "_keep",
-                 "_slots", "_n")
+                 "_slots", "_n", "_pdl", "_cfg", "_cfg_ref", "_holders", "_params", "_lock",
+                 "__weakref__")
 
-    def __init__(self, kernel, grid, block, args, pointer_slots, *, shared_mem: int = 0):
+    def __init__(self, kernel, grid, block, args, pointer_slots, *, shared_mem: int = 0,
+                 pdl: bool = True):
         if len(grid) != 3 or len(block) != 3:
             raise ValueError(f"grid, block: expected 3 ints each, got {tuple(grid)}, "
                              f"{tuple(block)}")
@@ -155,14 +178,29 @@ class PreparedLaunch:
         self._func = _function_ptr(kernel)
         self._grid, self._block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
         self._shared_mem = int(shared_mem)
+        self._pdl = bool(pdl)
         self._attrs = _pdl_attrs()
         # the addresses of the converted scalars; pointer slots are filled per call
         ptrs, self._keep = kernel_arguments(args)
         self._template = [ptrs[i] for i in range(self._n)]
+        # what every call reuses: the configuration, one holder per pointer slot, the void**
+        cfg = self._cfg = _Config()
+        cfg.grid[0], cfg.grid[1], cfg.grid[2] = self._grid
+        cfg.block[0], cfg.block[1], cfg.block[2] = self._block
+        cfg.shared_mem_bytes = self._shared_mem
+        cfg.attrs = self._attrs
+        cfg.num_attrs = 1 if self._pdl else 0
+        self._cfg_ref = ctypes.byref(cfg)
+        self._holders = [ctypes.c_uint64(0) for _ in self._slots]
+        addrs = list(self._template)
+        for i, h in zip(self._slots, self._holders):
+            addrs[i] = ctypes.addressof(h)
+        self._params = (ctypes.c_void_p * max(1, self._n))(*addrs)
+        self._lock = threading.Lock()
 
     def params(self, pointers) -> tuple:
         """``(void** array, keep-alive list)`` of the arguments with ``pointers`` (ints, in
-        ``pointer_slots`` order) in their slots."""
+        ``pointer_slots`` order) in their slots (a new array: not the one calls reuse)."""
         if len(pointers) != len(self._slots):
             raise ValueError(f"pointers: expected {len(self._slots)}, got {len(pointers)}")
         vals = [ctypes.c_uint64(int(x)) for x in pointers]
@@ -177,15 +215,17 @@ class PreparedLaunch:
 
         Raises
         ------
+        ValueError
+            Not one pointer per slot.
         LaunchError
             The driver refused the launch."""
-        params, _vals = self.params(pointers)
-        cfg = _Config()
-        cfg.grid[0], cfg.grid[1], cfg.grid[2] = self._grid
-        cfg.block[0], cfg.block[1], cfg.block[2] = self._block
-        cfg.shared_mem_bytes = self._shared_mem
-        cfg.stream = stream_ptr
-        cfg.attrs = self._attrs
-        cfg.num_attrs = 1
-        _check("cuLaunchKernelEx", _driver().cuLaunchKernelEx(ctypes.byref(cfg), self._func,
-                                                              params, None))
+        holders = self._holders
+        if len(pointers) != len(holders):
+            raise ValueError(f"pointers: expected {len(holders)}, got {len(pointers)}")
+        with self._lock:
+            for h, x in zip(holders, pointers):
+                h.value = x
+            self._cfg.stream = stream_ptr
+            status = _launch_ex()(self._cfg_ref, self._func, self._params, None)
+        if status:
+            _check("cuLaunchKernelEx", status)

@@ -546,7 +546,7 @@ def kvcache_attention_reference(q, k_cache, v_cache, k=None, v=None, cache_seqle
         (num_pages, page_size, nheads_k, headdim) with any ``page_size >= 1``.
     k, v : array or None, shape (batch, seqlen_new, nheads_k, headdim)
         New tokens to append before attending.
-    cache_seqlens : int32 array (batch,) or None
+    cache_seqlens : int32 array (batch,), int, list of ints, or None
         Valid cached tokens per sequence; None = the whole contiguous cache.
     block_table : int32 array (batch, max_pages_per_seq) or None
         Page ids; token ``t`` of sequence ``b`` lives at
@@ -572,6 +572,7 @@ def kvcache_attention_reference(q, k_cache, v_cache, k=None, v=None, cache_seqle
                                                                  (v_cache, "v_cache")))
     k = None if k is None else checks.host_array(k, "k")
     v = None if v is None else checks.host_array(v, "v")
+    cache_seqlens = checks.lengths_from_host(cache_seqlens, q)  # an int or a list of ints
     cs_in = None if cache_seqlens is None else checks.host_array(cache_seqlens, "cache_seqlens")
     bt_in = None if block_table is None else checks.host_array(block_table, "block_table")
     p = checks.check_kvcache(q, k_cache, v_cache, k, v, cs_in, bt_in, softmax_scale=softmax_scale,

@@ -1,13 +1,24 @@
-"""Host-side costs of a call (issue 4): cold JIT compile of one specialisation, and the warm
-per-call overhead of the public functions against a bare launch of the same kernel.
+"""Per-call cost of a call as users make it (issue 22): eager loops of cupyflash with torch
+tensors and with CuPy arrays beside torch SDPA (cuDNN, flash, efficient) in the same run, on the
+issue's shapes; plus the cold JIT compile of one specialisation.
 
-* cold compile: a fresh process with an empty CuPy kernel cache (``CUPY_CACHE_DIR`` pointed at a
-  new temporary folder) times the first ``flash_attn_func`` call (NVRTC + module load + launch),
-  then the second call in a second fresh process that reuses that cache (disk-cache hit);
-* warm overhead: host microseconds per call over many calls on a tiny problem (the kernels queue
-  asynchronously, so this is the Python cost), for ``flash_attn_func``,
-  ``flash_attn_varlen_func(validate=False)`` and ``flash_attn_with_kvcache(validate=False)``,
-  beside a bare ``RawKernel`` launch of the prefill kernel with prebuilt arguments.
+* eager loop: ``--calls`` calls back to back after a warm-up, one synchronisation, wall time
+  divided by the number of calls (``us_per_call``; the median of ``--repeats`` loops, each loop
+  in ``us_all``). Where the GPU is the bottleneck this is the GPU time per call, elsewhere the
+  host's.
+* GPU time: the same cupyflash call (``validate=False``, ``out=`` and ``workspace=`` given)
+  captured once in a torch CUDA graph and replayed ``--calls`` times (``variant:
+  "cuda_graph"``): what the kernels take without any host work, the floor of the eager loops.
+* shapes: Llama-3-8B decode heads (32 query, 8 KV, hd128), bf16, one new token, batch 1 x 4k
+  keys, 16 x 1k, 64 x 4k (every sequence at the full length, as SDPA sees it); a small prefill,
+  batch 24 x 256 tokens, 12 heads x hd32, fp16, causal.
+* cold compile: a fresh process with an empty CuPy kernel cache times its first
+  ``flash_attn_func`` call (NVRTC + module load + launch), then a second fresh process that
+  reuses that cache (``--no-cold`` skips it).
+
+One JSON line per measurement (``op``, ``impl``, ``caller``, ``variant``, ``batch``,
+``seqlen_q``, ``seqlen_k``, ``us_per_call``, ... and the provenance: ``commit``, ``gpu``, ...).
+The table printed last puts each number beside the issue's (measured before this work).
 
     PYTHONPATH=. python experiments/bench_overhead.py          # appends results/bench_overhead.jsonl
 """
@@ -16,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +38,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_overhead.jsonl"
+
+#: (op, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal)
+SHAPES = [("decode", 1, 1, 4096, 32, 8, 128, "bfloat16", False),
+          ("decode", 16, 1, 1024, 32, 8, 128, "bfloat16", False),
+          ("decode", 64, 1, 4096, 32, 8, 128, "bfloat16", False),
+          ("prefill", 24, 256, 256, 12, 12, 32, "float16", True)]
+
+#: the issue's numbers (H200, before this work): (op, batch, seqlen_k, impl, caller, variant)
+OLD_US = {("decode", 1, 4096, "cupyflash", "torch", "defaults"): 261,
+          ("decode", 16, 1024, "cupyflash", "torch", "defaults"): 253,
+          ("decode", 64, 4096, "cupyflash", "torch", "defaults"): 432,
+          ("decode", 1, 4096, "cupyflash", "torch", "validate=False"): 202,
+          ("decode", 16, 1024, "cupyflash", "torch", "validate=False"): 199,
+          ("decode", 64, 4096, "cupyflash", "torch", "validate=False"): 237,
+          ("decode", 1, 4096, "cupyflash", "cupy", "defaults"): 109,
+          ("decode", 16, 1024, "cupyflash", "cupy", "defaults"): 105,
+          ("decode", 64, 4096, "cupyflash", "cupy", "defaults"): 341,
+          ("decode", 1, 4096, "cupyflash", "cupy", "validate=False"): 30,
+          ("decode", 16, 1024, "cupyflash", "cupy", "validate=False"): 26,
+          ("decode", 64, 4096, "cupyflash", "cupy", "validate=False"): 236,
+          ("decode", 1, 4096, "sdpa_cudnn", "torch", "defaults"): 51,
+          ("decode", 16, 1024, "sdpa_cudnn", "torch", "defaults"): 41,
+          ("decode", 64, 4096, "sdpa_cudnn", "torch", "defaults"): 240,
+          ("prefill", 24, 256, "cupyflash", "torch", "defaults"): 192,
+          ("prefill", 24, 256, "cupyflash", "cupy", "defaults"): 31,
+          ("prefill", 24, 256, "sdpa_cudnn", "torch", "defaults"): 64}
 
 _COLD = r"""
 import json, sys, time
@@ -50,79 +88,173 @@ def cold_compile(cache_dir: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def per_call_us(f, n: int) -> float:
-    f()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        f()
-    return 1e6 * (time.perf_counter() - t0) / n
+def eager_us(fn, calls: int, repeats: int, sync) -> list:
+    """Wall microseconds per call of ``calls`` back-to-back calls, one synchronisation, per
+    repeat (after a warm-up of ``calls // 10 + 3`` calls)."""
+    for _ in range(calls // 10 + 3):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        out.append(1e6 * (time.perf_counter() - t0) / calls)
+    return out
 
 
-def warm_overheads(n: int) -> list[dict]:
+def graph_us(torch, fn, calls: int, repeats: int) -> list:
+    """Microseconds per replay of ``fn`` captured once in a torch CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return eager_us(g.replay, calls, repeats, torch.cuda.synchronize)
+
+
+def measure_shape(shape, calls: int, repeats: int, prov: dict) -> list:
     import cupy
-    import numpy as np
+    import torch
 
     import cupyflash
-    from cupyflash import checks, dispatch, jit, prefill
+    from cupyflash import decode
+    op, B, SQ, SK, H, HK, D, dtype, causal = shape
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(0)
+    rand = lambda *s: torch.randn(s, generator=g, device=dev, dtype=tdt)  # noqa: E731
+    q = rand(B, SQ, H, D)
+    k, v = rand(B, SK, HK, D), rand(B, SK, HK, D)
+    base = dict(op=op, batch=B, seqlen_q=SQ, seqlen_k=SK, nheads=H, nheads_k=HK, headdim=D,
+                dtype=dtype, causal=causal, calls=calls, **prov)
+    tsync = torch.cuda.synchronize
 
-    rng = np.random.default_rng(0)
-    dev = lambda shape, dt=np.float16: cupy.asarray(rng.standard_normal(shape).astype(dt))  # noqa: E731
-    q = dev((1, 128, 8, 64))
-    out = cupy.empty_like(q)
-    cu = cupy.asarray(np.array([0, 128], np.int32))
-    qv = q.reshape(128, 8, 64)
-    outv = cupy.empty_like(qv)
-    qd, kc, vc = dev((4, 1, 32, 128)), dev((4, 1024, 8, 128)), dev((4, 1024, 8, 128))
-    lens = cupy.full((4,), 1000, cupy.int32)
-    outd = cupy.empty_like(qd)
-    calls = {
-        "flash_attn_func": lambda: cupyflash.flash_attn_func(q, q, q, out=out),
-        "flash_attn_varlen_func(validate=False)": lambda: cupyflash.flash_attn_varlen_func(
-            qv, qv, qv, cu, cu, 128, 128, out=outv, validate=False),
-        "flash_attn_with_kvcache(validate=False, num_splits=1)":
-            lambda: cupyflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=1,
-                                                      out=outd, validate=False),
-        "flash_attn_with_kvcache(validate=False, num_splits=0)":
-            lambda: cupyflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=0,
-                                                      out=outd, validate=False),
-    }
-    # the bare launch of the kernel flash_attn_func runs, arguments prebuilt
-    p = checks.check_attention(q, q, q)
-    spec = dispatch.launch_plan(p).kernel.spec
-    lse = cupy.empty((1, 8, 128), cupy.float32)
-    args = prefill.kernel_args(spec, q, q, q, out, lse, problem=p)
-    grid, block, smem = prefill.launch_config(spec, p)
-    kern = jit.get_kernel(spec)
-    calls["bare RawKernel launch (same prefill kernel)"] = lambda: kern(grid, block, args,
-                                                                        shared_mem=smem)
-    recs = []
-    for name, f in calls.items():
-        us = min(per_call_us(f, n) for _ in range(3))
+    def csync():
         cupy.cuda.Device().synchronize()
-        recs.append({"what": "warm_call", "call": name, "us_per_call": round(us, 2)})
-        print(f"  {name:58s} {us:7.1f} us/call")
-    return recs
+    runs = []  # (impl, caller, variant, fn, sync)
+    if op == "decode":
+        lens = torch.full((B,), SK, dtype=torch.int32, device=dev)
+        qc, kc, vc, lc = (to_cupy(x) for x in (q, k, v, lens))
+        for caller, (qq, kk, vv, ll), sync in (("torch", (q, k, v, lens), tsync),
+                                               ("cupy", (qc, kc, vc, lc), csync)):
+            runs.append(("cupyflash", caller, "defaults",
+                         lambda qq=qq, kk=kk, vv=vv, ll=ll: cupyflash.flash_attn_with_kvcache(
+                             qq, kk, vv, cache_seqlens=ll), sync))
+            runs.append(("cupyflash", caller, "validate=False",
+                         lambda qq=qq, kk=kk, vv=vv, ll=ll: cupyflash.flash_attn_with_kvcache(
+                             qq, kk, vv, cache_seqlens=ll, validate=False), sync))
+        ws = torch.zeros(max(decode.workspace_size(q, k, v, cache_seqlens=lens), 1),
+                         dtype=torch.float32, device=dev)
+        out = torch.empty_like(q)
+        graph_fn = lambda: cupyflash.flash_attn_with_kvcache(  # noqa: E731
+            q, k, v, cache_seqlens=lens, out=out, workspace=ws, validate=False)
+    else:
+        qc, kc, vc = (to_cupy(x) for x in (q, k, v))
+        for caller, (qq, kk, vv), sync in (("torch", (q, k, v), tsync),
+                                           ("cupy", (qc, kc, vc), csync)):
+            runs.append(("cupyflash", caller, "defaults",
+                         lambda qq=qq, kk=kk, vv=vv: cupyflash.flash_attn_func(
+                             qq, kk, vv, causal=causal), sync))
+        out = torch.empty_like(q)
+        graph_fn = lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, out=out)  # noqa: E731
+    records = []
+    for impl, caller, variant, fn, sync in runs:
+        us = eager_us(fn, calls, repeats, sync)
+        records.append(dict(base, impl=impl, caller=caller, variant=variant,
+                            us_per_call=round(statistics.median(us), 2),
+                            us_all=[round(x, 2) for x in us]))
+    us = graph_us(torch, graph_fn, calls, repeats)
+    records.append(dict(base, impl="cupyflash", caller="torch", variant="cuda_graph",
+                        us_per_call=round(statistics.median(us), 2),
+                        us_all=[round(x, 2) for x in us]))
+    for backend in ("cudnn", "flash", "efficient"):
+        impl = f"sdpa_{backend}"
+        try:  # the backend selected once around the loop, not per call
+            fn = common.torch_sdpa(q, k, v, backend, causal=causal, enable_gqa=H != HK,
+                                   select_per_call=False)
+            layout = fn.layout
+            with common.sdpa_backend(backend):
+                us = eager_us(fn, calls, repeats, tsync)
+        except Exception as e:  # noqa: BLE001 - a backend that rejects the shape: say why
+            records.append(dict(base, impl=impl, caller="torch", variant="defaults",
+                                error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        records.append(dict(base, impl=impl, caller="torch", variant="defaults",
+                            torch_layout=layout, us_per_call=round(statistics.median(us), 2),
+                            us_all=[round(x, 2) for x in us]))
+    return records
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--quick", action="store_true", help="1000 calls per measurement")
+def to_cupy(x):
+    """A CuPy view of a torch CUDA tensor, the same memory (16-bit floats travel as int16 bits
+    through DLPack, then are viewed as float16 / ml_dtypes' bfloat16)."""
+    import cupy
+    import torch
+
+    from cupyflash.interop import np_dtype
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if x.dtype in names:
+        return cupy.from_dlpack(x.view(torch.int16)).view(np_dtype(names[x.dtype]))
+    return cupy.from_dlpack(x)
+
+
+def table(records: list) -> str:
+    """Rows: shape x (impl, caller, variant); columns: before (the issue) and now (us/call)."""
+    lines = [f"{'shape':24s} {'impl':10s} {'caller':6s} {'variant':15s} {'before':>7s} "
+             f"{'now':>8s}"]
+    for r in records:
+        if r.get("variant") in ("cold_compile", "disk_cache"):
+            continue
+        shape = f"{r['op']} b{r['batch']} x {r['seqlen_k']}"
+        old = OLD_US.get((r["op"], r["batch"], r["seqlen_k"], r["impl"], r["caller"],
+                          r["variant"]))
+        now = f"{r['us_per_call']:8.1f}" if "us_per_call" in r else "   error"
+        lines.append(f"{shape:24s} {r['impl']:10s} {r['caller']:6s} {r['variant']:15s} "
+                     f"{old if old is not None else '':>7} {now}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
+    ap.add_argument("--repeats", type=int, default=5, help="timed loops per measurement")
+    ap.add_argument("--quick", action="store_true", help="100 calls, 3 loops, no cold compile")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold-compile processes")
     ap.add_argument("--out", default=str(RESULTS))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
-        args.calls = 1000
+        args.calls, args.repeats, args.no_cold = 100, 3, True
+    if not common.have_gpu() or not common.have_torch():
+        print("bench_overhead: needs a CUDA GPU and torch with CUDA; nothing measured")
+        return 0
     prov = common.provenance()
     recs = []
-    with tempfile.TemporaryDirectory() as cache:
-        cold = cold_compile(cache)
-        warm = cold_compile(cache)  # same cache folder: disk-cache hit, new process
-    recs.append({"what": "cold_compile", **cold, "disk_cache_hit_first_call_s": warm["first_call_s"]})
-    print(f"  cold first call (NVRTC + load + launch) {cold['first_call_s']:.2f} s "
-          f"({cold['kernel']}); with CuPy's disk cache {warm['first_call_s']:.2f} s")
-    recs += warm_overheads(args.calls)
-    n = common.append_jsonl(args.out, [{**r, **prov} for r in recs])
-    print(f"bench_overhead: wrote {n} records to {args.out}")
+    if not args.no_cold:
+        with tempfile.TemporaryDirectory() as cache:
+            cold = cold_compile(cache)
+            warm = cold_compile(cache)  # same cache folder: disk-cache hit, new process
+        common_fields = dict(op="prefill", impl="cupyflash", caller="cupy", batch=1, seqlen_q=256,
+                             seqlen_k=256, kernel=cold["kernel"], **prov)
+        recs.append(dict(common_fields, variant="cold_compile",
+                         us_per_call=round(1e6 * cold["first_call_s"], 1),
+                         import_s=cold["import_s"]))
+        recs.append(dict(common_fields, variant="disk_cache",
+                         us_per_call=round(1e6 * warm["first_call_s"], 1)))
+        print(f"  cold first call (NVRTC + load + launch) {cold['first_call_s']:.2f} s "
+              f"({cold['kernel']}); with CuPy's disk cache {warm['first_call_s']:.2f} s")
+    for shape in SHAPES:
+        recs += measure_shape(shape, args.calls, args.repeats, prov)
+    n = common.append_jsonl(args.out, recs)
+    print(f"bench_overhead: wrote {n} records to {args.out} (commit {prov.get('commit')}, "
+          f"{prov.get('gpu')})")
+    print(table(recs))
     return 0
 
 

@@ -45,7 +45,7 @@ FIGURES = ROOT / "experiments" / "figures"
 __all__ = [
     "ROOT", "RESULTS", "FIGURES", "provenance", "append_jsonl", "read_jsonl", "jsonable",
     "progress", "have_gpu", "have_torch", "benchmark", "random_normal", "random_qkv",
-    "cupy_to_torch", "torch_sdpa", "peak_extra_memory_cupy", "peak_extra_memory_torch",
+    "cupy_to_torch", "torch_sdpa", "sdpa_backend", "peak_extra_memory_cupy", "peak_extra_memory_torch",
     "explain_record", "free_memory", "impl_available",
 ]
 
@@ -417,10 +417,13 @@ def cupy_to_torch(x):
     return torch.from_dlpack(x)
 
 
-def torch_sdpa(q, k, v, backend: str, causal: bool = False, enable_gqa: bool = False):
+def torch_sdpa(q, k, v, backend: str, causal: bool = False, enable_gqa: bool = False,
+               select_per_call: bool = True):
     """A callable running ``torch.nn.functional.scaled_dot_product_attention`` with only the
     ``backend`` (``flash``, ``cudnn``, ``efficient``, ``math``) enabled, on the same memory as the
-    CuPy arrays q (batch, seqlen_q, nheads, d), k, v (batch, seqlen_k, nheads_k, d).
+    CuPy arrays (or torch tensors) q (batch, seqlen_q, nheads, d), k, v (batch, seqlen_k,
+    nheads_k, d). ``select_per_call=False``: the callable does not select the backend itself
+    (the caller runs it inside ``sdpa_backend(backend)``, entered once).
 
     torch wants (batch, heads, seqlen, d): transposed views first; if the backend rejects their
     strides, contiguous copies made once here. The callable's attribute ``layout`` says which.
@@ -434,12 +437,10 @@ def torch_sdpa(q, k, v, backend: str, causal: bool = False, enable_gqa: bool = F
     """
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError("torch_sdpa: torch's causal mask is top-left aligned; use seqlen_q == seqlen_k")
-    qt, kt, vt = (cupy_to_torch(x).transpose(1, 2) for x in (q, k, v))
+    qt, kt, vt = ((x if isinstance(x, torch.Tensor) else cupy_to_torch(x)).transpose(1, 2)
+                  for x in (q, k, v))
     kw = {"is_causal": causal}
     if enable_gqa:
         kw["enable_gqa"] = True
@@ -449,16 +450,29 @@ def torch_sdpa(q, k, v, backend: str, causal: bool = False, enable_gqa: bool = F
             qt, kt, vt = qt.contiguous(), kt.contiguous(), vt.contiguous()
 
         def run(qt=qt, kt=kt, vt=vt):
-            with sdpa_kernel([be]):
+            if not select_per_call:
+                return F.scaled_dot_product_attention(qt, kt, vt, **kw)
+            with sdpa_backend(backend):
                 return F.scaled_dot_product_attention(qt, kt, vt, **kw)
         try:
-            run()
+            with sdpa_backend(backend):
+                run()
             torch.cuda.synchronize()
             run.layout = layout
             return run
         except Exception as e:  # noqa: PERF203
             errors.append(f"{layout}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
     raise RuntimeError(f"torch SDPA {backend}: " + " | ".join(errors))
+
+
+def sdpa_backend(backend: str):
+    """``torch.nn.attention.sdpa_kernel`` with only ``backend`` (``flash``, ``cudnn``,
+    ``efficient``, ``math``) enabled."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION,
+                         "cudnn": SDPBackend.CUDNN_ATTENTION,
+                         "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                         "math": SDPBackend.MATH}[backend]])
 
 
 # ------------------------------------------------------------------------------------------------

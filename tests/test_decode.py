@@ -1130,8 +1130,14 @@ def test_explain_kvcache_takes_the_calls_arguments():
      r"uses 1 page\)$"),
     (lambda a: a["block_table"].__setitem__((0, 0), -2), ValueError,
      r"^block_table: page id block_table\[0, 0\]=-2 is outside the pool \[0, 6\)"),
-    (lambda a: a.update(cache_seqlens=[3, 5]), TypeError,
-     r"^cache_seqlens: expected an array \(NumPy, CuPy, or torch tensor\)"),
+    (lambda a: a.update(cache_seqlens=[3, 5.0]), TypeError,
+     r"^cache_seqlens: expected an int32 array, an int or a list of ints, got list"),
+    (lambda a: a.update(cache_seqlens=[3, 49]), ValueError,  # a list: FlashAttention's forms
+     r"^cache_seqlens: cache_seqlens\[1\]=49 \+ seqlen_new 0 exceeds the cache capacity 48 "),
+    (lambda a: a.update(cache_seqlens=-1), ValueError,  # an int: every sequence's length
+     r"^cache_seqlens: must be >= 0, got cache_seqlens\[0\]=-1$"),
+    (lambda a: a.update(cache_seqlens=[3, 2 ** 31]), ValueError,
+     r"^cache_seqlens: values must fit int32"),
     (lambda a: a.update(block_table=[[0, 1, 2], [3, 4, 5]]), TypeError,
      r"^block_table: expected an array \(NumPy, CuPy, or torch tensor\)"),
 ])
@@ -1139,7 +1145,8 @@ def test_explain_kvcache_checks_host_lengths_and_page_ids(no_launch, mutate, exc
     """explain_kvcache applies the call's value checks to host cache_seqlens and block_table
     (negative lengths, lengths over the capacity, page ids outside the pool; lists are not
     arrays), with the call's messages, whatever its validate flag (reading host arrays costs no
-    synchronisation); page ids past the pages a sequence uses are not read."""
+    synchronisation); page ids past the pages a sequence uses are not read. cache_seqlens may
+    also be an int or a list of ints (FlashAttention's forms), checked the same way."""
     q, kc, vc, cs, bt = _arrays(paged=True)
     a = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=cs, block_table=bt)
     mutate(a)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from cupyflash import api, checks, dispatch, heuristics, io_model, jit, prefill
+from cupyflash import api, checks, dispatch, heuristics, io_model, jit, launch, prefill
 from cupyflash.testing import np_dtype
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -540,7 +540,10 @@ def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
     monkeypatch.setattr(api, "_current_device", lambda: 0)
     monkeypatch.setattr(api, "as_cupy", lambda a, name, dtype=None: a)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: FakeDevArray(shape, "float32"))
-    monkeypatch.setattr(jit, "get_kernel", lambda spec: lambda *a, **k: launched.append(spec))
+    monkeypatch.setattr(jit, "get_kernel", lambda spec: spec)
+    monkeypatch.setattr(launch, "PreparedLaunch",  # records (spec, pointers, stream) per launch
+                        lambda kern, *a, **k: lambda ptrs, stream: launched.append(kern))
+    monkeypatch.setattr(interop.CupyCaller, "stream", staticmethod(lambda dev: 0))
     q, k, v, out = FakeDevArray(Q), FakeDevArray(K), FakeDevArray(K), FakeDevArray(Q)
     for _ in range(3):
         assert api.flash_attn_func(q, k, v, out=out) is out

@@ -72,6 +72,39 @@ def test_prepared_launch_fills_pointer_slots_and_keeps_scalars():
         launch.PreparedLaunch(_FakeKernel(), (32, 1), (32, 1, 1), args, (0,))
 
 
+@pytest.mark.parametrize("pdl", [True, False])
+def test_prepared_launch_call_passes_pointers_stream_and_attribute(monkeypatch, pdl):
+    """What the driver sees at each call: the function, the configuration (grid, block, shared
+    memory, the stream given, the PDL attribute or none) and the argument array, whose pointer
+    slots hold this call's pointers (read during the call) and whose scalars are the converted
+    ones; float64 scalars convert too."""
+    seen = []
+
+    def launch_ex(cfg_ref, func, params, extra):
+        cfg = ctypes.cast(cfg_ref, ctypes.POINTER(launch._Config)).contents
+        vals = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in
+                enumerate((ctypes.c_uint64, ctypes.c_double, ctypes.c_uint64))]
+        seen.append((func, tuple(cfg.grid), tuple(cfg.block), cfg.shared_mem_bytes, cfg.stream,
+                     cfg.num_attrs, vals))
+        return 0
+    monkeypatch.setattr(launch, "_LAUNCH_EX", launch_ex)
+    args = (np.uint64(0), np.float64(0.125), np.uint64(0))
+    pl = launch.PreparedLaunch(_FakeKernel(), (4, 2, 1), (256, 1, 1), args, (0, 2),
+                               shared_mem=64, pdl=pdl)
+    pl((0xA0, 0xB0), 0x77)
+    pl((0xC0, 0), 0)
+    want = (0x1234, (4, 2, 1), (256, 1, 1), 64)
+    assert seen == [want + (0x77, int(pdl), [0xA0, 0.125, 0xB0]),
+                    want + (None, int(pdl), [0xC0, 0.125, 0])]  # a NULL stream reads as None
+    with pytest.raises(ValueError, match="pointers: expected 2"):
+        pl((1,), 0)
+    monkeypatch.setattr(launch, "_LAUNCH_EX", lambda *a: 1)
+    monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {
+        "cuGetErrorName": staticmethod(lambda status, out: 0)})())
+    with pytest.raises(launch.LaunchError, match="cuLaunchKernelEx failed"):
+        pl((1, 2), 0)
+
+
 def test_kernel_arguments_convert_numpy_scalars():
     args = (np.uint64(0xDEADBEEF0), np.int64(-3), np.int32(7), np.float32(0.5))
     ptrs, keep = launch.kernel_arguments(args)

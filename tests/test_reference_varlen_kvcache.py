@@ -131,9 +131,11 @@ def test_strategies_draw_edge_cases():
 
 
 def test_kvcache_reference_and_explain_reject_lists_alike():
-    """A block_table (or cache_seqlens, or q) given as a Python list: the reference raises the
-    TypeError that explain_kvcache and the GPU call raise, naming the argument (it used to
-    convert the list to int64 and complain about the dtype; fresh-user trial, session 8)."""
+    """A block_table (or q) given as a Python list, or a cache_seqlens list of non-ints: the
+    reference raises the TypeError that explain_kvcache and the GPU call raise, naming the
+    argument (it used to convert the list to int64 and complain about the dtype; fresh-user
+    trial, session 8). cache_seqlens as an int or a list of ints (FlashAttention's forms) is
+    accepted by all three, and means the int32 array of those lengths."""
     import ml_dtypes
     import cupyflash
     rng = np.random.default_rng(7)
@@ -142,13 +144,22 @@ def test_kvcache_reference_and_explain_reject_lists_alike():
     cs = np.array([40], np.int32)
     bt = np.array([[0, 1, 2]], np.int32)
     for name, kw in (("block_table", dict(cache_seqlens=cs, block_table=bt.tolist())),
-                     ("cache_seqlens", dict(cache_seqlens=[40], block_table=bt))):
+                     ("cache_seqlens", dict(cache_seqlens=[40.0], block_table=bt))):
         msgs = []
         for fn in (cupyflash.explain_kvcache, R.kvcache_attention_reference):
-            with pytest.raises(TypeError, match=f"^{name}: expected an array") as e:
+            with pytest.raises(TypeError, match=f"^{name}: expected an (int32 )?array") as e:
                 fn(q, pool, pool, **kw)
             msgs.append(str(e.value))
         assert msgs[0] == msgs[1]
+    want = R.kvcache_attention_reference(q, pool, pool, cache_seqlens=cs, block_table=bt)
+    for lengths in ([40], (40,), 40):
+        got = R.kvcache_attention_reference(q, pool, pool, cache_seqlens=lengths,
+                                            block_table=bt)
+        assert np.array_equal(got.out, want.out) and np.array_equal(got.lse, want.lse)
+        plan = cupyflash.explain_kvcache(q, pool, pool, cache_seqlens=lengths, block_table=bt,
+                                         report=False)
+        assert plan == cupyflash.explain_kvcache(q, pool, pool, cache_seqlens=cs,
+                                                 block_table=bt, report=False)
     with pytest.raises(TypeError, match="^q: expected an array"):
         R.kvcache_attention_reference(q.tolist(), pool, pool, cache_seqlens=cs,
                                               block_table=bt)

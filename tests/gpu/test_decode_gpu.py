@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 
 import ml_dtypes  # noqa: E402
 
+import cupyflash  # noqa: E402
 from cupyflash import checks, decode, reference, testing  # noqa: E402
 from cupyflash.decode import flash_attn_with_kvcache, merge_states  # noqa: E402
 from gpu_arrays import to_device as _dev, to_host as _host  # noqa: E402 (tests/gpu/gpu_arrays.py)
@@ -433,9 +434,10 @@ def test_bad_page_id_without_validation_is_memory_safe():
     bad_bt = bt.copy()
     bad_bt[1, 1] = 10 ** 6
     bad_bt[1, 2] = -5
-    with pytest.raises(ValueError, match="block_table"):
+    with pytest.raises(ValueError, match="block_table"):  # the device-side check (guard)
         flash_attn_with_kvcache(_dev(q), _dev(kp), _dev(vp), cache_seqlens=_dev(cs),
                                 block_table=_dev(bad_bt))
+        cupyflash.check_errors()
     k_new = testing.random_normal(rng, (batch, 2, hk, d), dtype)
     out = flash_attn_with_kvcache(_dev(q), _dev(kp), _dev(vp), cache_seqlens=_dev(cs),
                                   block_table=_dev(bad_bt), validate=False, num_splits=3)

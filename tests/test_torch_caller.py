@@ -1,0 +1,480 @@
+"""PyTorch callers on the CPU: what a call reads of torch tensors, what it allocates, which
+pointers and stream it hands the launches, the warm path (no imports, no interface dicts, no
+DLPack), the decode call's host checks and device-side check records, without a GPU.
+
+CPU tensors play CUDA tensors of device 0 (:func:`fake_cuda`): the device test, the allocator,
+the stream and the driver launches are replaced, everything else (checks, planning, launch cache,
+argument building) is the library's. ``tests/gpu/test_torch_gpu.py`` runs the same paths on a
+GPU.
+"""
+import builtins
+import ctypes
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cupyflash import (api, checks, decode, decode_plan, dispatch, guard, interop,  # noqa: E402
+                       jit, launch)
+
+STREAM = 0x5EA  # the fake torch stream handle every launch must get
+
+
+class _Launch:
+    """Stands in for launch.PreparedLaunch: records (kernel name, pdl, pointers, stream)."""
+
+    def __init__(self, log, kernel, grid, block, args, slots, *, shared_mem=0, pdl=True):
+        self.log, self.name, self.pdl, self.grid = log, kernel.name, pdl, tuple(grid)
+        self.slots, self.nargs = tuple(slots), len(args)
+
+    def __call__(self, pointers, stream):
+        assert len(pointers) == len(self.slots)
+        self.log.append((self.name, self.pdl, tuple(int(p) for p in pointers), stream))
+
+
+class _Named:
+    def __init__(self, name):
+        self.name = name
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CPU torch tensors as CUDA tensors of device 0 on stream STREAM; returns the launch log."""
+    log = []
+    tc = interop.TorchCaller
+    monkeypatch.setattr(tc, "device", staticmethod(
+        lambda a: 0 if a.device.type == "cpu" else -1))
+    orig = interop.is_device_array
+
+    def is_dev(x):
+        return isinstance(x, torch.Tensor) or orig(x)
+    for mod, name in ((api, "is_device_array"), (checks, "_is_device"),
+                      (checks, "is_device_array"), (decode, "is_device_array")):
+        monkeypatch.setattr(mod, name, is_dev)
+    interop._torch()  # the dtype tables
+    monkeypatch.setattr(tc, "empty", staticmethod(
+        lambda shape, dt, dev: torch.empty(tuple(shape), dtype=interop._TORCH_DTYPES[dt])))
+    monkeypatch.setattr(tc, "full", staticmethod(
+        lambda shape, value, dt, dev: torch.full(tuple(shape), value,
+                                                 dtype=interop._TORCH_DTYPES[dt])))
+    monkeypatch.setattr(tc, "from_host", staticmethod(
+        lambda values, dt, dev: torch.from_numpy(np.array(values, interop.np_dtype(dt)))))
+    monkeypatch.setattr(tc, "stream", staticmethod(lambda dev: STREAM))
+    monkeypatch.setattr(interop, "current_device", lambda: 0)
+    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    monkeypatch.setattr(dispatch, "LAUNCH_CACHE", {})
+    monkeypatch.setattr(dispatch, "_device_info", lambda dev: ("sm_90a", 132, 227 * 1024))
+    monkeypatch.setattr(dispatch, "launch_plan", lambda p: dispatch._launch_plan_cached(p, 0))
+    dispatch._launch_plan_cached.cache_clear()
+    monkeypatch.setattr(jit, "get_kernel", lambda spec, *a: spec)
+    monkeypatch.setattr(launch, "PreparedLaunch", lambda *a, **k: _Launch(log, *a, **k))
+    monkeypatch.setattr(decode, "_resolve_plan",
+                        lambda prob, ss: decode_plan._resolve_plan(prob, ss, use_device=False))
+    monkeypatch.setattr(decode, "_compute_capability", lambda: 90)
+    monkeypatch.setattr(decode, "_is_capturing", lambda stream: False)
+    monkeypatch.setattr(decode, "_TORCH_COUNTERS", {})
+    monkeypatch.setattr(guard, "kvcache_check_launch",
+                        lambda prob, cs, bt, dev: _Launch(log, _Named(f"check cs{cs} bt{bt}"),
+                                                          (prob.batch, 1, 1), (128, 1, 1),
+                                                          (0,) * 10, (0, 1), pdl=False))
+    monkeypatch.setattr(guard, "_record", None)
+    yield log
+    dispatch._launch_plan_cached.cache_clear()
+
+
+def _t(shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+class _Counter:
+    def __init__(self, f):
+        self.f, self.n = f, 0
+
+    def __call__(self, *a, **k):
+        self.n += 1
+        return self.f(*a, **k)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading tensors
+# ----------------------------------------------------------------------------------------------
+def test_describe_torch_reads_pointer_layout_and_dtype():
+    base = _t((2, 8, 5, 64))
+    x = base.transpose(1, 2)[:, 1:]  # (2, 4, 8, 64), strided, with a storage offset
+    d = interop.describe_torch(x)
+    assert d.data.ptr == d.data_ptr() == x.data_ptr() != base.data_ptr()
+    assert d.shape == (2, 4, 8, 64) and d.ndim == 4
+    assert d.strides == tuple(2 * s for s in x.stride())  # bytes, as CuPy/NumPy give them
+    assert d.dtype == interop.np_dtype("bfloat16") and d.itemsize == 2
+    assert d.size == x.numel() and not d.flags.c_contiguous
+    assert interop.describe_torch(base).flags.c_contiguous
+    for dt, name in ((torch.float16, "float16"), (torch.float32, "float32"),
+                     (torch.float64, "float64"), (torch.int32, "int32")):
+        assert interop.torch_dtype_name(dt) == name == checks.dtype_name(torch.zeros(1, dtype=dt))
+
+
+def test_caller_kind_and_device_test():
+    a, b = _t((1, 2)), _t((1, 2))
+    assert interop.caller_of(a, b, None) is interop.TorchCaller
+    assert interop.caller_of(a, np.zeros(2)) is interop.CupyCaller  # mixed kinds: CuPy's
+    assert interop.caller_of(np.zeros(2), a) is interop.CupyCaller
+    assert not interop.is_device_array(a)  # a CPU tensor (answered without the interface)
+    assert interop.TorchCaller.layout(a) == (a.shape, a.stride(), a.dtype, False, -1)
+
+
+def test_host_tensors_still_go_to_the_reference_paths():
+    q = _t((1, 16, 4, 64))
+    with pytest.raises(TypeError, match=r"^q: expected a CUDA array .*attention_reference"):
+        api.flash_attn_func(q, q, q)
+    assert api.explain(q, q, q, causal=True).name.endswith("_causal")
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill
+# ----------------------------------------------------------------------------------------------
+def test_prefill_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch):
+    """Tensors in: tensors out (allocated by the caller's allocator, contiguous), the launch gets
+    their data_ptr()s and torch's stream; the second call is a launch-cache hit without checks."""
+    q = _t((2, 4, 33, 64), seed=1).transpose(1, 2)  # (2, 33, 4, 64), strided
+    k, v = _t((2, 40, 2, 64), seed=2), _t((2, 40, 2, 64), seed=3)
+    spy = _Counter(checks.check_attention)
+    monkeypatch.setattr(checks, "check_attention", spy)
+    for i in range(3):
+        out, lse = api.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert type(out) is torch.Tensor and type(lse) is torch.Tensor
+        assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert lse.shape == (2, 4, 33) and lse.dtype == torch.float32
+        name, pdl, ptrs, stream = fake_cuda[-1]
+        assert ptrs == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                        lse.data_ptr(), 0, 0)
+        assert stream == STREAM and pdl is False and name.endswith("_causal")
+    assert spy.n == 1 and len(fake_cuda) == 3
+    (key,) = dispatch.LAUNCH_CACHE
+    assert key[0] == "dense:torch"
+    o2 = torch.empty_like(q)
+    assert api.flash_attn_func(q, k, v, causal=True, out=o2) is o2  # out= is returned itself
+    assert fake_cuda[-1][2][3] == o2.data_ptr()
+
+
+def test_prefill_varlen_torch(fake_cuda):
+    q, k = _t((40, 4, 64), seed=4), _t((50, 2, 64), seed=5)
+    cq = torch.tensor([0, 10, 40], dtype=torch.int32)
+    ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+    for _ in range(2):
+        out, lse = api.flash_attn_varlen_func(q, k, k, cq, ck, 30, 30, return_lse=True,
+                                              validate=False)
+        assert type(out) is torch.Tensor and out.shape == q.shape and lse.shape == (4, 40)
+        assert fake_cuda[-1][2] == (q.data_ptr(), k.data_ptr(), k.data_ptr(), out.data_ptr(),
+                                    lse.data_ptr(), cq.data_ptr(), ck.data_ptr())
+    assert len(dispatch.LAUNCH_CACHE) == 1
+
+
+def test_prefill_torch_errors_are_the_checks(fake_cuda):
+    q, k = _t((1, 8, 4, 64)), _t((1, 8, 3, 64))
+    with pytest.raises(ValueError, match=r"^k: nheads_k 3"):
+        api.flash_attn_func(q, k, k)
+    with pytest.raises(TypeError, match=r"^k: dtype float16 must match q dtype bfloat16"):
+        api.flash_attn_func(q, q.half(), q)
+    assert fake_cuda == []
+
+
+class _NoImports:
+    """Counts import statements executed (builtins.__import__) while active."""
+
+    def __enter__(self):
+        self.n, self.names, self._orig = 0, [], builtins.__import__
+
+        def counting(name, *a, **k):
+            self.n += 1
+            self.names.append(name)
+            return self._orig(name, *a, **k)
+        builtins.__import__ = counting
+        return self
+
+    def __exit__(self, *exc):
+        builtins.__import__ = self._orig
+
+
+def _forbid_interfaces(monkeypatch):
+    def boom(self, *a, **k):
+        raise AssertionError("the warm path read an interface (DLPack / __cuda_array_interface__)")
+    monkeypatch.setattr(torch.Tensor, "__dlpack__", boom)
+    monkeypatch.setattr(torch.Tensor, "__dlpack_device__", boom)
+    monkeypatch.setattr(torch.Tensor, "__cuda_array_interface__", property(boom))
+
+
+def test_warm_paths_import_nothing_and_read_no_interfaces(fake_cuda, monkeypatch):
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    qd, kc = _t((3, 1, 8, 128)), _t((3, 256, 2, 128))
+    cs = torch.tensor([5, 200, 0], dtype=torch.int32)
+    ws = torch.zeros(1 << 16, dtype=torch.float32)
+    calls = [lambda: api.flash_attn_func(q, k, k, causal=True),
+             lambda: decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs),
+             lambda: decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, num_splits=4,
+                                                    workspace=ws, validate=False)]
+    for call in calls:
+        call()  # cold: checks, plan, cache
+    _forbid_interfaces(monkeypatch)
+    monkeypatch.setattr(checks, "to_host", lambda *a: pytest.fail("a host read"))
+    n = len(fake_cuda)
+    with _NoImports() as imports:
+        for call in calls:
+            call()
+    assert imports.n == 0, imports.names
+    assert len(fake_cuda) > n
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------------------------
+def _decode_args(paged=False, batch=3, cap=256):
+    q = _t((batch, 1, 8, 128), seed=7)
+    kc = _t((batch, cap, 2, 128), seed=8)
+    cs = torch.tensor([5, 200, 0][:batch], dtype=torch.int32)
+    bt = None
+    if paged:
+        kc = kc.reshape(batch * cap // 16, 16, 2, 128)
+        bt = torch.arange(batch * cap // 16, dtype=torch.int32).reshape(batch, cap // 16)
+    return q, kc, cs, bt
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_default_call_checks_on_the_device_without_a_host_read(fake_cuda, monkeypatch,
+                                                                       paged):
+    """validate=True (default) with device lengths: a check launch (the lengths' and page ids'
+    pointers) on torch's stream, then the split kernel, programmatic dependent; never a host
+    read; torch tensors out."""
+    q, kc, cs, bt = _decode_args(paged)
+    monkeypatch.setattr(checks, "to_host", lambda *a: pytest.fail("a host read"))
+    spy = _Counter(checks.check_kvcache)
+    monkeypatch.setattr(checks, "check_kvcache", spy)
+    for i in range(2):
+        out = decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, block_table=bt,
+                                             num_splits=1)
+        assert type(out) is torch.Tensor and out.shape == q.shape and out.dtype == q.dtype
+        (cname, cpdl, cptrs, cstream), (sname, spdl, sptrs, sstream) = fake_cuda[-2:]
+        assert cname.startswith("check") and cpdl is False and cstream == sstream == STREAM
+        assert cptrs == (cs.data_ptr(), bt.data_ptr() if paged else 0)
+        assert sname.startswith("decode_split") and spdl is True
+        assert sptrs[:6] == (q.data_ptr(), kc.data_ptr(), kc.data_ptr(), cs.data_ptr(),
+                             bt.data_ptr() if paged else 0, out.data_ptr())
+    assert spy.n == 1  # the second call: the warm path
+    decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, block_table=bt, num_splits=1,
+                                   validate=False)
+    assert not fake_cuda[-1][0].startswith("check") and not fake_cuda[-2][0].startswith("check")
+    with decode.pdl_launches(False):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, block_table=bt,
+                                       num_splits=1)
+    assert fake_cuda[-1][1] is False  # a plain launch
+
+
+def test_decode_q_alignment_is_part_of_what_a_hit_proves(fake_cuda):
+    """A q of the same layout but 2 bytes off a 16-byte boundary must not reuse the entry built
+    for an aligned q (its kernel copies Q by 16 bytes): the call re-plans (2-byte Q loads) and
+    that entry replaces the first; an aligned q may use it (the same result)."""
+    q, kc, cs, _ = _decode_args()
+    buf = torch.empty(q.numel() + 8, dtype=q.dtype)
+    base = 8 - (buf.data_ptr() % 16) // 2  # elements to the next 16-byte boundary, + 8
+    aligned = buf[base % 8:base % 8 + q.numel()].view(q.shape)
+    off = buf[base % 8 + 1:base % 8 + 1 + q.numel()].view(q.shape)
+    assert aligned.data_ptr() % 16 == 0 and off.data_ptr() % 16 == 2
+    seen = []
+    orig = decode._KVCacheLaunch.__init__
+
+    def spy(self, prob, *a, **k):
+        seen.append(prob.q_aligned16)
+        orig(self, prob, *a, **k)
+    decode._KVCacheLaunch.__init__ = spy
+    try:
+        for x in (aligned, off, off, aligned, aligned):
+            decode.flash_attn_with_kvcache(x, kc, kc, cache_seqlens=cs, num_splits=1)
+    finally:
+        decode._KVCacheLaunch.__init__ = orig
+    assert seen == [True, False]  # then every call hits the entry of the 2-byte loads
+
+
+def test_decode_workspace_and_lse_pointers(fake_cuda):
+    q, kc, cs, _ = _decode_args()
+    hq, hk = np.zeros(tuple(q.shape), np.float16), np.zeros(tuple(kc.shape), np.float16)
+    need = decode.workspace_size(hq, hk, hk, cache_seqlens=cs.numpy(), num_splits=4)
+    ws = torch.zeros(need, dtype=torch.float32)
+    out = torch.empty_like(q)
+    o, lse = decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=4, out=out,
+                                            workspace=ws, return_lse=True, validate=False)
+    assert o is out and lse.shape == (3, 8, 1)
+    ptrs = fake_cuda[-1][2]
+    assert ptrs[5:8] == (out.data_ptr(), lse.data_ptr(), ws.data_ptr())
+    assert ptrs[9] > ptrs[8] > ws.data_ptr()  # the partial LSE, then the counters, in ws
+    with pytest.raises(ValueError, match="workspace: expected a contiguous float32 array"):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=4,
+                                       workspace=ws[: need // 2])
+    with pytest.raises(TypeError, match="workspace: expected float32"):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=4,
+                                       workspace=ws.double())
+
+
+@pytest.mark.parametrize("lengths", [37, [37, 37, 37], (37, 37, 37), np.full(3, 37, np.int32),
+                                     torch.full((3,), 37, dtype=torch.int32).numpy()])
+def test_decode_host_lengths_are_checked_on_the_host_and_copied(fake_cuda, lengths):
+    """FlashAttention's forms of cache_seqlens (an int, a list) and host arrays: checked on the
+    host (no device check), copied to the device as int32 (batch,)."""
+    q, kc, _, _ = _decode_args()
+    out = decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lengths, num_splits=1)
+    assert type(out) is torch.Tensor
+    assert [r[0].split("_")[0] for r in fake_cuda] == ["decode"]  # no check launch
+
+
+@pytest.mark.parametrize("lengths,match", [
+    (10 ** 6, r"^cache_seqlens: cache_seqlens\[0\]=1000000 \+ seqlen_new 0 exceeds the cache "
+              r"capacity 256 \(k_cache dim 1\)$"),
+    ([1, -3, 2], r"^cache_seqlens: must be >= 0, got cache_seqlens\[1\]=-3$"),
+    ([1, 2], r"^cache_seqlens: expected shape \(3,\)"),
+    ([1, 2.5, 3], r"^cache_seqlens: expected an int32 array, an int or a list of ints"),
+])
+def test_decode_bad_host_lengths_raise_before_any_launch(fake_cuda, lengths, match):
+    q, kc, _, _ = _decode_args()
+    with pytest.raises((ValueError, TypeError), match=match):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lengths)
+    assert fake_cuda == []
+
+
+def test_decode_bad_host_page_ids_raise_before_any_launch(fake_cuda):
+    q, kc, cs, bt = _decode_args(paged=True)
+    bad = bt.numpy().copy()
+    bad[1, 3] = 10 ** 6
+    with pytest.raises(ValueError, match=r"^block_table: page id block_table\[1, 3\]=1000000 is "
+                                         r"outside the pool \[0, 48\) \(sequence 1 uses 13 "
+                                         r"pages\)$"):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs.numpy(), block_table=bad)
+    assert fake_cuda == []
+    # device lengths beside host page ids: which ids are used depends on the lengths, so both
+    # are checked on the device (the ids once copied there)
+    decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, block_table=bad)
+    (check, _, ptrs, _), split = fake_cuda
+    assert check.startswith("check") and ptrs[0] == cs.data_ptr() and ptrs[1] == split[2][4]
+
+
+# ----------------------------------------------------------------------------------------------
+# The device-side check's record (cupyflash.guard), surfaced without a synchronisation
+# ----------------------------------------------------------------------------------------------
+def _record(monkeypatch, *fields):
+    rec = (ctypes.c_int32 * guard._RECORD_INTS)()
+    for i, x in enumerate(fields):
+        rec[i] = x
+    monkeypatch.setattr(guard, "_record", rec)
+    return rec
+
+
+@pytest.mark.parametrize("fields,match", [
+    ((1, 2, -1, -7, 0, 256, 0, 0, 0),
+     r"^cache_seqlens: must be >= 0, got cache_seqlens\[2\]=-7 \[found on the device"),
+    ((2, 0, -1, 300, 1, 256, 0, 0, 0),
+     r"^cache_seqlens: cache_seqlens\[0\]=300 \+ seqlen_new 1 exceeds the cache capacity 256 "
+     r"\(k_cache dim 1\) \[found on the device"),
+    ((2, 0, -1, 300, 0, 256, 16, 0, 1), r"\(max_pages_per_seq \* page_size\) \[found"),
+    ((3, 1, 4, 99, 0, 256, 48, 13, 1),
+     r"^block_table: page id block_table\[1, 4\]=99 is outside the pool \[0, 48\) \(sequence 1 "
+     r"uses 13 pages\) \[found on the device by the check of an earlier flash_attn_with_kvcache"),
+])
+def test_device_check_record_is_raised_by_the_next_call(fake_cuda, monkeypatch, fields, match):
+    q, kc, cs, _ = _decode_args()
+    decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs)  # warm
+    n = len(fake_cuda)
+    rec = _record(monkeypatch, *fields)
+    assert guard.pending()
+    with pytest.raises(guard.DeviceCheckError, match=match) as e:
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs)
+    assert isinstance(e.value, ValueError)
+    assert len(fake_cuda) == n  # raised before anything was launched
+    assert list(rec) == [0] * guard._RECORD_INTS and not guard.pending()  # reported once
+    decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs)
+    assert len(fake_cuda) == n + 2
+
+
+def test_check_errors_raises_and_clears(monkeypatch):
+    monkeypatch.setattr(guard, "_record", None)
+    guard.check_errors(synchronize=False)  # nothing recorded: nothing raised
+    _record(monkeypatch, 2, 1, -1, 70, 0, 64, 0, 0, 0)
+    import cupyflash
+    with pytest.raises(ValueError, match=r"^cache_seqlens: cache_seqlens\[1\]=70 "):
+        cupyflash.check_errors(synchronize=False)
+    cupyflash.check_errors(synchronize=False)
+
+
+def test_check_kernel_source_matches_the_host_checks():
+    """The device check's record layout and codes are the ones raise_pending decodes, and it
+    compiles (NVRTC, no GPU needed)."""
+    src = guard._SOURCE
+    for i, field in enumerate(("b", "col", "value", "seqlen_new", "capacity", "num_pages",
+                               "used"), start=1):
+        assert f"r[{i}] = {field};" in src
+    assert "r[0] = code;" in src and src.index("__threadfence_system") < src.index("r[0] = code")
+    pytest.importorskip("cupy")
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(src, "check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=compute_80"])
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops (cupyflash.torch_ops): fake implementations, no graph breaks
+# ----------------------------------------------------------------------------------------------
+def test_custom_ops_match_their_fake_implementations(fake_cuda):
+    """torch.library.opcheck: schema (declared mutations) and fake (meta) outputs against the
+    real ones, for the three operators (AOT dispatch compares output values: the GPU tests; the
+    fake launches here write nothing)."""
+    from cupyflash import torch_ops  # noqa: F401 (registers the operators)
+    utils = ("test_schema", "test_faketensor")
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn.default, (q, k, k, None, True, -1, -1),
+                          test_utils=utils)
+    qv, kv = _t((40, 4, 64)), _t((50, 2, 64))
+    cq = torch.tensor([0, 10, 40], dtype=torch.int32)
+    ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn_varlen.default,
+                          (qv, kv, kv, cq, ck, 30, 30, 0.125, False, -1, -1, False),
+                          test_utils=utils)
+    qd, kc, cs, _ = _decode_args()
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn_with_kvcache.default,
+                          (qd, kc, kc.clone(), None, None, cs, None, torch.empty_like(qd), None,
+                           None, True, 1, None, True), test_utils=utils)
+
+
+def test_compile_fullgraph_traces_the_ops(fake_cuda):
+    """torch.compile(fullgraph=True) of functions calling the operators (prefill, varlen, a
+    decode step with out and workspace): no graph break, the outputs' shapes and dtypes, and the
+    compiled code launches the kernels (the launch log grows)."""
+    from cupyflash import torch_ops
+    torch._dynamo.reset()
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    qv, kv = _t((40, 4, 64)), _t((50, 2, 64))
+    cq = torch.tensor([0, 10, 40], dtype=torch.int32)
+    ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+    qd, kc, cs, _ = _decode_args()
+    ws = torch.zeros(1 << 16, dtype=torch.float32)
+    out = torch.empty_like(qd)
+
+    def prefill(q, k, cq, ck):
+        o, lse = torch_ops.flash_attn_func(q, k, k, causal=True, return_lse=True)
+        ov = torch_ops.flash_attn_varlen_func(qv, kv, kv, cq, ck, 30, 30, validate=False)
+        return o * 2, lse, ov
+
+    def step(qd, kc, cs):
+        o = torch_ops.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, out=out,
+                                              workspace=ws, num_splits=4)
+        return o + 1
+
+    def step_int(qd, kc):
+        return torch_ops.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=37) + 1
+    for f, args in ((prefill, (q, k, cq, ck)), (step, (qd, kc, cs)), (step_int, (qd, kc))):
+        n = len(fake_cuda)
+        res = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+        eager = f(*args)
+        res, eager = (r if isinstance(r, tuple) else (r,) for r in (res, eager))
+        assert [(x.shape, x.dtype) for x in res] == [(x.shape, x.dtype) for x in eager]
+        assert len(fake_cuda) > n
+    assert res[0].shape == qd.shape
