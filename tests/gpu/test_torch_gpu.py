@@ -222,9 +222,14 @@ def test_cupy_callers_keep_cupy_conventions():
     q, kc, vc = (_to_cupy(torch.full_like(x, float("nan"))) for x in (q_t, kc_t, vc_t))
     s = cupy.cuda.Stream(non_blocking=True)
     with s:  # warm-up on this stream: CuPy's pool gets its first blocks for it (cudaMalloc, which
-        # may synchronise) and the per-stream counters are made; the calls below are warm ones
-        cupyflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs)
-        cupyflash.flash_attn_func(q, kc, vc)
+        # may synchronise), the per-stream counters are made and CuPy's copy kernels are loaded
+        # (a module load may synchronise too); the calls below are warm ones
+        for dst in (q, kc, vc):
+            dst.view(cupy.int16)[...] = dst.view(cupy.int16)
+        out = cupyflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs)
+        pre = cupyflash.flash_attn_func(q, kc, vc)
+        res, res_pre = (x.view(cupy.int16).copy() for x in (out, pre))
+        del out, pre, res, res_pre
     cupy.cuda.Device().synchronize()
     with s:
         _cupy_sleep()
