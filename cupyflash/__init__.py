@@ -37,9 +37,10 @@ _LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "
 def __getattr__(name):  # PEP 562: submodules load on first use
     if name in _LAZY:
         mod = _LAZY[name]
-        if mod is None:
-            return importlib.import_module(f".{name}", __name__)
-        return getattr(importlib.import_module(f".{mod}", __name__), name)
+        value = (importlib.import_module(f".{name}", __name__) if mod is None
+                 else getattr(importlib.import_module(f".{mod}", __name__), name))
+        globals()[name] = value  # later lookups find it here: no import machinery per call
+        return value
     raise AttributeError(f"module 'cupyflash' has no attribute {name!r}")
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_states",
