@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -124,7 +125,6 @@ def main(argv=None) -> int:
         assert got == {sides[side]}, f"{side}: imported cupyflash from {got}"
     prov = common.provenance()
     recs = []
-    import statistics
     for key in runs["after"][0]:
         if key == "cupyflash":
             continue

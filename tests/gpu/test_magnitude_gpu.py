@@ -18,6 +18,8 @@ directly at head dims 64 and 128, the materialising baseline, split-KV decode (o
 several splits merged by the fused combine; contiguous and paged caches), and ``merge_states``
 (the separate combine kernel).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -130,13 +132,8 @@ def test_prefill_exact_at_any_magnitude(family, data):
         headdims_from=(8, 64, 128) if mma else (8, 64, 128, 256)))
     run = PREFILL[family](case, case.k, case.v)
     _both(run, case, f"{family} {case.q.dtype} hd{case.q.shape[-1]}")
-    first = dataclass_replace(case, k=case.k[:, :1], v=case.v[:, :1], causal=False)
+    first = dataclasses.replace(case, k=case.k[:, :1], v=case.v[:, :1], causal=False)
     _one_key(PREFILL[family](first, first.k, first.v), first, f"{family} one key")
-
-
-def dataclass_replace(case, **kw):
-    import dataclasses
-    return dataclasses.replace(case, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +172,7 @@ def test_decode_exact_at_any_magnitude(paged, num_splits, data):
                                              max_group=4))
     what = f"decode {'paged' if paged else 'contiguous'} splits={num_splits} {case.q.dtype}"
     _both(_decode(case, case.k, case.v, paged, num_splits), case, what)
-    first = dataclass_replace(case, k=case.k[:, :1], v=case.v[:, :1], causal=False)
+    first = dataclasses.replace(case, k=case.k[:, :1], v=case.v[:, :1], causal=False)
     _one_key(_decode(first, first.k, first.v, paged, 1), first, what + " one key")
 
 
