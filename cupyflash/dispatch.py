@@ -375,7 +375,8 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
 
     if not reasons:
         feasible = [c for c in prefill.SUPPORTED if c.dtype == p.dtype and c.headdim == hd
-                    and c.smem_bytes <= max_smem_bytes and c.arch in ("", arch)]
+                    and c.smem_bytes <= max_smem_bytes and c.arch in ("", arch)
+                    and not (c.isa == "tma" and p.varlen)]
         if not feasible:  # raises, listing every candidate's reason
             return _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes,
                                  lengths, True)
@@ -397,7 +398,7 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
         rejected.sort(key=lambda r: r[0])  # stable: nearest candidates first, table order within
 
     spec = prefill.spec_of(chosen, causal)
-    grid, block, smem = prefill.launch_config(spec, p)
+    grid, block, smem = prefill.launch_config(spec, p, num_sms)
     registers = spill = None
     rep_arch = None
     if report:
@@ -442,6 +443,9 @@ def _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes) -> tuple:
                 rank, why = 2, ("non-causal specialisation; the problem is causal (window "
                                 "right == 0): the causal one serves it (mask known at compile "
                                 "time)")
+            elif cfg.isa == "tma" and p.varlen:
+                rank, why = 1, ("TMA kernel: dense problems only (its tensor maps are per batch "
+                                "entry); varlen runs on the wgmma kernel")
             elif cfg.arch not in ("", arch):
                 rank, why = 1, (f"{cfg.isa} kernel: runs on {cfg.arch} (Hopper) only; the "
                                 f"target is {arch}")
@@ -623,7 +627,7 @@ class PrefillLaunch:
             n_lse *= n
         no_keys = p.total_k == 0 if p.varlen else p.seqlen_k == 0
         self.action = "none" if n_lse == 0 else "fill" if no_keys else "launch"
-        self.grid, self.block, self.smem = prefill.launch_config(spec, p)
+        self.grid, self.block, self.smem = prefill.launch_config(spec, p, self.plan.num_sms)
         self.kernel = self.prepared = None
         self.strides = self.sizes = self.tail = None
         self.tensor_cores = prefill.config_of(spec)[0].dtype in prefill.TC_DTYPES

@@ -3,11 +3,18 @@ the launch itself.
 
 The kernels implement FlashAttention-2 (Dao, arXiv 2307.08691), Algorithm 1 with the work
 partitioning of Sec. 3.2-3.3: one CTA per (``block_m`` query rows, head, batch), K/V tiles of
-``block_n`` keys streamed through shared memory. Three instruction sets (``PrefillConfig.isa``):
+``block_n`` keys streamed through shared memory. Four kernels (``PrefillConfig.isa``):
 
+* ``"tma"``: ``kernels_cu/flash_fwd_hopper.cu``, FlashAttention-3 (Shah et al., arXiv
+  2407.08608) on Hopper (sm_90a only): TMA loads by a producer warpgroup, two consumer
+  warpgroups with ``setmaxnreg``, warpgroup MMA with the intra-warpgroup overlap and ping-pong, a
+  persistent grid (dynamic tile order when causal); float16/bfloat16, head dims 64, 128, 256
+  (every multiple of 8 padded onto them); dense problems (varlen runs on ``"wgmma"``). The
+  default on sm_90a; its launch passes three tensor maps (:mod:`cupyflash.tma`);
 * ``"wgmma"``: ``kernels_cu/flash_fwd_wgmma.cu``, Hopper's warpgroup MMA (sm_90a only), with the
-  intra-warpgroup overlap of softmax and P V of FlashAttention-3 (Shah et al., arXiv 2407.08608,
-  Sec. 3.2); float16/bfloat16, head dims 64 and 128;
+  intra-warpgroup overlap of softmax and P V of FlashAttention-3 (Sec. 3.2) but cp.async loads
+  from every thread and one CTA per tile; float16/bfloat16, head dims 64 and 128: the varlen
+  path on sm_90a;
 * ``"mma"``: ``kernels_cu/flash_fwd.cu``, mma.sync m16n8k16 (sm_80+), float16/bfloat16, every head dim;
 * ``"simt"``: ``kernels_cu/flash_fwd_simt.cu``, CUDA cores, float32/float64.
 
@@ -17,7 +24,8 @@ Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU
   within one (dtype, headdim) the first row is the suggested default (the first one the device
   can run), and (block_m, block_n, nwarps, isa) is unique, so a tile names one row.
 * :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one.
-* :func:`kernel_spec` names a specialisation (``fwdwg_bf16_hd128_m128_n64_causal``,
+* :func:`kernel_spec` names a specialisation (``fwdtma_bf16_hd128_m128_n128_s2_causal``,
+  ``fwdwg_bf16_hd128_m128_n64_causal``,
   ``fwd_bf16_hd128_m128_n64_w8_causal``, ``fwd_bf16_hd128_m128_n64_w4_pf``,
   ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.jit.KernelSpec`.
 * :func:`launch_config` gives (grid, block, dynamic shared memory) for a spec and a problem.
@@ -49,10 +57,13 @@ MAX_SMEM_BYTES = 227 * 1024
 TC_SOURCE = "flash_fwd.cu"
 WG_SOURCE = "flash_fwd_wgmma.cu"
 SIMT_SOURCE = "flash_fwd_simt.cu"
+TMA_SOURCE = "flash_fwd_hopper.cu"
 #: The architecture the wgmma kernels are compiled for (and the only one that runs them).
 WG_ARCH = "sm_90a"
 #: Instruction sets of the prefill kernels (``PrefillConfig.isa``).
-ISAS = ("wgmma", "mma", "simt")
+ISAS = ("tma", "wgmma", "mma", "simt")
+#: The instruction sets that run on WG_ARCH only.
+HOPPER_ISAS = ("tma", "wgmma")
 SIMT_THREADS = 128
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
@@ -97,7 +108,7 @@ class PrefillConfig:
     def arch(self) -> str:
         """The one architecture that runs this row (:data:`WG_ARCH` for wgmma), else ``""``
         (any sm_80+ device)."""
-        return WG_ARCH if self.isa == "wgmma" else ""
+        return WG_ARCH if self.isa in HOPPER_ISAS else ""
 
 
 def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int = 2,
@@ -110,6 +121,8 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
     rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
+    if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 2 mbarriers, 2 tile infos
+        return (block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 2) + 96 + 1024
     if isa == "wgmma":
         return (block_m + 2 * stages * block_n) * headdim * isz + 32 * stages + 1024
     pad = 16 // isz
@@ -164,6 +177,19 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 _WG_TILES = {64: ((128, 128),), 128: ((128, 128),)}
 
 
+# Hopper TMA rows (kernels_cu/flash_fwd_hopper.cu, sm_90a only, dense problems: varlen runs on the
+# wgmma rows): headdim -> (block_m, block_n, stages); a producer warpgroup plus block_m / 64
+# consumer warpgroups, nwarps = 4 * (block_m / 64 + 1); a persistent grid (launch_config).
+# Listed first: the default on sm_90a.
+_TMA_TILES = {64: ((128, 128, 2),), 128: ((128, 128, 2),), 256: ((128, 64, 2),)}
+
+
+def _tma_row(dtype: str, hd: int, bm: int, bn: int, stages: int) -> PrefillConfig:
+    return PrefillConfig(dtype, hd, bm, bn, 4 * (bm // 64 + 1),
+                         smem_bytes(dtype, hd, bm, bn, stages, isa="tma"), TMA_SOURCE,
+                         stages=stages, isa="tma")
+
+
 def _wg_row(dtype: str, hd: int, bm: int, bn: int, stages: int = 3) -> PrefillConfig:
     return PrefillConfig(dtype, hd, bm, bn, bm // 16,
                          smem_bytes(dtype, hd, bm, bn, stages, isa="wgmma"), WG_SOURCE,
@@ -174,6 +200,8 @@ def _build_table() -> tuple:
     rows = []
     for dtype in TC_DTYPES:
         for hd in HEADDIMS:
+            for bm, bn, st in _TMA_TILES.get(hd, ()):
+                rows.append(_tma_row(dtype, hd, bm, bn, st))
             for bm, bn in _WG_TILES.get(hd, ()):
                 rows.append(_wg_row(dtype, hd, bm, bn))
             for bm, bn, nw in _TC_TILES[hd]:
@@ -207,6 +235,9 @@ def padded_headdim(d: int) -> int:
 
 def _name(cfg: PrefillConfig, causal: bool) -> str:
     suffix = "_causal" if causal else ""
+    if cfg.isa == "tma":
+        return (f"fwdtma_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
+                f"_s{cfg.stages}{suffix}")
     if cfg.isa == "wgmma":
         return f"fwdwg_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
     if cfg.dtype in TC_DTYPES:
@@ -218,6 +249,9 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
 def _entry(cfg: PrefillConfig, causal: bool) -> str:
     # The shared entry (kernels_cu/common/fwd_entry.cuh) instantiated with one CTA's algorithm.
     c, t = ("true" if causal else "false"), _CTYPE[cfg.dtype]
+    if cfg.isa == "tma":  # its own entry: three tensor maps, then flash_fwd_entry's arguments
+        return (f"cf::flash_fwd_tma_entry<cf::FlashFwdHopper<{t}, {cfg.headdim}, {cfg.block_m}, "
+                f"{cfg.block_n}, {c}, {cfg.stages}>, {t}>")
     if cfg.isa == "wgmma":
         block = (f"cf::FlashFwdWgmma<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {c}, "
                  f"{cfg.stages}>")
@@ -242,9 +276,9 @@ def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: 
                 causal: bool, *, isa: str | None = None) -> jit.KernelSpec:
     """The :class:`~cupyflash.jit.KernelSpec` of the :data:`SUPPORTED` row with this tile.
 
-    ``isa``: ``"wgmma"``, ``"mma"`` or ``"simt"``; default ``"simt"`` for float32/float64 and
-    ``"mma"`` for float16/bfloat16 (a wgmma row must be asked for by name, or through
-    :func:`spec_of`).
+    ``isa``: ``"tma"``, ``"wgmma"``, ``"mma"`` or ``"simt"``; default ``"simt"`` for
+    float32/float64 and ``"mma"`` for float16/bfloat16 (a TMA or wgmma row must be asked for by
+    name, or through :func:`spec_of`).
 
     Raises
     ------
@@ -255,7 +289,8 @@ def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: 
         isa = "simt" if dtype in SIMT_DTYPES else "mma"
     cfg = _BY_KEY.get((dtype, hd_padded, block_m, block_n, nwarps, isa))
     if cfg is None:
-        have = [f"m{c.block_m}_n{c.block_n}_w{c.nwarps}" + (f" ({c.isa})" if c.isa == "wgmma" else "")
+        have = [f"m{c.block_m}_n{c.block_n}_w{c.nwarps}" + (f" ({c.isa})" if c.isa in HOPPER_ISAS
+                                                            else "")
                 for c in SUPPORTED if c.dtype == dtype and c.headdim == hd_padded]
         raise ValueError(f"prefill tile: ({dtype}, hd{hd_padded}, m{block_m}, n{block_n}, w{nwarps}"
                          f", isa {isa}) is not compiled; compiled for this dtype/headdim: "
@@ -283,9 +318,11 @@ def config_of(spec: jit.KernelSpec) -> tuple:
         raise ValueError(f"spec: {spec.name!r} is not a prefill specialisation") from None
 
 
-def launch_config(spec: jit.KernelSpec, problem) -> tuple:
+def launch_config(spec: jit.KernelSpec, problem, num_sms: int | None = None) -> tuple:
     """Launch geometry ``(grid, block, smem_bytes)`` of ``spec`` for ``problem`` (pure function).
 
+    TMA rows (persistent): grid = (min(work tiles, ``num_sms``), 1, 1), work tiles = ceil(seqlen_q
+    / block_m) * nheads * batch (``num_sms`` default: 132, an H100/H200 SXM). Other rows:
     grid = (ceil(seqlen_q / block_m), nheads, batch): one CTA per (m-block, head, batch);
     for varlen problems ``seqlen_q`` is max_seqlen_q and ``batch`` the number of sequences (CTAs
     past a sequence's end return at once). Causal kernels visit the m-blocks in reverse order
@@ -297,7 +334,12 @@ def launch_config(spec: jit.KernelSpec, problem) -> tuple:
     problem : cupyflash.checks.AttnProblem (uses batch, seqlen_q, nheads).
     """
     cfg, _ = config_of(spec)
-    grid = (max(0, -(-problem.seqlen_q // cfg.block_m)), problem.nheads, problem.batch)
+    m_blocks = max(0, -(-problem.seqlen_q // cfg.block_m))
+    if cfg.isa == "tma":
+        from .heuristics import H200_SMS
+        tiles = m_blocks * problem.nheads * problem.batch
+        return (min(tiles, int(num_sms or H200_SMS)), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes
+    grid = (m_blocks, problem.nheads, problem.batch)
     return grid, (cfg.threads, 1, 1), cfg.smem_bytes
 
 
@@ -423,7 +465,12 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
     ValueError
         On a layout / alignment / spec mismatch, or a grid larger than CUDA allows.
     """
-    grid, block, smem = launch_config(spec, problem)
+    cfg = config_of(spec)[0]
+    num_sms = None
+    if cfg.isa == "tma":
+        import cupy
+        num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    grid, block, smem = launch_config(spec, problem, num_sms)
     if grid[0] == 0 or grid[1] == 0 or grid[2] == 0:
         return  # nothing to compute (no query rows, heads or sequences)
     if grid[1] > 65535 or grid[2] > 65535:
@@ -431,4 +478,19 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
     args = kernel_args(spec, q, k, v, out, lse, problem=problem, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k)
     kern = jit.get_kernel(spec)
-    kern(grid, block, args, shared_mem=smem, stream=stream)
+    if cfg.isa != "tma":
+        kern(grid, block, args, shared_mem=smem, stream=stream)
+        return
+    if cu_seqlens_q is not None:
+        raise ValueError(f"spec: {spec.name} (TMA) runs dense problems only; varlen runs on "
+                         f"the wgmma rows")
+    import cupy
+    from . import tma
+    n = 5 + 14  # pointers, then the 14 strides
+    run = tma.TmaLaunch(kern, grid, block, args, (0, 1, 2, 3, 4, n, n + 1),
+                        tma.qkv_maps_layout(problem, args[5:n], cfg.block_m, cfg.block_n),
+                        shared_mem=smem, causal=config_of(spec)[1],
+                        device_id=cupy.cuda.runtime.getDevice())
+    ptrs = [a.data.ptr if isinstance(a, cupy.ndarray) else 0 for a in args[:5]] + [0, 0]
+    stream = stream or cupy.cuda.get_current_stream()
+    run(ptrs, stream.ptr)

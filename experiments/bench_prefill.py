@@ -24,7 +24,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
-IMPLS = ("cupyflash", "torch_flash", "torch_cudnn", "baseline")
+IMPLS = ("cupyflash", "fa3", "torch_flash", "torch_cudnn", "baseline", "cupyflash_wgmma")
+
+
+def _fa3_fn(q, k, v, causal):
+    """FlashAttention-3 (the ``fa3_fwd`` wheel's ``fa3_fwd_interface``; bf16 only) on torch views
+    of the same memory."""
+    import fa3_fwd_interface as fa3
+    if str(q.dtype) != "bfloat16":
+        raise ValueError(f"fa3: the wheel runs bfloat16 only, got {q.dtype}")
+    qt, kt, vt = (common.cupy_to_torch(x) for x in (q, k, v))
+
+    def run():
+        out = fa3.flash_attn_func(qt, kt, vt, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+    return run
+
+
+def _wgmma_fn(q, k, v, causal):
+    """cupyflash's previous Hopper kernel (flash_fwd_wgmma.cu, cp.async ring, no producer),
+    launched directly: the before of the TMA kernel, in the same run."""
+    import cupy
+    from cupyflash import checks, prefill
+    problem = checks.check_attention(q, k, v, causal=causal)
+    cfg = next(c for c in prefill.SUPPORTED if c.isa == "wgmma" and c.dtype == str(q.dtype)
+               and c.headdim == prefill.padded_headdim(q.shape[-1]))
+    spec = prefill.spec_of(cfg, causal)
+    out = cupy.empty_like(q)
+    lse = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), cupy.float32)
+    return lambda: (prefill.launch(spec, q, k, v, out, lse, problem=problem), out)[1]
 
 
 def make_fn(impl, q, k, v, causal):
@@ -37,6 +65,10 @@ def make_fn(impl, q, k, v, causal):
         return lambda: attention_baseline(q, k, v, causal=causal)
     if impl.startswith("torch_"):
         return common.torch_sdpa(q, k, v, impl[len("torch_"):], causal=causal)
+    if impl == "fa3":
+        return _fa3_fn(q, k, v, causal)
+    if impl == "cupyflash_wgmma":
+        return _wgmma_fn(q, k, v, causal)
     raise ValueError(f"impl: unknown {impl!r}; known: {IMPLS}")
 
 
@@ -120,7 +152,8 @@ def main(argv=None) -> int:
         # correctness beside speed: each output against torch's flash backend on the same inputs
         if torch_ref is not None:
             for rec in records:
-                if rec["impl"] in ("cupyflash", "baseline") and "error" not in rec:
+                if rec["impl"] in ("cupyflash", "baseline", "fa3", "cupyflash_wgmma") \
+                        and "error" not in rec:
                     try:
                         rec["rel_diff_vs_torch_flash"] = rel_diff_vs(
                             make_fn(rec["impl"], q, k, v, causal)(), torch_ref)

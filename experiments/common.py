@@ -176,6 +176,12 @@ def impl_available(name: str) -> tuple[bool, str]:
     """
     if not have_gpu():
         return False, "no CUDA GPU"
+    if name == "fa3":
+        try:
+            import fa3_fwd_interface  # noqa: F401
+        except Exception as e:  # the wheel is optional: ../shared/peers/README.md
+            return False, f"fa3_fwd_interface does not import ({type(e).__name__}: {e})"
+        return True, ""
     if name.startswith("torch_"):
         if not have_torch():
             return False, "torch is not installed"

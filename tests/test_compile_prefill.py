@@ -4,9 +4,10 @@
   for ``sm_80`` one specialisation per kernel file is compiled by default, because all of them
   for both architectures take over 2 minutes on 2 cores. ``CUPYFLASH_COMPILE_ALL_ARCHS=1``
   compiles every specialisation for ``sm_80`` too (all had zero spills when the table was set).
-  The wgmma kernels (``KernelSpec.arch == "sm_90a"``) are built for sm_90a only.
+  The Hopper kernels (TMA and wgmma, ``KernelSpec.arch == "sm_90a"``) are built for sm_90a only.
 * Tensor-core specialisations of the supported table have zero spill bytes (the ptxas report),
-  and no wgmma kernel has its wgmma pipeline serialised by ptxas (warnings C7513 / C7515);
+  and no Hopper kernel has its wgmma pipeline serialised by ptxas (warnings C7510 / C7513 /
+  C7515 / C7520, "serialized");
   every report has a register count; the CUDA-core (float32/float64) reports' spills are
   printed, not asserted.
 * The table: names unique, shared memory within 227 KiB and equal to the kernel traits' formula,
@@ -48,17 +49,18 @@ def test_every_spec_compiles(reports):
     names = {s.name for s in prefill.all_specs()}
     assert set(reports["sm_90a"]) == names
     assert {s.source for s in prefill.all_specs()} == {prefill.TC_SOURCE, prefill.SIMT_SOURCE,
-                                                       prefill.WG_SOURCE}
+                                                       prefill.WG_SOURCE, prefill.TMA_SOURCE}
     assert len(reports["sm_80"]) >= 2
-    assert all(s.arch == "sm_90a" for s in prefill.all_specs() if s.source == prefill.WG_SOURCE)
+    assert all(s.arch == "sm_90a" for s in prefill.all_specs()
+               if s.source in (prefill.WG_SOURCE, prefill.TMA_SOURCE))
 
 
 def test_wgmma_pipeline_is_not_serialised(reports):
-    wg = {n: r for n, r in reports["sm_90a"].items() if n.startswith("fwdwg_")}
-    assert wg
+    wg = {n: r for n, r in reports["sm_90a"].items() if n.startswith(("fwdwg_", "fwdtma_"))}
+    assert any(n.startswith("fwdtma_") for n in wg) and any(n.startswith("fwdwg_") for n in wg)
     for name, r in wg.items():
-        assert "C7513" not in r.log and "C7515" not in r.log and "serialized" not in r.log, \
-            f"{name}: ptxas serialised the wgmma pipeline:\n{r.log}"
+        bad = [c for c in ("C7510", "C7513", "C7515", "C7520", "serialized") if c in r.log]
+        assert not bad, f"{name}: ptxas serialised the wgmma pipeline ({bad}):\n{r.log}"
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
@@ -88,7 +90,11 @@ def test_table_is_consistent():
         assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n,
                                                   c.stages, isa=c.isa)
         assert c.headdim in prefill.HEADDIMS
-        if c.isa == "wgmma":
+        if c.isa == "tma":  # a producer warpgroup and block_m / 64 consumer warpgroups
+            assert c.source == prefill.TMA_SOURCE and c.dtype in prefill.TC_DTYPES
+            assert c.nwarps == 4 * (c.block_m // 64 + 1) and c.headdim in (64, 128, 256)
+            assert c.arch == "sm_90a"
+        elif c.isa == "wgmma":
             assert c.source == prefill.WG_SOURCE and c.dtype in prefill.TC_DTYPES
             assert c.block_m == 16 * c.nwarps and c.block_m % 64 == 0 and c.headdim in (64, 128)
             assert c.arch == "sm_90a"
@@ -112,7 +118,7 @@ def test_table_names_and_options_are_consistent():
     for c in rows:
         tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
         assert c.prefetch == (c.isa == "mma" and tile in prefill._TC_PREFETCH), c
-        assert c.stages == (3 if c.isa == "wgmma" else 2), c
+        assert c.stages == (3 if c.isa == "wgmma" else 2), c  # tma: 3 measured slower (v52)
         for causal in (False, True):
             spec = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, causal,
                                        isa=c.isa)
@@ -134,9 +140,10 @@ def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
                                                       batch_nheads=64, tiles=tiles) == tiles[0]
 
 
-def test_wgmma_rows_lead_on_sm90a():
+def test_tma_rows_lead_on_sm90a():
     from cupyflash import heuristics
-    for hd, tile in ((128, (128, 128, 8, "wgmma")), (64, (128, 128, 8, "wgmma"))):
+    for hd, tile in ((128, (128, 128, 12, "tma")), (64, (128, 128, 12, "tma")),
+                     (256, (128, 64, 12, "tma"))):
         for dtype in ("bfloat16", "float16"):
             assert heuristics.prefill_tiles(dtype, hd)[0] == tile
             for causal in (False, True):
@@ -145,6 +152,10 @@ def test_wgmma_rows_lead_on_sm90a():
 
 
 def test_smem_formula_matches_kernel_traits():
+    # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 2 mbarriers, two 48-byte
+    # tile infos, 1024 bytes of alignment
+    assert prefill.smem_bytes("bfloat16", 128, 128, 128, 2, isa="tma") == \
+        (128 + 4 * 128) * 128 * 2 + 8 * 10 + 96 + 1024
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
     # flash_fwd_simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)

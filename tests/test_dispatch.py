@@ -38,13 +38,13 @@ def test_prefill_tiles_follow_the_table():
     for cfg in prefill.SUPPORTED:
         tile = (cfg.block_m, cfg.block_n, cfg.nwarps, cfg.isa)
         assert tile in heuristics.prefill_tiles(cfg.dtype, cfg.headdim)
-        # wgmma rows are offered for sm_90a only
+        # TMA and wgmma rows are offered for sm_90a only
         assert (tile in heuristics.prefill_tiles(cfg.dtype, cfg.headdim, "sm_80")) == \
-            (cfg.isa != "wgmma")
+            (cfg.isa not in ("tma", "wgmma"))
     first = next(c for c in prefill.SUPPORTED if c.dtype == "bfloat16" and c.headdim == 128)
-    assert first.isa == "wgmma"
+    assert first.isa == "tma"
     assert heuristics.prefill_tiles("bfloat16", 120)[0] == (first.block_m, first.block_n,
-                                                            first.nwarps, "wgmma")
+                                                            first.nwarps, "tma")
     first80 = next(c for c in prefill.SUPPORTED if c.dtype == "bfloat16" and c.headdim == 128
                    and c.isa == "mma")
     assert heuristics.prefill_tiles("bfloat16", 120, "sm_80")[0] == (
@@ -168,7 +168,7 @@ def test_shared_memory_limit_rejects_tiles_and_never_falls_back():
                and c.smem_bytes > limit]
     reasons = dict(plan.rejected)
     for c in too_big:
-        name = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, False).name
+        name = prefill.spec_of(c, False).name
         assert "shared memory" in reasons[name]
     # nothing fits: ValueError listing every candidate, no fallback to another dtype / path
     p64 = _problem("float64", d=256)
@@ -227,9 +227,10 @@ def test_explain_numpy_arrays_without_gpu():
     k = np.zeros((2, 1500, 4, 128), bf16)
     plan = api.explain(q, k, k, causal=True, arch="sm_90a")
     assert isinstance(plan, dispatch.Plan)
-    # Hopper: the wgmma kernel; an sm_80 target gets the mma.sync one and says why not wgmma
-    assert plan.name.startswith("fwdwg_bf16_hd128_") and plan.name.endswith("_causal")
-    assert plan.template["isa"] == "wgmma" and plan.kernel.spec.arch == "sm_90a"
+    # Hopper: the TMA kernel; an sm_80 target gets the mma.sync one and says why not TMA
+    assert plan.name.startswith("fwdtma_bf16_hd128_") and plan.name.endswith("_causal")
+    assert plan.template["isa"] == "tma" and plan.kernel.spec.arch == "sm_90a"
+    assert plan.grid == (132, 1, 1)  # persistent: one CTA per SM (2 * 16 * 8 = 256 tiles)
     plan80 = api.explain(q, k, k, causal=True, arch="sm_80")
     assert plan80.name.startswith("fwd_bf16_hd128_") and plan80.template["isa"] == "mma"
     assert plan80.kernel.arch == "sm_80"

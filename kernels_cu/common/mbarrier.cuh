@@ -1,5 +1,5 @@
 // mbarriers and the async-proxy fence (sm_90; PTX ISA 8.0, "mbarrier", "fence.proxy.async") of
-// the wgmma prefill kernel's K/V ring (flash_fwd_wgmma.cu, through wgmma.cuh). CTA scope
+// the Hopper prefill kernels' K/V rings (flash_fwd_wgmma.cu, flash_fwd_hopper.cu). CTA scope
 // throughout. Before sm_90 the sm_90-only instructions compile to traps.
 #pragma once
 
@@ -23,6 +23,18 @@ __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
 // One arrival of this thread.
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
+}
+
+// One arrival of this thread that also tells the barrier to expect `bytes` more bytes of
+// asynchronous copies (TMA, common/tma.cuh) in the current phase: the phase completes once every
+// arrival and every expected byte has landed.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+#else
+    __trap();
+#endif
 }
 
 // One arrival of this thread, triggered when all of its earlier cp.async copies have completed

@@ -586,3 +586,40 @@ def test_int_max_window_means_unbounded(dtype_name, window):
         assert testing.rel_error(got, ref) < tol, (window, sq, sk)
         fin = np.isfinite(ref_lse)
         assert np.array_equal(np.isfinite(cupy.asnumpy(lse)), fin)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_persistent_scheduler_on_two_streams(causal):
+    """The TMA kernel's persistent grid: more work tiles than SMs (every CTA takes several), the
+    causal one from its per-stream counter (kernels_cu/flash_fwd_hopper.cu FwdTileScheduler).
+    Launches alternate between two CuPy streams; every result matches the reference, repeats are
+    bitwise equal, and every counter is back at 0 afterwards (the next launch's start)."""
+    from cupyflash import tma
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the TMA kernel runs on sm_90a only")
+    rng = np.random.default_rng(41)
+    B, S, H, Hk, d = 2, 1100, 8, 2, 128  # 2 * 8 * 9 = 144 tiles of 128 rows > 132 SMs
+    qh, kh, vh = (rng.standard_normal((B, S, h, d)).astype(np_dtype("bfloat16"))
+                  for h in (H, Hk, Hk))
+    q, k, v = (cupy.asarray(x) for x in (qh, kh, vh))
+    plan = dispatch.launch_plan(check_attention(q, k, v, causal=causal))
+    assert plan.template["isa"] == "tma" and plan.grid[0] <= 132, plan.name
+    ref, _ = reference.attention_reference(qh, kh, vh, causal=causal)
+    base = same_precision_attention(qh, kh, vh, softmax_scale=1 / math.sqrt(d),
+                                    window_size=(-1, 0) if causal else (-1, -1), dtype="bfloat16")
+    tol = 2 * np.abs(base - ref).max() + EPS["bfloat16"] * np.abs(ref).max()
+    streams = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True))
+    results = []
+    for i in range(6):
+        with streams[i % 2]:
+            out = cupy.full(q.shape, np.nan, q.dtype)
+            flash_attn_func(q, k, v, causal=causal, out=out)
+            results.append(out)
+    for s in streams:
+        s.synchronize()
+    first = cupy.asnumpy(results[0])
+    assert np.abs(first.astype(np.float64) - ref).max() <= tol
+    for r in results[1:]:
+        assert cupy.asnumpy(r).tobytes() == first.tobytes()
+    for arr in tma._COUNTERS.values():
+        assert int(arr.get()[0]) == 0

@@ -1,0 +1,224 @@
+"""Tensor maps and the launch of the TMA prefill kernel (``kernels_cu/flash_fwd_hopper.cu``).
+
+The Hopper kernel loads Q, K and V with the tensor memory accelerator. Each copy is described
+by a ``CUtensorMap`` (CUDA Driver API, "Tensor Map Object Management"): 128 bytes built on the
+host by ``cuTensorMapEncodeTiled`` from the base pointer, the dims and strides of the tensor and
+the box one copy moves, and passed by value as a ``const __grid_constant__`` kernel parameter.
+CuPy cannot pass a 128-byte structure by value, so these launches go through ``cuLaunchKernelEx``
+(``ctypes``, as :mod:`cupyflash.launch`) on the function handle CuPy compiled and loaded.
+
+A map depends on the base pointer, so a launch re-encodes a map only when its tensor's pointer
+changed since the previous launch of the same entry (the other fields are the entry's: fixed by
+the layouts that key the launch cache). Layout of every map here: the 4-D tensor
+(headdim, nheads, seqlen, batch) of 16-bit elements, innermost first; box 64 x 1 x rows x 1
+(64 elements = the 128-byte swizzle span; a head dim of 128 or 256 is 2 or 4 boxes); elements
+outside the tensor are zero-filled (rows past the sequence, columns past the actual head dim).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+from . import launch
+
+__all__ = ["TensorMap", "encode_tensor_map", "qkv_maps_layout", "tile_counter", "TmaLaunch"]
+
+
+class TensorMap(ctypes.Structure):
+    """A ``CUtensorMap`` (``cuda.h``: 16 opaque 64-bit words, 64-byte aligned), passed by value
+    as ``const __grid_constant__ cf::TmaDesc`` (``kernels_cu/common/tma.cuh``)."""
+    _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+
+# cuda.h enum values of cuTensorMapEncodeTiled
+CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION_256B = 3
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements are zero
+
+
+@functools.lru_cache(maxsize=1)
+def _encode_fn():
+    """``cuTensorMapEncodeTiled`` with its argument types (libcuda, loaded on first use)."""
+    f = launch._driver().cuTensorMapEncodeTiled
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                  ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+class _MapEncoder:
+    """The constant part of one tensor map (dims, strides, box as ctypes arrays), encoded into a
+    64-byte aligned holder for each new base pointer."""
+
+    __slots__ = ("dims", "strides", "box", "elem_strides", "rank", "holder", "_raw", "ptr")
+
+    def __init__(self, dims, strides_bytes, box):
+        rank = self.rank = len(dims)
+        if not (1 <= rank <= 5 and len(strides_bytes) == rank - 1 and len(box) == rank):
+            raise ValueError(f"dims, strides_bytes, box: expected rank 1-5 with rank - 1 "
+                             f"strides, got {dims}, {strides_bytes}, {box}")
+        bad = [s for s in strides_bytes if s % 16 or s <= 0 or s >= 1 << 40]
+        if bad:
+            raise ValueError(f"strides: a TMA tensor map needs positive strides that are "
+                             f"multiples of 16 bytes below 2^40, got {tuple(strides_bytes)} "
+                             f"bytes")
+        self.dims = (ctypes.c_uint64 * rank)(*[int(d) for d in dims])
+        self.strides = (ctypes.c_uint64 * max(1, rank - 1))(*[int(s) for s in strides_bytes])
+        self.box = (ctypes.c_uint32 * rank)(*[int(b) for b in box])
+        self.elem_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
+        self._raw = ctypes.create_string_buffer(128 + 64)  # the driver wants it 64-byte aligned
+        self.holder = (ctypes.addressof(self._raw) + 63) & ~63
+        self.ptr = None
+
+    def encode(self, ptr: int) -> None:
+        status = _encode_fn()(
+            self.holder, CU_TENSOR_MAP_DATA_TYPE_UINT16, self.rank, ptr, self.dims,
+            self.strides, self.box, self.elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if status:
+            launch._check("cuTensorMapEncodeTiled", status)
+        self.ptr = ptr
+
+
+def encode_tensor_map(ptr: int, dims, strides_bytes, box) -> TensorMap:
+    """A tiled tensor map of 16-bit elements at device address ``ptr``: ``dims`` (innermost
+    first, elements), ``strides_bytes`` (of dims 1.., bytes, multiples of 16), ``box`` (elements
+    per copy along each dim; the innermost 64 at most: the 128-byte swizzle span), zero fill
+    out of bounds.
+
+    Raises
+    ------
+    ValueError
+        Ranks that disagree, strides that are not positive multiples of 16 bytes.
+    cupyflash.launch.LaunchError
+        The driver refused the description (the message names the CUresult)."""
+    enc = _MapEncoder(dims, strides_bytes, box)
+    enc.encode(int(ptr))
+    return TensorMap.from_buffer_copy(ctypes.string_at(enc.holder, ctypes.sizeof(TensorMap)))
+
+
+def qkv_maps_layout(problem, strides: tuple, block_m: int, block_n: int) -> tuple:
+    """``(dims, strides_bytes, box)`` of the q, k and v maps of a dense prefill problem.
+
+    ``strides``: the 12 q/k/v/o element strides of :func:`cupyflash.prefill.args_template`
+    (batch, row, head for each of q, k, v, o). 16-bit elements."""
+    p = problem
+    out = []
+    for i, (rows, heads, box_rows) in enumerate(((p.seqlen_q, p.nheads, block_m),
+                                                  (p.seqlen_k, p.nheads_k, block_n),
+                                                  (p.seqlen_k, p.nheads_k, block_n))):
+        b, r, h = (int(s) for s in strides[3 * i:3 * i + 3])
+        # a batch of one may carry any batch stride; give TMA one it accepts
+        if p.batch == 1:
+            b = max(b, r * max(rows, 1), h * heads)
+        out.append(((p.headdim, heads, max(rows, 1), p.batch), (2 * h, 2 * r, 2 * b),
+                    (64, 1, box_rows, 1)))
+    return tuple(out)
+
+
+_COUNTERS: dict = {}
+_COUNTERS_LOCK = threading.Lock()
+
+
+def tile_counter(device_id: int, stream_ptr: int) -> int:
+    """Device address of the causal scheduler's counter for one (device, stream): an int32 that
+    is 0 between launches (each launch leaves it 0: ``FwdTileScheduler::next`` in
+    ``kernels_cu/flash_fwd_hopper.cu``). One per stream, so that launches on two streams never
+    share one; made (and zeroed, with a device synchronisation) on first use, on the current
+    device, which must be ``device_id``."""
+    key = (device_id, stream_ptr)
+    arr = _COUNTERS.get(key)
+    if arr is None:
+        import cupy
+        with _COUNTERS_LOCK:
+            arr = _COUNTERS.get(key)
+            if arr is None:
+                arr = cupy.zeros(1, cupy.int32)
+                cupy.cuda.Device(device_id).synchronize()  # zeroed before any stream uses it
+                _COUNTERS[key] = arr
+    return arr.data.ptr
+
+
+class TmaLaunch:
+    """The launch of one TMA prefill entry: like :class:`cupyflash.launch.PreparedLaunch`
+    (constant arguments converted once; a call gives the pointers and the stream), with the
+    three tensor maps of q, k, v and the scheduler's counter (:func:`tile_counter` of the
+    call's stream when ``causal``, else NULL) as the kernel's first arguments; a map is
+    re-encoded when its pointer changes.
+
+    Parameters
+    ----------
+    kernel : cupy.RawKernel
+        ``cf::flash_fwd_tma_entry<...>``, loaded on the current device.
+    grid, block : tuple of 3 ints
+    args : tuple
+        The arguments after the three maps, as for ``PreparedLaunch`` (NumPy scalars; the
+        entries at ``pointer_slots`` are placeholders).
+    pointer_slots : tuple of int
+        Indices in ``args`` of the per-call pointers; the first three are q, k, v.
+    maps : tuple of 3 ``(dims, strides_bytes, box)``
+        From :func:`qkv_maps_layout`.
+    shared_mem : int
+        Dynamic shared memory per block, bytes.
+    causal : bool
+        The kernel schedules its tiles dynamically (needs the counter).
+    device_id : int
+        The kernel's device (the counters are per device and stream).
+    """
+
+    __slots__ = ("_func", "_cfg", "_cfg_ref", "_holders", "_params", "_keep", "_enc", "_lock",
+                 "_counter", "_causal", "_device", "__weakref__")
+
+    def __init__(self, kernel, grid, block, args, pointer_slots, maps, *, shared_mem: int,
+                 causal: bool, device_id: int):
+        self._func = launch._function_ptr(kernel)
+        self._causal, self._device = bool(causal), int(device_id)
+        self._counter = ctypes.c_uint64(0)
+        self._enc = tuple(_MapEncoder(*m) for m in maps)
+        ptrs, self._keep = launch.kernel_arguments(args)
+        slots = tuple(int(i) for i in pointer_slots)
+        self._holders = [ctypes.c_uint64(0) for _ in slots]
+        addrs = ([e.holder for e in self._enc] + [ctypes.addressof(self._counter)]
+                 + [ptrs[i] for i in range(len(args))])
+        for i, h in zip(slots, self._holders):
+            addrs[4 + i] = ctypes.addressof(h)
+        self._params = (ctypes.c_void_p * len(addrs))(*addrs)
+        cfg = self._cfg = launch._Config()
+        cfg.grid[0], cfg.grid[1], cfg.grid[2] = (int(g) for g in grid)
+        cfg.block[0], cfg.block[1], cfg.block[2] = (int(b) for b in block)
+        cfg.shared_mem_bytes = int(shared_mem)
+        cfg.num_attrs = 0
+        self._cfg_ref = ctypes.byref(cfg)
+        self._lock = threading.Lock()
+
+    def __call__(self, pointers, stream_ptr: int) -> None:
+        """Launch with ``pointers`` (ints, in ``pointer_slots`` order: q, k, v first) on the
+        stream handle ``stream_ptr``.
+
+        Raises
+        ------
+        ValueError
+            Not one pointer per slot.
+        cupyflash.launch.LaunchError
+            The driver refused a tensor map or the launch."""
+        holders = self._holders
+        if len(pointers) != len(holders):
+            raise ValueError(f"pointers: expected {len(holders)}, got {len(pointers)}")
+        counter = tile_counter(self._device, stream_ptr) if self._causal else 0
+        with self._lock:
+            self._counter.value = counter
+            for enc, x in zip(self._enc, pointers):
+                if enc.ptr != x:
+                    enc.encode(x)
+            for h, x in zip(holders, pointers):
+                h.value = x
+            self._cfg.stream = stream_ptr
+            status = launch._launch_ex()(self._cfg_ref, self._func, self._params, None)
+        if status:
+            launch._check("cuLaunchKernelEx", status)

@@ -1,0 +1,449 @@
+// Tiled prefill forward for Hopper (sm_90a only), fp16 / bf16 inputs, fp32 accumulation:
+// FlashAttention-3 (Shah et al., arXiv 2407.08608) built on the algorithm of FlashAttention-2
+// (Dao, arXiv 2307.08691, Algorithm 1) and the one online softmax of common/online_softmax.cuh.
+//
+// A persistent CTA (at most one per SM) takes work tiles (BLOCK_M query rows of one head) from
+// the tile scheduler (static when non-causal, a global counter when causal) and runs them one
+// after the other. Its warpgroups have two roles (FA3 Sec. 3.1, "warp specialisation"):
+//   * the producer (the last warpgroup; one thread works, the registers of the others are given
+//     to the consumers with setmaxnreg): TMA copies of the Q tile and of a ring of STAGES K and V
+//     tiles into 128-byte swizzled shared memory, each completing on a "full" mbarrier by its
+//     byte count; a slot is refilled once every consumer warp has released it on its "empty"
+//     mbarrier;
+//   * the consumers (BLOCK_M / 64 warpgroups of 64 query rows): the loop of flash_fwd_wgmma.cu:
+//     in step i a warpgroup issues S_{i+1} = Q K_{i+1}^T and O += P_i V_i on the tensor cores,
+//     runs the softmax of S_{i+1} while P_i V_i runs (FA3 Sec. 3.2, intra-warpgroup overlap),
+//     then rescales O; two warpgroups take turns issuing their GEMMs (named barriers: ping-pong,
+//     FA3 Sec. 3.1); the output is normalised once and written from registers.
+// The producer hands each tile to the consumers with its Q (FwdTileInfo in shared memory), so
+// both roles walk the same tiles and the same ring positions.
+// The consumers compute no load address and issue no copy: every instruction they issue is
+// GEMM, softmax or a barrier. Shared-memory layouts and descriptors: common/wgmma.cuh.
+#include "common/dtype.cuh"
+#include "common/params.cuh"
+#include "common/mask.cuh"
+#include "common/online_softmax.cuh"
+#include "common/mma.cuh"
+#include "common/wgmma.cuh"
+#include "common/wg_softmax.cuh"
+#include "common/tma.cuh"
+#include "common/fwd_entry.cuh"
+
+namespace cf {
+
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES>
+struct HopperFwdTraits {
+    static constexpr int kConsumerWGs = BLOCK_M / 64;
+    static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+    static constexpr int kConsumerWarps = 4 * kConsumerWGs;
+    static constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
+    static constexpr int kColTiles = HEADDIM / 64;            // 64-element (128-byte) column tiles
+    static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;
+    static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;
+    // full_k, full_v, empty_k, empty_v per ring slot; q_full, q_empty
+    static constexpr int kBarriers = 4 * STAGES + 2;
+    // Q, the K and V rings, the barriers, two FwdTileInfo (48 bytes each), and 1024 bytes to
+    // align the base to the swizzle repeat. cupyflash/prefill.py computes the same number.
+    static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 96 + 1024;
+    // setmaxnreg: the SM's 64K registers split between the producer warpgroup (32: with 24 its
+    // scheduler and work-tile arithmetic spill) and the two consumer warpgroups (240 each: O, S,
+    // P_i and P_{i+1} of hd128 take 192)
+    static constexpr int kProducerRegs = 32;
+    static constexpr int kConsumerRegs = 240;
+    static constexpr int kSAcc = BLOCK_N / 2;                 // S floats per thread (64 x BLOCK_N)
+    static constexpr int kOAcc = HEADDIM / 2;                 // O floats per thread (64 x HEADDIM)
+    static constexpr int kQKSteps = HEADDIM / 16;             // k16 steps of Q K^T
+    static constexpr int kPVSteps = BLOCK_N / 16;             // k16 steps of P V
+    static constexpr int kNTiles = BLOCK_N / 8;               // 8-key column groups of S
+    static constexpr int kDTiles = HEADDIM / 8;               // 8-column groups of O
+    static constexpr int kON = HEADDIM < 128 ? HEADDIM : 128; // N of one P V wgmma
+    static constexpr int kOChunks = HEADDIM / kON;            // P V wgmmas per k-step
+
+    static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
+    static_assert(HEADDIM == 64 || HEADDIM == 128 || HEADDIM == 256, "compiled head dims: 64, 128, 256");
+    static_assert(BLOCK_M == 128, "two consumer warpgroups (three, 192 x 64 at hd64, measured slower: NOTES v53)");
+    static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
+    static_assert(STAGES >= 2 && STAGES <= 3, "K/V ring of 2 or 3 tiles");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
+    // sm_90's opt-in limit; also keeps every shared address below 2^18, the reach of the
+    // descriptors' 14-bit (address >> 4) field (common/wgmma.cuh)
+    static_assert(kSmemBytes <= 227 * 1024, "shared memory of the configuration");
+};
+
+// The persistent tile scheduler. Work tile t = (m-block, head, batch), in this order: (batch,
+// head) pairs in groups whose K and V together fit in a part of L2 (kL2Bytes), so that the CTAs
+// running at the same time share them; inside a group, m-blocks (the heaviest, last ones first
+// when causal: longest tiles first), and inside an m-block the group's heads. CTA i starts with
+// tile i. Non-causal tiles all cost the same: CTA i then takes i + gridDim.x, i + 2 gridDim.x, ...
+// (static). Causal tiles do not: the next tile goes to the CTA that asks first, from a global
+// counter (dynamic; FA3's scheduler for causal masks): a static stride puts tiles of nearly the
+// same length on the same CTA round after round when it is close to the number of m-blocks.
+template <int BLOCK_M, bool CAUSAL>
+struct FwdTileScheduler {
+    static constexpr long long kL2Bytes = 24ll << 20;  // of the H100/H200's 50/60 MB
+    int num_m_blocks, num_bh, nheads, group, num_tiles;
+
+    __device__ __forceinline__ FwdTileScheduler(const FwdParams& p, int headdim) {
+        num_m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+        nheads = p.nheads;
+        num_bh = p.batch * p.nheads;
+        num_tiles = num_m_blocks * num_bh;
+        // K and V of one query head (16-bit), shared by h_per_kv query heads
+        const long long kv_bytes = max(1ll, (long long)p.seqlen_k * headdim * 4 / p.h_per_kv);
+        group = (int)max(1ll, min((long long)num_bh, kL2Bytes / kv_bytes));
+    }
+
+    struct Work { int m_block, h, b; };
+
+    // The tile after `t` for this CTA (the producer's thread asks; >= num_tiles: none left).
+    // Dynamic: the counter starts at 0 and counts the requests; each CTA's last request is the
+    // one that returns a tile >= num_tiles, so num_tiles - gridDim.x + gridDim.x = num_tiles
+    // requests are made in all and the one that sees num_tiles - 1 resets the counter for the
+    // next launch (kernels of one stream run one after the other).
+    __device__ __forceinline__ int next(int t, int* counter) const {
+        if (!CAUSAL) return t + (int)gridDim.x;
+        const int ticket = atomicAdd(counter, 1);
+        if (ticket == num_tiles - 1) atomicExch(counter, 0);
+        return (int)gridDim.x + ticket;
+    }
+
+    __device__ __forceinline__ Work get(int t) const {
+        const int span = group * num_m_blocks;
+        const int grp = t / span;
+        const int size = min(group, num_bh - grp * group);
+        const int r = t - grp * span;
+        const int mi = r / size;
+        const int bh = grp * group + (r - mi * size);
+        return Work{CAUSAL ? num_m_blocks - 1 - mi : mi, bh % nheads, bh / nheads};
+    }
+};
+
+// One work tile: its sequence, first row and key tiles (computed by the producer).
+template <int BLOCK_M, int BLOCK_N, bool CAUSAL>
+struct FwdWork {
+    FwdSeq seq;
+    int m0, b, h, n_block_min, n_tiles;
+    KeyTiles<BLOCK_N> tiles;
+
+    __device__ __forceinline__ FwdWork(const FwdParams& p,
+                                       const typename FwdTileScheduler<BLOCK_M, CAUSAL>::Work& w)
+        : seq(fwd_seq(p, w.b, w.h)), m0(w.m_block * BLOCK_M), b(w.b), h(w.h),
+          tiles(m0, min(m0 + BLOCK_M, seq.seqlen_q) - 1, seq.seqlen_q, seq.seqlen_k, CAUSAL,
+                p.window_left, p.window_right) {
+        n_block_min = tiles.n_block_min;
+        n_tiles = m0 < seq.seqlen_q ? tiles.n_block_max - tiles.n_block_min : 0;
+    }
+};
+
+// What the consumers need of a work tile, handed over in shared memory with its Q (two slots,
+// alternating: the producer refills a slot only after the consumers released the next tile's Q,
+// so after they finished the tile that used it). They read it through a volatile reference at
+// each use: loaded again rather than held in registers through the main loop (the consumer's
+// 240 registers hold O, S and two P tiles at hd128).
+struct FwdTileInfo {
+    int tile;                // >= the number of tiles: stop
+    int m0, seqlen_q, seqlen_k, n_block_min, n_tiles;
+    int lo_last, hi_first;   // KeyTiles: which key tiles need the mask
+    int64_t o_off, lse_off;
+};
+
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
+__device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const TmaDesc& tq,
+                                                       const TmaDesc& tk, const TmaDesc& tv,
+                                                       int* tile_counter) {
+    using Tr = HopperFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, STAGES>;
+    using Sched = FwdTileScheduler<BLOCK_M, CAUSAL>;
+    using Work = FwdWork<BLOCK_M, BLOCK_N, CAUSAL>;
+    using MmaS = Wgmma<T, BLOCK_N>;   // S (64 x BLOCK_N) = Q K^T
+    using MmaO = Wgmma<T, Tr::kON>;   // O (64 x kON) += P V, kOChunks times
+    constexpr int S = STAGES;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t sQ = (smem_u32addr(smem_raw) + 1023u) & ~1023u;  // swizzle repeat alignment
+    const uint32_t sK = sQ + Tr::kQBytes;                            // K ring: S tiles
+    const uint32_t sV = sK + S * Tr::kKVBytes;                       // V ring: S tiles
+    const uint32_t bars = sV + S * Tr::kKVBytes;                     // mbarriers, 8 bytes each
+    auto full_k = [&](int st) { return bars + 8u * (uint32_t)st; };
+    auto full_v = [&](int st) { return bars + 8u * (uint32_t)(S + st); };
+    auto empty_k = [&](int st) { return bars + 8u * (uint32_t)(2 * S + st); };
+    auto empty_v = [&](int st) { return bars + 8u * (uint32_t)(3 * S + st); };
+    const uint32_t q_full = bars + 8u * (uint32_t)(4 * S), q_empty = q_full + 8u;
+    // The producer hands each work tile to the consumers with its Q: its FwdTileInfo is written
+    // before the arrival on q_full (an arrive releases, a completed wait acquires).
+    FwdTileInfo* s_info = reinterpret_cast<FwdTileInfo*>(
+        smem_raw + (bars + 8u * Tr::kBarriers - smem_u32addr(smem_raw)));
+
+    const int tid = threadIdx.x;
+    // The warpgroup index, broadcast from lane 0 so that the compiler knows it is warp-uniform:
+    // a role branch it thinks divergent makes ptxas serialise every wgmma behind it (C7520).
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+    if (tid == 0) {
+        // full: the producer's expect-tx arrival plus the bytes; empty: one arrival per
+        // consumer warp once its wgmma that read the tile has completed
+        for (int st = 0; st < S; ++st) {
+            mbarrier_init(full_k(st), 1);
+            mbarrier_init(full_v(st), 1);
+            mbarrier_init(empty_k(st), Tr::kConsumerWarps);
+            mbarrier_init(empty_v(st), Tr::kConsumerWarps);
+        }
+        mbarrier_init(q_full, 1);
+        mbarrier_init(q_empty, Tr::kConsumerWarps);
+        fence_proxy_async();  // the initialised barriers, before TMA completes bytes on them
+    }
+    __syncthreads();
+    const Sched sched(p, HEADDIM);
+
+    // ============================== producer ==============================
+    if (wg == Tr::kConsumerWGs) {
+        warpgroup_reg_dealloc<Tr::kProducerRegs>();
+        if (tid != Tr::kConsumerThreads) return;  // one thread issues every copy
+        tma_prefetch_desc(&tq);
+        tma_prefetch_desc(&tk);
+        tma_prefetch_desc(&tv);
+        int kv = 0;  // K/V tiles loaded so far (ring position and phase)
+        for (int t = blockIdx.x, qn = 0;; t = sched.next(t, tile_counter), ++qn) {
+            // the tile (and its Q), once the consumers have read the previous one and their last
+            // Q K^T of it has completed; t >= num_tiles tells them to stop
+            if (qn > 0) mbarrier_wait(q_empty, (uint32_t)((qn - 1) & 1));
+            FwdTileInfo& info = s_info[qn & 1];
+            info.tile = t;
+            if (t >= sched.num_tiles) {
+                mbarrier_arrive(q_full);
+                break;
+            }
+            const Work w(p, sched.get(t));
+            info.m0 = w.m0;
+            info.seqlen_q = w.seq.seqlen_q;
+            info.seqlen_k = w.seq.seqlen_k;
+            info.n_block_min = w.n_block_min;
+            info.n_tiles = w.n_tiles;
+            info.lo_last = w.tiles.lo_last;
+            info.hi_first = w.tiles.hi_first;
+            info.o_off = w.seq.o_off;
+            info.lse_off = w.seq.lse_off;
+            if (w.n_tiles <= 0) {  // no key: the consumers write 0 and -inf without Q
+                mbarrier_arrive(q_full);
+                continue;
+            }
+            mbarrier_arrive_expect_tx(q_full, Tr::kQBytes);
+#pragma unroll
+            for (int c = 0; c < Tr::kColTiles; ++c)
+                tma_load_4d(sQ + (uint32_t)(c * BLOCK_M * 128), &tq, c * 64, w.h, w.m0, w.b, q_full);
+            const int hk = w.h / p.h_per_kv;
+            for (int j = 0; j < w.n_tiles; ++j, ++kv) {
+                const int st = kv % S, n0 = (w.n_block_min + j) * BLOCK_N;
+                const uint32_t release = (uint32_t)((kv / S - 1) & 1);  // the previous use's phase
+                if (kv >= S) mbarrier_wait(empty_k(st), release);
+                mbarrier_arrive_expect_tx(full_k(st), Tr::kKVBytes);
+#pragma unroll
+                for (int c = 0; c < Tr::kColTiles; ++c)
+                    tma_load_4d(sK + (uint32_t)(st * Tr::kKVBytes + c * BLOCK_N * 128), &tk, c * 64,
+                                hk, n0, w.b, full_k(st));
+                if (kv >= S) mbarrier_wait(empty_v(st), release);
+                mbarrier_arrive_expect_tx(full_v(st), Tr::kKVBytes);
+#pragma unroll
+                for (int c = 0; c < Tr::kColTiles; ++c)
+                    tma_load_4d(sV + (uint32_t)(st * Tr::kKVBytes + c * BLOCK_N * 128), &tv, c * 64,
+                                hk, n0, w.b, full_v(st));
+            }
+        }
+        return;
+    }
+
+    // ============================== consumers ==============================
+    warpgroup_reg_alloc<Tr::kConsumerRegs>();
+    const int lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    const float scale_log2 = p.scale_log2;
+    // A warp releases a slot (or Q) once its wgmma that read it has completed: wgmma_wait is
+    // warp-synchronous, so one lane arrives for the warp.
+    auto release = [&](uint32_t bar) { if (lane == 0) mbarrier_arrive(bar); };
+    auto wait_k = [&](int it) { mbarrier_wait(full_k(it % S), (uint32_t)((it / S) & 1)); };
+    auto wait_v = [&](int it) { mbarrier_wait(full_v(it % S), (uint32_t)((it / S) & 1)); };
+
+    // Descriptors: one base per operand and call, made opaque so that the compiler cannot hoist
+    // one 64-bit descriptor per k-step out of the loop (2 registers each); k-step offsets are
+    // added to the address field (16-byte units; shared addresses stay below 2^18 bytes).
+    const uint32_t sQ_wg = sQ + (uint32_t)(wg * 64 * 128);  // this warpgroup's 64 rows
+    auto opaque = [](uint64_t d) { asm volatile("" : "+l"(d)); return d; };
+    // S = Q K^T of ring tile it (issued, committed, not waited for).
+    auto issue_qk = [&](float (&s)[Tr::kSAcc], int it) {
+        const uint64_t dq = opaque(wgmma_desc_sw128(sQ_wg, 16, 1024));
+        const uint64_t dk = opaque(wgmma_desc_sw128(sK + (uint32_t)(it % S) * Tr::kKVBytes, 16, 1024));
+#pragma unroll
+        for (int ks = 0; ks < Tr::kQKSteps; ++ks) {
+            // k-step ks: column tile ks / 4, 32 bytes per k-step inside the 128-byte row
+            const uint64_t qo = (uint64_t)(((ks >> 2) * BLOCK_M * 128 + (ks & 3) * 32) >> 4);
+            const uint64_t ko = (uint64_t)(((ks >> 2) * BLOCK_N * 128 + (ks & 3) * 32) >> 4);
+            MmaS::ss(s, dq + qo, dk + ko, ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+    };
+    // O += P V of ring tile it (issued, committed, not waited for); head dims above 128 as
+    // kOChunks wgmmas of N = 128 (column tiles 2c, 2c + 1 of V, registers 64c .. of O).
+    auto issue_pv = [&](float (&o)[Tr::kOAcc], uint32_t (&pf)[Tr::kPVSteps][4], int it) {
+        const uint64_t dv = opaque(wgmma_desc_sw128(sV + (uint32_t)(it % S) * Tr::kKVBytes,
+                                                    (uint32_t)(BLOCK_N * 128), 1024));
+#pragma unroll
+        for (int kk = 0; kk < Tr::kPVSteps; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
+#pragma unroll
+            for (int c = 0; c < Tr::kOChunks; ++c)
+                MmaO::rs_tn(*reinterpret_cast<float (*)[Tr::kON / 2]>(o + c * (Tr::kON / 2)), pf[kk],
+                            dv + (uint64_t)((kk * 16 * 128 + c * 2 * BLOCK_N * 128) >> 4), 1);
+        wgmma_commit();
+    };
+
+    constexpr bool kPingPong = Tr::kConsumerWGs == 2;
+    int kv = 0;  // ring position, in step with the producer
+    for (int qn = 0;; ++qn) {
+        mbarrier_wait(q_full, (uint32_t)(qn & 1));  // the next tile (and its Q, if it has keys)
+        const volatile FwdTileInfo& ti = s_info[qn & 1];
+        if (ti.tile >= sched.num_tiles) break;
+        const int n_tiles = ti.n_tiles;
+        if (n_tiles <= 0) {  // no Q to read: the producer may go on at once
+            __syncwarp();
+            release(q_empty);
+        }
+        if (ti.m0 >= ti.seqlen_q) continue;  // no rows (varlen)
+        const int row0 = ti.m0 + wg * 64 + warp_in_wg * 16 + g;  // this thread's rows: row0, row0 + 8
+        float o[Tr::kOAcc];
+#pragma unroll
+        for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
+        SoftmaxRow<float> row[2];
+        row[0].init();
+        row[1].init();
+        auto softmax = [&](const float (&s)[Tr::kSAcc], uint32_t (&pf)[Tr::kPVSteps][4],
+                           float (&alpha)[2], int nb) {
+            const int n0 = nb * BLOCK_N;  // KeyTiles::needs_mask
+            if (!(n0 >= ti.lo_last && n0 + BLOCK_N <= ti.hi_first))
+                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, true>(s, pf, row, alpha, row0, n0, t4, p,
+                                                               ti.seqlen_q, ti.seqlen_k, CAUSAL,
+                                                               scale_log2);
+            else
+                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, false>(s, pf, row, alpha, row0, n0, t4, p,
+                                                                ti.seqlen_q, ti.seqlen_k, CAUSAL,
+                                                                scale_log2);
+        };
+        if (n_tiles > 0) {
+            // ---- prologue: S_0 and its softmax ----
+            uint32_t p_cur[Tr::kPVSteps][4];
+            {
+                float s[Tr::kSAcc];
+                wait_k(kv);
+                wgmma_fence();
+                issue_qk(s, kv);
+                wgmma_wait<0>();
+                wgmma_fence_operand(s);
+                release(empty_k(kv % S));
+                if (n_tiles == 1) release(q_empty);
+                float alpha[2];
+                softmax(s, p_cur, alpha, ti.n_block_min);
+            }
+            // Ping-pong: warpgroup 1 hands the first turn to warpgroup 0.
+            if (kPingPong && wg == 1) named_barrier_arrive(1, Tr::kConsumerThreads);
+
+            // ---- main loop: step i consumes V_i (P_i V_i) and K_{i+1} (S_{i+1}) ----
+            for (int i = 0; i < n_tiles; ++i) {
+                const int it = kv + i;
+                const bool has_next = i + 1 < n_tiles;
+                if (has_next) wait_k(it + 1);
+                wait_v(it);
+                if (kPingPong) named_barrier_sync(1 + wg, Tr::kConsumerThreads);          // my turn
+                float s[Tr::kSAcc];
+                // O and P_i were last written by ordinary instructions (rescale, copy)
+                wgmma_fence_operand(o);
+                wgmma_fence_operand(p_cur);
+                wgmma_fence();
+                if (has_next) issue_qk(s, it + 1);
+                issue_pv(o, p_cur, it);
+                if (kPingPong) named_barrier_arrive(1 + (wg ^ 1), Tr::kConsumerThreads);  // theirs
+                if (has_next) {
+                    uint32_t p_next[Tr::kPVSteps][4];
+                    float alpha[2];
+                    wgmma_wait<1>();                   // S_{i+1} is done; P_i V_i may still run
+                    wgmma_fence_operand(s);
+                    release(empty_k((it + 1) % S));
+                    if (i + 2 == n_tiles) release(q_empty);  // the tile's last Q K^T
+                    softmax(s, p_next, alpha, ti.n_block_min + i + 1);
+                    wgmma_wait<0>();                   // P_i V_i is done: O and P_i are free
+                    // P_i stays live to here, so that P_{i+1} is not built in its registers
+                    // while the P_i V_i group reads them (ptxas would serialise, C7513).
+                    wgmma_fence_operand(p_cur);
+                    wgmma_fence_operand(o);
+                    release(empty_v(it % S));
+#pragma unroll
+                    for (int d = 0; d < Tr::kDTiles; ++d) {
+                        o[4 * d + 0] *= alpha[0];
+                        o[4 * d + 1] *= alpha[0];
+                        o[4 * d + 2] *= alpha[1];
+                        o[4 * d + 3] *= alpha[1];
+                    }
+#pragma unroll
+                    for (int kk = 0; kk < Tr::kPVSteps; ++kk)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) p_cur[kk][e] = p_next[kk][e];
+                } else {
+                    wgmma_wait<0>();
+                    wgmma_fence_operand(o);
+                    release(empty_v(it % S));
+                }
+            }
+            // Warpgroup 1 handed over one more turn than warpgroup 0 takes in the loop.
+            if (kPingPong && wg == 0) named_barrier_sync(1, Tr::kConsumerThreads);
+            kv += n_tiles;
+        }
+
+        // ---- epilogue: l summed over the quad; out = O / l (0 for an empty row); LSE ----
+        T* o_base = static_cast<T*>(p.o) + ti.o_off;
+        float* lse_base = p.lse + ti.lse_off;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float l = row[hh].l;
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = SoftmaxRow<float>::inv_l(l);
+            const int r = row0 + 8 * hh;
+            if (r < ti.seqlen_q) {
+                T* o_row = o_base + (int64_t)r * p.o_row_stride;
+#pragma unroll
+                for (int d = 0; d < Tr::kDTiles; ++d) {
+                    const int col = d * 8 + 2 * t4;
+                    if (col < p.headdim)
+                        *reinterpret_cast<uint32_t*>(o_row + col) =
+                            pack2<T>(o[4 * d + 2 * hh] * inv, o[4 * d + 2 * hh + 1] * inv);
+                }
+                if (t4 == 0 && p.lse != nullptr) lse_base[r] = row[hh].lse(l, scale_log2);  // NULL: not asked for
+            }
+        }
+    }
+}
+
+// One CTA of the TMA forward, for flash_fwd_tma_entry below: the name expression is
+// cf::flash_fwd_tma_entry<cf::FlashFwdHopper<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES>, T>.
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
+struct FlashFwdHopper {
+    static constexpr int kThreads = HopperFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, STAGES>::kThreads;
+    static __device__ __forceinline__ void run(const FwdParams& p, const TmaDesc& tq,
+                                               const TmaDesc& tk, const TmaDesc& tv,
+                                               int* tile_counter) {
+        flash_fwd_hopper_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES>(p, tq, tk, tv,
+                                                                             tile_counter);
+    }
+};
+
+// The entry: three tensor maps (q, k, v as 4-D (headdim, nheads, seqlen, batch) tensors of T,
+// boxes of 64 x 1 x BLOCK_M (q) or BLOCK_N (k, v) x 1 with the 128-byte swizzle: cupyflash/tma.py),
+// the causal scheduler's counter (an int that is 0 before the launch and left 0 after it; one
+// per stream: cupyflash/tma.py; unused when non-causal), then the arguments of flash_fwd_entry
+// (common/fwd_entry.cuh). The grid is persistent: min(work tiles, SMs) CTAs on x.
+template <typename Block, typename T>
+__global__ void __launch_bounds__(Block::kThreads, 1)
+flash_fwd_tma_entry(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
+                    const __grid_constant__ TmaDesc tv, int* tile_counter,
+                    CF_FWD_ENTRY_PARAMS(T)) {
+    FwdParams p;
+    CF_FWD_ENTRY_PACK(p);
+    Block::run(p, tq, tk, tv, tile_counter);
+}
+
+}  // namespace cf
