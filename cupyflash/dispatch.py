@@ -24,6 +24,12 @@ from . import checks, heuristics, interop, jit
 __all__ = ["KernelChoice", "Plan", "plan_prefill", "launch_plan", "default_arch",
            "check_arch", "check_device_limits", "h200_assumed_note", "max_smem_bytes_for_arch"]
 
+#: bf16 matmul throughput measured on the H200 (8192^3, torch/cuBLAS,
+#: experiments/results/bench_ceilings.jsonl: 1.366 ms): the tensor-core roof of Plan.roofline_ms.
+H200_MATMUL_TFLOPS = 805.0
+#: Read bandwidth measured on the H200 (4 GB reduction, bench_ceilings.jsonl): the memory roof.
+H200_READ_TBPS = 4.54
+
 #: Opt-in dynamic shared memory per block (bytes) by architecture (CUDA C Programming Guide,
 #: "Compute Capabilities" table). Used when no device is visible; on a GPU the device is asked.
 _SMEM_BY_ARCH = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_87": 163 * 1024,
@@ -112,6 +118,12 @@ class Plan:
         Decode: float32 elements of the ``workspace=`` the call needs (the split partials and the
         fused merge's counters; 0 with one split; :func:`cupyflash.decode.workspace_size`);
         None for prefill.
+    roofline_ms : float or None
+        Prefill on tensor cores (float16/bfloat16): the predicted time, milliseconds, of a
+        kernel at the H200's measured roofs, ``max(flops / 805 TFLOP/s, hbm_bytes / 4.54 TB/s)``
+        (:data:`H200_MATMUL_TFLOPS`, :data:`H200_READ_TBPS`): the time if the softmax were
+        entirely hidden behind the tensor cores. ``experiments/bench_prefill.py`` records the
+        measured time over it (``measured_over_roofline``). None otherwise.
     """
     problem: object
     kernel: KernelChoice
@@ -123,6 +135,7 @@ class Plan:
     num_sms: int = heuristics.H200_SMS
     reasons: list = dataclasses.field(default_factory=list)
     workspace_elems: int | None = None
+    roofline_ms: float | None = None
 
     # Shortcuts to the main kernel's fields.
     @property
@@ -165,6 +178,7 @@ class Plan:
                 "extra_kernels": [kc(k) for k in self.extra_kernels],
                 "num_splits": self.num_splits, "flops": self.flops, "hbm_bytes": self.hbm_bytes,
                 "num_sms": self.num_sms, "workspace_elems": self.workspace_elems,
+                "roofline_ms": self.roofline_ms,
                 "reasons": [list(r) for r in self.reasons],
                 "rejected": [list(r) for r in self.rejected]}
 
@@ -178,6 +192,7 @@ class Plan:
                  f"spill={spill} B ({k.arch or 'not compiled'})",
                  f"  num_splits={self.num_splits} flops={self.flops} hbm_bytes={self.hbm_bytes} "
                  f"num_sms={self.num_sms}"
+                 + ("" if self.roofline_ms is None else f" roofline_ms={self.roofline_ms:.4g}")
                  + ("" if self.workspace_elems is None
                     else f" workspace_elems={self.workspace_elems}")]
         for e in self.extra_kernels:
@@ -414,7 +429,11 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
                           grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block),
                           smem_bytes=int(smem), registers=registers, spill_bytes=spill,
                           arch=rep_arch, spec=spec)
+    roofline = None
+    if flops is not None and hbm is not None and p.dtype in prefill.TC_DTYPES:
+        roofline = 1e3 * max(flops / (H200_MATMUL_TFLOPS * 1e12), hbm / (H200_READ_TBPS * 1e12))
     return Plan(problem=p, kernel=choice, num_splits=None, flops=flops, hbm_bytes=hbm,
+                roofline_ms=roofline,
                 rejected=[(n, w) for _, n, w in rejected], num_sms=int(num_sms))
 
 

@@ -11,8 +11,12 @@ TFLOP/s = ``4 * batch * nheads * pairs * headdim / time`` with the causal pairs 
     python experiments/bench_prefill.py               # bf16 + fp16, hd 64/128, S = 512 .. 32768
 
 Appends to ``experiments/results/bench_prefill.jsonl``: impl, dtype, headdim, batch, nheads,
-seqlen, causal, ms, tflops, gpu, commit, the timing spread, the cupyflash ``explain()`` record,
-its peak extra device memory, and the output's relative difference to torch's flash backend.
+seqlen, causal, ms, tflops, gpu, commit, the timing spread, the cupyflash ``explain()`` record
+(with its roofline prediction and ``measured_over_roofline``), its peak extra device memory, and
+the output's relative difference to torch's flash backend. Impls: ``fa3`` (FlashAttention-3,
+when ``fa3_fwd_interface`` imports: ../shared/peers/README.md; bf16 only; the run says why when
+it is skipped), ``torch_cudnn``, ``torch_flash`` (FlashAttention-2 in torch), ``baseline``
+(materialising), ``cupyflash_wgmma`` (the previous Hopper kernel, for a before/after).
 """
 from __future__ import annotations
 
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="reduced sweep (bf16, S in 1k/4k/16k)")
     ap.add_argument("--dtypes", nargs="+", default=None)
-    ap.add_argument("--headdims", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--headdims", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--seqlens", nargs="+", type=int, default=None)
     ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
@@ -141,6 +145,9 @@ def main(argv=None) -> int:
                     torch_ref = fn()
                 if impl == "cupyflash":
                     rec["explain"] = common.explain_record(q, k, v, causal=causal)
+                    roof = rec["explain"].get("roofline_ms")
+                    if roof:  # explain()'s prediction against the measurement
+                        rec["measured_over_roofline"] = t["ms"] / roof
                     if not args.no_memory:
                         rec.update(common.peak_extra_memory_cupy(fn))
                         rec["model_extra_bytes"] = io_model.prefill_extra_memory(B, H, S)
