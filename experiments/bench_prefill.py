@@ -51,8 +51,10 @@ def _wgmma_fn(q, k, v, causal):
     import cupy
     from cupyflash import checks, prefill
     problem = checks.check_attention(q, k, v, causal=causal)
-    cfg = next(c for c in prefill.SUPPORTED if c.isa == "wgmma" and c.dtype == str(q.dtype)
-               and c.headdim == prefill.padded_headdim(q.shape[-1]))
+    cfg = next((c for c in prefill.SUPPORTED if c.isa == "wgmma" and c.dtype == str(q.dtype)
+                and c.headdim == prefill.padded_headdim(q.shape[-1])), None)
+    if cfg is None:
+        raise ValueError(f"cupyflash_wgmma: no wgmma kernel for {q.dtype} hd{q.shape[-1]}")
     spec = prefill.spec_of(cfg, causal)
     out = cupy.empty_like(q)
     lse = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), cupy.float32)
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--headdims", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--seqlens", nargs="+", type=int, default=None)
     ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--impls", nargs="+", default=[i for i in IMPLS if i != "cupyflash_wgmma"],
+                    choices=IMPLS)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per batch (batch = tokens / S)")
     ap.add_argument("--hidden", type=int, default=2048, help="nheads = hidden / headdim")
     ap.add_argument("--baseline-max-seqlen", type=int, default=8192)
