@@ -65,9 +65,9 @@ options as an earlier one) reads pointers and layouts from the arrays' attribute
 through prepared driver launches (:class:`cupyflash.launch.PreparedLaunch`). With
 ``validate=True`` (the default) nothing is read back to the host: host ``cache_seqlens`` /
 ``block_table`` (an int, a list, NumPy) are checked on the host before the launch and copied to
-the device asynchronously; device ones are checked by a small kernel on the call's stream, whose
-findings are raised by the next call or by :func:`cupyflash.check_errors`
-(:mod:`cupyflash.guard`).
+the device asynchronously; device ones are checked on the device by the call's first kernel (the
+append kernel, else the split kernel: no extra launch), whose findings are raised by the next
+call or by :func:`cupyflash.check_errors` (:mod:`cupyflash.guard`).
 
 Modules
 -------
@@ -274,8 +274,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     validate : bool
         Check ``cache_seqlens`` and ``block_table``: negative lengths, lengths above the
         capacity, page ids outside ``[0, num_pages)``, without a synchronisation. Host data
-        raises ValueError before the launch. Device arrays are checked by a small kernel on the
-        call's stream (:mod:`cupyflash.guard`): a violation is raised as
+        raises ValueError before the launch. Device arrays are checked on the device by the
+        call's first kernel (:mod:`cupyflash.guard`): a violation is raised as
         :class:`cupyflash.guard.DeviceCheckError` (a ValueError, the same message) by the next
         ``flash_attn_with_kvcache`` call once the check has run, or by
         :func:`cupyflash.check_errors` (which synchronises first). With False nothing is
@@ -394,8 +394,8 @@ def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block
     """A warm call from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or None when the arrays
     are not all exactly ``cupy.ndarray`` or all exactly ``torch.Tensor``, not cached yet, on
     different devices or with unaligned cache pointers (the full path then validates: it raises
-    or caches). With ``validate`` the device-side check of ``cache_seqlens`` / ``block_table``
-    (:mod:`cupyflash.guard`) is enqueued before the kernels."""
+    or caches). With ``validate`` the first kernel also checks ``cache_seqlens`` /
+    ``block_table`` on the device (:mod:`cupyflash.guard`)."""
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
     hit = dispatch.warm_entry(opts[0], opts[1:], arrays)
     if hit is None:
@@ -415,7 +415,7 @@ def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block
 
 def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts, check):
     """Plan (cached in :data:`cupyflash.dispatch.LAUNCH_CACHE` when ``opts`` are plain), then
-    allocate what the caller did not pass and launch check / append / split on the current
+    allocate what the caller did not pass and launch append / split (checking) on the current
     device ``dev``. ``arrays``: the call's arrays by name (torch tensors, or CuPy arrays and
     views), validated; ``descs``: what the planning reads of them (ArrayDesc or CuPy arrays)."""
     plan = _resolve_plan(prob, split_size)  # also validates split_size
@@ -456,7 +456,7 @@ class _KVCacheLaunch:
     __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
                  "o_part_bytes", "counters_bytes", "counters_nbytes", "append_kernel",
                  "append_grid", "append_tail", "split_kernel", "split_tail", "split_end",
-                 "pdl_ok", "launches", "cs_stride", "bt_stride", "check")
+                 "pdl_ok", "launches", "bt_stride")
 
     def __init__(self, prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                  return_lse, workspace):
@@ -464,9 +464,7 @@ class _KVCacheLaunch:
         self.prob, self.plan, self.return_lse = prob, plan, return_lse
         ns = plan.num_splits
         self.copy_seqlens = cache_seqlens is not None and cache_seqlens.strides[0] != 4
-        self.cs_stride = _estrides(cache_seqlens)[0] if cache_seqlens is not None else 0
         self.bt_stride = _estrides(block_table)[0] if block_table is not None else 0
-        self.check = None  # the device-side check's launch (guard), built on first use
         b, sq, h, d = prob.batch, prob.seqlen_q, prob.nheads, prob.headdim
         self.lse_shape = (b, h, sq) if return_lse else None
         self.ws_need = plan.workspace_elems
@@ -478,7 +476,7 @@ class _KVCacheLaunch:
         self.counters_bytes = 4 * ns * rows * (d + 1)
         self.counters_nbytes = 4 * plan.counter_elems
         self.pdl_ok = _compute_capability() >= 90
-        self.launches = {}  # ("append" | "split", pdl) -> PreparedLaunch
+        self.launches = {}  # (pdl, check) -> (append PreparedLaunch or None, split one or None)
         self.append_kernel = self.append_tail = self.append_grid = None
         if prob.seqlen_new > 0 and b > 0:
             self.append_kernel = jit.get_kernel(append_kernel_spec(prob.paged))
@@ -509,26 +507,36 @@ class _KVCacheLaunch:
         # counters (one split: unused), grid order (_grid_order)
         self.split_end = (_NULL, i32(_grid_order(prob.paged)))
         if self.pdl_ok:  # build the default launches now (on the entry's device)
-            self.launcher("append", True)
-            self.launcher("split", True)
+            self.prepared(True, False, -1)
 
-    def launcher(self, which: str, pdl: bool):
-        """The prepared launch of the ``"append"`` or ``"split"`` kernel (None when the call
-        has none), programmatic dependent (``pdl``, sm_90+) or plain; built once per entry."""
-        run = self.launches.get((which, pdl))
-        if run is None and (which, pdl) not in self.launches:
-            if which == "append" and self.append_tail is not None:
-                run = launch.PreparedLaunch(self.append_kernel, self.append_grid, (256, 1, 1),
-                                            (_NULL,) * 6 + self.append_tail, range(6), pdl=pdl)
-            elif which == "split" and self.split_tail is not None:
+    def prepared(self, pdl: bool, check: bool, dev: int) -> tuple:
+        """``(append, split)``: the prepared launches of the append kernel (None when the call
+        has no new tokens) and the split kernel (None without query rows), programmatic
+        dependent (``pdl``, sm_90+) or plain; with ``check``, the first of them also checks
+        ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.guard`: the claim
+        and record pointers of device ``dev`` as its last arguments; NULL without). Built once
+        per entry (on its device)."""
+        runs = self.launches.get((pdl, check))
+        if runs is None:
+            chk = (_NULL, _NULL)
+            if check:
+                claim, record = guard.device_pointers(dev)
+                chk = (np.uint64(claim), np.uint64(record))
+            append = split = None
+            if self.append_tail is not None:  # the first kernel: it checks
+                append = launch.PreparedLaunch(
+                    self.append_kernel, self.append_grid, (256, 1, 1),
+                    (_NULL,) * 6 + self.append_tail + chk, range(6), pdl=pdl)
+                chk = (_NULL, _NULL)
+            if self.split_tail is not None:
                 # pointers: the 9 of the head, then the counters
                 n = 9 + len(self.split_tail)
-                run = launch.PreparedLaunch(
+                split = launch.PreparedLaunch(
                     self.split_kernel, self.plan.grid, self.plan.block,
-                    (_NULL,) * 9 + self.split_tail + self.split_end, tuple(range(9)) + (n,),
-                    shared_mem=self.plan.smem_bytes, pdl=pdl)
-            self.launches[(which, pdl)] = run
-        return run
+                    (_NULL,) * 9 + self.split_tail + self.split_end + chk,
+                    tuple(range(9)) + (n,), shared_mem=self.plan.smem_bytes, pdl=pdl)
+            runs = self.launches[(pdl, check)] = (append, split)
+        return runs
 
 
 # The fused combine's counters for calls without ``workspace=``: one zero-filled int32 buffer
@@ -597,9 +605,10 @@ def _stream_counters(caller, dev: int, stream_ptr: int, nbytes: int) -> int:
 
 def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seqlens,
                      block_table, out, workspace):
-    """Allocate what the caller did not pass and launch the device-side check (``check``),
-    append and split for the :class:`_KVCacheLaunch` ``e`` on the current device ``dev`` (that
-    of every array), on the caller's current stream (:mod:`cupyflash.interop`)."""
+    """Allocate what the caller did not pass and launch append and split for the
+    :class:`_KVCacheLaunch` ``e`` on the current device ``dev`` (that of every array), on the
+    caller's current stream (:mod:`cupyflash.interop`); with ``check`` the first of them also
+    checks ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.guard`)."""
     ptr = caller.ptr
     stream = caller.stream(dev)
     counters = None  # device address of the fused combine's counters
@@ -611,28 +620,22 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
     elif e.ws_need:
         counters = ptr(workspace) + e.counters_bytes
     bt_ptr = ptr(block_table) if block_table is not None else 0
-    if check:  # bad lengths / page ids: recorded on the device, raised later (guard)
-        run = e.check
-        if run is None:
-            run = e.check = guard.kvcache_check_launch(e.prob, e.cs_stride, e.bt_stride, dev)
-        if run is not None:
-            run((ptr(cache_seqlens), bt_ptr), stream)
     if e.copy_seqlens:
         cache_seqlens = caller.contiguous(cache_seqlens)
     if out is None:
         out = caller.empty(q.shape, e.prob.dtype, dev)
     lse = caller.empty(e.lse_shape, "float32", dev) if e.lse_shape is not None else None
-    pdl = PDL and e.pdl_ok  # programmatic dependent launches (module docstring)
+    # programmatic dependent launches (module docstring); with ``check`` the first kernel also
+    # checks the lengths and page ids (recorded on the device, raised later: guard)
+    append, split = e.prepared(PDL and e.pdl_ok, check, dev)
     cs_ptr = ptr(cache_seqlens) if cache_seqlens is not None else 0
-    if e.append_tail is not None:  # append first; same stream, so the split kernel sees it
-        e.launcher("append", pdl)((ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr),
-                                  stream)
-    if e.split_tail is not None:
+    if append is not None:  # append first; same stream, so the split kernel sees it
+        append((ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr), stream)
+    if split is not None:
         ws = ptr(workspace) if e.plan.num_splits > 1 else 0
-        e.launcher("split", pdl)(
-            (ptr(q), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr, ptr(out),
-             ptr(lse) if lse is not None else 0, ws, ws + e.o_part_bytes if ws else 0,
-             counters if ws else 0), stream)
+        split((ptr(q), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr, ptr(out),
+               ptr(lse) if lse is not None else 0, ws, ws + e.o_part_bytes if ws else 0,
+               counters if ws else 0), stream)
     return (out, lse) if e.return_lse else out
 
 

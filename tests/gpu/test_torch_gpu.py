@@ -324,6 +324,39 @@ def test_bad_device_metadata_is_reported_without_a_synchronisation(kind):
     assert torch.equal(good_t[[0, 1, 3]], out_t[[0, 1, 3]])  # the other sequences are exact
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_bad_device_metadata_with_new_tokens_is_reported_by_the_append_check(num_splits):
+    """With new tokens the append kernel checks the metadata (the split kernel does not check
+    again): a page id outside the pool, a negative length and a length that the new tokens
+    push over the capacity, each reported once by check_errors() with the host check's
+    message; with valid metadata nothing is reported."""
+    q, kp, vp, cs, bt = _decode_case(True, seed=45)
+    kn, vn = _randn((4, 2, 8, 128), torch.bfloat16, 46), _randn((4, 2, 8, 128), torch.bfloat16, 47)
+
+    def call(lens, table):
+        return cupyflash.flash_attn_with_kvcache(q, kp.clone(), vp.clone(), kn, vn,
+                                                 cache_seqlens=lens, block_table=table,
+                                                 num_splits=num_splits)
+    call(cs, bt)
+    cupyflash.check_errors()  # valid: nothing found
+    bad_bt = bt.clone()
+    bad_bt[2, 32] = 10 ** 6  # sequence 2: 513 + 2 tokens, 33 pages
+    call(cs, bad_bt)
+    with pytest.raises(guard.DeviceCheckError,
+                       match=r"^block_table: page id block_table\[2, 32\]=1000000 is outside "
+                             r"the pool \[0, 256\) \(sequence 2 uses 33 pages\) \[found"):
+        cupyflash.check_errors()
+    cupyflash.check_errors()  # reported once
+    for i, value, match in ((1, -4, r"^cache_seqlens: must be >= 0, got cache_seqlens\[1\]=-4"),
+                            (3, 1023, r"^cache_seqlens: cache_seqlens\[3\]=1023 \+ seqlen_new 2 "
+                                      r"exceeds the cache capacity 1024 \(max_pages_per_seq")):
+        bad = cs.clone()
+        bad[i] = value
+        call(bad, bt)
+        with pytest.raises(guard.DeviceCheckError, match=match):
+            cupyflash.check_errors()
+
+
 def test_bad_host_metadata_raises_before_the_launch():
     q, kc, vc, cs, bt = _decode_case(True, seed=51)
     out = torch.full_like(q, float("nan"))
