@@ -2,7 +2,8 @@
 library's own Python costs per call, every device operation replaced by a no-op.
 
 * ``launch``: :class:`cupyflash.launch.PreparedLaunch.__call__` with 10 pointer arguments (the
-  decode split kernel's), the driver's ``cuLaunchKernelEx`` a no-op.
+  decode split kernel's), the driver's ``cuLaunchKernelEx`` a compiled C function that returns
+  0 (built with ``cc`` at start), called through ctypes as the library calls the driver.
 * ``prefill`` / ``decode``: warm calls on the issue's shapes (prefill 24 x 256 tokens, 12 heads
   x hd32, fp16, causal; decode Llama-3-8B heads, batch 1 x 4k keys and 16 x 1k, bf16, device
   ``cache_seqlens``), through the real warm path (launch cache, pointers, allocations,
@@ -21,8 +22,11 @@ table; writes nothing (CPU numbers are not experiment results).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
+import subprocess
 import sys
+import tempfile
 import timeit
 from pathlib import Path
 
@@ -95,6 +99,35 @@ class FakeCupy:
         return F
 
 
+_NOOP_SO = None
+
+
+class _NoopDriver:
+    """Stands in for libcuda: ``cuLaunchKernelEx`` is a compiled C function of four pointer
+    arguments returning 0 (cc is needed), reached as the library reaches the real one:
+    ``lib.cuLaunchKernelEx`` with the argument types that ``launch._driver`` declares,
+    ``lib["cuLaunchKernelEx"]`` a new function object without them."""
+
+    def __init__(self):
+        global _NOOP_SO
+        if _NOOP_SO is None:
+            d = Path(tempfile.mkdtemp())
+            (d / "noop.c").write_text("int cuLaunchKernelEx(void *a, void *b, void *c, void *d)"
+                                      " { return 0; }\n")
+            subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(d / "noop.so"),
+                            str(d / "noop.c")], check=True)
+            _NOOP_SO = str(d / "noop.so")
+        self._lib = ctypes.CDLL(_NOOP_SO)
+        f = self._lib.cuLaunchKernelEx
+        f.argtypes = [ctypes.POINTER(launch._Config), ctypes.c_void_p,
+                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        self.cuLaunchKernelEx = f
+
+    def __getitem__(self, name):
+        return self._lib[name]
+
+
 def install_fakes():
     """Replace the device, the allocators, the stream and the driver (the CPU tests' fixture,
     with the real PreparedLaunch and a no-op cuLaunchKernelEx)."""
@@ -130,7 +163,8 @@ def install_fakes():
     dispatch.launch_plan = lambda p: dispatch._launch_plan_cached(p, 0)
     jit.get_kernel = lambda spec, *a: spec
     launch._function_ptr = lambda kernel: 0x1234
-    launch._LAUNCH_EX = lambda *a: 0
+    launch._LAUNCH_EX = None
+    launch._driver = _NoopDriver  # cuLaunchKernelEx: a C function that returns 0
     decode._resolve_plan = lambda prob, ss: decode_plan._resolve_plan(prob, ss, use_device=False)
     decode._compute_capability = lambda: 90
     decode._is_capturing = lambda stream: False
