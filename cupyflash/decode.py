@@ -38,9 +38,11 @@ launch (H200, v1 sweep: +3% at batch 1 x 128k, +24% at batch 1 x 8k).
 
 The counters must be zero before a launch: :func:`alloc_workspace` returns a zero-filled
 workspace, and every complete launch leaves them zero. A call without ``workspace=`` takes its
-partials from CuPy's memory pool and its counters from a zero-filled buffer kept per (device,
-stream) and shared by the calls on that stream (no memset per call); such a call cannot be
-captured in a CUDA graph (ValueError: pass ``workspace=``).
+partials and its counters from buffers kept per (device, stream) and shared by the calls on that
+stream (allocated by the caller's allocator, grown to the largest call seen: no allocation and
+no memset per call; each launch writes and reads its partials after the previous kernel of the
+stream has completed); such a call cannot be captured in a CUDA graph (ValueError: pass
+``workspace=``).
 
 Programmatic dependent launch
 -----------------------------
@@ -286,11 +288,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Scratch for the fp32 partials and the fused combine's int32 counters, at least
         :func:`cupyflash.decode.workspace_size` elements, from
         :func:`cupyflash.decode.alloc_workspace` (or zero-filled once: the counters at its end must
-        start at zero; each launch leaves them zero), contiguous and 16-byte aligned. If None, the
-        partials come from the caller's allocator (CuPy's memory pool, torch's caching
-        allocator) and the counters from a zero-filled buffer kept per (device, stream) (per host
-        thread on CuPy's per-thread default stream); such a call cannot be captured in a CUDA
-        graph. Pass it (with ``out`` and ``return_lse=False``; device ``cache_seqlens`` and
+        start at zero; each launch leaves them zero), contiguous and 16-byte aligned. If None,
+        the partials and the counters come from buffers kept per (device, stream) (per host
+        thread on CuPy's per-thread default stream), allocated by the caller's allocator (CuPy's
+        memory pool, torch's caching allocator) on first use and grown to the largest call on
+        that stream; such a call cannot be captured in a CUDA graph. Pass it (with ``out`` and ``return_lse=False``; device ``cache_seqlens`` and
         ``block_table``) to capture in a CUDA graph.
 
     Returns
@@ -539,22 +541,29 @@ class _KVCacheLaunch:
         return runs
 
 
-# The fused combine's counters for calls without ``workspace=``: one zero-filled int32 buffer
-# per (device, stream), grown on demand. Every complete launch leaves the counters it used at
-# zero, so calls in stream order can share them whatever their shapes, and a call costs no
-# memset launch (bench_decode v18: ~0.6 us of a 12 us call at batch 1). CuPy callers' buffers
-# are keyed by the stream object (a weak reference, whose death drops the entry): a new stream
-# that reuses a destroyed one's handle gets a new buffer. CuPy's per-thread default stream is one
-# object whose work runs on each host thread's own CUDA stream, so its buffers are kept per host
-# thread. torch callers' buffers (torch tensors, zeroed on the stream) are keyed by the stream
-# handle: torch keeps its streams for the life of the process.
+# The scratch of calls without ``workspace=``, per (device, stream): the fused combine's
+# counters, one zero-filled int32 buffer, and the split partials, one float32 buffer, each grown
+# on demand (to the largest call seen on the stream; a few MB at most for the issue's shapes:
+# b64 x 32 heads x hd128 x 4 splits is 4.2 MB). Every complete launch leaves the counters it used
+# at zero, so calls in stream order can share them whatever their shapes, and a call costs no
+# memset launch (bench_decode v18: ~0.6 us of a 12 us call at batch 1). The partials are written
+# and read by one launch only, after its griddepcontrol.wait (common/pdl.cuh: the previous kernel
+# of the stream has completed), so calls in stream order can share them too, and a call costs no
+# allocation (a torch.empty on the H200 host: ~5 us). Neither is ever returned to the caller.
+# CuPy callers' buffers are keyed by the stream object (a weak reference, whose death drops the
+# entry): a new stream that reuses a destroyed one's handle gets new buffers. CuPy's per-thread
+# default stream is one object whose work runs on each host thread's own CUDA stream, so its
+# buffers are kept per host thread. torch callers' buffers (torch tensors, the counters zeroed on
+# the stream) are keyed by the stream handle: torch keeps its streams for the life of the
+# process. Entries: CuPy (stream ref, counters, partials, counters address, partials address);
+# torch (counters, partials, counters address, partials address).
 _COUNTERS: dict = {}
 _COUNTERS_PER_THREAD = threading.local()
 _TORCH_COUNTERS: dict = {}
 
 
 def _drop_counters(table: dict, key, ref) -> None:
-    """Weak-reference callback: the stream died; forget its buffer (unless already replaced)."""
+    """Weak-reference callback: the stream died; forget its buffers (unless already replaced)."""
     hit = table.get(key)
     if hit is not None and hit[0] is ref:
         del table[key]
@@ -569,9 +578,12 @@ def _is_capturing(stream_ptr: int) -> bool:
         return True
 
 
-def _stream_counters(caller, dev: int, stream_ptr: int, nbytes: int) -> int:
-    """Device address of at least ``nbytes`` zero bytes of counters for the caller's current
-    stream ``stream_ptr`` on device ``dev`` (the current device).
+def _stream_scratch(caller, dev: int, stream_ptr: int, counters_nbytes: int,
+                    partials_nbytes: int) -> tuple:
+    """``(counters, partials)``: device addresses of at least ``counters_nbytes`` zero bytes of
+    counters and ``partials_nbytes`` bytes for the split partials (16-byte aligned, any
+    content), for the caller's current stream ``stream_ptr`` on device ``dev`` (the current
+    device); see the comment above.
 
     Raises
     ------
@@ -583,11 +595,20 @@ def _stream_counters(caller, dev: int, stream_ptr: int, nbytes: int) -> int:
                          "while the graph still uses it")
     if caller is TorchCaller:
         key = (dev, stream_ptr)
-        buf = _TORCH_COUNTERS.get(key)
-        if buf is None or buf.numel() * 4 < nbytes:  # zeroed on the stream itself
-            buf = _TORCH_COUNTERS[key] = caller.full((max(-(-nbytes // 4), 1024),), 0, "int32",
-                                                     dev)
-        return buf.data_ptr()
+        hit = _TORCH_COUNTERS.get(key)
+        if (hit is None or hit[0].numel() * 4 < counters_nbytes
+                or hit[1].numel() * 4 < partials_nbytes):
+            counters = partials = None
+            if hit is not None:
+                counters = hit[0] if hit[0].numel() * 4 >= counters_nbytes else None
+                partials = hit[1] if hit[1].numel() * 4 >= partials_nbytes else None
+            if counters is None:  # zeroed on the stream itself
+                counters = caller.full((max(-(-counters_nbytes // 4), 1024),), 0, "int32", dev)
+            if partials is None:
+                partials = caller.empty((max(-(-partials_nbytes // 4), 1024),), "float32", dev)
+            hit = _TORCH_COUNTERS[key] = (counters, partials, counters.data_ptr(),
+                                          partials.data_ptr())
+        return hit[2], hit[3]
     cupy = _cupy()
     stream = cupy.cuda.get_current_stream()
     if stream.ptr == cupy.cuda.runtime.streamPerThread:
@@ -596,11 +617,19 @@ def _stream_counters(caller, dev: int, stream_ptr: int, nbytes: int) -> int:
         table = _COUNTERS
     key = (dev, stream.ptr)
     hit = table.get(key)
-    if hit is None or hit[0]() is not stream or hit[1].nbytes < nbytes:
-        buf = cupy.zeros(max(-(-nbytes // 4), 1024), cupy.int32)  # memset on this stream
+    if (hit is None or hit[0]() is not stream or hit[1].nbytes < counters_nbytes
+            or hit[2].nbytes < partials_nbytes):
+        counters = partials = None
+        if hit is not None and hit[0]() is stream:
+            counters = hit[1] if hit[1].nbytes >= counters_nbytes else None
+            partials = hit[2] if hit[2].nbytes >= partials_nbytes else None
+        if counters is None:  # memset on this stream
+            counters = cupy.zeros(max(-(-counters_nbytes // 4), 1024), cupy.int32)
+        if partials is None:
+            partials = cupy.empty(max(-(-partials_nbytes // 4), 1024), cupy.float32)
         ref = weakref.ref(stream, functools.partial(_drop_counters, table, key))
-        table[key] = hit = (ref, buf)
-    return hit[1].data.ptr
+        table[key] = hit = (ref, counters, partials, counters.data.ptr, partials.data.ptr)
+    return hit[3], hit[4]
 
 
 def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seqlens,
@@ -612,13 +641,14 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
     ptr = caller.ptr
     stream = caller.stream(dev)
     counters = None  # device address of the fused combine's counters
+    ws = 0  # device address of the split partials (none with one split)
     if e.ws_need and workspace is None:
         # first, before anything is enqueued (refused while capturing a graph): the counters
-        # from the stream's zero buffer, the partials from the caller's allocator (no kernel)
-        counters = _stream_counters(caller, dev, stream, e.counters_nbytes)
-        workspace = caller.empty((e.counters_bytes // 4,), "float32", dev)
+        # and the partials from the stream's scratch (no kernel, no allocation once grown)
+        counters, ws = _stream_scratch(caller, dev, stream, e.counters_nbytes, e.counters_bytes)
     elif e.ws_need:
-        counters = ptr(workspace) + e.counters_bytes
+        ws = ptr(workspace)
+        counters = ws + e.counters_bytes
     bt_ptr = ptr(block_table) if block_table is not None else 0
     if e.copy_seqlens:
         cache_seqlens = caller.contiguous(cache_seqlens)
@@ -632,7 +662,6 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
     if append is not None:  # append first; same stream, so the split kernel sees it
         append((ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr), stream)
     if split is not None:
-        ws = ptr(workspace) if e.plan.num_splits > 1 else 0
         split((ptr(q), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr, ptr(out),
                ptr(lse) if lse is not None else 0, ws, ws + e.o_part_bytes if ws else 0,
                counters if ws else 0), stream)

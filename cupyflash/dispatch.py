@@ -595,7 +595,8 @@ class PrefillLaunch:
     action : str
         ``"launch"``; ``"fill"`` (no keys: out 0, LSE -inf, no launch); ``"none"`` (empty LSE).
     lse_shape : tuple
-        (batch, nheads, seqlen_q), varlen (nheads, total_q); float32, allocated per call.
+        (batch, nheads, seqlen_q), varlen (nheads, total_q); float32, allocated per call when
+        asked for (``return_lse``; otherwise the kernel gets NULL and writes none).
     grid, block, smem : launch geometry.
     tensor_cores : bool
         Base pointers must be 16-byte aligned (checked per call).

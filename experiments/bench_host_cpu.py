@@ -170,7 +170,7 @@ def install_fakes():
     decode._is_capturing = lambda stream: False
     if hasattr(guard, "_setup"):
         guard._setup = lambda dev: (0x10, 0x20)
-    if hasattr(decode, "_stream_counters"):
+    if hasattr(decode, "_stream_counters"):  # (before issue 22's step 3)
         orig_counters = decode._stream_counters
 
         def counters(caller, dev, stream, *a):

@@ -179,6 +179,50 @@ def test_prefill_torch_errors_are_the_checks(fake_cuda):
     assert fake_cuda == []
 
 
+def test_warm_calls_allocate_only_the_outputs_asked_for(fake_cuda, monkeypatch):
+    """Per warm call: prefill allocates out, and the LSE only with return_lse (else the kernel
+    gets NULL); nothing with out= given. Decode with several splits and no workspace allocates
+    only out: its partials and counters come from the stream's scratch, the same addresses every
+    call; the LSE only with return_lse. Consecutive calls return distinct tensors."""
+    allocs = []
+    orig = interop.TorchCaller.empty
+
+    def counting(shape, dt, dev):
+        allocs.append((tuple(shape), dt))
+        return orig(shape, dt, dev)
+    monkeypatch.setattr(interop.TorchCaller, "empty", staticmethod(counting))
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    api.flash_attn_func(q, k, k, causal=True)  # cold
+    del allocs[:]
+    o1 = api.flash_attn_func(q, k, k, causal=True)
+    o2 = api.flash_attn_func(q, k, k, causal=True)
+    assert allocs == [(tuple(q.shape), "bfloat16")] * 2
+    assert o1.data_ptr() != o2.data_ptr() and fake_cuda[-1][2][4] == 0  # no LSE pointer
+    del allocs[:]
+    o, lse = api.flash_attn_func(q, k, k, causal=True, return_lse=True)
+    assert [a[1] for a in allocs] == ["bfloat16", "float32"] and lse.shape == (2, 4, 16)
+    assert fake_cuda[-1][2][4] == lse.data_ptr()
+    del allocs[:]
+    assert api.flash_attn_func(q, k, k, causal=True, out=o1) is o1 and allocs == []
+    assert fake_cuda[-1][2][3:5] == (o1.data_ptr(), 0)
+
+    qd, kc, cs, _ = _decode_args()
+    decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, num_splits=4)  # cold
+    scratch = fake_cuda[-1][2][7:]
+    del allocs[:]
+    outs = [decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, num_splits=4)
+            for _ in range(2)]
+    assert allocs == [(tuple(qd.shape), "bfloat16")] * 2
+    assert outs[0].data_ptr() != outs[1].data_ptr()
+    ws, lse_part, counters = fake_cuda[-1][2][7:]
+    assert (ws, lse_part, counters) == scratch and fake_cuda[-1][2][6] == 0  # no LSE
+    assert lse_part > ws and counters not in (0, ws)
+    del allocs[:]
+    _, lse = decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, num_splits=4,
+                                            return_lse=True)
+    assert [a[1] for a in allocs] == ["bfloat16", "float32"] and fake_cuda[-1][2][6] == lse.data_ptr()
+
+
 class _NoImports:
     """Counts import statements executed (builtins.__import__) while active."""
 

@@ -164,6 +164,32 @@ def test_varlen_runs_on_torch_stream():
     _assert_close(res, res_lse, ref, ref_lse, dtype)
 
 
+def test_warm_calls_allocate_only_the_outputs_asked_for():
+    """Warm calls hold only what they return: prefill without return_lse allocates out alone
+    (the kernel writes no LSE) and gives the result of a call with it; a decode call with
+    several splits and no workspace allocates only out (partials and counters: the stream's
+    scratch), and two calls give distinct tensors with the same values."""
+    dtype = torch.float16
+    q, k, v = (_randn((4, 256, 12, 32), dtype, s) for s in (91, 92, 93))
+    ref, _ = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    cupyflash.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(_dev())
+    out = cupyflash.flash_attn_func(q, k, v, causal=True)
+    assert torch.cuda.memory_allocated(_dev()) - before == -(-out.nbytes // 512) * 512
+    assert torch.equal(out, ref)
+    qd, kc, vc, cs, _ = _decode_case(False, seed=94)
+    outs = [cupyflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=cs, num_splits=4)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(_dev())
+    outs.append(cupyflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=cs, num_splits=4))
+    assert torch.cuda.memory_allocated(_dev()) - before == -(-outs[1].nbytes // 512) * 512
+    torch.cuda.synchronize()
+    assert outs[0].data_ptr() != outs[1].data_ptr() and torch.equal(outs[0], outs[1])
+    _assert_close(outs[1], None, _decode_ref(qd, kc, vc, cs, None, torch.bfloat16).out, None,
+                  torch.bfloat16)
+
+
 def _decode_case(paged, seed=7, batch=4, cap=1024, hk=8, h=32, d=128, dtype=torch.bfloat16,
                  lens=(1000, 17, 513, 0), page=16):
     """Llama-3-8B heads: q (batch, 1, 32, 128), caches of 8 KV heads; paged: a shuffled pool."""
