@@ -403,11 +403,6 @@ def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block
     if hit is None:
         return None
     caller, dev, entry = hit
-    ptr = caller.ptr
-    if (ptr(k_cache) | ptr(v_cache) | (ptr(workspace) if workspace is not None else 0)) % 16:
-        return None
-    if entry.prob.q_aligned16 and ptr(q) % 16:  # the entry copies Q by 16 bytes: not this q
-        return None
     check = validate and cache_seqlens is not None
     if interop.current_device() == dev:
         return _execute_kvcache(entry, caller, dev, check, *arrays)
@@ -441,7 +436,11 @@ def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts,
                                descs["workspace"] if plan.workspace_elems else None)
         if key is not None:
             dispatch.cache_put(key, entry)
-    return _execute_kvcache(entry, caller, dev, check, *values)
+    r = _execute_kvcache(entry, caller, dev, check, *values)
+    if r is None:  # the alignments were checked above: never return None to a caller
+        raise RuntimeError("flash_attn_with_kvcache: internal error, a validated call was "
+                           "refused by its launch (pointer alignment)")
+    return r
 
 
 def _compute_capability() -> int:
@@ -637,18 +636,23 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
     """Allocate what the caller did not pass and launch append and split for the
     :class:`_KVCacheLaunch` ``e`` on the current device ``dev`` (that of every array), on the
     caller's current stream (:mod:`cupyflash.interop`); with ``check`` the first of them also
-    checks ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.guard`)."""
+    checks ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.guard`).
+
+    Returns None, having done nothing, when the caches or the workspace the plan uses do not
+    start on a 16-byte boundary, or ``q`` does not while the entry copies Q by 16 bytes: what a
+    launch-cache hit does not prove (the warm path then takes the full path, which raises or
+    plans for this ``q``; the full path has checked them before)."""
     ptr = caller.ptr
+    qp, kcp, vcp = ptr(q), ptr(k_cache), ptr(v_cache)
+    ws = ptr(workspace) if e.ws_need and workspace is not None else 0  # the split partials
+    if (kcp | vcp | ws) % 16 or (e.prob.q_aligned16 and qp % 16):
+        return None
     stream = caller.stream(dev)
-    counters = None  # device address of the fused combine's counters
-    ws = 0  # device address of the split partials (none with one split)
+    counters = ws + e.counters_bytes if ws else 0  # the fused combine's counters
     if e.ws_need and workspace is None:
         # first, before anything is enqueued (refused while capturing a graph): the counters
         # and the partials from the stream's scratch (no kernel, no allocation once grown)
         counters, ws = _stream_scratch(caller, dev, stream, e.counters_nbytes, e.counters_bytes)
-    elif e.ws_need:
-        ws = ptr(workspace)
-        counters = ws + e.counters_bytes
     bt_ptr = ptr(block_table) if block_table is not None else 0
     if e.copy_seqlens:
         cache_seqlens = caller.contiguous(cache_seqlens)
@@ -660,11 +664,10 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
     append, split = e.prepared(PDL and e.pdl_ok, check, dev)
     cs_ptr = ptr(cache_seqlens) if cache_seqlens is not None else 0
     if append is not None:  # append first; same stream, so the split kernel sees it
-        append((ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr), stream)
+        append((ptr(k), ptr(v), kcp, vcp, cs_ptr, bt_ptr), stream)
     if split is not None:
-        split((ptr(q), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr, ptr(out),
-               ptr(lse) if lse is not None else 0, ws, ws + e.o_part_bytes if ws else 0,
-               counters if ws else 0), stream)
+        split((qp, kcp, vcp, cs_ptr, bt_ptr, ptr(out), ptr(lse) if lse is not None else 0, ws,
+               ws + e.o_part_bytes if ws else 0, counters), stream)
     return (out, lse) if e.return_lse else out
 
 

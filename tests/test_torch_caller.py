@@ -120,7 +120,7 @@ def test_caller_kind_and_device_test():
     assert interop.caller_of(a, np.zeros(2)) is interop.CupyCaller  # mixed kinds: CuPy's
     assert interop.caller_of(np.zeros(2), a) is interop.CupyCaller
     assert not interop.is_device_array(a)  # a CPU tensor (answered without the interface)
-    assert interop.TorchCaller.layout(a) == (a.shape, a.stride(), a.dtype, False, -1)
+    assert interop.TorchCaller.layout(a) == (a.shape, a.stride(), a.dtype, torch.device("cpu"))
 
 
 def test_host_tensors_still_go_to_the_reference_paths():
