@@ -357,6 +357,30 @@ def test_decode_q_alignment_is_part_of_what_a_hit_proves(fake_cuda):
     assert seen == [True, False]  # then every call hits the entry of the 2-byte loads
 
 
+def test_decode_warm_call_with_unaligned_cache_or_workspace_raises(fake_cuda):
+    """A cache or a workspace of a cached layout but 2 bytes off a 16-byte boundary is refused
+    by the warm path (a hit does not prove pointers) and the full checks raise, naming it;
+    nothing is launched."""
+    q, kc, cs, _ = _decode_args()
+    hq, hk = np.zeros(tuple(q.shape), np.float16), np.zeros(tuple(kc.shape), np.float16)
+    need = decode.workspace_size(hq, hk, hk, cache_seqlens=cs.numpy(), num_splits=4)
+    ws = torch.zeros(need + 8, dtype=torch.float32)
+    ws = ws[(-ws.data_ptr() % 16) // 4:][:need]
+    decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=4, workspace=ws)
+    buf = torch.empty(kc.numel() + 16, dtype=kc.dtype)
+    start = (-buf.data_ptr() % 16) // 2 + 1  # 2 bytes past a 16-byte boundary
+    off = buf[start:start + kc.numel()].view(kc.shape)
+    ws_off = torch.zeros(need + 8, dtype=torch.float32)
+    ws_off = ws_off[(-ws_off.data_ptr() % 16) // 4 + 1:][:need]  # 4 bytes past
+    n = len(fake_cuda)
+    with pytest.raises(ValueError, match=r"^k_cache: rows must be 16-byte aligned"):
+        decode.flash_attn_with_kvcache(q, off, kc, cache_seqlens=cs, num_splits=4, workspace=ws)
+    with pytest.raises(ValueError, match=r"^workspace: must start on a 16-byte boundary"):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=4,
+                                       workspace=ws_off)
+    assert len(fake_cuda) == n
+
+
 def test_decode_workspace_and_lse_pointers(fake_cuda):
     q, kc, cs, _ = _decode_args()
     hq, hk = np.zeros(tuple(q.shape), np.float16), np.zeros(tuple(kc.shape), np.float16)
