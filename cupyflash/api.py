@@ -81,9 +81,11 @@ def _same_device(arrays: dict) -> None:
                              f"device {first_dev}; pass all arrays on one device")
 
 
-def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=None):
+def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=None,
+         want_lse=True):
     """Plan, allocate, launch (inputs already validated). Returns ``(out, lse)``: torch tensors
-    for a torch caller (:func:`cupyflash.interop.caller_of`), else CuPy arrays.
+    for a torch caller (:func:`cupyflash.interop.caller_of`), else CuPy arrays; ``lse`` is None
+    unless ``want_lse`` (the kernel then writes none).
 
     ``options``: the call's ``(kind, ...)`` options when they are plain values (the launch
     cache key, see :data:`cupyflash.dispatch.LAUNCH_CACHE`), else None (nothing is cached).
@@ -107,15 +109,16 @@ def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=No
             key = dispatch.caller_key(caller, options[0], dev, options[1:], arrays)
         d = tuple(views.values())
         entry = dispatch.prefill_launch(problem, key, *d[:4])
-        return _execute(entry, caller, dev, *arrays)
+        return _execute(entry, caller, dev, want_lse, *arrays)
 
 
-def _execute(entry, caller, dev, q, k, v, out, cu_seqlens_q, cu_seqlens_k):
+def _execute(entry, caller, dev, want_lse, q, k, v, out, cu_seqlens_q, cu_seqlens_k):
     """Allocate and launch a :class:`cupyflash.dispatch.PrefillLaunch` on the current device
-    ``dev`` (that of every array) and the caller's stream. Returns ``(out, lse)``."""
+    ``dev`` (that of every array) and the caller's stream. Returns ``(out, lse)``; without
+    ``want_lse`` no LSE is allocated or written (None; the kernel gets NULL)."""
     if out is None:
         out = caller.empty(q.shape, entry.problem.dtype, dev)
-    lse = caller.empty(entry.lse_shape, "float32", dev)
+    lse = caller.empty(entry.lse_shape, "float32", dev) if want_lse else None
     action = entry.action
     if action == "launch":
         ptr = caller.ptr
@@ -127,12 +130,13 @@ def _execute(entry, caller, dev, q, k, v, out, cu_seqlens_q, cu_seqlens_k):
         run = entry.prepared
         if run is None:
             run = _prepare(entry)
-        run((qp, kp, vp, op, ptr(lse),
+        run((qp, kp, vp, op, ptr(lse) if lse is not None else 0,
              ptr(cu_seqlens_q) if cu_seqlens_q is not None else 0,
              ptr(cu_seqlens_k) if cu_seqlens_k is not None else 0), caller.stream(dev))
     elif action == "fill":  # every row sees no key: 0 and -inf (Semantics 2), no launch
         caller.fill(out, 0)
-        caller.fill(lse, -np.inf)
+        if lse is not None:
+            caller.fill(lse, -np.inf)
     # "none": no query rows, batch or heads: nothing to compute, no empty grid
     return out, lse
 
@@ -165,7 +169,7 @@ def _prepare(entry):
     return entry.prepared
 
 
-def _cached_call(key_options, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None):
+def _cached_call(key_options, want_lse, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None):
     """The warm path: ``(out, lse)`` from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or
     None (not every array exactly a ``cupy.ndarray``, or every one exactly a ``torch.Tensor``;
     not cached yet; arrays on different devices: the caller runs the full checks, which raise
@@ -176,9 +180,9 @@ def _cached_call(key_options, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None
         return None
     caller, dev, entry = hit
     if _current_device() == dev:
-        return _execute(entry, caller, dev, *arrays)
+        return _execute(entry, caller, dev, want_lse, *arrays)
     with interop.on_device(dev):
-        return _execute(entry, caller, dev, *arrays)
+        return _execute(entry, caller, dev, want_lse, *arrays)
 
 
 def _current_device() -> int:
@@ -243,7 +247,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         ``cupy.ndarray``. Rows with no visible key are 0.
     lse : torch.Tensor or cupy.ndarray, shape (batch, nheads, seqlen_q), float32
         Only if ``return_lse``: natural log of each row's softmax denominator of the scaled
-        scores (``-inf`` for a row with no visible key). Always computed (the kernel writes it).
+        scores (``-inf`` for a row with no visible key). Without ``return_lse`` none is
+        allocated and the kernel writes none.
 
     Raises
     ------
@@ -268,15 +273,15 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if opts is not None:
         opts = ("dense",) + opts
         if type(return_lse) is bool:
-            r = _cached_call(opts, q, k, v, out)
+            r = _cached_call(opts, return_lse, q, k, v, out)
             if r is not None:
                 return r if return_lse else r[0]
-    _require_bool(return_lse, "return_lse")
+    want_lse = _require_bool(return_lse, "return_lse")
     _require_device({"q": q, "k": k, "v": v, "out": out}, _NUMPY_HINT["dense"])
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, out=out)
-    o, lse = _run(problem, q, k, v, out, options=opts)
-    return (o, lse) if return_lse else o
+    o, lse = _run(problem, q, k, v, out, options=opts, want_lse=want_lse)
+    return (o, lse) if want_lse else o
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -327,19 +332,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         opts = ("varlen",) + opts + (max_seqlen_q, max_seqlen_k)
         if (validate is False and type(return_lse) is bool
                 and cu_seqlens_q is not None and cu_seqlens_k is not None):
-            r = _cached_call(opts, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+            r = _cached_call(opts, return_lse, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
             if r is not None:
                 return r if return_lse else r[0]
     else:
         opts = None
-    _require_bool(return_lse, "return_lse")
+    want_lse = _require_bool(return_lse, "return_lse")
     _require_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                      "cu_seqlens_k": cu_seqlens_k, "out": out}, _NUMPY_HINT["varlen"])
     problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, out=out, validate=validate)
-    o, lse = _run(problem, q, k, v, out, cu_seqlens_q, cu_seqlens_k, options=opts)
-    return (o, lse) if return_lse else o
+    o, lse = _run(problem, q, k, v, out, cu_seqlens_q, cu_seqlens_k, options=opts,
+                  want_lse=want_lse)
+    return (o, lse) if want_lse else o
 
 
 def explain(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),

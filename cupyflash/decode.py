@@ -38,9 +38,11 @@ launch (H200, v1 sweep: +3% at batch 1 x 128k, +24% at batch 1 x 8k).
 
 The counters must be zero before a launch: :func:`alloc_workspace` returns a zero-filled
 workspace, and every complete launch leaves them zero. A call without ``workspace=`` takes its
-partials from CuPy's memory pool and its counters from a zero-filled buffer kept per (device,
-stream) and shared by the calls on that stream (no memset per call); such a call cannot be
-captured in a CUDA graph (ValueError: pass ``workspace=``).
+partials and its counters from buffers kept per (device, stream) and shared by the calls on that
+stream (allocated by the caller's allocator, grown to the largest call seen: no allocation and
+no memset per call; each launch writes and reads its partials after the previous kernel of the
+stream has completed); such a call cannot be captured in a CUDA graph (ValueError: pass
+``workspace=``).
 
 Programmatic dependent launch
 -----------------------------
@@ -65,9 +67,9 @@ options as an earlier one) reads pointers and layouts from the arrays' attribute
 through prepared driver launches (:class:`cupyflash.launch.PreparedLaunch`). With
 ``validate=True`` (the default) nothing is read back to the host: host ``cache_seqlens`` /
 ``block_table`` (an int, a list, NumPy) are checked on the host before the launch and copied to
-the device asynchronously; device ones are checked by a small kernel on the call's stream, whose
-findings are raised by the next call or by :func:`cupyflash.check_errors`
-(:mod:`cupyflash.guard`).
+the device asynchronously; device ones are checked on the device by the call's first kernel (the
+append kernel, else the split kernel: no extra launch), whose findings are raised by the next
+call or by :func:`cupyflash.check_errors` (:mod:`cupyflash.guard`).
 
 Modules
 -------
@@ -194,21 +196,25 @@ def _append_grid(prob) -> tuple:
     return (-(-(prob.seqlen_new * prob.nheads_k * prob.headdim) // 256), prob.batch, 1)
 
 
-def _launch_combine(o_part, lse_part, out, lse_out) -> None:
-    """The combine kernel (decode_combine.cu) over float32 CuPy arrays ``o_part`` (num_parts,
-    batch, seqlen, nheads, headdim) and ``lse_part`` (num_parts, batch, nheads, seqlen), any
-    strides with the head dim contiguous, into ``out`` (batch, seqlen, nheads, headdim) and the
-    float32 ``lse_out`` (batch, nheads, seqlen); one warp per output row."""
+def _launch_combine(o_part, lse_part, out, lse_out, stream_ptr: int) -> None:
+    """The combine kernel (decode_combine.cu) over float32 ``o_part`` (num_parts, batch,
+    seqlen, nheads, headdim) and ``lse_part`` (num_parts, batch, nheads, seqlen), any strides
+    with the head dim contiguous, into ``out`` (batch, seqlen, nheads, headdim) and the float32
+    ``lse_out`` (batch, nheads, seqlen); one warp per output row, a plain launch on the stream
+    handle ``stream_ptr``, on the current device. Arrays: CuPy arrays or
+    :class:`cupyflash.interop.ArrayDesc` (shape, byte strides, dtype, ``data.ptr``)."""
     num_parts, batch, seqlen, nheads, headdim = o_part.shape
     op, lp, o, ls = (_estrides(x) for x in (o_part, lse_part, out, lse_out))
     i64, i32 = np.int64, np.int32
-    args = (o_part, lse_part, out, lse_out,
+    args = (_NULL, _NULL, _NULL, _NULL,
             i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
             i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
             i64(o[0]), i64(o[1]), i64(o[2]), i64(ls[0]), i64(ls[1]),
             i32(num_parts), i32(batch), i32(seqlen), i32(nheads), i32(headdim))
     kern = jit.get_kernel(combine_kernel_spec(checks.dtype_name(out)))
-    kern((-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1), args)
+    run = launch.PreparedLaunch(kern, (-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1),
+                                args, (0, 1, 2, 3), pdl=False)
+    run(tuple(x.data.ptr for x in (o_part, lse_part, out, lse_out)), stream_ptr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,8 +280,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     validate : bool
         Check ``cache_seqlens`` and ``block_table``: negative lengths, lengths above the
         capacity, page ids outside ``[0, num_pages)``, without a synchronisation. Host data
-        raises ValueError before the launch. Device arrays are checked by a small kernel on the
-        call's stream (:mod:`cupyflash.guard`): a violation is raised as
+        raises ValueError before the launch. Device arrays are checked on the device by the
+        call's first kernel (:mod:`cupyflash.guard`): a violation is raised as
         :class:`cupyflash.guard.DeviceCheckError` (a ValueError, the same message) by the next
         ``flash_attn_with_kvcache`` call once the check has run, or by
         :func:`cupyflash.check_errors` (which synchronises first). With False nothing is
@@ -286,11 +292,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Scratch for the fp32 partials and the fused combine's int32 counters, at least
         :func:`cupyflash.decode.workspace_size` elements, from
         :func:`cupyflash.decode.alloc_workspace` (or zero-filled once: the counters at its end must
-        start at zero; each launch leaves them zero), contiguous and 16-byte aligned. If None, the
-        partials come from the caller's allocator (CuPy's memory pool, torch's caching
-        allocator) and the counters from a zero-filled buffer kept per (device, stream) (per host
-        thread on CuPy's per-thread default stream); such a call cannot be captured in a CUDA
-        graph. Pass it (with ``out`` and ``return_lse=False``; device ``cache_seqlens`` and
+        start at zero; each launch leaves them zero), contiguous and 16-byte aligned. If None,
+        the partials and the counters come from buffers kept per (device, stream) (per host
+        thread on CuPy's per-thread default stream), allocated by the caller's allocator (CuPy's
+        memory pool, torch's caching allocator) on first use and grown to the largest call on
+        that stream; such a call cannot be captured in a CUDA graph. Pass it (with ``out`` and ``return_lse=False``; device ``cache_seqlens`` and
         ``block_table``) to capture in a CUDA graph.
 
     Returns
@@ -394,18 +400,13 @@ def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block
     """A warm call from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or None when the arrays
     are not all exactly ``cupy.ndarray`` or all exactly ``torch.Tensor``, not cached yet, on
     different devices or with unaligned cache pointers (the full path then validates: it raises
-    or caches). With ``validate`` the device-side check of ``cache_seqlens`` / ``block_table``
-    (:mod:`cupyflash.guard`) is enqueued before the kernels."""
+    or caches). With ``validate`` the first kernel also checks ``cache_seqlens`` /
+    ``block_table`` on the device (:mod:`cupyflash.guard`)."""
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
     hit = dispatch.warm_entry(opts[0], opts[1:], arrays)
     if hit is None:
         return None
     caller, dev, entry = hit
-    ptr = caller.ptr
-    if (ptr(k_cache) | ptr(v_cache) | (ptr(workspace) if workspace is not None else 0)) % 16:
-        return None
-    if entry.prob.q_aligned16 and ptr(q) % 16:  # the entry copies Q by 16 bytes: not this q
-        return None
     check = validate and cache_seqlens is not None
     if interop.current_device() == dev:
         return _execute_kvcache(entry, caller, dev, check, *arrays)
@@ -415,7 +416,7 @@ def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block
 
 def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts, check):
     """Plan (cached in :data:`cupyflash.dispatch.LAUNCH_CACHE` when ``opts`` are plain), then
-    allocate what the caller did not pass and launch check / append / split on the current
+    allocate what the caller did not pass and launch append / split (checking) on the current
     device ``dev``. ``arrays``: the call's arrays by name (torch tensors, or CuPy arrays and
     views), validated; ``descs``: what the planning reads of them (ArrayDesc or CuPy arrays)."""
     plan = _resolve_plan(prob, split_size)  # also validates split_size
@@ -439,7 +440,11 @@ def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts,
                                descs["workspace"] if plan.workspace_elems else None)
         if key is not None:
             dispatch.cache_put(key, entry)
-    return _execute_kvcache(entry, caller, dev, check, *values)
+    r = _execute_kvcache(entry, caller, dev, check, *values)
+    if r is None:  # the alignments were checked above: never return None to a caller
+        raise RuntimeError("flash_attn_with_kvcache: internal error, a validated call was "
+                           "refused by its launch (pointer alignment)")
+    return r
 
 
 def _compute_capability() -> int:
@@ -456,7 +461,7 @@ class _KVCacheLaunch:
     __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
                  "o_part_bytes", "counters_bytes", "counters_nbytes", "append_kernel",
                  "append_grid", "append_tail", "split_kernel", "split_tail", "split_end",
-                 "pdl_ok", "launches", "cs_stride", "bt_stride", "check")
+                 "pdl_ok", "launches", "bt_stride")
 
     def __init__(self, prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                  return_lse, workspace):
@@ -464,9 +469,7 @@ class _KVCacheLaunch:
         self.prob, self.plan, self.return_lse = prob, plan, return_lse
         ns = plan.num_splits
         self.copy_seqlens = cache_seqlens is not None and cache_seqlens.strides[0] != 4
-        self.cs_stride = _estrides(cache_seqlens)[0] if cache_seqlens is not None else 0
         self.bt_stride = _estrides(block_table)[0] if block_table is not None else 0
-        self.check = None  # the device-side check's launch (guard), built on first use
         b, sq, h, d = prob.batch, prob.seqlen_q, prob.nheads, prob.headdim
         self.lse_shape = (b, h, sq) if return_lse else None
         self.ws_need = plan.workspace_elems
@@ -478,7 +481,7 @@ class _KVCacheLaunch:
         self.counters_bytes = 4 * ns * rows * (d + 1)
         self.counters_nbytes = 4 * plan.counter_elems
         self.pdl_ok = _compute_capability() >= 90
-        self.launches = {}  # ("append" | "split", pdl) -> PreparedLaunch
+        self.launches = {}  # (pdl, check) -> (append PreparedLaunch or None, split one or None)
         self.append_kernel = self.append_tail = self.append_grid = None
         if prob.seqlen_new > 0 and b > 0:
             self.append_kernel = jit.get_kernel(append_kernel_spec(prob.paged))
@@ -509,44 +512,61 @@ class _KVCacheLaunch:
         # counters (one split: unused), grid order (_grid_order)
         self.split_end = (_NULL, i32(_grid_order(prob.paged)))
         if self.pdl_ok:  # build the default launches now (on the entry's device)
-            self.launcher("append", True)
-            self.launcher("split", True)
+            self.prepared(True, False, -1)
 
-    def launcher(self, which: str, pdl: bool):
-        """The prepared launch of the ``"append"`` or ``"split"`` kernel (None when the call
-        has none), programmatic dependent (``pdl``, sm_90+) or plain; built once per entry."""
-        run = self.launches.get((which, pdl))
-        if run is None and (which, pdl) not in self.launches:
-            if which == "append" and self.append_tail is not None:
-                run = launch.PreparedLaunch(self.append_kernel, self.append_grid, (256, 1, 1),
-                                            (_NULL,) * 6 + self.append_tail, range(6), pdl=pdl)
-            elif which == "split" and self.split_tail is not None:
+    def prepared(self, pdl: bool, check: bool, dev: int) -> tuple:
+        """``(append, split)``: the prepared launches of the append kernel (None when the call
+        has no new tokens) and the split kernel (None without query rows), programmatic
+        dependent (``pdl``, sm_90+) or plain; with ``check``, the first of them also checks
+        ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.guard`: the claim
+        and record pointers of device ``dev`` as its last arguments; NULL without). Built once
+        per entry (on its device)."""
+        runs = self.launches.get((pdl, check))
+        if runs is None:
+            chk = (_NULL, _NULL)
+            if check:
+                claim, record = guard.device_pointers(dev)
+                chk = (np.uint64(claim), np.uint64(record))
+            append = split = None
+            if self.append_tail is not None:  # the first kernel: it checks
+                append = launch.PreparedLaunch(
+                    self.append_kernel, self.append_grid, (256, 1, 1),
+                    (_NULL,) * 6 + self.append_tail + chk, range(6), pdl=pdl)
+                chk = (_NULL, _NULL)
+            if self.split_tail is not None:
                 # pointers: the 9 of the head, then the counters
                 n = 9 + len(self.split_tail)
-                run = launch.PreparedLaunch(
+                split = launch.PreparedLaunch(
                     self.split_kernel, self.plan.grid, self.plan.block,
-                    (_NULL,) * 9 + self.split_tail + self.split_end, tuple(range(9)) + (n,),
-                    shared_mem=self.plan.smem_bytes, pdl=pdl)
-            self.launches[(which, pdl)] = run
-        return run
+                    (_NULL,) * 9 + self.split_tail + self.split_end + chk,
+                    tuple(range(9)) + (n,), shared_mem=self.plan.smem_bytes, pdl=pdl)
+            runs = self.launches[(pdl, check)] = (append, split)
+        return runs
 
 
-# The fused combine's counters for calls without ``workspace=``: one zero-filled int32 buffer
-# per (device, stream), grown on demand. Every complete launch leaves the counters it used at
-# zero, so calls in stream order can share them whatever their shapes, and a call costs no
-# memset launch (bench_decode v18: ~0.6 us of a 12 us call at batch 1). CuPy callers' buffers
-# are keyed by the stream object (a weak reference, whose death drops the entry): a new stream
-# that reuses a destroyed one's handle gets a new buffer. CuPy's per-thread default stream is one
-# object whose work runs on each host thread's own CUDA stream, so its buffers are kept per host
-# thread. torch callers' buffers (torch tensors, zeroed on the stream) are keyed by the stream
-# handle: torch keeps its streams for the life of the process.
+# The scratch of calls without ``workspace=``, per (device, stream): the fused combine's
+# counters, one zero-filled int32 buffer, and the split partials, one float32 buffer, each grown
+# on demand (to the largest call seen on the stream; a few MB at most for the issue's shapes:
+# b64 x 32 heads x hd128 x 4 splits is 4.2 MB). Every complete launch leaves the counters it used
+# at zero, so calls in stream order can share them whatever their shapes, and a call costs no
+# memset launch (bench_decode v18: ~0.6 us of a 12 us call at batch 1). The partials are written
+# and read by one launch only, after its griddepcontrol.wait (common/pdl.cuh: the previous kernel
+# of the stream has completed), so calls in stream order can share them too, and a call costs no
+# allocation (a torch.empty on the H200 host: ~5 us). Neither is ever returned to the caller.
+# CuPy callers' buffers are keyed by the stream object (a weak reference, whose death drops the
+# entry): a new stream that reuses a destroyed one's handle gets new buffers. CuPy's per-thread
+# default stream is one object whose work runs on each host thread's own CUDA stream, so its
+# buffers are kept per host thread. torch callers' buffers (torch tensors, the counters zeroed on
+# the stream) are keyed by the stream handle: torch keeps its streams for the life of the
+# process. Entries: CuPy (stream ref, counters, partials, counters address, partials address);
+# torch (counters, partials, counters address, partials address).
 _COUNTERS: dict = {}
 _COUNTERS_PER_THREAD = threading.local()
 _TORCH_COUNTERS: dict = {}
 
 
 def _drop_counters(table: dict, key, ref) -> None:
-    """Weak-reference callback: the stream died; forget its buffer (unless already replaced)."""
+    """Weak-reference callback: the stream died; forget its buffers (unless already replaced)."""
     hit = table.get(key)
     if hit is not None and hit[0] is ref:
         del table[key]
@@ -561,9 +581,12 @@ def _is_capturing(stream_ptr: int) -> bool:
         return True
 
 
-def _stream_counters(caller, dev: int, stream_ptr: int, nbytes: int) -> int:
-    """Device address of at least ``nbytes`` zero bytes of counters for the caller's current
-    stream ``stream_ptr`` on device ``dev`` (the current device).
+def _stream_scratch(caller, dev: int, stream_ptr: int, counters_nbytes: int,
+                    partials_nbytes: int) -> tuple:
+    """``(counters, partials)``: device addresses of at least ``counters_nbytes`` zero bytes of
+    counters and ``partials_nbytes`` bytes for the split partials (16-byte aligned, any
+    content), for the caller's current stream ``stream_ptr`` on device ``dev`` (the current
+    device); see the comment above.
 
     Raises
     ------
@@ -575,11 +598,20 @@ def _stream_counters(caller, dev: int, stream_ptr: int, nbytes: int) -> int:
                          "while the graph still uses it")
     if caller is TorchCaller:
         key = (dev, stream_ptr)
-        buf = _TORCH_COUNTERS.get(key)
-        if buf is None or buf.numel() * 4 < nbytes:  # zeroed on the stream itself
-            buf = _TORCH_COUNTERS[key] = caller.full((max(-(-nbytes // 4), 1024),), 0, "int32",
-                                                     dev)
-        return buf.data_ptr()
+        hit = _TORCH_COUNTERS.get(key)
+        if (hit is None or hit[0].numel() * 4 < counters_nbytes
+                or hit[1].numel() * 4 < partials_nbytes):
+            counters = partials = None
+            if hit is not None:
+                counters = hit[0] if hit[0].numel() * 4 >= counters_nbytes else None
+                partials = hit[1] if hit[1].numel() * 4 >= partials_nbytes else None
+            if counters is None:  # zeroed on the stream itself
+                counters = caller.full((max(-(-counters_nbytes // 4), 1024),), 0, "int32", dev)
+            if partials is None:
+                partials = caller.empty((max(-(-partials_nbytes // 4), 1024),), "float32", dev)
+            hit = _TORCH_COUNTERS[key] = (counters, partials, counters.data_ptr(),
+                                          partials.data_ptr())
+        return hit[2], hit[3]
     cupy = _cupy()
     stream = cupy.cuda.get_current_stream()
     if stream.ptr == cupy.cuda.runtime.streamPerThread:
@@ -588,52 +620,65 @@ def _stream_counters(caller, dev: int, stream_ptr: int, nbytes: int) -> int:
         table = _COUNTERS
     key = (dev, stream.ptr)
     hit = table.get(key)
-    if hit is None or hit[0]() is not stream or hit[1].nbytes < nbytes:
-        buf = cupy.zeros(max(-(-nbytes // 4), 1024), cupy.int32)  # memset on this stream
+    if (hit is None or hit[0]() is not stream or hit[1].nbytes < counters_nbytes
+            or hit[2].nbytes < partials_nbytes):
+        counters = partials = None
+        if hit is not None and hit[0]() is stream:
+            counters = hit[1] if hit[1].nbytes >= counters_nbytes else None
+            partials = hit[2] if hit[2].nbytes >= partials_nbytes else None
+        if counters is None:  # memset on this stream
+            counters = cupy.zeros(max(-(-counters_nbytes // 4), 1024), cupy.int32)
+        if partials is None:
+            partials = cupy.empty(max(-(-partials_nbytes // 4), 1024), cupy.float32)
         ref = weakref.ref(stream, functools.partial(_drop_counters, table, key))
-        table[key] = hit = (ref, buf)
-    return hit[1].data.ptr
+        table[key] = hit = (ref, counters, partials, counters.data.ptr, partials.data.ptr)
+    return hit[3], hit[4]
 
 
 def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seqlens,
                      block_table, out, workspace):
-    """Allocate what the caller did not pass and launch the device-side check (``check``),
-    append and split for the :class:`_KVCacheLaunch` ``e`` on the current device ``dev`` (that
-    of every array), on the caller's current stream (:mod:`cupyflash.interop`)."""
+    """Allocate what the caller did not pass and launch append and split for the
+    :class:`_KVCacheLaunch` ``e`` on the current device ``dev`` (that of every array), on the
+    caller's current stream (:mod:`cupyflash.interop`); with ``check`` the first of them also
+    checks ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.guard`).
+
+    Returns None, having done nothing, when the caches or the workspace the plan uses do not
+    start on a 16-byte boundary, or ``q`` does not while the entry copies Q by 16 bytes: what a
+    launch-cache hit does not prove (the warm path then takes the full path, which raises or
+    plans for this ``q``; the full path has checked them before)."""
     ptr = caller.ptr
+    qp, kcp, vcp = ptr(q), ptr(k_cache), ptr(v_cache)
+    ws = ptr(workspace) if e.ws_need and workspace is not None else 0  # the split partials
+    if (kcp | vcp | ws) % 16 or (e.prob.q_aligned16 and qp % 16):
+        return None
     stream = caller.stream(dev)
-    counters = None  # device address of the fused combine's counters
+    counters = ws + e.counters_bytes if ws else 0  # the fused combine's counters
     if e.ws_need and workspace is None:
         # first, before anything is enqueued (refused while capturing a graph): the counters
-        # from the stream's zero buffer, the partials from the caller's allocator (no kernel)
-        counters = _stream_counters(caller, dev, stream, e.counters_nbytes)
-        workspace = caller.empty((e.counters_bytes // 4,), "float32", dev)
-    elif e.ws_need:
-        counters = ptr(workspace) + e.counters_bytes
+        # and the partials from the stream's scratch (no kernel, no allocation once grown)
+        counters, ws = _stream_scratch(caller, dev, stream, e.counters_nbytes, e.counters_bytes)
     bt_ptr = ptr(block_table) if block_table is not None else 0
-    if check:  # bad lengths / page ids: recorded on the device, raised later (guard)
-        run = e.check
-        if run is None:
-            run = e.check = guard.kvcache_check_launch(e.prob, e.cs_stride, e.bt_stride, dev)
-        if run is not None:
-            run((ptr(cache_seqlens), bt_ptr), stream)
     if e.copy_seqlens:
         cache_seqlens = caller.contiguous(cache_seqlens)
     if out is None:
         out = caller.empty(q.shape, e.prob.dtype, dev)
     lse = caller.empty(e.lse_shape, "float32", dev) if e.lse_shape is not None else None
-    pdl = PDL and e.pdl_ok  # programmatic dependent launches (module docstring)
+    # programmatic dependent launches (module docstring); with ``check`` the first kernel also
+    # checks the lengths and page ids (recorded on the device, raised later: guard)
+    append, split = e.prepared(PDL and e.pdl_ok, check, dev)
     cs_ptr = ptr(cache_seqlens) if cache_seqlens is not None else 0
-    if e.append_tail is not None:  # append first; same stream, so the split kernel sees it
-        e.launcher("append", pdl)((ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr),
-                                  stream)
-    if e.split_tail is not None:
-        ws = ptr(workspace) if e.plan.num_splits > 1 else 0
-        e.launcher("split", pdl)(
-            (ptr(q), ptr(k_cache), ptr(v_cache), cs_ptr, bt_ptr, ptr(out),
-             ptr(lse) if lse is not None else 0, ws, ws + e.o_part_bytes if ws else 0,
-             counters if ws else 0), stream)
+    if append is not None:  # append first; same stream, so the split kernel sees it
+        append((ptr(k), ptr(v), kcp, vcp, cs_ptr, bt_ptr), stream)
+    if split is not None:
+        split((qp, kcp, vcp, cs_ptr, bt_ptr, ptr(out), ptr(lse) if lse is not None else 0, ws,
+               ws + e.o_part_bytes if ws else 0, counters), stream)
     return (out, lse) if e.return_lse else out
+
+
+def _same_merge_device(o_dev: int, lse_dev: int) -> None:
+    if lse_dev != o_dev:
+        raise ValueError(f"lse_parts: on CUDA device {lse_dev}, but o_parts is on device "
+                         f"{o_dev}; pass both on one device")
 
 
 def merge_states(o_parts, lse_parts):
@@ -654,8 +699,10 @@ def merge_states(o_parts, lse_parts):
 
     Returns
     -------
-    o : CUDA array, shape (batch, seqlen, nheads, headdim), dtype of ``o_parts``
-    lse : float32 CUDA array, shape (batch, nheads, seqlen)
+    o : torch.Tensor or cupy.ndarray, shape (batch, seqlen, nheads, headdim), dtype of ``o_parts``
+    lse : float32, shape (batch, nheads, seqlen), of the same kind
+        torch tensors when both inputs are torch tensors (allocated by torch, launched on
+        torch's current stream of their device), else CuPy arrays (CuPy's current stream).
 
     Raises
     ------
@@ -663,10 +710,9 @@ def merge_states(o_parts, lse_parts):
         Host arrays (use :func:`cupyflash.reference.merge_states`), float64 ``o_parts``, and the
         errors of :func:`cupyflash.checks.check_merge`.
     ValueError
-        From :func:`cupyflash.checks.check_merge`.
+        From :func:`cupyflash.checks.check_merge` (shapes; arrays on different devices).
     """
     num_parts, batch, seqlen, nheads, headdim = checks.check_merge(o_parts, lse_parts)
-    from .interop import is_device_array
     if not is_device_array(o_parts):
         raise TypeError("o_parts: merge_states runs on the GPU, got a host array "
                         f"{type(o_parts).__name__}; use cupyflash.reference.merge_states")
@@ -674,14 +720,28 @@ def merge_states(o_parts, lse_parts):
     if dt not in COMBINE_DTYPES:
         raise TypeError(f"o_parts: dtype {dt} is not supported on the GPU; supported: "
                         f"{', '.join(COMBINE_DTYPES)} (float64: cupyflash.reference.merge_states)")
-    import cupy
+    out_shape, lse_shape = (batch, seqlen, nheads, headdim), (batch, nheads, seqlen)
+    if caller_of(o_parts, lse_parts) is TorchCaller:
+        # torch's conventions: float32 copies and outputs by torch, on its current stream
+        dev = TorchCaller.device(o_parts)
+        _same_merge_device(dev, TorchCaller.device(lse_parts))
+        with interop.on_device(dev):
+            o32, l32 = o_parts.float(), lse_parts.float()  # (themselves when float32)
+            out = TorchCaller.empty(out_shape, dt, dev)
+            lse = TorchCaller.empty(lse_shape, "float32", dev)
+            if out.numel():  # an empty grid is not launchable
+                _launch_combine(*(describe_torch(x) for x in (o32, l32, out, lse)),
+                                TorchCaller.stream(dev))
+        return out, lse
+    cupy = _cupy()
     o_parts = as_cupy(o_parts, "o_parts", dt)
     lse_parts = as_cupy(lse_parts, "lse_parts", checks.dtype_name(lse_parts))
+    _same_merge_device(o_parts.device.id, lse_parts.device.id)
     with o_parts.device:
         o32 = o_parts if dt == "float32" else o_parts.astype(cupy.float32)
         l32 = lse_parts if lse_parts.dtype == cupy.float32 else lse_parts.astype(cupy.float32)
-        out = cupy.empty((batch, seqlen, nheads, headdim), o_parts.dtype)
-        lse = cupy.empty((batch, nheads, seqlen), cupy.float32)
+        out = cupy.empty(out_shape, o_parts.dtype)
+        lse = cupy.empty(lse_shape, cupy.float32)
         if out.size:  # an empty grid is not launchable
-            _launch_combine(o32, l32, out, lse)
+            _launch_combine(o32, l32, out, lse, cupy.cuda.get_current_stream().ptr)
     return out, lse

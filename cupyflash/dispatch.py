@@ -559,21 +559,23 @@ def warm_entry(kind: str, options: tuple, arrays: tuple):
     q = arrays[0]
     tq = type(q)
     if tq is (interop._CUPY_NDARRAY or interop.cupy_ndarray_type()):
-        caller, dev, layout = interop.CupyCaller, q.data.device_id, interop.CupyCaller.layout
+        caller, dev = interop.CupyCaller, q.data.device_id
     elif tq is (interop._TORCH_TENSOR or interop.torch_tensor_type()) and tq is not type(None):
         # (a torch layout holds the device: a hit proves every array is where it was)
-        caller, layout = interop.TorchCaller, interop.TorchCaller.layout
+        caller = interop.TorchCaller
         dev, kind = caller.device(q), TORCH_KINDS[kind]
     else:
         return None
+    layout = caller.layout
     key = [kind, dev, options]
+    append = key.append
     for a in arrays:
         if a is None:
-            key.append(None)
+            append(None)
         elif type(a) is not tq:
             return None
         else:
-            key.append(layout(a))
+            append(layout(a))
     entry = LAUNCH_CACHE.get(tuple(key))
     if entry is None:
         return None
@@ -618,7 +620,8 @@ class PrefillLaunch:
     action : str
         ``"launch"``; ``"fill"`` (no keys: out 0, LSE -inf, no launch); ``"none"`` (empty LSE).
     lse_shape : tuple
-        (batch, nheads, seqlen_q), varlen (nheads, total_q); float32, allocated per call.
+        (batch, nheads, seqlen_q), varlen (nheads, total_q); float32, allocated per call when
+        asked for (``return_lse``; otherwise the kernel gets NULL and writes none).
     grid, block, smem : launch geometry.
     tensor_cores : bool
         Base pointers must be 16-byte aligned (checked per call).

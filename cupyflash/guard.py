@@ -5,15 +5,17 @@
 lengths ``0 <= cache_seqlens[b]``, ``cache_seqlens[b] + seqlen_new <= capacity``, and the page
 ids a sequence uses inside ``[0, num_pages)``. Host data (an int, a list, NumPy arrays, CPU
 tensors) is checked on the host and raises before the launch. Device arrays are not read back
-(that would synchronise the GPU pipeline every call): a small kernel of this module, launched on
-the call's stream before the attention kernels, checks them on the device and, on a violation,
-writes one error record into host memory mapped into the device's address space.
+(that would synchronise the GPU pipeline every call): the first kernel the call launches (the
+KV-append kernel when there are new tokens, else the split kernel) checks them on the device
+before its work, one warp per sequence (``kernels_cu/common/kvcache_check.cuh``, no extra
+launch), and on a violation writes one error record into host memory mapped into the device's
+address space.
 
 The record surfaces as a :class:`DeviceCheckError` (a ValueError whose message is the host
 check's, naming the argument and the entry, with a note that an earlier call found it):
 
 * at the start of the next :func:`cupyflash.flash_attn_with_kvcache` call of the process (any
-  arguments; the record is in host memory, so looking costs one memory read), once the check
+  arguments; the record is in host memory, so looking costs one memory read), once the checking
   kernel has run (kernels are asynchronous: a call right after the bad one, while the GPU is
   still behind, may not see it yet);
 * from :func:`check_errors`, which synchronises the devices that ran checks first, so it raises
@@ -32,11 +34,9 @@ from __future__ import annotations
 import ctypes
 import threading
 
-import numpy as np
-
 from . import checks
 
-__all__ = ["DeviceCheckError", "check_errors", "pending", "raise_pending", "kvcache_check_launch"]
+__all__ = ["DeviceCheckError", "check_errors", "pending", "raise_pending", "device_pointers"]
 
 
 class DeviceCheckError(ValueError):
@@ -45,52 +45,9 @@ class DeviceCheckError(ValueError):
     unspecified). The message starts like the host check's, with the argument's name."""
 
 
-# One block per sequence: its length, then (paged) the page ids of the pages it uses. The first
-# violating block to claim the per-device word writes the record (fields below), the code last.
-_SOURCE = r"""
-extern "C" __global__ void cupyflash_check_kvcache(
-    const int* __restrict__ cache_seqlens, const int* __restrict__ block_table,
-    long long cs_stride, long long bt_stride, int seqlen_new, int capacity, int page_size,
-    int num_pages, int* claim, int* record)
-{
-    __shared__ int bad_col;
-    const int b = blockIdx.x;
-    if (threadIdx.x == 0) bad_col = 0x7fffffff;
-    __syncthreads();
-    const int len = cache_seqlens[(long long)b * cs_stride];
-    int code = 0;
-    if (len < 0) {
-        code = 1;
-    } else if ((long long)len + seqlen_new > capacity) {
-        code = 2;
-    } else if (block_table != nullptr) {
-        const long long total = (long long)len + seqlen_new;
-        const int used = (int)((total + page_size - 1) / page_size);
-        const int* row = block_table + (long long)b * bt_stride;
-        for (int j = threadIdx.x; j < used; j += blockDim.x) {
-            const int id = row[j];
-            if (id < 0 || id >= num_pages) atomicMin(&bad_col, j);
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    int col = -1, value = len, used = 0;
-    if (code == 0 && bad_col != 0x7fffffff) {
-        code = 3;
-        col = bad_col;
-        value = block_table[(long long)b * bt_stride + col];
-        used = (int)(((long long)len + seqlen_new + page_size - 1) / page_size);
-    }
-    if (code == 0 || atomicCAS(claim, 0, 1) != 0) return;
-    volatile int* r = record;
-    r[1] = b; r[2] = col; r[3] = value; r[4] = seqlen_new; r[5] = capacity;
-    r[6] = num_pages; r[7] = used; r[8] = block_table != nullptr;
-    __threadfence_system();
-    r[0] = code;
-    __threadfence_system();
-}
-"""
-_NAME = "cupyflash_check_kvcache"
+# The check itself is kernels_cu/common/kvcache_check.cuh (check_kvcache_sequence), run by the
+# first kernel of the call; the record's int32 fields, in the order of its KvCheckField enum:
+# code, b, col, value, seqlen_new, capacity, num_pages, used pages, paged.
 _RECORD_INTS = 16
 #: error codes of the record's first field
 _NEGATIVE, _OVER_CAPACITY, _BAD_PAGE = 1, 2, 3
@@ -99,7 +56,6 @@ _lock = threading.Lock()
 _record = None        # ctypes int32 array over the mapped host record (None until first used)
 _record_host_ptr = 0
 _claims: dict = {}    # device -> (claim array, device address of the record)
-_kernel = None
 
 
 def pending() -> bool:
@@ -157,18 +113,28 @@ def check_errors(synchronize: bool = True) -> None:
     raise_pending()
 
 
-def _setup(dev: int) -> tuple:
-    """``(claim pointer, record device address)`` for device ``dev`` (the current device): the
-    mapped host record (once per process) and the device's zeroed claim word (once per device;
-    synchronises that once, so the first checked call on a device must not be captured)."""
-    global _record, _record_host_ptr
+def device_pointers(dev: int) -> tuple:
+    """``(claim, record)``: the device addresses the kernels' check writes through on device
+    ``dev`` (the current device): the per-device claim word and the mapped host record. Set up
+    on first use: the record once per process, the zeroed claim word once per device (which
+    synchronises that device once, so the first checked call on a device must not be
+    captured in a CUDA graph)."""
     hit = _claims.get(dev)
     if hit is not None:
         return hit[0].data.ptr, hit[1]
+    return _setup(dev)
+
+
+def _setup(dev: int) -> tuple:
+    """Allocate what :func:`device_pointers` returns for device ``dev``."""
+    global _record, _record_host_ptr
     import cupy
     from . import launch
     rt = cupy.cuda.runtime
     with _lock:
+        hit = _claims.get(dev)
+        if hit is not None:
+            return hit[0].data.ptr, hit[1]
         if _record is None:
             ptr = rt.hostAlloc(4 * _RECORD_INTS, rt.hostAllocPortable | rt.hostAllocMapped)
             rec = (ctypes.c_int32 * _RECORD_INTS).from_address(ptr)
@@ -184,23 +150,3 @@ def _setup(dev: int) -> tuple:
         rt.deviceSynchronize()  # the zero is in place before any stream's check reads it
         _claims[dev] = (claim, int(dptr.value))
     return claim.data.ptr, int(dptr.value)
-
-
-def kvcache_check_launch(prob, cs_stride: int, bt_stride: int, dev: int):
-    """The :class:`cupyflash.launch.PreparedLaunch` of the check kernel for a decode problem
-    (pointer slots: ``cache_seqlens``, ``block_table`` (0 if contiguous)), or None for an empty
-    batch. Strides in elements."""
-    global _kernel
-    if prob.batch == 0:
-        return None
-    import cupy
-    from . import launch
-    if _kernel is None:
-        _kernel = cupy.RawKernel(_SOURCE, _NAME)
-    claim, record = _setup(dev)
-    i32, i64, u64 = np.int32, np.int64, np.uint64
-    args = (u64(0), u64(0), i64(cs_stride), i64(bt_stride), i32(prob.seqlen_new),
-            i32(prob.seqlen_cache), i32(max(prob.page_size, 1)), i32(prob.num_pages),
-            u64(claim), u64(record))
-    return launch.PreparedLaunch(_kernel, (prob.batch, 1, 1), (128, 1, 1), args, (0, 1),
-                                 pdl=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import sys
 
 import numpy as np
@@ -200,6 +201,7 @@ def _torch():
             if dt is not None:
                 TORCH_DTYPE_NAMES[dt] = name
                 _TORCH_DTYPES[name] = dt
+        TorchCaller.ptr = staticmethod(torch.Tensor.data_ptr)  # the same call, C-level
     return _torch_module
 
 
@@ -278,18 +280,14 @@ def describe_torch(t) -> ArrayDesc:
 class CupyCaller:
     """CuPy's conventions: CuPy arrays out (CuPy's memory pool), CuPy's current stream."""
     tag = "cupy"
-
-    @staticmethod
-    def layout(a) -> tuple:
-        return (a.shape, a.strides, a.dtype)
+    #: ``(shape, strides, dtype)`` of an array (a C-level getter: no Python frame per call)
+    layout = staticmethod(operator.attrgetter("shape", "strides", "dtype"))
+    #: the device pointer of an array (``a.data.ptr``)
+    ptr = staticmethod(operator.attrgetter("data.ptr"))
 
     @staticmethod
     def device(a) -> int:
         return a.data.device_id
-
-    @staticmethod
-    def ptr(a) -> int:
-        return a.data.ptr
 
     @staticmethod
     def empty(shape, dtype_name: str, dev: int):
@@ -329,9 +327,9 @@ class TorchCaller:
 
     @staticmethod
     def layout(a) -> tuple:
-        """Shape, strides (elements), dtype and device: a launch-cache hit proves that every
-        array is on the device its entry was validated for."""
-        return (a.shape, a.stride(), a.dtype, a.is_cuda, a.get_device())
+        """Shape, strides (elements), dtype and device (a ``torch.device``): a launch-cache
+        hit proves that every array is on the device its entry was validated for."""
+        return (a.shape, a.stride(), a.dtype, a.device)
 
     @staticmethod
     def device(a) -> int:
@@ -339,6 +337,8 @@ class TorchCaller:
 
     @staticmethod
     def ptr(a) -> int:
+        """``a.data_ptr()`` (replaced by ``torch.Tensor.data_ptr`` itself once torch is
+        loaded, :func:`_torch`: no Python frame per call)."""
         return a.data_ptr()
 
     @staticmethod

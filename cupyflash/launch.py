@@ -75,10 +75,15 @@ _LAUNCH_EX = None
 
 
 def _launch_ex():
-    """``cuLaunchKernelEx`` with its argument types (looked up once)."""
+    """``cuLaunchKernelEx`` without declared argument types (looked up once): every call of
+    :class:`PreparedLaunch` passes ready ctypes objects (the configuration by reference, the
+    function handle as ``c_void_p``, the ``void*`` array, None), which ctypes hands over as
+    they are; declared types would convert each of them again (~0.3 us per launch)."""
     global _LAUNCH_EX
     if _LAUNCH_EX is None:
-        _LAUNCH_EX = _driver().cuLaunchKernelEx
+        f = _driver()["cuLaunchKernelEx"]  # a new function object: _driver()'s keeps its types
+        f.restype = ctypes.c_int
+        _LAUNCH_EX = f
     return _LAUNCH_EX
 
 
@@ -133,9 +138,12 @@ class PreparedLaunch:
     With ``pdl`` (default) it is a programmatic dependent launch (see the module docstring);
     without, a plain launch on the given stream (any CUDA stream handle: CuPy's, PyTorch's).
 
-    The launch configuration and the pointer holders are built once and reused: a call sets the
-    holders' values and the stream under a lock, so threads may share one object (the driver
-    copies the arguments before ``cuLaunchKernelEx`` returns).
+    The launch configuration, one ``uint64`` array holding the pointer arguments and the
+    ``void*`` argument array over it are built once and reused: a call assigns its pointers to
+    that array by one slice assignment, the stream to the configuration, and calls the driver
+    (which copies the arguments before ``cuLaunchKernelEx`` returns). Threads may share one
+    object: a call takes its lock without waiting; a call that finds it taken (another thread is
+    launching the same kernel) launches from arrays of its own instead.
 
     Parameters
     ----------
@@ -161,9 +169,9 @@ class PreparedLaunch:
         An argument :func:`kernel_arguments` cannot convert.
     """
 
-    __slots__ = ("_func", "_grid", "_block", "_shared_mem", "_attrs", "_template", "_keep",
-                 "_slots", "_n", "_pdl", "_cfg", "_cfg_ref", "_holders", "_params", "_lock",
-                 "__weakref__")
+    __slots__ = ("_func", "_func_arg", "_grid", "_block", "_shared_mem", "_attrs", "_template",
+                 "_keep", "_slots", "_n", "_pdl", "_cfg", "_cfg_ref", "_vals", "_params",
+                 "_lock", "__weakref__")
 
     def __init__(self, kernel, grid, block, args, pointer_slots, *, shared_mem: int = 0,
                  pdl: bool = True):
@@ -176,6 +184,7 @@ class PreparedLaunch:
             raise ValueError(f"pointer_slots: expected indices below {self._n}, got "
                              f"{self._slots}")
         self._func = _function_ptr(kernel)
+        self._func_arg = ctypes.c_void_p(self._func)
         self._grid, self._block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
         self._shared_mem = int(shared_mem)
         self._pdl = bool(pdl)
@@ -183,20 +192,26 @@ class PreparedLaunch:
         # the addresses of the converted scalars; pointer slots are filled per call
         ptrs, self._keep = kernel_arguments(args)
         self._template = [ptrs[i] for i in range(self._n)]
-        # what every call reuses: the configuration, one holder per pointer slot, the void**
-        cfg = self._cfg = _Config()
+        self._cfg, self._vals, self._params = self._arrays()
+        self._cfg_ref = ctypes.byref(self._cfg)
+        self._lock = threading.Lock()
+
+    def _arrays(self) -> tuple:
+        """``(configuration, pointer values, void** array)``: the configuration without a
+        stream, a ``uint64`` array with one element per pointer slot, and the argument array
+        whose pointer slots address that array's elements (the others the constant scalars)."""
+        cfg = _Config()
         cfg.grid[0], cfg.grid[1], cfg.grid[2] = self._grid
         cfg.block[0], cfg.block[1], cfg.block[2] = self._block
         cfg.shared_mem_bytes = self._shared_mem
         cfg.attrs = self._attrs
         cfg.num_attrs = 1 if self._pdl else 0
-        self._cfg_ref = ctypes.byref(cfg)
-        self._holders = [ctypes.c_uint64(0) for _ in self._slots]
+        vals = (ctypes.c_uint64 * max(1, len(self._slots)))()
         addrs = list(self._template)
-        for i, h in zip(self._slots, self._holders):
-            addrs[i] = ctypes.addressof(h)
-        self._params = (ctypes.c_void_p * max(1, self._n))(*addrs)
-        self._lock = threading.Lock()
+        base = ctypes.addressof(vals)
+        for j, i in enumerate(self._slots):
+            addrs[i] = base + 8 * j
+        return cfg, vals, (ctypes.c_void_p * max(1, self._n))(*addrs)
 
     def params(self, pointers) -> tuple:
         """``(void** array, keep-alive list)`` of the arguments with ``pointers`` (ints, in
@@ -219,13 +234,27 @@ class PreparedLaunch:
             Not one pointer per slot.
         LaunchError
             The driver refused the launch."""
-        holders = self._holders
-        if len(pointers) != len(holders):
-            raise ValueError(f"pointers: expected {len(holders)}, got {len(pointers)}")
-        with self._lock:
-            for h, x in zip(holders, pointers):
-                h.value = x
-            self._cfg.stream = stream_ptr
-            status = _launch_ex()(self._cfg_ref, self._func, self._params, None)
+        f = _LAUNCH_EX or _launch_ex()
+        lock = self._lock
+        if lock.acquire(False):  # the shared arrays are ours until released
+            try:
+                self._vals[:] = pointers  # (ValueError unless one per slot)
+                self._cfg.stream = stream_ptr
+                status = f(self._cfg_ref, self._func_arg, self._params, None)
+            except ValueError:
+                self._check_count(pointers)
+                raise
+            finally:
+                lock.release()
+        else:  # another thread is launching this kernel: arrays of this call's own
+            self._check_count(pointers)
+            cfg, vals, params = self._arrays()
+            vals[:] = pointers
+            cfg.stream = stream_ptr
+            status = f(ctypes.byref(cfg), self._func_arg, params, None)
         if status:
             _check("cuLaunchKernelEx", status)
+
+    def _check_count(self, pointers) -> None:
+        if len(pointers) != len(self._slots):
+            raise ValueError(f"pointers: expected {len(self._slots)}, got {len(pointers)}")

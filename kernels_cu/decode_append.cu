@@ -1,12 +1,16 @@
 // KV append of the decode call (cupyflash/decode.py, flash_attn_with_kvcache with k and v):
 // cache[b, cache_seqlens[b] + i, h, :] = new[b, i, h, :] (paged: through block_table), in place,
 // before the split kernel (flash_decode.cu) runs. Raw element copy (E = uint16_t for fp16/bf16).
-// Positions past the capacity and page ids outside the pool are skipped (checks.check_kvcache
-// rejects them when validate=True). grid (ceil(seqlen_new * nheads_k * headdim / 256), batch),
-// block 256. Waits (common/pdl.cuh) before its first global load: decode.py launches it as a
-// programmatic dependent launch on sm_90+.
+// Positions past the capacity and page ids outside the pool are skipped (validate=True reports
+// them: host data before the launch, device data through the check below).
+// grid (ceil(seqlen_new * nheads_k * headdim / 256), batch), block 256. Waits (common/pdl.cuh)
+// before its first global load: decode.py launches it as a programmatic dependent launch on
+// sm_90+. With `check_claim` (validate=True, device metadata) warp 0 of each sequence's first
+// block checks its length and page ids first (common/kvcache_check.cuh; the split kernel after
+// it then does not).
 #include "common/dtype.cuh"
 #include "common/pdl.cuh"
+#include "common/kvcache_check.cuh"
 
 namespace cf {
 
@@ -19,10 +23,14 @@ decode_append_kernel(const E* k_new, const E* v_new, E* k_cache, E* v_cache,
                      long long k_bs, long long k_rs, long long k_hs,
                      long long v_bs, long long v_rs, long long v_hs, long long bt_bs,
                      int seqlen_new, int nheads_k, int headdim, int seqlen_cache,
-                     int page_size, int num_pages) {
+                     int page_size, int num_pages, int* check_claim, int* check_record) {
     pdl_wait();  // common/pdl.cuh
     pdl_launch_dependents();
     const int b = blockIdx.y;
+    if (check_claim != nullptr && blockIdx.x == 0 && threadIdx.x < 32)
+        check_kvcache_sequence(KvCheck{check_claim, check_record}, b, cache_seqlens[b],
+                               PAGED ? block_table + b * bt_bs : nullptr, seqlen_new,
+                               seqlen_cache, page_size, num_pages);
     const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (long long)seqlen_new * nheads_k * headdim) return;
     const int c = (int)(e % headdim);

@@ -24,6 +24,7 @@
 #include "common/online_softmax.cuh"
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
+#include "common/kvcache_check.cuh"
 
 namespace cf {
 
@@ -121,7 +122,8 @@ __device__ __forceinline__ int page_slot(const DecodeParams& p, int j) {
 }
 
 template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, KvPath KV>
-__device__ __forceinline__ void decode_split(const DecodeParams& p, int* counters, int grid_order) {
+__device__ __forceinline__ void decode_split(const DecodeParams& p, int* counters, int grid_order,
+                                             const KvCheck& check) {
     using Tr = DecodeTraits<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr bool PAGED = KV != KvPath::kContiguous;
@@ -269,6 +271,13 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
         len_raw = p.cache_seqlens ? p.cache_seqlens[b] : 0;
         if (q_async) copy_q();  // after the length's load, in the first tile's group
     }
+    // The metadata check of a call without new tokens (common/kvcache_check.cuh): warp 0 of the
+    // first block of each sequence (split 0, KV head 0, row chunk 0); the other warps go on.
+    if (check.claim != nullptr && p.cache_seqlens != nullptr && split == 0 && hz == 0 && warp == 0)
+        check_kvcache_sequence(check, b, len_raw,
+                               PAGED ? p.block_table + (int64_t)b * p.block_table_batch_stride
+                                     : nullptr,
+                               p.seqlen_new, p.seqlen_cache, p.page_size, p.num_pages);
     const int len = sequence_length(p, len_raw);
     const int n_tiles = (len + BLOCK_N - 1) / BLOCK_N;
     // (one split: no division between the length and the first copy)
@@ -707,7 +716,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
 
 // Entry point: plain arguments in the order decode.py builds them. `o`, `lse`: the final outputs;
 // `o_part`, `lse_part`, `counters` ((batch, nheads_k * row_chunks) arrival counters of the fused
-// combine): unused with one split.
+// combine): unused with one split. `check_claim`, `check_record`: the metadata check's pointers
+// (cupyflash/guard.py), nullptr when this launch does not check.
 template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, KvPath KV>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 decode_split_kernel(const void* q, const void* k, const void* v, const int* cache_seqlens,
@@ -718,7 +728,8 @@ decode_split_kernel(const void* q, const void* k, const void* v, const int* cach
                     long long bt_bs, int batch, int nheads, int nheads_k, int seqlen_q,
                     int headdim, int seqlen_cache, int seqlen_new, int page_size, int page_shift,
                     int num_pages, int num_splits, int split_tiles, int num_row_chunks,
-                    int causal, float scale_log2, int* counters, int grid_order) {
+                    int causal, float scale_log2, int* counters, int grid_order, int* check_claim,
+                    int* check_record) {
     DecodeParams p;
     p.q = q; p.k = k; p.v = v; p.cache_seqlens = cache_seqlens; p.block_table = block_table;
     p.o = o; p.lse = lse; p.o_part = o_part; p.lse_part = lse_part;
@@ -732,7 +743,8 @@ decode_split_kernel(const void* q, const void* k, const void* v, const int* cach
     p.seqlen_new = seqlen_new; p.page_size = page_size; p.page_shift = page_shift;
     p.num_pages = num_pages; p.num_splits = num_splits; p.split_tiles = split_tiles;
     p.num_row_chunks = num_row_chunks; p.causal = causal; p.scale_log2 = scale_log2;
-    decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, KV>(p, counters, grid_order);
+    decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, KV>(p, counters, grid_order,
+                                                                 KvCheck{check_claim, check_record});
 }
 
 }  // namespace cf

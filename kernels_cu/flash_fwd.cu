@@ -418,7 +418,7 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                         *reinterpret_cast<uint32_t*>(o_row + col) =
                             pack2<T>(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
                 }
-                if (t == 0) lse_base[r] = row[mt][hh].lse(l, scale_log2);
+                if (t == 0 && p.lse != nullptr) lse_base[r] = row[mt][hh].lse(l, scale_log2);
             }
         }
 }

@@ -215,7 +215,7 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
                     const int col = (tc + TC * c) * VEC + x;
                     if (col < p.headdim) o_row[col] = acc[i][c][x] * inv;
                 }
-            if (tc == 0) lse_base[r] = (float)row[i].lse(l, scale_log2);
+            if (tc == 0 && p.lse != nullptr) lse_base[r] = (float)row[i].lse(l, scale_log2);
         }
     }
 }

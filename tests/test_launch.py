@@ -84,8 +84,8 @@ def test_prepared_launch_call_passes_pointers_stream_and_attribute(monkeypatch, 
         cfg = ctypes.cast(cfg_ref, ctypes.POINTER(launch._Config)).contents
         vals = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in
                 enumerate((ctypes.c_uint64, ctypes.c_double, ctypes.c_uint64))]
-        seen.append((func, tuple(cfg.grid), tuple(cfg.block), cfg.shared_mem_bytes, cfg.stream,
-                     cfg.num_attrs, vals))
+        seen.append((func.value, tuple(cfg.grid), tuple(cfg.block), cfg.shared_mem_bytes,
+                     cfg.stream, cfg.num_attrs, vals))
         return 0
     monkeypatch.setattr(launch, "_LAUNCH_EX", launch_ex)
     args = (np.uint64(0), np.float64(0.125), np.uint64(0))
@@ -93,11 +93,20 @@ def test_prepared_launch_call_passes_pointers_stream_and_attribute(monkeypatch, 
                                shared_mem=64, pdl=pdl)
     pl((0xA0, 0xB0), 0x77)
     pl((0xC0, 0), 0)
+    assert pl._lock.acquire(False)  # as if another thread were launching it: arrays of its own
+    pl((0xD0, 0xE0), 0x78)
+    pl._lock.release()
     want = (0x1234, (4, 2, 1), (256, 1, 1), 64)
     assert seen == [want + (0x77, int(pdl), [0xA0, 0.125, 0xB0]),
-                    want + (None, int(pdl), [0xC0, 0.125, 0])]  # a NULL stream reads as None
-    with pytest.raises(ValueError, match="pointers: expected 2"):
-        pl((1,), 0)
+                    want + (None, int(pdl), [0xC0, 0.125, 0]),  # a NULL stream reads as None
+                    want + (0x78, int(pdl), [0xD0, 0.125, 0xE0])]
+    for bad in ((1,), (1, 2, 3)):
+        with pytest.raises(ValueError, match="pointers: expected 2"):
+            pl(bad, 0)
+        assert pl._lock.acquire(False)  # released after the error
+        with pytest.raises(ValueError, match="pointers: expected 2"):
+            pl(bad, 0)
+        pl._lock.release()
     monkeypatch.setattr(launch, "_LAUNCH_EX", lambda *a: 1)
     monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {
         "cuGetErrorName": staticmethod(lambda status, out: 0)})())

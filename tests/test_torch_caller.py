@@ -9,6 +9,7 @@ GPU.
 """
 import builtins
 import ctypes
+import re
 
 import numpy as np
 import pytest
@@ -19,23 +20,24 @@ from cupyflash import (api, checks, decode, decode_plan, dispatch, guard, intero
                        jit, launch)
 
 STREAM = 0x5EA  # the fake torch stream handle every launch must get
+CLAIM, RECORD = 0xC1A1, 0xEC0D  # the fake device addresses of the check's claim word and record
 
 
 class _Launch:
-    """Stands in for launch.PreparedLaunch: records (kernel name, pdl, pointers, stream)."""
+    """Stands in for launch.PreparedLaunch: records (kernel name, pdl, pointers, stream, check),
+    check: a decode kernel's last two (constant) arguments, the device check's claim and record
+    pointers (0, 0: no check); None for other kernels."""
 
     def __init__(self, log, kernel, grid, block, args, slots, *, shared_mem=0, pdl=True):
         self.log, self.name, self.pdl, self.grid = log, kernel.name, pdl, tuple(grid)
         self.slots, self.nargs = tuple(slots), len(args)
+        self.check = (tuple(int(a) for a in args[-2:]) if self.name.startswith("decode_")
+                      else None)
 
     def __call__(self, pointers, stream):
         assert len(pointers) == len(self.slots)
-        self.log.append((self.name, self.pdl, tuple(int(p) for p in pointers), stream))
-
-
-class _Named:
-    def __init__(self, name):
-        self.name = name
+        self.log.append((self.name, self.pdl, tuple(int(p) for p in pointers), stream,
+                         self.check))
 
 
 @pytest.fixture
@@ -74,10 +76,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(decode, "_compute_capability", lambda: 90)
     monkeypatch.setattr(decode, "_is_capturing", lambda stream: False)
     monkeypatch.setattr(decode, "_TORCH_COUNTERS", {})
-    monkeypatch.setattr(guard, "kvcache_check_launch",
-                        lambda prob, cs, bt, dev: _Launch(log, _Named(f"check cs{cs} bt{bt}"),
-                                                          (prob.batch, 1, 1), (128, 1, 1),
-                                                          (0,) * 10, (0, 1), pdl=False))
+    monkeypatch.setattr(guard, "device_pointers", lambda dev: (CLAIM, RECORD))
     monkeypatch.setattr(guard, "_record", None)
     yield log
     dispatch._launch_plan_cached.cache_clear()
@@ -121,7 +120,7 @@ def test_caller_kind_and_device_test():
     assert interop.caller_of(a, np.zeros(2)) is interop.CupyCaller  # mixed kinds: CuPy's
     assert interop.caller_of(np.zeros(2), a) is interop.CupyCaller
     assert not interop.is_device_array(a)  # a CPU tensor (answered without the interface)
-    assert interop.TorchCaller.layout(a) == (a.shape, a.stride(), a.dtype, False, -1)
+    assert interop.TorchCaller.layout(a) == (a.shape, a.stride(), a.dtype, torch.device("cpu"))
 
 
 def test_host_tensors_still_go_to_the_reference_paths():
@@ -146,7 +145,7 @@ def test_prefill_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch):
         assert type(out) is torch.Tensor and type(lse) is torch.Tensor
         assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
         assert lse.shape == (2, 4, 33) and lse.dtype == torch.float32
-        name, pdl, ptrs, stream = fake_cuda[-1]
+        name, pdl, ptrs, stream, _ = fake_cuda[-1]
         assert ptrs == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                         lse.data_ptr(), 0, 0)
         assert stream == STREAM and pdl is False and name.endswith("_causal")
@@ -178,6 +177,50 @@ def test_prefill_torch_errors_are_the_checks(fake_cuda):
     with pytest.raises(TypeError, match=r"^k: dtype float16 must match q dtype bfloat16"):
         api.flash_attn_func(q, q.half(), q)
     assert fake_cuda == []
+
+
+def test_warm_calls_allocate_only_the_outputs_asked_for(fake_cuda, monkeypatch):
+    """Per warm call: prefill allocates out, and the LSE only with return_lse (else the kernel
+    gets NULL); nothing with out= given. Decode with several splits and no workspace allocates
+    only out: its partials and counters come from the stream's scratch, the same addresses every
+    call; the LSE only with return_lse. Consecutive calls return distinct tensors."""
+    allocs = []
+    orig = interop.TorchCaller.empty
+
+    def counting(shape, dt, dev):
+        allocs.append((tuple(shape), dt))
+        return orig(shape, dt, dev)
+    monkeypatch.setattr(interop.TorchCaller, "empty", staticmethod(counting))
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    api.flash_attn_func(q, k, k, causal=True)  # cold
+    del allocs[:]
+    o1 = api.flash_attn_func(q, k, k, causal=True)
+    o2 = api.flash_attn_func(q, k, k, causal=True)
+    assert allocs == [(tuple(q.shape), "bfloat16")] * 2
+    assert o1.data_ptr() != o2.data_ptr() and fake_cuda[-1][2][4] == 0  # no LSE pointer
+    del allocs[:]
+    o, lse = api.flash_attn_func(q, k, k, causal=True, return_lse=True)
+    assert [a[1] for a in allocs] == ["bfloat16", "float32"] and lse.shape == (2, 4, 16)
+    assert fake_cuda[-1][2][4] == lse.data_ptr()
+    del allocs[:]
+    assert api.flash_attn_func(q, k, k, causal=True, out=o1) is o1 and allocs == []
+    assert fake_cuda[-1][2][3:5] == (o1.data_ptr(), 0)
+
+    qd, kc, cs, _ = _decode_args()
+    decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, num_splits=4)  # cold
+    scratch = fake_cuda[-1][2][7:]
+    del allocs[:]
+    outs = [decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, num_splits=4)
+            for _ in range(2)]
+    assert allocs == [(tuple(qd.shape), "bfloat16")] * 2
+    assert outs[0].data_ptr() != outs[1].data_ptr()
+    ws, lse_part, counters = fake_cuda[-1][2][7:]
+    assert (ws, lse_part, counters) == scratch and fake_cuda[-1][2][6] == 0  # no LSE
+    assert lse_part > ws and counters not in (0, ws)
+    del allocs[:]
+    _, lse = decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, num_splits=4,
+                                            return_lse=True)
+    assert [a[1] for a in allocs] == ["bfloat16", "float32"] and fake_cuda[-1][2][6] == lse.data_ptr()
 
 
 class _NoImports:
@@ -243,31 +286,50 @@ def _decode_args(paged=False, batch=3, cap=256):
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_default_call_checks_on_the_device_without_a_host_read(fake_cuda, monkeypatch,
                                                                        paged):
-    """validate=True (default) with device lengths: a check launch (the lengths' and page ids'
-    pointers) on torch's stream, then the split kernel, programmatic dependent; never a host
-    read; torch tensors out."""
+    """validate=True (default) with device lengths: one launch, the split kernel, programmatic
+    dependent, on torch's stream, given the check's claim and record pointers (it checks the
+    lengths and page ids it reads: no check kernel); never a host read; torch tensors out.
+    validate=False passes NULL for both."""
     q, kc, cs, bt = _decode_args(paged)
     monkeypatch.setattr(checks, "to_host", lambda *a: pytest.fail("a host read"))
     spy = _Counter(checks.check_kvcache)
     monkeypatch.setattr(checks, "check_kvcache", spy)
     for i in range(2):
+        n = len(fake_cuda)
         out = decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, block_table=bt,
                                              num_splits=1)
         assert type(out) is torch.Tensor and out.shape == q.shape and out.dtype == q.dtype
-        (cname, cpdl, cptrs, cstream), (sname, spdl, sptrs, sstream) = fake_cuda[-2:]
-        assert cname.startswith("check") and cpdl is False and cstream == sstream == STREAM
-        assert cptrs == (cs.data_ptr(), bt.data_ptr() if paged else 0)
-        assert sname.startswith("decode_split") and spdl is True
+        assert len(fake_cuda) == n + 1
+        sname, spdl, sptrs, sstream, scheck = fake_cuda[-1]
+        assert sname.startswith("decode_split") and spdl is True and sstream == STREAM
         assert sptrs[:6] == (q.data_ptr(), kc.data_ptr(), kc.data_ptr(), cs.data_ptr(),
                              bt.data_ptr() if paged else 0, out.data_ptr())
+        assert scheck == (CLAIM, RECORD)
     assert spy.n == 1  # the second call: the warm path
     decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, block_table=bt, num_splits=1,
                                    validate=False)
-    assert not fake_cuda[-1][0].startswith("check") and not fake_cuda[-2][0].startswith("check")
+    assert fake_cuda[-1][4] == (0, 0)  # no check
     with decode.pdl_launches(False):
         decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, block_table=bt,
                                        num_splits=1)
-    assert fake_cuda[-1][1] is False  # a plain launch
+    assert fake_cuda[-1][1] is False and fake_cuda[-1][4] == (CLAIM, RECORD)  # a plain launch
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("validate", [True, False])
+def test_decode_with_new_tokens_the_append_kernel_checks(fake_cuda, paged, validate):
+    """With new tokens the append kernel runs first and is the one that checks (it reads the
+    lengths and page ids first); the split kernel after it does not check again."""
+    q, kc, cs, bt = _decode_args(paged)
+    kn = _t((3, 1, 2, 128), seed=9)
+    for _ in range(2):  # cold, then warm
+        del fake_cuda[:]
+        decode.flash_attn_with_kvcache(q, kc, kc, kn, kn, cache_seqlens=cs, block_table=bt,
+                                       num_splits=2, validate=validate)
+        (aname, _, aptrs, astream, acheck), (sname, _, _, _, scheck) = fake_cuda
+        assert aname.startswith("decode_append") and sname.startswith("decode_split")
+        assert aptrs[4:] == (cs.data_ptr(), bt.data_ptr() if paged else 0)
+        assert acheck == ((CLAIM, RECORD) if validate else (0, 0)) and scheck == (0, 0)
 
 
 def test_decode_q_alignment_is_part_of_what_a_hit_proves(fake_cuda):
@@ -293,6 +355,30 @@ def test_decode_q_alignment_is_part_of_what_a_hit_proves(fake_cuda):
     finally:
         decode._KVCacheLaunch.__init__ = orig
     assert seen == [True, False]  # then every call hits the entry of the 2-byte loads
+
+
+def test_decode_warm_call_with_unaligned_cache_or_workspace_raises(fake_cuda):
+    """A cache or a workspace of a cached layout but 2 bytes off a 16-byte boundary is refused
+    by the warm path (a hit does not prove pointers) and the full checks raise, naming it;
+    nothing is launched."""
+    q, kc, cs, _ = _decode_args()
+    hq, hk = np.zeros(tuple(q.shape), np.float16), np.zeros(tuple(kc.shape), np.float16)
+    need = decode.workspace_size(hq, hk, hk, cache_seqlens=cs.numpy(), num_splits=4)
+    ws = torch.zeros(need + 8, dtype=torch.float32)
+    ws = ws[(-ws.data_ptr() % 16) // 4:][:need]
+    decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=4, workspace=ws)
+    buf = torch.empty(kc.numel() + 16, dtype=kc.dtype)
+    start = (-buf.data_ptr() % 16) // 2 + 1  # 2 bytes past a 16-byte boundary
+    off = buf[start:start + kc.numel()].view(kc.shape)
+    ws_off = torch.zeros(need + 8, dtype=torch.float32)
+    ws_off = ws_off[(-ws_off.data_ptr() % 16) // 4 + 1:][:need]  # 4 bytes past
+    n = len(fake_cuda)
+    with pytest.raises(ValueError, match=r"^k_cache: rows must be 16-byte aligned"):
+        decode.flash_attn_with_kvcache(q, off, kc, cache_seqlens=cs, num_splits=4, workspace=ws)
+    with pytest.raises(ValueError, match=r"^workspace: must start on a 16-byte boundary"):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, num_splits=4,
+                                       workspace=ws_off)
+    assert len(fake_cuda) == n
 
 
 def test_decode_workspace_and_lse_pointers(fake_cuda):
@@ -323,7 +409,8 @@ def test_decode_host_lengths_are_checked_on_the_host_and_copied(fake_cuda, lengt
     q, kc, _, _ = _decode_args()
     out = decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lengths, num_splits=1)
     assert type(out) is torch.Tensor
-    assert [r[0].split("_")[0] for r in fake_cuda] == ["decode"]  # no check launch
+    ((name, _, ptrs, _, check),) = fake_cuda
+    assert name.startswith("decode_split") and check == (0, 0)  # checked: no device check
 
 
 @pytest.mark.parametrize("lengths,match", [
@@ -352,8 +439,35 @@ def test_decode_bad_host_page_ids_raise_before_any_launch(fake_cuda):
     # device lengths beside host page ids: which ids are used depends on the lengths, so both
     # are checked on the device (the ids once copied there)
     decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, block_table=bad)
-    (check, _, ptrs, _), split = fake_cuda
-    assert check.startswith("check") and ptrs[0] == cs.data_ptr() and ptrs[1] == split[2][4]
+    ((name, _, ptrs, _, check),) = fake_cuda
+    assert name.startswith("decode_split") and check == (CLAIM, RECORD)
+    assert ptrs[3] == cs.data_ptr() and ptrs[4] not in (0, bt.data_ptr())  # the ids' copy
+
+
+def test_merge_states_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch):
+    """merge_states of torch tensors: torch tensors out (shapes, dtypes), the combine kernel
+    launched plainly on torch's stream with the float32 inputs' and the outputs' pointers
+    (float32 o_parts used in place; float64 LSEs converted); a part on another device is
+    refused before any launch."""
+    o = _t((3, 2, 5, 4, 64), torch.float32, seed=11)
+    lse = torch.randn(3, 2, 4, 5, dtype=torch.float64)
+    out, lse_out = decode.merge_states(o, lse)
+    assert type(out) is torch.Tensor and type(lse_out) is torch.Tensor
+    assert out.shape == (2, 5, 4, 64) and out.dtype == torch.float32
+    assert lse_out.shape == (2, 4, 5) and lse_out.dtype == torch.float32
+    ((name, pdl, ptrs, stream, _),) = fake_cuda
+    assert name == "decode_combine_fp32" and pdl is False and stream == STREAM
+    assert ptrs[0] == o.data_ptr() and ptrs[1] != lse.data_ptr()  # the float32 copy of lse
+    assert ptrs[2:] == (out.data_ptr(), lse_out.data_ptr())
+    out16, _ = decode.merge_states(o.to(torch.bfloat16), lse.float())
+    assert out16.dtype == torch.bfloat16 and fake_cuda[-1][0] == "decode_combine_bf16"
+    assert fake_cuda[-1][2][2] == out16.data_ptr()
+    n = len(fake_cuda)
+    monkeypatch.setattr(interop.TorchCaller, "device", staticmethod(lambda a: int(a is lse)))
+    with pytest.raises(ValueError, match=r"^lse_parts: on CUDA device 1, but o_parts is on "
+                                         r"device 0"):
+        decode.merge_states(o, lse)
+    assert len(fake_cuda) == n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,7 +504,7 @@ def test_device_check_record_is_raised_by_the_next_call(fake_cuda, monkeypatch, 
     assert len(fake_cuda) == n  # raised before anything was launched
     assert list(rec) == [0] * guard._RECORD_INTS and not guard.pending()  # reported once
     decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs)
-    assert len(fake_cuda) == n + 2
+    assert len(fake_cuda) == n + 1
 
 
 def test_check_errors_raises_and_clears(monkeypatch):
@@ -403,21 +517,25 @@ def test_check_errors_raises_and_clears(monkeypatch):
     cupyflash.check_errors(synchronize=False)
 
 
-def test_check_kernel_source_matches_the_host_checks():
-    """The device check's record layout and codes are the ones raise_pending decodes, and it
-    compiles (NVRTC, no GPU needed)."""
-    src = guard._SOURCE
-    for i, field in enumerate(("b", "col", "value", "seqlen_new", "capacity", "num_pages",
-                               "used"), start=1):
-        assert f"r[{i}] = {field};" in src
-    assert "r[0] = code;" in src and src.index("__threadfence_system") < src.index("r[0] = code")
-    pytest.importorskip("cupy")
-    from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(src, "check.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=compute_80"])
-    finally:
-        nvrtc.destroyProgram(prog)
+def test_device_check_record_layout_matches_the_host_decoder():
+    """The device check (kernels_cu/common/kvcache_check.cuh) writes the record fields and codes
+    that guard.raise_pending decodes, the code last after a system-scope fence; both decode
+    kernels call it (their compiles, no spills: tests/test_decode.py)."""
+    src = (jit.kernels_dir() / "common" / "kvcache_check.cuh").read_text()
+    fields = dict((n, int(v)) for n, v in re.findall(r"\b(kCheck\w+) = (\d+)", src))
+    order = ("Code", "Batch", "Column", "Value", "SeqlenNew", "Capacity", "NumPages",
+             "UsedPages", "Paged")  # raise_pending's unpacking order
+    assert [fields["kCheck" + n] for n in order] == list(range(9))
+    assert guard._RECORD_INTS >= 9
+    assert (fields["kCheckNegative"], fields["kCheckOverCapacity"], fields["kCheckBadPage"]) == \
+        (guard._NEGATIVE, guard._OVER_CAPACITY, guard._BAD_PAGE)
+    for n in order[1:]:
+        assert f"r[kCheck{n}] = " in src
+    assert src.rindex("__threadfence_system") > src.index("r[kCheckCode] = code") > \
+        src.index("__threadfence_system")
+    for cu in ("flash_decode.cu", "decode_append.cu"):
+        text = (jit.kernels_dir() / cu).read_text()
+        assert '#include "common/kvcache_check.cuh"' in text and "check_kvcache_sequence(" in text
 
 
 # ----------------------------------------------------------------------------------------------

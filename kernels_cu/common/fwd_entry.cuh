@@ -30,7 +30,7 @@ struct FwdCta {
           k(static_cast<const T*>(p.k) + seq.k_off),
           v(static_cast<const T*>(p.v) + seq.v_off),
           o(static_cast<T*>(p.o) + seq.o_off),
-          lse(p.lse + seq.lse_off),
+          lse(p.lse + seq.lse_off),  // written only if p.lse != nullptr (return_lse)
           tiles(m0, min(m0 + BLOCK_M, seq.seqlen_q) - 1, seq.seqlen_q, seq.seqlen_k, CAUSAL,
                 p.window_left, p.window_right) {}
 

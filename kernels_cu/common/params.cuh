@@ -15,7 +15,8 @@ struct FwdParams {
     const void* __restrict__ k;
     const void* __restrict__ v;
     void* __restrict__ o;
-    float* __restrict__ lse;           // (batch, nheads, seqlen_q); varlen: (nheads, total_q)
+    float* __restrict__ lse;           // (batch, nheads, seqlen_q); varlen: (nheads, total_q);
+                                       // nullptr: not written (return_lse=False)
 
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;

@@ -164,6 +164,32 @@ def test_varlen_runs_on_torch_stream():
     _assert_close(res, res_lse, ref, ref_lse, dtype)
 
 
+def test_warm_calls_allocate_only_the_outputs_asked_for():
+    """Warm calls hold only what they return: prefill without return_lse allocates out alone
+    (the kernel writes no LSE) and gives the result of a call with it; a decode call with
+    several splits and no workspace allocates only out (partials and counters: the stream's
+    scratch), and two calls give distinct tensors with the same values."""
+    dtype = torch.float16
+    q, k, v = (_randn((4, 256, 12, 32), dtype, s) for s in (91, 92, 93))
+    ref, _ = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    cupyflash.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(_dev())
+    out = cupyflash.flash_attn_func(q, k, v, causal=True)
+    assert torch.cuda.memory_allocated(_dev()) - before == -(-out.nbytes // 512) * 512
+    assert torch.equal(out, ref)
+    qd, kc, vc, cs, _ = _decode_case(False, seed=94)
+    outs = [cupyflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=cs, num_splits=4)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(_dev())
+    outs.append(cupyflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=cs, num_splits=4))
+    assert torch.cuda.memory_allocated(_dev()) - before == -(-outs[1].nbytes // 512) * 512
+    torch.cuda.synchronize()
+    assert outs[0].data_ptr() != outs[1].data_ptr() and torch.equal(outs[0], outs[1])
+    _assert_close(outs[1], None, _decode_ref(qd, kc, vc, cs, None, torch.bfloat16).out, None,
+                  torch.bfloat16)
+
+
 def _decode_case(paged, seed=7, batch=4, cap=1024, hk=8, h=32, d=128, dtype=torch.bfloat16,
                  lens=(1000, 17, 513, 0), page=16):
     """Llama-3-8B heads: q (batch, 1, 32, 128), caches of 8 KV heads; paged: a shuffled pool."""
@@ -210,6 +236,29 @@ def test_decode_runs_on_torch_stream_with_defaults(paged):
     ref = _decode_ref(q_src, kc_src, vc_src, cs, bt, dtype)
     _assert_close(res, res_lse, ref.out, ref.lse, dtype)
     guard.check_errors()  # the device-side check found nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merge_states_runs_on_torch_stream_and_returns_tensors(dtype):
+    """merge_states of torch tensors behind a long kernel on a side stream: torch tensors out,
+    no synchronisation, and the reference merge (empty parts with NaN outputs ignored)."""
+    o_src = _randn((3, 2, 5, 8, 64), dtype, 101)
+    lse_src = _randn((3, 2, 8, 5), torch.float32, 102)
+    lse_src[1, 0] = float("-inf")  # an empty part: its output is never read
+    o_src[1, 0] = float("nan")
+    o, lse = _poisoned(o_src, lse_src)
+    cupyflash.merge_states(o, lse)  # compile (result discarded)
+    torch.cuda.synchronize()
+    (out, lse_out), (res, res_lse) = _late_inputs_on_a_side_stream(
+        ((o, o_src), (lse, lse_src)), lambda: cupyflash.merge_states(o, lse))
+    assert type(out) is torch.Tensor and type(lse_out) is torch.Tensor
+    assert out.shape == (2, 5, 8, 64) and out.dtype == dtype and lse_out.shape == (2, 8, 5)
+    ref, ref_lse = reference.merge_states(o_src.double().cpu().numpy(),
+                                          lse_src.double().cpu().numpy())
+    tol = {torch.bfloat16: 2 * EPS[torch.bfloat16], torch.float32: 1e-5}[dtype]
+    assert not torch.isnan(res).any()
+    assert np.abs(res.double().cpu().numpy() - ref).max() <= tol * max(np.abs(ref).max(), 1)
+    assert np.allclose(res_lse.double().cpu().numpy(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_cupy_callers_keep_cupy_conventions():
@@ -322,6 +371,39 @@ def test_bad_device_metadata_is_reported_without_a_synchronisation(kind):
     torch.cuda.synchronize()
     good_t = good if kind == "torch" else _from_cupy(good)
     assert torch.equal(good_t[[0, 1, 3]], out_t[[0, 1, 3]])  # the other sequences are exact
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_bad_device_metadata_with_new_tokens_is_reported_by_the_append_check(num_splits):
+    """With new tokens the append kernel checks the metadata (the split kernel does not check
+    again): a page id outside the pool, a negative length and a length that the new tokens
+    push over the capacity, each reported once by check_errors() with the host check's
+    message; with valid metadata nothing is reported."""
+    q, kp, vp, cs, bt = _decode_case(True, seed=45)
+    kn, vn = _randn((4, 2, 8, 128), torch.bfloat16, 46), _randn((4, 2, 8, 128), torch.bfloat16, 47)
+
+    def call(lens, table):
+        return cupyflash.flash_attn_with_kvcache(q, kp.clone(), vp.clone(), kn, vn,
+                                                 cache_seqlens=lens, block_table=table,
+                                                 num_splits=num_splits)
+    call(cs, bt)
+    cupyflash.check_errors()  # valid: nothing found
+    bad_bt = bt.clone()
+    bad_bt[2, 32] = 10 ** 6  # sequence 2: 513 + 2 tokens, 33 pages
+    call(cs, bad_bt)
+    with pytest.raises(guard.DeviceCheckError,
+                       match=r"^block_table: page id block_table\[2, 32\]=1000000 is outside "
+                             r"the pool \[0, 256\) \(sequence 2 uses 33 pages\) \[found"):
+        cupyflash.check_errors()
+    cupyflash.check_errors()  # reported once
+    for i, value, match in ((1, -4, r"^cache_seqlens: must be >= 0, got cache_seqlens\[1\]=-4"),
+                            (3, 1023, r"^cache_seqlens: cache_seqlens\[3\]=1023 \+ seqlen_new 2 "
+                                      r"exceeds the cache capacity 1024 \(max_pages_per_seq")):
+        bad = cs.clone()
+        bad[i] = value
+        call(bad, bt)
+        with pytest.raises(guard.DeviceCheckError, match=match):
+            cupyflash.check_errors()
 
 
 def test_bad_host_metadata_raises_before_the_launch():
