@@ -5,7 +5,7 @@ Writes ``experiments/results/gpu_suite.json`` (commit, date, GPU, counts, failur
 
     PYTHONPATH=. python experiments/gpu_suite.py                 # GPU tests + quick benchmarks
     PYTHONPATH=. python experiments/gpu_suite.py --tests-only -k decode
-    PYTHONPATH=. python experiments/gpu_suite.py --sanitize      # + compute-sanitizer memcheck/racecheck
+    PYTHONPATH=. python experiments/gpu_suite.py --sanitize      # + compute-sanitizer memcheck/racecheck/synccheck
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tests-only", action="store_true", help="skip the quick benchmarks")
     ap.add_argument("--bench-only", action="store_true", help="skip the tests")
-    ap.add_argument("--sanitize", action="store_true", help="also run compute-sanitizer memcheck + racecheck")
+    ap.add_argument("--sanitize", action="store_true", help="also run compute-sanitizer memcheck, racecheck, synccheck")
     ap.add_argument("-k", default=None, help="pytest -k expression")
     ap.add_argument("--test-timeout", type=float, default=300)
     ap.add_argument("--bench", nargs="*", default=["bench_prefill.py --quick", "bench_decode.py --quick"],
@@ -120,9 +120,9 @@ def main() -> int:
     if args.sanitize:
         record["sanitizer"] = {}
         san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-        for tool in ("memcheck", "racecheck"):
+        for tool in ("memcheck", "racecheck", "synccheck"):
             log = out_dir / f"sanitize_{tool}.log"
-            extra = ["--small"] if tool == "racecheck" else []
+            extra = ["--small"] if tool != "memcheck" else []
             rc = sh([san, "--tool", tool, "--error-exitcode", "99", sys.executable,
                      "experiments/sanitize_cases.py", *extra], 130, log, env)
             text = log.read_text()

@@ -31,12 +31,17 @@ def main():
             q, k, v = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt), rand((2, 133, 2, d), dt)
             for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
                 cf.flash_attn_func(q, k, v, causal=causal, window_size=window)
-    # the Hopper wgmma kernels: the dispatcher takes them for large problems only, so they are
-    # launched directly here (ragged tails, GQA, causal and window masks, a padded head dim)
+    # the Hopper kernels (TMA and wgmma): the dispatcher takes them for large problems only, so
+    # they are launched directly here (ragged tails, GQA, causal and window masks, a padded head
+    # dim); then the TMA kernel through the call with more work tiles than SMs, so that its
+    # persistent CTAs take several tiles each (from the counter when causal)
     from cupyflash import checks, dispatch, prefill
     if dispatch.default_arch() == prefill.WG_ARCH:
+        q, k, v = rand((1, 1100, 16, 64), bf16), rand((1, 1100, 4, 64), bf16), rand((1, 1100, 4, 64), bf16)
+        for causal in (False, True):
+            cf.flash_attn_func(q, k, v, causal=causal)
         for cfg in prefill.SUPPORTED:
-            if cfg.isa != "wgmma" or (small and cfg.dtype != "bfloat16"):
+            if cfg.isa not in prefill.HOPPER_ISAS or (small and cfg.dtype != "bfloat16"):
                 continue
             dt = bf16 if cfg.dtype == "bfloat16" else cp.float16
             d = cfg.headdim - 8
