@@ -172,12 +172,15 @@ class TmaLaunch:
         The kernel's device (the counters are per device and stream).
     """
 
-    __slots__ = ("_func", "_cfg", "_cfg_ref", "_holders", "_params", "_keep", "_enc", "_lock",
+    __slots__ = ("_func", "_func_arg", "_cfg", "_cfg_ref", "_holders", "_params", "_keep", "_enc", "_lock",
                  "_counter", "_causal", "_device", "__weakref__")
 
     def __init__(self, kernel, grid, block, args, pointer_slots, maps, *, shared_mem: int,
                  causal: bool, device_id: int):
         self._func = launch._function_ptr(kernel)
+        # launch._launch_ex() declares no argument types: every argument is a ready ctypes object
+        # (a bare int would be passed as a 32-bit C int)
+        self._func_arg = ctypes.c_void_p(self._func)
         self._causal, self._device = bool(causal), int(device_id)
         self._counter = ctypes.c_uint64(0)
         self._enc = tuple(_MapEncoder(*m) for m in maps)
@@ -219,6 +222,6 @@ class TmaLaunch:
             for h, x in zip(holders, pointers):
                 h.value = x
             self._cfg.stream = stream_ptr
-            status = launch._launch_ex()(self._cfg_ref, self._func, self._params, None)
+            status = launch._launch_ex()(self._cfg_ref, self._func_arg, self._params, None)
         if status:
             launch._check("cuLaunchKernelEx", status)

@@ -92,6 +92,7 @@ def main() -> int:
     ap.add_argument("--tests-only", action="store_true", help="skip the quick benchmarks")
     ap.add_argument("--bench-only", action="store_true", help="skip the tests")
     ap.add_argument("--sanitize", action="store_true", help="also run compute-sanitizer memcheck, racecheck, synccheck")
+    ap.add_argument("--sanitize-timeout", type=int, default=130, help="seconds per sanitizer tool")
     ap.add_argument("-k", default=None, help="pytest -k expression")
     ap.add_argument("--test-timeout", type=float, default=300)
     ap.add_argument("--bench", nargs="*", default=["bench_prefill.py --quick", "bench_decode.py --quick"],
@@ -124,7 +125,7 @@ def main() -> int:
             log = out_dir / f"sanitize_{tool}.log"
             extra = ["--small"] if tool != "memcheck" else []
             rc = sh([san, "--tool", tool, "--error-exitcode", "99", sys.executable,
-                     "experiments/sanitize_cases.py", *extra], 130, log, env)
+                     "experiments/sanitize_cases.py", *extra], args.sanitize_timeout, log, env)
             text = log.read_text()
             summary = [l for l in text.splitlines() if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l]
             record["sanitizer"][tool] = {"rc": rc, "summary": summary[-3:]}

@@ -124,3 +124,54 @@ def test_kernel_arguments_convert_numpy_scalars():
     assert ctypes.cast(ptrs[3], ctypes.POINTER(ctypes.c_float)).contents.value == 0.5
     with pytest.raises(TypeError, match="kernel argument 1"):
         launch.kernel_arguments((np.int32(1), 5))  # a Python int has no C type
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal):
+    """cupyflash.tma.TmaLaunch: the kernel's first three arguments are the q/k/v tensor maps
+    (re-encoded only when a pointer changes), the fourth the causal counter of the call's stream
+    (NULL when non-causal), then the prefill arguments with this call's pointers; the function
+    handle reaches the driver as a ctypes pointer (a bare int would be cut to 32 bits)."""
+    from cupyflash import tma
+    encoded = []
+
+    def encode(holder, dtype, rank, ptr, dims, strides, box, elem, il, sw, l2, oob):
+        ctypes.memmove(holder, ctypes.byref(ctypes.c_uint64(ptr)), 8)  # a recognisable map
+        encoded.append((ptr, list(dims), list(strides), list(box)))
+        return 0
+    monkeypatch.setattr(tma, "_encode_fn", lambda: encode)
+    monkeypatch.setattr(tma, "tile_counter", lambda dev, stream: 0xC000 + stream)
+    seen = []
+
+    def launch_ex(cfg_ref, func, params, extra):
+        cfg = ctypes.cast(cfg_ref, ctypes.POINTER(launch._Config)).contents
+        maps = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_uint64)).contents.value
+                for i in range(3)]
+        rest = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in
+                ((3, ctypes.c_uint64), (4, ctypes.c_uint64), (5, ctypes.c_uint64),
+                 (6, ctypes.c_uint64), (7, ctypes.c_int32))]
+        seen.append((func.value, tuple(cfg.grid), cfg.shared_mem_bytes, cfg.stream, maps, rest))
+        return 0
+    monkeypatch.setattr(launch, "_LAUNCH_EX", launch_ex)
+    maps = tuple(((64, 2, 100, 1), (128, 256, 25600), (64, 1, 128, 1)) for _ in range(3))
+    args = (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(5))
+    run = tma.TmaLaunch(_FakeKernel(), (3, 1, 1), (384, 1, 1), args, (0, 1, 2), maps,
+                        shared_mem=4096, causal=causal, device_id=0)
+    run((0xA00, 0xB00, 0xD00), 0x77)
+    run((0xA00, 0xB00, 0xE00), 0x78)
+    c = (lambda s: 0xC000 + s) if causal else (lambda s: 0)
+    assert seen == [
+        (0x1234, (3, 1, 1), 4096, 0x77, [0xA00, 0xB00, 0xD00], [c(0x77), 0xA00, 0xB00, 0xD00, 5]),
+        (0x1234, (3, 1, 1), 4096, 0x78, [0xA00, 0xB00, 0xE00], [c(0x78), 0xA00, 0xB00, 0xE00, 5])]
+    assert [e[0] for e in encoded] == [0xA00, 0xB00, 0xD00, 0xE00]  # only a new pointer re-encodes
+    assert encoded[0][1:] == ([64, 2, 100, 1], [128, 256, 25600], [64, 1, 128, 1])
+    with pytest.raises(ValueError, match="pointers: expected 3"):
+        run((1,), 0)
+
+
+def test_tma_map_layout_and_stride_checks():
+    from cupyflash import tma
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        tma._MapEncoder((64, 2, 100, 1), (128, 250, 25600), (64, 1, 128, 1))
+    with pytest.raises(ValueError, match="rank"):
+        tma._MapEncoder((64, 2), (128, 250), (64, 1))
