@@ -42,13 +42,14 @@ struct HopperFwdTraits {
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;
     // full_k, full_v, empty_k, empty_v per ring slot; q_full, q_empty
     static constexpr int kBarriers = 4 * STAGES + 2;
-    // Q, the K and V rings, the barriers, two FwdTileInfo (48 bytes each), and 1024 bytes to
+    // Q, the K and V rings, the barriers, two FwdTileInfo (40 of 48 bytes each), and 1024 bytes to
     // align the base to the swizzle repeat. cupyflash/prefill.py computes the same number.
     static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 96 + 1024;
-    // setmaxnreg: the SM's 64K registers split between the producer warpgroup (32: with 24 its
-    // scheduler and work-tile arithmetic spill) and the two consumer warpgroups (240 each: O, S,
-    // P_i and P_{i+1} of hd128 take 192)
-    static constexpr int kProducerRegs = 32;
+    // setmaxnreg: the registers the launch gave the CTA (168 per thread, 384 threads) move from
+    // the producer warpgroup (24) to the two consumer warpgroups (240 each: O, S, P_i and P_{i+1}
+    // of hd128 take 192). The counts must add up to the CTA's allocation exactly: with a
+    // producer at 32 the consumers' setmaxnreg.inc waits forever for registers (an H200 hang).
+    static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
     static constexpr int kSAcc = BLOCK_N / 2;                 // S floats per thread (64 x BLOCK_N)
     static constexpr int kOAcc = HEADDIM / 2;                 // O floats per thread (64 x HEADDIM)
@@ -64,7 +65,8 @@ struct HopperFwdTraits {
     static_assert(BLOCK_M == 128, "two consumer warpgroups (three, 192 x 64 at hd64, measured slower: NOTES v53)");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
     static_assert(STAGES >= 2 && STAGES <= 3, "K/V ring of 2 or 3 tiles");
-    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads == 168 * kThreads,
+                  "setmaxnreg: the counts add up to the launch's 168 registers per thread");
     // sm_90's opt-in limit; also keeps every shared address below 2^18, the reach of the
     // descriptors' 14-bit (address >> 4) field (common/wgmma.cuh)
     static_assert(kSmemBytes <= 227 * 1024, "shared memory of the configuration");
@@ -142,9 +144,8 @@ struct FwdWork {
 // 240 registers hold O, S and two P tiles at hd128).
 struct FwdTileInfo {
     int tile;                // >= the number of tiles: stop
-    int m0, seqlen_q, seqlen_k, n_block_min, n_tiles;
+    int b, h, m0, seqlen_q, seqlen_k, n_block_min, n_tiles;
     int lo_last, hi_first;   // KeyTiles: which key tiles need the mask
-    int64_t o_off, lse_off;
 };
 
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
@@ -212,6 +213,8 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 break;
             }
             const Work w(p, sched.get(t));
+            info.b = w.b;
+            info.h = w.h;
             info.m0 = w.m0;
             info.seqlen_q = w.seq.seqlen_q;
             info.seqlen_k = w.seq.seqlen_k;
@@ -219,8 +222,6 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             info.n_tiles = w.n_tiles;
             info.lo_last = w.tiles.lo_last;
             info.hi_first = w.tiles.hi_first;
-            info.o_off = w.seq.o_off;
-            info.lse_off = w.seq.lse_off;
             if (w.n_tiles <= 0) {  // no key: the consumers write 0 and -inf without Q
                 mbarrier_arrive(q_full);
                 continue;
@@ -394,8 +395,9 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         }
 
         // ---- epilogue: l summed over the quad; out = O / l (0 for an empty row); LSE ----
-        T* o_base = static_cast<T*>(p.o) + ti.o_off;
-        float* lse_base = p.lse + ti.lse_off;
+        const FwdSeq seq = fwd_seq(p, ti.b, ti.h);
+        T* o_base = static_cast<T*>(p.o) + seq.o_off;
+        float* lse_base = p.lse + seq.lse_off;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             float l = row[hh].l;
