@@ -196,25 +196,21 @@ def _append_grid(prob) -> tuple:
     return (-(-(prob.seqlen_new * prob.nheads_k * prob.headdim) // 256), prob.batch, 1)
 
 
-def _launch_combine(o_part, lse_part, out, lse_out, stream_ptr: int) -> None:
-    """The combine kernel (decode_combine.cu) over float32 ``o_part`` (num_parts, batch,
-    seqlen, nheads, headdim) and ``lse_part`` (num_parts, batch, nheads, seqlen), any strides
-    with the head dim contiguous, into ``out`` (batch, seqlen, nheads, headdim) and the float32
-    ``lse_out`` (batch, nheads, seqlen); one warp per output row, a plain launch on the stream
-    handle ``stream_ptr``, on the current device. Arrays: CuPy arrays or
-    :class:`cupyflash.interop.ArrayDesc` (shape, byte strides, dtype, ``data.ptr``)."""
+def _launch_combine(o_part, lse_part, out, lse_out) -> None:
+    """The combine kernel (decode_combine.cu) over float32 CuPy arrays ``o_part`` (num_parts,
+    batch, seqlen, nheads, headdim) and ``lse_part`` (num_parts, batch, nheads, seqlen), any
+    strides with the head dim contiguous, into ``out`` (batch, seqlen, nheads, headdim) and the
+    float32 ``lse_out`` (batch, nheads, seqlen); one warp per output row."""
     num_parts, batch, seqlen, nheads, headdim = o_part.shape
     op, lp, o, ls = (_estrides(x) for x in (o_part, lse_part, out, lse_out))
     i64, i32 = np.int64, np.int32
-    args = (_NULL, _NULL, _NULL, _NULL,
+    args = (o_part, lse_part, out, lse_out,
             i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
             i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
             i64(o[0]), i64(o[1]), i64(o[2]), i64(ls[0]), i64(ls[1]),
             i32(num_parts), i32(batch), i32(seqlen), i32(nheads), i32(headdim))
     kern = jit.get_kernel(combine_kernel_spec(checks.dtype_name(out)))
-    run = launch.PreparedLaunch(kern, (-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1),
-                                args, (0, 1, 2, 3), pdl=False)
-    run(tuple(x.data.ptr for x in (o_part, lse_part, out, lse_out)), stream_ptr)
+    kern((-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1), args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -675,12 +671,6 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
     return (out, lse) if e.return_lse else out
 
 
-def _same_merge_device(o_dev: int, lse_dev: int) -> None:
-    if lse_dev != o_dev:
-        raise ValueError(f"lse_parts: on CUDA device {lse_dev}, but o_parts is on device "
-                         f"{o_dev}; pass both on one device")
-
-
 def merge_states(o_parts, lse_parts):
     """Exact merge of partial attention states on the GPU (Flash-Decoding's combine step; also
     cascade and distributed attention).
@@ -699,10 +689,8 @@ def merge_states(o_parts, lse_parts):
 
     Returns
     -------
-    o : torch.Tensor or cupy.ndarray, shape (batch, seqlen, nheads, headdim), dtype of ``o_parts``
-    lse : float32, shape (batch, nheads, seqlen), of the same kind
-        torch tensors when both inputs are torch tensors (allocated by torch, launched on
-        torch's current stream of their device), else CuPy arrays (CuPy's current stream).
+    o : CUDA array, shape (batch, seqlen, nheads, headdim), dtype of ``o_parts``
+    lse : float32 CUDA array, shape (batch, nheads, seqlen)
 
     Raises
     ------
@@ -710,9 +698,10 @@ def merge_states(o_parts, lse_parts):
         Host arrays (use :func:`cupyflash.reference.merge_states`), float64 ``o_parts``, and the
         errors of :func:`cupyflash.checks.check_merge`.
     ValueError
-        From :func:`cupyflash.checks.check_merge` (shapes; arrays on different devices).
+        From :func:`cupyflash.checks.check_merge`.
     """
     num_parts, batch, seqlen, nheads, headdim = checks.check_merge(o_parts, lse_parts)
+    from .interop import is_device_array
     if not is_device_array(o_parts):
         raise TypeError("o_parts: merge_states runs on the GPU, got a host array "
                         f"{type(o_parts).__name__}; use cupyflash.reference.merge_states")
@@ -720,28 +709,14 @@ def merge_states(o_parts, lse_parts):
     if dt not in COMBINE_DTYPES:
         raise TypeError(f"o_parts: dtype {dt} is not supported on the GPU; supported: "
                         f"{', '.join(COMBINE_DTYPES)} (float64: cupyflash.reference.merge_states)")
-    out_shape, lse_shape = (batch, seqlen, nheads, headdim), (batch, nheads, seqlen)
-    if caller_of(o_parts, lse_parts) is TorchCaller:
-        # torch's conventions: float32 copies and outputs by torch, on its current stream
-        dev = TorchCaller.device(o_parts)
-        _same_merge_device(dev, TorchCaller.device(lse_parts))
-        with interop.on_device(dev):
-            o32, l32 = o_parts.float(), lse_parts.float()  # (themselves when float32)
-            out = TorchCaller.empty(out_shape, dt, dev)
-            lse = TorchCaller.empty(lse_shape, "float32", dev)
-            if out.numel():  # an empty grid is not launchable
-                _launch_combine(*(describe_torch(x) for x in (o32, l32, out, lse)),
-                                TorchCaller.stream(dev))
-        return out, lse
-    cupy = _cupy()
+    import cupy
     o_parts = as_cupy(o_parts, "o_parts", dt)
     lse_parts = as_cupy(lse_parts, "lse_parts", checks.dtype_name(lse_parts))
-    _same_merge_device(o_parts.device.id, lse_parts.device.id)
     with o_parts.device:
         o32 = o_parts if dt == "float32" else o_parts.astype(cupy.float32)
         l32 = lse_parts if lse_parts.dtype == cupy.float32 else lse_parts.astype(cupy.float32)
-        out = cupy.empty(out_shape, o_parts.dtype)
-        lse = cupy.empty(lse_shape, cupy.float32)
+        out = cupy.empty((batch, seqlen, nheads, headdim), o_parts.dtype)
+        lse = cupy.empty((batch, nheads, seqlen), cupy.float32)
         if out.size:  # an empty grid is not launchable
-            _launch_combine(o32, l32, out, lse, cupy.cuda.get_current_stream().ptr)
+            _launch_combine(o32, l32, out, lse)
     return out, lse

@@ -444,32 +444,6 @@ def test_decode_bad_host_page_ids_raise_before_any_launch(fake_cuda):
     assert ptrs[3] == cs.data_ptr() and ptrs[4] not in (0, bt.data_ptr())  # the ids' copy
 
 
-def test_merge_states_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch):
-    """merge_states of torch tensors: torch tensors out (shapes, dtypes), the combine kernel
-    launched plainly on torch's stream with the float32 inputs' and the outputs' pointers
-    (float32 o_parts used in place; float64 LSEs converted); a part on another device is
-    refused before any launch."""
-    o = _t((3, 2, 5, 4, 64), torch.float32, seed=11)
-    lse = torch.randn(3, 2, 4, 5, dtype=torch.float64)
-    out, lse_out = decode.merge_states(o, lse)
-    assert type(out) is torch.Tensor and type(lse_out) is torch.Tensor
-    assert out.shape == (2, 5, 4, 64) and out.dtype == torch.float32
-    assert lse_out.shape == (2, 4, 5) and lse_out.dtype == torch.float32
-    ((name, pdl, ptrs, stream, _),) = fake_cuda
-    assert name == "decode_combine_fp32" and pdl is False and stream == STREAM
-    assert ptrs[0] == o.data_ptr() and ptrs[1] != lse.data_ptr()  # the float32 copy of lse
-    assert ptrs[2:] == (out.data_ptr(), lse_out.data_ptr())
-    out16, _ = decode.merge_states(o.to(torch.bfloat16), lse.float())
-    assert out16.dtype == torch.bfloat16 and fake_cuda[-1][0] == "decode_combine_bf16"
-    assert fake_cuda[-1][2][2] == out16.data_ptr()
-    n = len(fake_cuda)
-    monkeypatch.setattr(interop.TorchCaller, "device", staticmethod(lambda a: int(a is lse)))
-    with pytest.raises(ValueError, match=r"^lse_parts: on CUDA device 1, but o_parts is on "
-                                         r"device 0"):
-        decode.merge_states(o, lse)
-    assert len(fake_cuda) == n
-
-
 # ----------------------------------------------------------------------------------------------
 # The device-side check's record (cupyflash.guard), surfaced without a synchronisation
 # ----------------------------------------------------------------------------------------------
