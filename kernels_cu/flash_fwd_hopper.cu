@@ -15,8 +15,8 @@
 //     runs the softmax of S_{i+1} while P_i V_i runs (FA3 Sec. 3.2, intra-warpgroup overlap),
 //     then rescales O; two warpgroups take turns issuing their GEMMs (named barriers: ping-pong,
 //     FA3 Sec. 3.1); the output is normalised once and written from registers.
-// The producer hands each tile to the consumers with its Q (FwdTileInfo in shared memory), so
-// both roles walk the same tiles and the same ring positions.
+// The producer hands each tile's index to the consumers with its Q (shared memory), so both
+// roles walk the same tiles and the same ring positions.
 // The consumers compute no load address and issue no copy: every instruction they issue is
 // GEMM, softmax or a barrier. Shared-memory layouts and descriptors: common/wgmma.cuh.
 #include "common/dtype.cuh"
@@ -42,13 +42,13 @@ struct HopperFwdTraits {
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;
     // full_k, full_v, empty_k, empty_v per ring slot; q_full, q_empty
     static constexpr int kBarriers = 4 * STAGES + 2;
-    // Q, the K and V rings, the barriers, two FwdTileInfo (40 of 48 bytes each), and 1024 bytes to
-    // align the base to the swizzle repeat. cupyflash/prefill.py computes the same number.
-    static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 96 + 1024;
+    // Q, the K and V rings, the barriers, the tile index (8 bytes), and 1024 bytes to align the
+    // base to the swizzle repeat. cupyflash/prefill.py computes the same number.
+    static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 8 + 1024;
     // setmaxnreg: the registers the launch gave the CTA (168 per thread, 384 threads) move from
     // the producer warpgroup (24) to the two consumer warpgroups (240 each: O, S, P_i and P_{i+1}
     // of hd128 take 192). The counts must add up to the CTA's allocation exactly: with a
-    // producer at 32 the consumers' setmaxnreg.inc waits forever for registers (an H200 hang).
+    // producer at 32 the consumers' setmaxnreg.inc waited forever for registers (an H200 hang).
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
     static constexpr int kSAcc = BLOCK_N / 2;                 // S floats per thread (64 x BLOCK_N)
@@ -120,7 +120,7 @@ struct FwdTileScheduler {
     }
 };
 
-// One work tile: its sequence, first row and key tiles (computed by the producer).
+// One work tile as both roles see it: its sequence, first row and key tiles.
 template <int BLOCK_M, int BLOCK_N, bool CAUSAL>
 struct FwdWork {
     FwdSeq seq;
@@ -135,17 +135,7 @@ struct FwdWork {
         n_block_min = tiles.n_block_min;
         n_tiles = m0 < seq.seqlen_q ? tiles.n_block_max - tiles.n_block_min : 0;
     }
-};
-
-// What the consumers need of a work tile, handed over in shared memory with its Q (two slots,
-// alternating: the producer refills a slot only after the consumers released the next tile's Q,
-// so after they finished the tile that used it). They read it through a volatile reference at
-// each use: loaded again rather than held in registers through the main loop (the consumer's
-// 240 registers hold O, S and two P tiles at hd128).
-struct FwdTileInfo {
-    int tile;                // >= the number of tiles: stop
-    int b, h, m0, seqlen_q, seqlen_k, n_block_min, n_tiles;
-    int lo_last, hi_first;   // KeyTiles: which key tiles need the mask
+    __device__ __forceinline__ bool empty() const { return m0 >= seq.seqlen_q; }
 };
 
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
@@ -169,10 +159,10 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     auto empty_k = [&](int st) { return bars + 8u * (uint32_t)(2 * S + st); };
     auto empty_v = [&](int st) { return bars + 8u * (uint32_t)(3 * S + st); };
     const uint32_t q_full = bars + 8u * (uint32_t)(4 * S), q_empty = q_full + 8u;
-    // The producer hands each work tile to the consumers with its Q: its FwdTileInfo is written
-    // before the arrival on q_full (an arrive releases, a completed wait acquires).
-    FwdTileInfo* s_info = reinterpret_cast<FwdTileInfo*>(
-        smem_raw + (bars + 8u * Tr::kBarriers - smem_u32addr(smem_raw)));
+    // The producer hands each work tile to the consumers with its Q: the tile index is written
+    // here before the arrival on q_full (an arrive releases, a completed wait acquires), and read
+    // by the consumers before they release q_empty.
+    int& s_tile = *reinterpret_cast<int*>(smem_raw + (bars + 8u * Tr::kBarriers - smem_u32addr(smem_raw)));
 
     const int tid = threadIdx.x;
     // The warpgroup index, broadcast from lane 0 so that the compiler knows it is warp-uniform:
@@ -206,22 +196,12 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             // the tile (and its Q), once the consumers have read the previous one and their last
             // Q K^T of it has completed; t >= num_tiles tells them to stop
             if (qn > 0) mbarrier_wait(q_empty, (uint32_t)((qn - 1) & 1));
-            FwdTileInfo& info = s_info[qn & 1];
-            info.tile = t;
+            s_tile = t;
             if (t >= sched.num_tiles) {
                 mbarrier_arrive(q_full);
                 break;
             }
             const Work w(p, sched.get(t));
-            info.b = w.b;
-            info.h = w.h;
-            info.m0 = w.m0;
-            info.seqlen_q = w.seq.seqlen_q;
-            info.seqlen_k = w.seq.seqlen_k;
-            info.n_block_min = w.n_block_min;
-            info.n_tiles = w.n_tiles;
-            info.lo_last = w.tiles.lo_last;
-            info.hi_first = w.tiles.hi_first;
             if (w.n_tiles <= 0) {  // no key: the consumers write 0 and -inf without Q
                 mbarrier_arrive(q_full);
                 continue;
@@ -298,15 +278,15 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     int kv = 0;  // ring position, in step with the producer
     for (int qn = 0;; ++qn) {
         mbarrier_wait(q_full, (uint32_t)(qn & 1));  // the next tile (and its Q, if it has keys)
-        const volatile FwdTileInfo& ti = s_info[qn & 1];
-        if (ti.tile >= sched.num_tiles) break;
-        const int n_tiles = ti.n_tiles;
-        if (n_tiles <= 0) {  // no Q to read: the producer may go on at once
+        const int tile = s_tile;
+        if (tile >= sched.num_tiles) break;
+        const Work w(p, sched.get(tile));
+        if (w.n_tiles <= 0) {  // no Q to read: the producer may go on at once
             __syncwarp();
             release(q_empty);
         }
-        if (ti.m0 >= ti.seqlen_q) continue;  // no rows (varlen)
-        const int row0 = ti.m0 + wg * 64 + warp_in_wg * 16 + g;  // this thread's rows: row0, row0 + 8
+        if (w.empty()) continue;
+        const int row0 = w.m0 + wg * 64 + warp_in_wg * 16 + g;  // this thread's rows: row0, row0 + 8
         float o[Tr::kOAcc];
 #pragma unroll
         for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
@@ -315,16 +295,16 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         row[1].init();
         auto softmax = [&](const float (&s)[Tr::kSAcc], uint32_t (&pf)[Tr::kPVSteps][4],
                            float (&alpha)[2], int nb) {
-            const int n0 = nb * BLOCK_N;  // KeyTiles::needs_mask
-            if (!(n0 >= ti.lo_last && n0 + BLOCK_N <= ti.hi_first))
-                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, true>(s, pf, row, alpha, row0, n0, t4, p,
-                                                               ti.seqlen_q, ti.seqlen_k, CAUSAL,
-                                                               scale_log2);
+            if (w.tiles.needs_mask(nb))
+                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, true>(s, pf, row, alpha, row0, nb * BLOCK_N,
+                                                               t4, p, w.seq.seqlen_q, w.seq.seqlen_k,
+                                                               CAUSAL, scale_log2);
             else
-                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, false>(s, pf, row, alpha, row0, n0, t4, p,
-                                                                ti.seqlen_q, ti.seqlen_k, CAUSAL,
-                                                                scale_log2);
+                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, false>(s, pf, row, alpha, row0, nb * BLOCK_N,
+                                                                t4, p, w.seq.seqlen_q, w.seq.seqlen_k,
+                                                                CAUSAL, scale_log2);
         };
+        const int n_tiles = w.n_tiles;
         if (n_tiles > 0) {
             // ---- prologue: S_0 and its softmax ----
             uint32_t p_cur[Tr::kPVSteps][4];
@@ -338,7 +318,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 release(empty_k(kv % S));
                 if (n_tiles == 1) release(q_empty);
                 float alpha[2];
-                softmax(s, p_cur, alpha, ti.n_block_min);
+                softmax(s, p_cur, alpha, w.n_block_min);
             }
             // Ping-pong: warpgroup 1 hands the first turn to warpgroup 0.
             if (kPingPong && wg == 1) named_barrier_arrive(1, Tr::kConsumerThreads);
@@ -365,7 +345,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                     wgmma_fence_operand(s);
                     release(empty_k((it + 1) % S));
                     if (i + 2 == n_tiles) release(q_empty);  // the tile's last Q K^T
-                    softmax(s, p_next, alpha, ti.n_block_min + i + 1);
+                    softmax(s, p_next, alpha, w.n_block_min + i + 1);
                     wgmma_wait<0>();                   // P_i V_i is done: O and P_i are free
                     // P_i stays live to here, so that P_{i+1} is not built in its registers
                     // while the P_i V_i group reads them (ptxas would serialise, C7513).
@@ -395,9 +375,8 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         }
 
         // ---- epilogue: l summed over the quad; out = O / l (0 for an empty row); LSE ----
-        const FwdSeq seq = fwd_seq(p, ti.b, ti.h);
-        T* o_base = static_cast<T*>(p.o) + seq.o_off;
-        float* lse_base = p.lse + seq.lse_off;
+        T* o_base = static_cast<T*>(p.o) + w.seq.o_off;
+        float* lse_base = p.lse + w.seq.lse_off;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             float l = row[hh].l;
@@ -405,7 +384,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const float inv = SoftmaxRow<float>::inv_l(l);
             const int r = row0 + 8 * hh;
-            if (r < ti.seqlen_q) {
+            if (r < w.seq.seqlen_q) {
                 T* o_row = o_base + (int64_t)r * p.o_row_stride;
 #pragma unroll
                 for (int d = 0; d < Tr::kDTiles; ++d) {

@@ -63,6 +63,13 @@ def test_wgmma_pipeline_is_not_serialised(reports):
         assert not bad, f"{name}: ptxas serialised the wgmma pipeline ({bad}):\n{r.log}"
 
 
+# Spills accepted, each with its bound (stores, loads in bytes) and why: the TMA kernel at hd128
+# causal, the build measured on the H200 in session 15 (experiments/notes/session15.md: 1093
+# prefill GPU tests, 543-580 TFLOP/s). A variant without them (the work tile's fields handed
+# over in shared memory, commit 333a835) was never run on a GPU and is not adopted.
+KNOWN_SPILLS = {f"fwdtma_{t}_hd128_m128_n128_s2_causal": (28, 48) for t in ("bf16", "f16")}
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_tensor_core_specs_do_not_spill(reports, arch):
     supported = {s.name for s in prefill.all_specs()}
@@ -72,7 +79,10 @@ def test_tensor_core_specs_do_not_spill(reports, arch):
         assert 0 < p.registers <= 255, name
         lines.append(f"{arch} {name:44s} regs={p.registers:3d} spill={p.spill_stores}/{p.spill_loads}"
                      f" stack={p.stack_bytes}")
-        if name.startswith("fwd") and not name.startswith("fwdsimt") and p.spill_bytes \
+        if name in KNOWN_SPILLS:
+            stores, loads = KNOWN_SPILLS[name]
+            assert p.spill_stores <= stores and p.spill_loads <= loads, lines[-1]
+        elif name.startswith("fwd") and not name.startswith("fwdsimt") and p.spill_bytes \
                 and name in supported:
             spilled.append(lines[-1])
     print("\n".join(lines))
@@ -152,10 +162,10 @@ def test_tma_rows_lead_on_sm90a():
 
 
 def test_smem_formula_matches_kernel_traits():
-    # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 2 mbarriers, two 48-byte
-    # tile infos, 1024 bytes of alignment
+    # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 2 mbarriers, the 8-byte
+    # tile index, 1024 bytes of alignment
     assert prefill.smem_bytes("bfloat16", 128, 128, 128, 2, isa="tma") == \
-        (128 + 4 * 128) * 128 * 2 + 8 * 10 + 96 + 1024
+        (128 + 4 * 128) * 128 * 2 + 8 * 10 + 8 + 1024
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
     # flash_fwd_simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)

@@ -237,7 +237,10 @@ def test_explain_numpy_arrays_without_gpu():
     assert any(n == plan.name and "sm_90a (Hopper) only" in r for n, r in plan80.rejected)
     rep = jit.compile_report(plan.kernel.spec, "sm_90a").ptxas
     assert plan.registers == rep.registers > 0
-    assert plan.spill_bytes == rep.spill_bytes == 0  # tensor-core variants never spill
+    # explain() reports ptxas' spills as they are: this causal hd128 TMA spec has the known,
+    # bounded ones of tests/test_compile_prefill.py KNOWN_SPILLS, the non-causal one none
+    assert plan.spill_bytes == rep.spill_bytes
+    assert api.explain(q, k, k, causal=False, arch="sm_90a").spill_bytes == 0
     assert plan.kernel.arch == "sm_90a"
     assert plan.flops == io_model.prefill_flops(2, 16, 1000, 1500, 128, True, (-1, 0))
     assert plan.hbm_bytes > 0 and plan.num_splits is None
