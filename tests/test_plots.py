@@ -229,14 +229,14 @@ def test_ncu_csv_parser():
 
 
 def test_run_profiled_returns_both_streams_and_kills_on_timeout():
-    import exp_hbm
-    text, secs, rc = exp_hbm.run_profiled(
+    import common
+    text, secs, rc = common.run_profiled(
         [sys.executable, "-c", "import sys; print('to-out'); print('to-err', file=sys.stderr); "
          "sys.exit(3)"], timeout=60)
     assert "to-out" in text and "to-err" in text and rc == 3 and secs >= 0
     with pytest.raises(TimeoutError, match="exceeded"):
-        exp_hbm.run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
-    assert exp_hbm._CHILD[0] is None
+        common.run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
+    assert common._CHILD[0] is None
 
 
 def test_flush_modes_and_read_flush_kernel_compiles():
