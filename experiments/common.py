@@ -591,14 +591,17 @@ def find_ncu() -> str | None:
 _CHILD = [None]
 
 
-def _kill_child(*_):
+def _kill_child(*_) -> tuple:
+    """Kill the running ncu child's process group; returns what it had printed ``(out, err)``."""
     p = _CHILD[0]
     if p is not None and p.poll() is None:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        p.communicate()
+        out, err = p.communicate()
+        return out or "", err or ""
+    return "", ""
 
 
 def _on_term(signum, frame):
@@ -611,7 +614,7 @@ def run_profiled(cmd: list, timeout: float) -> tuple:
     """Run ``cmd`` (ncu and its target) with the repository on PYTHONPATH; returns
     ``(stdout + stderr, seconds, returncode)``. The child gets its own process group, so that a
     timeout (ours, TimeoutError, or the runner's SIGTERM, :func:`_on_term`) ends ncu *and* its
-    target."""
+    target; the TimeoutError's ``output`` is what the child had printed until then."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         PYTHONUNBUFFERED="1")
@@ -622,8 +625,10 @@ def run_profiled(cmd: list, timeout: float) -> tuple:
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_child()
-        raise TimeoutError(f"ncu run exceeded {timeout:.0f} s") from None
+        out, err = _kill_child()
+        e = TimeoutError(f"ncu run exceeded {timeout:.0f} s")
+        e.output = out + "\n" + err  # what it printed before the kill
+        raise e from None
     finally:
         _CHILD[0] = None
     return out + "\n" + err, round(time.time() - t0, 1), p.returncode
