@@ -652,6 +652,9 @@ def ncu_failure(text: str) -> str | None:
     if "ERR_NVGPUCTRPERM" in t or "permission to access NVIDIA GPU Performance Counters" in t:
         return ("the GPU performance counters are not readable by this user (ERR_NVGPUCTRPERM: "
                 "https://developer.nvidia.com/ERR_NVGPUCTRPERM)")
+    if "Failed to initialize the profiler" in t:  # e.g. LibraryNotLoaded under gVisor
+        line = next(l for l in t.splitlines() if "Failed to initialize the profiler" in l)
+        return f"ncu cannot start its profiler here ({line.strip()[:200]})"
     if "No supported GPU" in t or "not supported on this device" in t.lower():
         return "ncu does not support this GPU"
     return None

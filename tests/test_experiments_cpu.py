@@ -227,3 +227,10 @@ def test_run_profiled_timeout_carries_the_output():
         common.run_profiled([sys.executable, "-c", "import time; print('started', flush=True); "
                              "time.sleep(30)"], timeout=2)
     assert "started" in e.value.output
+
+
+def test_ncu_failure_messages():
+    assert "not readable" in common.ncu_failure("==ERROR== ERR_NVGPUCTRPERM - The user does not")
+    why = common.ncu_failure("==ERROR== Failed to initialize the profiler: LibraryNotLoaded\n")
+    assert "LibraryNotLoaded" in why
+    assert common.ncu_failure(SAMPLE) is None and common.ncu_failure("") is None
