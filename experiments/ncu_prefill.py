@@ -17,9 +17,9 @@ shapes of an implementation. ncu flushes the caches before each kernel (``--cach
 its default) and leaves the clocks alone (``--clock-control none``, as the timed benchmarks run).
 
 Per profiled kernel the record keeps: name, duration, ``sm__throughput`` (% of peak), the tensor
-pipe's busy % (``tensor_pct``; ``tensor_metric`` names the metric it came from: the GMMA pipe's
-cycles where ncu has that metric, else the tensor pipe's cycles, else the GMMA instructions'
-share), the XU pipe (exp2, the special functions) as % of its peak, issue slots busy, warp
+pipe's busy % (``tensor_pct``; ``tensor_metric`` names the metric it came from: the largest of
+the tensor pipes' busy cycles that ncu reported, GMMA's where it has that metric, else the
+largest tensor instruction share), the XU pipe (exp2, the special functions) as % of its peak, issue slots busy, warp
 instructions executed, registers per thread, grid, block, every warp stall reason (cycles per
 issued instruction, ``smsp__average_warps_issue_stalled_*_per_issue_active.ratio``; ``stalls_top``
 leaves out ``selected``, which is no stall) and every pipe's utilisation that ncu reported
@@ -73,11 +73,15 @@ OPTIONAL_METRICS = (
     r"regex:sm__pipe_tensor.*_cycles_active\.avg\.pct_of_peak_sustained_active",
     r"regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active",
 )
-# tensor-pipe utilisation, first found wins
-TENSOR_METRICS = (
+# tensor-pipe utilisation: the largest of the busy-cycle metrics that ncu reported (whether
+# sm__pipe_tensor_cycles_active counts GMMA on sm_90 is not established here), else the largest
+# instruction share
+TENSOR_CYCLES = (
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+)
+TENSOR_INST = (
     "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
     "sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active",
 )
@@ -209,10 +213,10 @@ def summarize_kernel(k: dict, keep_raw: bool = False) -> dict:
         out["duration_ms"] = dur[0] * TIME_UNITS.get(dur[1].strip().lower(), 1e-6)
     out["sm_throughput_pct"] = _value(m, "sm__throughput.avg.pct_of_peak_sustained_elapsed")
     out["tensor_pct"], out["tensor_metric"] = None, None
-    for name in TENSOR_METRICS:
-        v = _value(m, name)
-        if v is not None:
-            out["tensor_pct"], out["tensor_metric"] = v, name
+    for names in (TENSOR_CYCLES, TENSOR_INST):
+        found = [(_value(m, n), n) for n in names if _value(m, n) is not None]
+        if found:
+            out["tensor_pct"], out["tensor_metric"] = max(found)
             break
     out["xu_pct"] = _value(m, "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active")
     out["issue_active_pct"] = _value(m, "smsp__issue_active.avg.pct_of_peak_sustained_active")

@@ -110,6 +110,23 @@ def test_summary_of_a_kernel():
     json.dumps(k)
 
 
+def test_tensor_pipe_is_the_busiest_tensor_counter():
+    pct = "avg.pct_of_peak_sustained_active"
+
+    def k(**vals):
+        return {"name": "k", "grid": None, "block": None,
+                "metrics": {f"sm__{n}.{pct}": (v, "%") for n, v in vals.items()}}
+    s = ncu_prefill.summarize_kernel(k(pipe_tensor_cycles_active=0.0,
+                                       pipe_tensor_op_gmma_cycles_active=81.5,
+                                       inst_executed_pipe_tensor_op_gmma=40.0))
+    assert (s["tensor_pct"], s["tensor_metric"]) == (81.5, f"sm__pipe_tensor_op_gmma_cycles_active.{pct}")
+    s = ncu_prefill.summarize_kernel(k(inst_executed_pipe_tensor_op_gmma=40.0,
+                                       inst_executed_pipe_tensor_op_hmma=0.0))
+    assert s["tensor_metric"] == f"sm__inst_executed_pipe_tensor_op_gmma.{pct}"
+    s = ncu_prefill.summarize_kernel(k())
+    assert s["tensor_pct"] is None and s["stalls_top"] == [] and s["grid"] is None
+
+
 def test_kernels_split_by_marker_and_driver_messages():
     ks = ncu_prefill.parse_raw_csv(SAMPLE)
     g = ncu_prefill.split_by_marker(ks, 3)
