@@ -1,4 +1,6 @@
-"""Shared plumbing of the experiment scripts: provenance, JSON Lines, timing, torch peers, memory.
+"""Shared plumbing of the experiment scripts: provenance, JSON Lines, timing, torch peers, memory,
+and running a script under Nsight Compute (:func:`find_ncu`, :func:`run_profiled`,
+:func:`ncu_csv_rows`).
 
 Every script records, per measurement, one JSON object per line with the provenance of
 :func:`provenance` (git commit, date, GPU name and SM count, CuPy / CUDA runtime / driver
@@ -22,13 +24,18 @@ and reports the median. Two habits keep the numbers honest:
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import datetime
 import functools
+import glob
 import importlib.util
+import io
 import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -46,7 +53,8 @@ __all__ = [
     "ROOT", "RESULTS", "FIGURES", "provenance", "append_jsonl", "read_jsonl", "jsonable",
     "progress", "have_gpu", "have_torch", "benchmark", "random_normal", "random_qkv",
     "cupy_to_torch", "torch_sdpa", "sdpa_backend", "peak_extra_memory_cupy", "peak_extra_memory_torch",
-    "explain_record", "free_memory", "impl_available",
+    "explain_record", "free_memory", "impl_available", "find_ncu", "run_profiled", "ncu_csv_rows",
+    "ncu_failure",
 ]
 
 
@@ -178,7 +186,7 @@ def impl_available(name: str) -> tuple[bool, str]:
         return False, "no CUDA GPU"
     if name == "fa3":
         try:
-            import fa3_fwd_interface  # noqa: F401
+            importlib.import_module("fa3_fwd_interface")
         except Exception as e:  # the wheel is optional: ../shared/peers/README.md
             return False, f"fa3_fwd_interface does not import ({type(e).__name__}: {e})"
         return True, ""
@@ -565,3 +573,88 @@ def explain_record(*args, kind: str = "prefill", **kwargs):
         return json.loads(json.dumps(rec, default=jsonable))
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Nsight Compute: a script runs itself in driver mode under ncu (exp_hbm.py, ncu_prefill.py)
+# ------------------------------------------------------------------------------------------------
+def find_ncu() -> str | None:
+    """Path of the Nsight Compute CLI (``ncu``), or None."""
+    for c in [shutil.which("ncu"), "/usr/local/cuda/bin/ncu",
+              *sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), reverse=True),
+              *sorted(glob.glob("/usr/local/cuda*/bin/ncu"), reverse=True)]:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+_CHILD = [None]
+
+
+def _kill_child(*_) -> tuple:
+    """Kill the running ncu child's process group; returns what it had printed ``(out, err)``."""
+    p = _CHILD[0]
+    if p is not None and p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = p.communicate()
+        return out or "", err or ""
+    return "", ""
+
+
+def _on_term(signum, frame):
+    """SIGTERM handler of the ncu scripts: end ncu and its target, then exit."""
+    _kill_child()
+    sys.exit(128 + signum)
+
+
+def run_profiled(cmd: list, timeout: float) -> tuple:
+    """Run ``cmd`` (ncu and its target) with the repository on PYTHONPATH; returns
+    ``(stdout + stderr, seconds, returncode)``. The child gets its own process group, so that a
+    timeout (ours, TimeoutError, or the runner's SIGTERM, :func:`_on_term`) ends ncu *and* its
+    target; the TimeoutError's ``output`` is what the child had printed until then."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+        PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    _CHILD[0] = p
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _kill_child()
+        e = TimeoutError(f"ncu run exceeded {timeout:.0f} s")
+        e.output = out + "\n" + err  # what it printed before the kill
+        raise e from None
+    finally:
+        _CHILD[0] = None
+    return out + "\n" + err, round(time.time() - t0, 1), p.returncode
+
+
+def ncu_csv_rows(text: str) -> list:
+    """The CSV rows (lists of fields) of ncu's ``--csv`` console output, from its first header
+    row (first field ``ID``) on; the target's own output and ncu's ``==PROF==`` lines are
+    dropped. Raises ValueError (with the output's tail) when there is no header."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError("no ncu CSV header in output:\n" + "\n".join(lines[-30:]))
+    return list(csv.reader(io.StringIO("\n".join(l for l in lines[start:] if l.startswith('"')))))
+
+
+def ncu_failure(text: str) -> str | None:
+    """Why ncu could not profile at all, when its output says so (no access to the performance
+    counters, no supported device), else None."""
+    t = text or ""
+    if "ERR_NVGPUCTRPERM" in t or "permission to access NVIDIA GPU Performance Counters" in t:
+        return ("the GPU performance counters are not readable by this user (ERR_NVGPUCTRPERM: "
+                "https://developer.nvidia.com/ERR_NVGPUCTRPERM)")
+    if "Failed to initialize the profiler" in t:  # e.g. LibraryNotLoaded under gVisor
+        line = next(l for l in t.splitlines() if "Failed to initialize the profiler" in l)
+        return f"ncu cannot start its profiler here ({line.strip()[:200]})"
+    if "No supported GPU" in t or "not supported on this device" in t.lower():
+        return "ncu does not support this GPU"
+    return None

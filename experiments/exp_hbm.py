@@ -28,22 +28,16 @@ cannot read the counters.
 from __future__ import annotations
 
 import argparse
-import csv
-import glob
-import io
 import json
-import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import RESULTS  # noqa: E402
+from common import RESULTS, _on_term, find_ncu, ncu_csv_rows, run_profiled  # noqa: E402
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
 PREFILL = dict(batch=4, nheads=16, headdim=128, dtype="bfloat16")
@@ -88,25 +82,14 @@ def driver(impl: str, seqlen: int, causal: bool, num_splits: int) -> int:
 # ------------------------------------------------------------------------------------------------
 # Parent: run the driver under ncu, parse its CSV
 # ------------------------------------------------------------------------------------------------
-def find_ncu() -> str | None:
-    for c in [shutil.which("ncu"), "/usr/local/cuda/bin/ncu",
-              *sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), reverse=True),
-              *sorted(glob.glob("/usr/local/cuda*/bin/ncu"), reverse=True)]:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
-
-
 def parse_ncu_csv(text: str) -> dict:
     """Sum each metric over every profiled kernel of ncu's ``--csv`` output.
 
     Returns ``{"kernels": [names], "dram__bytes_read.sum": int, ...}``; raises ValueError when no
     metric row is found (the text is in the message)."""
     lines = text.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
-    if start is None:
-        raise ValueError("no ncu CSV header in output:\n" + "\n".join(lines[-30:]))
-    rows = list(csv.DictReader(io.StringIO("\n".join(l for l in lines[start:] if l.startswith('"')))))
+    table = ncu_csv_rows(text)
+    rows = [dict(zip(table[0], r)) for r in table[1:] if r and r[0] != "ID"]
     out = {m: 0 for m in METRICS}
     kernels, units = {}, {}
     for r in rows:
@@ -128,26 +111,6 @@ def parse_ncu_csv(text: str) -> dict:
     return out
 
 
-def run_profiled(cmd: list, timeout: float) -> tuple:
-    """Run ``cmd`` (ncu and its target) with the repository on PYTHONPATH; returns
-    ``(stdout + stderr, seconds, returncode)``. The child gets its own process group, so that a
-    timeout (ours, TimeoutError, or the runner's SIGTERM, :func:`_on_term`) ends ncu *and* its
-    target. Also used by ncu_decode.py."""
-    env = dict(os.environ, PYTHONPATH=str(common.ROOT), PYTHONUNBUFFERED="1")
-    t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    _CHILD[0] = p
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_child()
-        raise TimeoutError(f"ncu run exceeded {timeout:.0f} s") from None
-    finally:
-        _CHILD[0] = None
-    return out + "\n" + err, round(time.time() - t0, 1), p.returncode
-
-
 def measure(ncu: str, impl: str, seqlen: int, causal: bool, num_splits: int, timeout: float) -> dict:
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--print-units", "base",
            "--csv", "--metrics", ",".join(METRICS), sys.executable, str(Path(__file__).resolve()),
@@ -159,24 +122,6 @@ def measure(ncu: str, impl: str, seqlen: int, causal: bool, num_splits: int, tim
     res["ncu_seconds"] = secs
     res["ncu_rc"] = rc
     return res
-
-
-_CHILD = [None]
-
-
-def _kill_child(*_):
-    p = _CHILD[0]
-    if p is not None and p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.communicate()
-
-
-def _on_term(signum, frame):
-    _kill_child()
-    sys.exit(128 + signum)
 
 
 def model_columns(impl, seqlen, causal, num_splits, explain) -> dict:

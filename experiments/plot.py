@@ -9,7 +9,8 @@ status 0), so CI can always call this. Where a file holds several runs of the sa
 last one in the file wins.
 
 Figures (issue 6):
-  fig1_prefill_runtime   prefill time vs S: cupyflash, torch flash / cuDNN, baseline (+ TFLOP/s)
+  fig1_prefill_runtime   prefill time vs S: cupyflash, FlashAttention-3, torch flash / cuDNN,
+                         baseline (+ TFLOP/s); one row of panels per head dim in the records
   fig2_memory            peak extra device memory vs S, measured and modelled
   fig3_hbm_bytes         HBM bytes vs S (log-log): ncu measurement beside io_model
   fig4_roofline          arithmetic intensity vs TFLOP/s under the measured ceilings
@@ -27,8 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+# Legend order is this order; an impl not listed is drawn last, in black dots, under its own name.
 IMPL_STYLE = {
     "cupyflash": dict(color="C0", marker="o", label="cupyflash"),
+    "fa3": dict(color="k", marker="P", lw=1.8, label="FlashAttention-3 (fa3 wheel)"),
+    "cupyflash_wgmma": dict(color="C9", marker="o", linestyle="--", mfc="none",
+                            label="cupyflash, wgmma kernel (before TMA)"),
     "cupyflash_unsplit": dict(color="C9", marker="v", label="cupyflash, num_splits=1"),
     "torch_flash": dict(color="C1", marker="s", label="torch SDPA flash (FA2)"),
     "torch_cudnn": dict(color="C2", marker="^", label="torch SDPA cuDNN"),
@@ -70,6 +75,12 @@ def latest(recs, key) -> list:
 
 def _style(impl):
     return dict(IMPL_STYLE.get(impl, dict(color="k", marker=".", label=impl)))
+
+
+def _impl_order(impl):
+    """Sort key of impls in legends: IMPL_STYLE's order, unknown impls after, by name."""
+    order = list(IMPL_STYLE)
+    return (order.index(impl), "") if impl in IMPL_STYLE else (len(order), str(impl))
 
 
 def _log2_xticks(ax, xs):
@@ -114,8 +125,7 @@ def fig1_prefill_runtime(results: Path, figures: Path, dtype: str = "bfloat16") 
             for j, causal in enumerate((False, True)):
                 ax = axes[i][j]
                 sub = [r for r in recs if r["headdim"] == hd and r["causal"] == causal]
-                for impl in sorted({r["impl"] for r in sub}, key=lambda x: list(IMPL_STYLE).index(x)
-                                   if x in IMPL_STYLE else 99):
+                for impl in sorted({r["impl"] for r in sub}, key=_impl_order):
                     pts = sorted((r["seqlen"], r[metric]) for r in sub if r["impl"] == impl)
                     ax.plot(*zip(*pts), **_style(impl))
                 if sub:

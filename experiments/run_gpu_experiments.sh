@@ -10,6 +10,24 @@
 # Results are appended to experiments/results/<name>.jsonl; logs go to
 # experiments/results/_logs/. When $OUT is set (the device machine) the new results and logs are
 # copied there as one tarball plus the summary log. Set PYTHON to choose the interpreter.
+#
+# Named only (not in the default set; issue 23, Hopper prefill against FlashAttention-3):
+#   bench_prefill_fa3   bench_prefill.py, bf16 (figure 1's dtype) at hd 64/128/256, causal and
+#                       not, FA3 beside cupyflash, cuDNN, FA2 and the baseline; quick: S 1k/4k/16k
+#                       (the targets' lengths), full: S 512 .. 32k
+#   ncu_prefill         Nsight Compute, one call of cupyflash and of FA3 per shape (B 2, S 8k,
+#                       hd 64/128/256 causal and not; quick: hd 64/128 not causal)
+#   experiments/run_gpu_experiments.sh quick bench_prefill_fa3 ncu_prefill   # limits 200 + 120 s
+#   experiments/run_gpu_experiments.sh full ncu_prefill                      # limit 235 s
+#
+# FlashAttention-3 is the wheel in ../shared/peers/wheels/ (../shared/peers/README.md): the device
+# machine cannot download it, so carry it. Before the call, in the checkout:
+#   mkdir -p .peers && cp ../shared/peers/wheels/*.whl .peers/      (.peers/ is git-ignored)
+# and give the device call carry: [".peers"]. This script then installs it once without an index
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .peers/*.whl
+# and appends /tmp/peers to PYTHONPATH (the children keep it: common.run_profiled passes the
+# caller's PYTHONPATH on under ncu). Without the wheel the FA3 rows are skipped, and the summary
+# says so. Give the run its commit: CUPYFLASH_COMMIT=<full sha> (experiments/NOTES.md).
 set -u
 MODE=${1:-quick}
 shift || true
@@ -27,20 +45,39 @@ STAMP=$(mktemp); touch "$STAMP"
 
 # script and its time limit (seconds) in quick / full mode; quick limits add up to 8.5 minutes
 declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [exp_memory]=50
-                  [bench_tiles]=80 [exp_hbm]=100 [bench_overhead]=90)
+                  [bench_tiles]=80 [exp_hbm]=100 [bench_overhead]=90
+                  [bench_prefill_fa3]=200 [ncu_prefill]=120)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
-                 [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90)
+                 [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90
+                 [bench_prefill_fa3]=300 [ncu_prefill]=235)
+# entries that run another script with arguments of their own (after $FLAG)
+declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill)
+declare -A ARGS_FULL=([bench_prefill_fa3]="--dtypes bfloat16")
 ORDER=(bench_ceilings bench_prefill bench_decode exp_memory bench_tiles exp_hbm bench_overhead)
 [ $# -gt 0 ] && ORDER=("$@")
+for s in "${ORDER[@]}"; do
+  [ -f "experiments/${SCRIPT[$s]:-$s}.py" ] || { echo "$0: no experiments/${SCRIPT[$s]:-$s}.py for '$s'"; exit 2; }
+done
+
+# FlashAttention-3 from carried wheels (see the header), once per machine
+[ -d /tmp/peers ] && export PYTHONPATH="$PYTHONPATH:/tmp/peers"
+if ls .peers/*.whl >/dev/null 2>&1 && ! "$PY" -c 'import fa3_fwd_interface' >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/peers .peers/*.whl \
+    && case ":$PYTHONPATH:" in *:/tmp/peers:*) ;; *) export PYTHONPATH="$PYTHONPATH:/tmp/peers" ;; esac
+fi
+FA3=$("$PY" -c 'import fa3_fwd_interface as m; print("imports from", m.__file__)' 2>&1 | tail -n 1)
 
 echo "run_gpu_experiments: mode=$MODE scripts=${ORDER[*]} python=$($PY -c 'import sys; print(sys.executable)')" | tee -a "$SUMMARY"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>/dev/null | tee -a "$SUMMARY"
+echo "fa3_fwd_interface: $FA3" | tee -a "$SUMMARY"
 T0=$(date +%s)
 for s in "${ORDER[@]}"; do
   if [ "$MODE" = quick ]; then LIMIT=${QUICK[$s]:-120}; else LIMIT=${FULL[$s]:-540}; fi
   t=$(date +%s)
-  echo "=== $s $FLAG (timeout ${LIMIT}s)" | tee -a "$SUMMARY"
-  timeout --kill-after=15 "$LIMIT" "$PY" "experiments/$s.py" $FLAG > "$LOGS/$s.log" 2>&1
+  EXTRA=""; [ "$MODE" = full ] && EXTRA=${ARGS_FULL[$s]:-}
+  echo "=== $s: ${SCRIPT[$s]:-$s}.py $FLAG $EXTRA (timeout ${LIMIT}s)" | tee -a "$SUMMARY"
+  # shellcheck disable=SC2086
+  timeout --kill-after=15 "$LIMIT" "$PY" "experiments/${SCRIPT[$s]:-$s}.py" $FLAG $EXTRA > "$LOGS/$s.log" 2>&1
   rc=$?
   tail -n 25 "$LOGS/$s.log" | grep -v '^\s*$' | sed 's/\r/\n/g' | grep -v 'it/s\]$' | tail -n 20
   echo "=== $s rc=$rc $(( $(date +%s) - t ))s$([ $rc = 124 ] && echo ' (TIMED OUT: partial results kept)')" | tee -a "$SUMMARY"
@@ -48,9 +85,13 @@ done
 echo "run_gpu_experiments: total $(( $(date +%s) - T0 ))s" | tee -a "$SUMMARY"
 
 if [ -n "${OUT:-}" ]; then
-  # the device tool returns at most 8 files: one tarball of everything new, plus the summary
+  # the device tool returns at most 8 files: one tarball of everything new, plus the summary.
+  # A second invocation in the same call (say quick for one script, full for another) writes
+  # experiments_results_2.tar.gz, ... and appends its summary to the same log.
   find experiments/results -type f -newer "$STAMP" > "$LOGS/.files"
-  tar czf "$OUT/experiments_results.tar.gz" -T "$LOGS/.files" && cp "$SUMMARY" "$OUT/"
-  echo "run_gpu_experiments: copied $(wc -l < "$LOGS/.files") files to \$OUT/experiments_results.tar.gz"
+  TAR="$OUT/experiments_results.tar.gz"; n=2
+  while [ -e "$TAR" ]; do TAR="$OUT/experiments_results_$n.tar.gz"; n=$((n + 1)); done
+  tar czf "$TAR" -T "$LOGS/.files" && cat "$SUMMARY" >> "$OUT/run_gpu_experiments.log"
+  echo "run_gpu_experiments: copied $(wc -l < "$LOGS/.files") files to \$OUT/$(basename "$TAR")"
 fi
 rm -f "$STAMP"

@@ -131,6 +131,82 @@ def test_plot_every_figure_from_synthetic_results(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def synth_hopper(d: Path) -> None:
+    """bench_prefill records as issue 23's runs write them: FA3 and the previous wgmma kernel
+    beside cupyflash, head dim 256 (where the wgmma kernel has no specialisation: error records),
+    and an impl that plot.py has no style for."""
+    from cupyflash import io_model as m
+    recs = []
+    for hd in (64, 128, 256):
+        for S in (1024, 4096, 16384):
+            for causal in (False, True):
+                B, H = max(1, 16384 // S), 2048 // hd
+                fl = m.prefill_flops(B, H, S, S, hd, causal)
+                for impl, tf in (("cupyflash", 600), ("fa3", 700), ("torch_cudnn", 620),
+                                 ("cupyflash_wgmma", 450), ("mystery_impl", 100)):
+                    rec = dict(PROV, what="prefill", impl=impl, dtype="bfloat16", headdim=hd,
+                               batch=B, nheads=H, nheads_k=H, seqlen=S, causal=causal, flops=fl)
+                    if impl == "cupyflash_wgmma" and hd == 256:
+                        rec["error"] = "ValueError: cupyflash_wgmma: no wgmma kernel for bfloat16 hd256"
+                    else:
+                        rec.update(ms=fl / (tf * 1e12) * 1e3, tflops=tf)
+                    recs.append(rec)
+    _write(d / "bench_prefill.jsonl", recs)
+
+
+def _spy_on_save(monkeypatch):
+    """Replace plot._save by one that records, per figure, each axes' title, line labels and
+    scatter labels before saving."""
+    seen = {}
+    orig = plot._save
+
+    def spy(fig, path, recs=None):
+        seen[path.name] = [(ax.get_title(), [ln.get_label() for ln in ax.get_lines()],
+                            [c.get_label() for c in ax.collections]) for ax in fig.axes]
+        return orig(fig, path, recs)
+    monkeypatch.setattr(plot, "_save", spy)
+    return seen
+
+
+def test_fig1_draws_fa3_the_wgmma_kernel_and_hd256(tmp_path, monkeypatch):
+    res, figs = tmp_path / "results", tmp_path / "figures"
+    res.mkdir()
+    figs.mkdir()
+    synth(res)
+    synth_hopper(res)
+    seen = _spy_on_save(monkeypatch)
+    paths = plot.fig1_prefill_runtime(res, figs)
+    assert [p.name for p in paths] == ["fig1_prefill_runtime.png", "fig1b_prefill_tflops.png"]
+    fa3 = plot.IMPL_STYLE["fa3"]["label"]
+    wg = plot.IMPL_STYLE["cupyflash_wgmma"]["label"]
+    for name in ("fig1_prefill_runtime.png", "fig1b_prefill_tflops.png"):
+        axes = seen[name]
+        assert [t.split(",")[1].strip() for t, _, _ in axes] == ["hd64"] * 2 + ["hd128"] * 2 + ["hd256"] * 2
+        for title, lines, _ in axes:
+            # legend order: cupyflash, FA3 next to it, the known peers, unknown impls last
+            assert lines[:2] == ["cupyflash", fa3], title
+            assert lines[-1] == "mystery_impl", title
+            assert (wg in lines) == ("hd256" not in title), title
+    assert (figs / "fig1b_prefill_tflops.png").stat().st_size > 5000
+
+
+def test_fig4_roofline_with_fa3_and_hd256_records(tmp_path, monkeypatch):
+    res, figs = tmp_path / "results", tmp_path / "figures"
+    res.mkdir()
+    figs.mkdir()
+    synth(res)
+    synth_hopper(res)
+    seen = _spy_on_save(monkeypatch)
+    plot.fig4_roofline(res, figs)
+    (_, _, scatter), = seen["fig4_roofline.png"]
+    labels = [x for x in scatter if not x.startswith("_")]
+    assert f"{plot.IMPL_STYLE['fa3']['label']} (prefill)" in labels
+    assert "cupyflash (prefill)" in labels and "cupyflash (decode)" in labels
+    # prefill: bf16 hd128 non-causal only (5 impls x 3 S; hd64, hd256 and causal left out);
+    # decode: synth's 3 impls x 2 batches x 3 cache lengths
+    assert len(scatter) == 5 * 3 + 3 * 2 * 3
+
+
 def test_plot_every_figure_from_the_committed_results(tmp_path, capsys):
     """The README's figures regenerate from experiments/results as committed (no file a figure
     reads has left the tree)."""
@@ -165,7 +241,8 @@ def test_plot_skips_missing_results(tmp_path, capsys):
 
 @pytest.mark.parametrize("script", ["bench_prefill", "bench_decode", "exp_memory", "exp_hbm",
                                     "bench_tiles", "bench_ceilings", "exp_numerics", "plot",
-                                    "bench_overhead", "gpu_suite", "real_model", "bench_ab"])
+                                    "bench_overhead", "gpu_suite", "real_model", "bench_ab",
+                                    "ncu_prefill"])
 def test_scripts_have_help(script):
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--help"],
                        capture_output=True, text=True, timeout=60)
@@ -229,14 +306,14 @@ def test_ncu_csv_parser():
 
 
 def test_run_profiled_returns_both_streams_and_kills_on_timeout():
-    import exp_hbm
-    text, secs, rc = exp_hbm.run_profiled(
+    import common
+    text, secs, rc = common.run_profiled(
         [sys.executable, "-c", "import sys; print('to-out'); print('to-err', file=sys.stderr); "
          "sys.exit(3)"], timeout=60)
     assert "to-out" in text and "to-err" in text and rc == 3 and secs >= 0
     with pytest.raises(TimeoutError, match="exceeded"):
-        exp_hbm.run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
-    assert exp_hbm._CHILD[0] is None
+        common.run_profiled([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
+    assert common._CHILD[0] is None
 
 
 def test_flush_modes_and_read_flush_kernel_compiles():

@@ -1,0 +1,253 @@
+"""experiments/ncu_prefill.py without a GPU: the parsing of ncu's raw CSV page (a sample written
+by hand in the format of ``ncu --csv --page raw --print-units base``), the attribution of kernels
+to shapes by the marker kernel, the retries, and the paths that must exit 0 with a message (no
+GPU, no ncu, counters not readable)."""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import common  # noqa: E402
+import ncu_prefill  # noqa: E402
+
+COLS = ["dram__bytes_read.sum", "gpu__time_duration.sum", "launch__block_size", "launch__grid_size",
+        "launch__registers_per_thread",
+        "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
+        "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+        "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+        "smsp__inst_executed.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+        "sass__inst_executed_per_opcode"]
+UNITS = ["byte", "nsecond", "", "", "register/thread", "%", "%", "%", "%", "ratio", "ratio", "ratio",
+         "ratio", "inst", "%", ""]
+FIXED = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
+         "Block Size", "Grid Size", "Device", "CC", "device__attribute_display_name"]
+TMA = ("void cf::flash_fwd_tma_entry<cf::FlashFwdHopper<__nv_bfloat16, 64, 128, 128, false, 2>, "
+       "__nv_bfloat16>(cf::FwdParams, const __grid_constant__ CUtensorMap)")
+
+
+def _row(i, name, block, grid, vals):
+    fields = [str(i), "4242", "python3.12", "127.0.0.1", name, "1", "7", block, grid, "0", "9.0",
+              "NVIDIA H200"] + vals
+    return ",".join(f'"{f}"' for f in fields)
+
+
+def _marker(i, idx):
+    return _row(i, ncu_prefill.MARKER, "(32, 1, 1)", f"({idx + 1}, 1, 1)",
+                ["0", "2,080", "32", str(idx + 1), "4", "0", "0", "0", "0.01", "0", "1", "0.5",
+                 "0", "12", "0.1", "(!) n/a"])
+
+
+# what the console shows: the target's own lines, ncu's ==PROF== lines, then the raw page
+SAMPLE = "\n".join([
+    "==PROF== Connected to process 4242 (/usr/bin/python3.12)",
+    '==PROF== Profiling "cupyflash_ncu_marker": 0%....50%....100% - 14 passes',
+    '==PROF== Profiling "flash_fwd_tma_entry": 0%....50%....100% - 14 passes',
+    "NCU_PREFILL shape 0 ok",
+    "NCU_PREFILL shape 1 error RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access",
+    '==PROF== Profiling "cupyflash_ncu_marker": 0%....50%....100% - 14 passes',
+    "NCU_PREFILL shape 2 ok",
+    "==PROF== Disconnected from process 4242",
+    ",".join(f'"{c}"' for c in FIXED + COLS),
+    ",".join(['""'] * len(FIXED) + [f'"{u}"' for u in UNITS]),
+    _marker(0, 0),
+    _row(1, "void cupy_fill<int>(int *, int)", "(128, 1, 1)", "(1, 1, 1)",
+         ["0", "1,500", "128", "1", "16", "0", "0", "0", "0.2", "0", "1", "0.1", "0", "40", "0.1", ""]),
+    _row(2, TMA, "(384, 1, 1)", "(132, 1, 1)",
+         ["201,326,592", "3,421,504", "384", "132", "168", "41.5", "36.2", "52.3", "46.1", "0.41",
+          "1", "1.93", "0.72", "1,476,000,000", "55.2", ""]),
+    _marker(3, 1),
+    _marker(4, 2),
+    _row(5, TMA.replace("false", "true"), "(384, 1, 1)", "(132, 1, 1)",
+         ["150,000,000", "2,000,000", "384", "132", "168", "40", "30", "50", "45", "0.5", "1",
+          "1.5", "0.9", "1,000,000,000", "50", ""]),
+]) + "\n"
+
+
+def _args(**kw):
+    return argparse.Namespace(
+        batch=2, seqlen=8192, hidden=2048, dtype="bfloat16", timeout=60.0, **kw)
+
+
+def test_parse_raw_csv_reads_units_separators_and_text():
+    ks = ncu_prefill.parse_raw_csv(SAMPLE)
+    assert [k["id"] for k in ks] == [0, 1, 2, 3, 4, 5]
+    k = ks[2]
+    assert k["name"] == TMA and k["grid"] == [132, 1, 1] and k["block"] == [384, 1, 1]
+    assert k["metrics"]["gpu__time_duration.sum"] == (3421504.0, "nsecond")
+    assert k["metrics"]["dram__bytes_read.sum"] == (201326592.0, "byte")
+    assert k["metrics"]["sass__inst_executed_per_opcode"] == ("", "")
+    assert ks[0]["metrics"]["sass__inst_executed_per_opcode"][0] == "(!) n/a"
+    with pytest.raises(ValueError, match="no ncu CSV header"):
+        ncu_prefill.parse_raw_csv("==ERROR== Failed to find metric regex:sm__pipe_tensor\n")
+
+
+def test_summary_of_a_kernel():
+    k = ncu_prefill.summarize_kernel(ncu_prefill.parse_raw_csv(SAMPLE)[2], keep_raw=True)
+    assert k["duration_ms"] == pytest.approx(3.421504)
+    assert k["sm_throughput_pct"] == 46.1 and k["xu_pct"] == 36.2 and k["issue_active_pct"] == 55.2
+    # no GMMA-cycles column in the sample: the tensor pipe's cycles come next
+    assert k["tensor_pct"] == 52.3
+    assert k["tensor_metric"] == "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"
+    assert k["warp_inst_executed"] == 1476000000 and k["registers"] == 168
+    assert k["grid"] == [132, 1, 1] and k["block"] == [384, 1, 1]
+    assert k["dram_read_bytes"] == 201326592
+    assert list(k["stalls"]) == ["wait", "selected", "math_pipe_throttle", "barrier"]
+    assert k["stalls_top"] == [["wait", 1.93], ["math_pipe_throttle", 0.72], ["barrier", 0.41]]
+    assert k["pipes"] == {"cycles_tensor": 52.3, "inst_tensor_op_gmma": 41.5, "inst_xu": 36.2}
+    assert k["raw"]["gpu__time_duration.sum"] == [3421504.0, "nsecond"]
+    assert not any(n.startswith("device__attribute") for n in k["raw"])
+    json.dumps(k)
+
+
+def test_tensor_pipe_is_the_busiest_tensor_counter():
+    pct = "avg.pct_of_peak_sustained_active"
+
+    def k(**vals):
+        return {"name": "k", "grid": None, "block": None,
+                "metrics": {f"sm__{n}.{pct}": (v, "%") for n, v in vals.items()}}
+    s = ncu_prefill.summarize_kernel(k(pipe_tensor_cycles_active=0.0,
+                                       pipe_tensor_op_gmma_cycles_active=81.5,
+                                       inst_executed_pipe_tensor_op_gmma=40.0))
+    assert (s["tensor_pct"], s["tensor_metric"]) == (81.5, f"sm__pipe_tensor_op_gmma_cycles_active.{pct}")
+    s = ncu_prefill.summarize_kernel(k(inst_executed_pipe_tensor_op_gmma=40.0,
+                                       inst_executed_pipe_tensor_op_hmma=0.0))
+    assert s["tensor_metric"] == f"sm__inst_executed_pipe_tensor_op_gmma.{pct}"
+    s = ncu_prefill.summarize_kernel(k())
+    assert s["tensor_pct"] is None and s["stalls_top"] == [] and s["grid"] is None
+
+
+def test_kernels_split_by_marker_and_driver_messages():
+    ks = ncu_prefill.parse_raw_csv(SAMPLE)
+    g = ncu_prefill.split_by_marker(ks, 3)
+    assert [k["id"] for k in g[0]] == [1, 2] and g[1] == [] and [k["id"] for k in g[2]] == [5]
+    m = ncu_prefill.driver_messages(SAMPLE)
+    assert m[0] == "ok" and m[2] == "ok" and m[1].startswith("RuntimeError: CUDA_ERROR_ILLEGAL")
+
+
+def test_records_and_table():
+    args = _args()
+    shapes = [ncu_prefill.shape_of(64, False, args), ncu_prefill.shape_of(64, True, args),
+              ncu_prefill.shape_of(128, False, args)]
+    assert ncu_prefill.parse_shapes(ncu_prefill.format_shapes(shapes), args) == shapes
+    assert shapes[2]["nheads"] == 16 and shapes[0]["nheads"] == 32
+    groups = ncu_prefill.split_by_marker(ncu_prefill.parse_raw_csv(SAMPLE), 3)
+    msgs = ncu_prefill.driver_messages(SAMPLE)
+    prov = {"commit": "0" * 40, "gpu": "NVIDIA H200"}
+    info = {"level": 0, "ncu_seconds": 12.0, "ncu_rc": 0, "metrics_requested": ["x"], "sections": []}
+    recs = [ncu_prefill.build_record("fa3", s, groups[i], msgs.get(i), info, prov, "ncu", "v", True)
+            for i, s in enumerate(shapes)]
+    r = recs[0]
+    assert r["what"] == "ncu_prefill" and r["impl"] == "fa3" and r["headdim"] == 64
+    assert r["main_kernel"] == 1 and "raw" in r["kernels"][1] and "raw" not in r["kernels"][0]
+    assert r["duration_ms"] == pytest.approx(3.421504 + 0.0015)
+    assert r["tflops_ncu"] == pytest.approx(r["flops"] / (r["duration_ms"] * 1e-3) / 1e12)
+    assert recs[1]["error"].startswith("RuntimeError") and "kernels" not in recs[1]
+    json.loads(json.dumps(recs, default=common.jsonable))
+    cf = dict(recs[0], impl="cupyflash", duration_ms=2 * recs[0]["duration_ms"])
+    out = ncu_prefill.table(recs + [cf])
+    assert "fa3" in out and "wait 1.93" in out and "error: RuntimeError" in out
+    assert "hd64 not causal: cupyflash / FA3 time x2.00" in out
+
+
+def test_no_gpu_path_exits_zero(tmp_path):
+    out = tmp_path / "n.jsonl"
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "ncu_prefill.py"), "--quick",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU" in r.stdout and not out.exists()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(common, "have_gpu", lambda: True)
+    monkeypatch.setattr(common, "impl_available", lambda impl: (True, ""))
+    monkeypatch.setattr(common, "find_ncu", lambda: sys.executable)
+    monkeypatch.setattr(ncu_prefill, "explain_for", lambda s: {"kernel": {"name": "fake"}})
+
+
+def test_no_ncu_exits_zero(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(common, "have_gpu", lambda: True)
+    monkeypatch.setattr(common, "find_ncu", lambda: None)
+    assert ncu_prefill.main(["--quick", "--out", str(tmp_path / "n.jsonl")]) == 0
+    assert "ncu) not found" in capsys.readouterr().out
+    assert not (tmp_path / "n.jsonl").exists()
+
+
+def test_unreadable_counters_exit_zero(fake_gpu, monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def fake_run(cmd, timeout):
+        calls.append(cmd)
+        return ("==PROF== Connected to process 1\n==ERROR== ERR_NVGPUCTRPERM - The user does not "
+                "have permission to access NVIDIA GPU Performance Counters on the target device 0.",
+                1.0, 1)
+    monkeypatch.setattr(common, "run_profiled", fake_run)
+    assert ncu_prefill.main(["--quick", "--out", str(tmp_path / "n.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "not readable" in out and len(calls) == 1
+    assert not (tmp_path / "n.jsonl").exists()
+
+
+def test_refused_metrics_are_dropped_and_records_written(fake_gpu, monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def fake_run(cmd, timeout):
+        calls.append(cmd)
+        metrics = cmd[cmd.index("--metrics") + 1]
+        if "regex:" in metrics:
+            return "==ERROR== Failed to find metric regex:sm__pipe_tensor.*\n", 2.0, 1
+        assert "--section" in cmd and "--page" in cmd and "--profile-from-start" in cmd
+        shapes = cmd[cmd.index("--shapes") + 1]
+        assert shapes == "64:0,128:0"
+        return SAMPLE.replace("NCU_PREFILL shape 1 error", "NCU_PREFILL shape 1 xx"), 30.0, 0
+    monkeypatch.setattr(common, "run_profiled", fake_run)
+    out = tmp_path / "n.jsonl"
+    assert ncu_prefill.main(["--quick", "--impls", "cupyflash", "--out", str(out)]) == 0
+    assert len(calls) == 2
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["impl"], r["headdim"], r["causal"]) for r in recs] == [("cupyflash", 64, False),
+                                                                     ("cupyflash", 128, False)]
+    assert recs[0]["level"] == 1 and not any("regex" in m for m in recs[0]["metrics_requested"])
+    assert recs[0]["explain"] == {"kernel": {"name": "fake"}}
+    assert recs[1]["error"] == "no kernel profiled for this shape"
+    assert recs[0]["provenance"]["commit"] == recs[0]["commit"]
+    text = capsys.readouterr().out
+    assert "cupyflash:" in text and "1/2 shapes profiled" in text and "top stalls" in text
+
+
+def test_timeout_keeps_what_was_printed(fake_gpu, monkeypatch, tmp_path):
+    def fake_run(cmd, timeout):
+        e = TimeoutError("ncu run exceeded 60 s")
+        e.output = SAMPLE
+        raise e
+    monkeypatch.setattr(common, "run_profiled", fake_run)
+    out = tmp_path / "n.jsonl"
+    assert ncu_prefill.main(["--quick", "--impls", "fa3", "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert recs[0]["ncu_rc"] == 124 and "kernels" in recs[0]
+
+
+def test_run_profiled_timeout_carries_the_output():
+    with pytest.raises(TimeoutError) as e:
+        common.run_profiled([sys.executable, "-c", "import time; print('started', flush=True); "
+                             "time.sleep(30)"], timeout=2)
+    assert "started" in e.value.output
+
+
+def test_ncu_failure_messages():
+    assert "not readable" in common.ncu_failure("==ERROR== ERR_NVGPUCTRPERM - The user does not")
+    why = common.ncu_failure("==ERROR== Failed to initialize the profiler: LibraryNotLoaded\n")
+    assert "LibraryNotLoaded" in why
+    assert common.ncu_failure(SAMPLE) is None and common.ncu_failure("") is None
