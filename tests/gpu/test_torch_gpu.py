@@ -238,6 +238,45 @@ def test_decode_runs_on_torch_stream_with_defaults(paged):
     guard.check_errors()  # the device-side check found nothing
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merge_states_runs_on_torch_stream_and_returns_tensors(dtype):
+    """merge_states of torch tensors behind a long kernel on a side stream: torch tensors out,
+    no synchronisation, and the reference merge (empty parts with NaN outputs ignored)."""
+    o_src = _randn((3, 2, 5, 8, 64), dtype, 101)
+    lse_src = _randn((3, 2, 8, 5), torch.float32, 102)
+    lse_src[1, 0] = float("-inf")  # an empty part: its output is never read
+    o_src[1, 0] = float("nan")
+    o, lse = _poisoned(o_src, lse_src)
+    cupyflash.merge_states(o, lse)  # compile (result discarded)
+    torch.cuda.synchronize()
+    (out, lse_out), (res, res_lse) = _late_inputs_on_a_side_stream(
+        ((o, o_src), (lse, lse_src)), lambda: cupyflash.merge_states(o, lse))
+    assert type(out) is torch.Tensor and type(lse_out) is torch.Tensor
+    assert out.shape == (2, 5, 8, 64) and out.dtype == dtype and lse_out.shape == (2, 8, 5)
+    ref, ref_lse = reference.merge_states(o_src.double().cpu().numpy(),
+                                          lse_src.double().cpu().numpy())
+    tol = {torch.bfloat16: 2 * EPS[torch.bfloat16], torch.float32: 1e-5}[dtype]
+    assert not torch.isnan(res).any()
+    assert np.abs(res.double().cpu().numpy() - ref).max() <= tol * max(np.abs(ref).max(), 1)
+    assert np.allclose(res_lse.double().cpu().numpy(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_merge_states_torch_equals_cupy_bitwise(dtype):
+    """The torch launch (PreparedLaunch on torch's stream) and the CuPy one (cupy.RawKernel)
+    run one kernel on the same inputs: bitwise equal outputs and LSEs (a strided lse_parts,
+    float64 LSEs converted by each caller)."""
+    o = _randn((4, 2, 3, 6, 128), dtype, 201)
+    lse = (_randn((4, 2, 3, 6), torch.float64, 202) * 30).transpose(2, 3)  # (4, 2, 6, 3)
+    lse[2, 1] = float("-inf")
+    out_t, lse_t = cupyflash.merge_states(o, lse)
+    out_c, lse_c = cupyflash.merge_states(cupy.from_dlpack(o), cupy.from_dlpack(lse))
+    torch.cuda.synchronize()
+    assert type(out_c) is cupy.ndarray and type(out_t) is torch.Tensor
+    assert torch.equal(out_t, torch.from_dlpack(out_c))
+    assert torch.equal(lse_t, torch.from_dlpack(lse_c))
+
+
 def test_cupy_callers_keep_cupy_conventions():
     """CuPy arrays in: CuPy arrays out, launched on CuPy's current stream (behind a long kernel
     on a non-blocking CuPy stream), for prefill and decode."""
