@@ -632,3 +632,78 @@ def test_compile_fullgraph_traces_the_ops(fake_cuda):
         assert [(x.shape, x.dtype) for x in res] == [(x.shape, x.dtype) for x in eager]
         assert len(fake_cuda) > n
     assert res[0].shape == qd.shape
+
+
+def test_compile_fullgraph_of_the_plain_calls_routes_to_the_ops(fake_cuda):
+    """torch.compile(fullgraph=True) of a function calling cupyflash.flash_attn_func and
+    cupyflash.flash_attn_varlen_func themselves: traced as the custom operators (one graph, no
+    break, the operators in it; Dynamo never sees the CuPy/NumPy path), the compiled code runs
+    the real call (the launch log grows); eager calls do not route (no operator)."""
+    import cupyflash
+    torch._dynamo.reset()
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    qv, kv = _t((40, 4, 64)), _t((50, 2, 64))
+    cq = torch.tensor([0, 10, 40], dtype=torch.int32)
+    ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+
+    def f(q, k, qv, kv, cq, ck):
+        o, lse = cupyflash.flash_attn_func(q, k, k, causal=True, return_lse=True)
+        ov = cupyflash.flash_attn_varlen_func(qv, kv, kv, cq, ck, 30, 30, softmax_scale=0.1,
+                                              validate=False)
+        return o * 2, lse, ov + 1
+    args = (q, k, qv, kv, cq, ck)
+    ex = torch._dynamo.explain(f)(*args)
+    assert ex.graph_count == 1 and ex.graph_break_count == 0
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, backend=capture)(*args)
+    ((graph,),) = (graphs,)
+    assert "target=torch.ops.cupyflash.flash_attn]" in graph
+    assert "target=torch.ops.cupyflash.flash_attn_varlen]" in graph
+    torch._dynamo.reset()
+    n = len(fake_cuda)
+    res = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    assert [x.shape for x in res] == [(2, 16, 4, 64), (2, 4, 16), (40, 4, 64)]
+    assert [x.dtype for x in res] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    assert [name[:3] for name, *_ in fake_cuda[n:]] == ["fwd", "fwd"]  # the real calls ran
+    n = len(fake_cuda)
+    f(*args)  # eager: the library's call path (the same launches)
+    assert len(fake_cuda) == n + 2 and not api._torch_compiling()
+
+
+def test_compiled_plain_call_gives_the_eager_result(monkeypatch):
+    """With the operator's real implementation replaced by a CPU stand-in (the float64
+    reference), a function calling cupyflash.flash_attn_func compiled with fullgraph=True
+    returns bitwise what the stand-in returns eagerly; out= is written and returned, and the
+    LSE only comes back when asked for."""
+    import types
+
+    import cupyflash
+    from cupyflash import reference, torch_ops
+
+    def standin(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                return_lse=False, out=None):
+        assert return_lse is True and out is None  # as the operator calls it
+        o, lse = reference.attention_reference(*(x.double().numpy() for x in (q, k, v)),
+                                               softmax_scale=softmax_scale, causal=causal,
+                                               window_size=window_size)
+        return torch.from_numpy(o).to(q.dtype), torch.from_numpy(lse).float()
+    monkeypatch.setattr(torch_ops, "api", types.SimpleNamespace(flash_attn_func=standin))
+    torch._dynamo.reset()
+    q, k = _t((2, 16, 4, 64), torch.float16, 1), _t((2, 24, 2, 64), torch.float16, 2)
+    out = torch.empty_like(q)
+
+    def f(q, k):
+        o, lse = cupyflash.flash_attn_func(q, k, k, causal=True, window_size=(8, 0),
+                                           return_lse=True)
+        o2 = cupyflash.flash_attn_func(q, k, k, softmax_scale=0.2, out=out)
+        return o, lse, o2
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k)
+    want = standin(q, k, k, causal=True, window_size=(8, 0), return_lse=True)
+    want2 = standin(q, k, k, softmax_scale=0.2, return_lse=True)[0]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want2) and torch.equal(out, want2)

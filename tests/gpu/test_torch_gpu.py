@@ -499,6 +499,35 @@ def test_compile_fullgraph_gives_the_eager_result():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_compile_fullgraph_of_the_plain_calls_gives_the_eager_result():
+    """torch.compile(fullgraph=True) (inductor) of a function calling cupyflash.flash_attn_func
+    and cupyflash.flash_attn_varlen_func themselves (traced as the custom operators): no graph
+    break, bitwise the eager result (outputs, LSEs, out= written)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    dtype = torch.bfloat16
+    q, k, v = (_randn((2, 200, 8, 128), dtype, s) for s in (91, 92, 93))
+    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()  # GQA: 2 KV heads
+    cq = torch.tensor([0, 150, 400], dtype=torch.int32, device=_dev())
+    qv, kv = q.reshape(400, 8, 128), k.reshape(400, 2, 128)
+
+    def prefill(q, k, v, qv, kv, cq, out):
+        o, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        o2 = cupyflash.flash_attn_func(q, k, v, window_size=(64, 0), out=out)
+        ov, lv = cupyflash.flash_attn_varlen_func(qv, kv, kv, cq, cq, 250, 250, causal=True,
+                                                  return_lse=True, validate=False)
+        return o * 1, lse, o2 * 1, ov, lv
+    outs = [torch.empty_like(q) for _ in range(2)]
+    eager = prefill(q, k, v, qv, kv, cq, outs[0])
+    compiled = torch.compile(prefill, fullgraph=True)(q, k, v, qv, kv, cq, outs[1])
+    torch.cuda.synchronize()
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], compiled[2])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 @pytest.mark.parametrize("via", ["call", "op"])
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_step_captured_in_a_torch_cuda_graph(paged, via):
