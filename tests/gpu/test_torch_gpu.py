@@ -143,6 +143,33 @@ def test_prefill_runs_on_torch_stream_and_returns_tensors(dtype):
     assert torch.equal(res, out)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_maps_follow_new_tensors(causal):
+    """Warm calls of the TMA kernel with new q/k/v tensors of one layout (each map encoded on
+    the first call, then only its address replaced: cupyflash.tma) equal, bitwise, the same
+    calls each made with a new launch-cache entry (every map encoded anew)."""
+    from cupyflash import dispatch
+    dtype = torch.bfloat16
+    if torch.cuda.get_device_capability(_dev()) != (9, 0):
+        pytest.skip("the TMA kernel runs on sm_90a")
+    sets = [tuple(_randn(shape, dtype, 10 * i + j) for j, shape in
+                  enumerate(((4, 1024, 8, 128), (4, 1024, 2, 128), (4, 1024, 2, 128))))
+            for i in range(3)]
+    assert cupyflash.explain(*sets[0], causal=causal).name.startswith("fwdtma")
+    fresh = []
+    for qkv in sets:
+        dispatch.LAUNCH_CACHE.clear()
+        fresh.append(cupyflash.flash_attn_func(*qkv, causal=causal, return_lse=True))
+    dispatch.LAUNCH_CACHE.clear()
+    warm = [cupyflash.flash_attn_func(*qkv, causal=causal, return_lse=True) for qkv in sets]
+    warm.append(cupyflash.flash_attn_func(*sets[0], causal=causal, return_lse=True))
+    fresh.append(fresh[0])
+    torch.cuda.synchronize()
+    for (o1, l1), (o2, l2) in zip(fresh, warm):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert not torch.equal(fresh[0][0], fresh[1][0])  # the inputs differ
+
+
 def test_varlen_runs_on_torch_stream():
     dtype = torch.bfloat16
     lens_q, lens_k = [100, 0, 37], [120, 5, 37]
