@@ -32,6 +32,8 @@ The only device memory a call allocates besides its output is the LSE,
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import checks, dispatch, interop
@@ -199,6 +201,43 @@ def _plain_options(softmax_scale, causal, window_size):
     return None
 
 
+_IS_COMPILING = None  # torch.compiler.is_compiling, once torch has been imported
+
+
+def _torch_compiling() -> bool:
+    """True while ``torch.compile`` (Dynamo) or ``torch.export`` traces the caller
+    (``torch.compiler.is_compiling()``, which Dynamo folds to True); False when torch has not
+    been imported (never imports it) and in eager code, the custom operators' real
+    implementations included. ~0.1 us per eager call."""
+    global _IS_COMPILING
+    f = _IS_COMPILING
+    if f is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        f = _IS_COMPILING = torch.compiler.is_compiling
+    return f()
+
+
+def _all_torch(*arrays) -> bool:
+    """Every non-None array a torch tensor (torch is imported: the caller is being traced)."""
+    tensor = sys.modules["torch"].Tensor
+    return all(a is None or isinstance(a, tensor) for a in arrays)
+
+
+def _traced_call(op, args: tuple, kwargs: dict, return_lse, out):
+    """What a call traced by ``torch.compile`` runs instead of its body: the custom operator
+    wrapper ``op`` of :mod:`cupyflash.torch_ops` (its fake implementation gives the shapes, so
+    Dynamo never traces the CuPy/NumPy call path; the compiled code runs the real call). The
+    operator returns a new output: a given ``out`` is written by a copy of it."""
+    want_lse = _require_bool(return_lse, "return_lse")
+    o, lse = op(*args, return_lse=True, **kwargs)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, lse) if want_lse else o
+
+
 # ----------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +307,18 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     Runs on torch's current stream of ``q``'s device for torch tensors
     (``torch.cuda.current_stream(q.device)``; inside ``with torch.cuda.stream(s):`` on ``s``),
     else on CuPy's current stream of the device holding ``q`` (``with cupy.cuda.Stream(): ...``).
+
+    Traced by ``torch.compile`` (``fullgraph=True`` too) with torch tensors, the call is the
+    custom operator ``cupyflash::flash_attn`` (:func:`cupyflash.torch_ops.flash_attn_func`),
+    whose fake implementation gives the output shapes: no graph break, and the compiled code
+    runs this function on the tensors. ``out=`` is then written by a copy of the operator's
+    output.
     """
+    if _torch_compiling() and _all_torch(q, k, v, out):
+        from . import torch_ops
+        return _traced_call(torch_ops.flash_attn_func, (q, k, v),
+                            dict(softmax_scale=softmax_scale, causal=causal,
+                                 window_size=window_size), return_lse, out)
     opts = _plain_options(softmax_scale, causal, window_size)
     if opts is not None:
         opts = ("dense",) + opts
@@ -324,7 +374,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         As in :func:`flash_attn_func`, plus non-int32 or host ``cu_seqlens``, and (with
         ``validate``) ``cu_seqlens`` not starting at 0, decreasing, not ending at the packed
         length, or longer than ``max_seqlen``.
+
+    Notes
+    -----
+    Traced by ``torch.compile`` with torch tensors, the call is the custom operator
+    ``cupyflash::flash_attn_varlen`` (:func:`cupyflash.torch_ops.flash_attn_varlen_func`), as
+    in :func:`flash_attn_func`; pass ``validate=False`` there (True reads ``cu_seqlens`` on the
+    host when the compiled code runs: a synchronisation, and no CUDA graph).
     """
+    if _torch_compiling() and _all_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, out):
+        from . import torch_ops
+        return _traced_call(torch_ops.flash_attn_varlen_func,
+                            (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                            dict(softmax_scale=softmax_scale, causal=causal,
+                                 window_size=window_size, validate=validate), return_lse, out)
     opts = _plain_options(softmax_scale, causal, window_size)
     if opts is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int:
         # validate is not in the key: the entry follows from shapes alone, but only

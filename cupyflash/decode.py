@@ -213,6 +213,26 @@ def _launch_combine(o_part, lse_part, out, lse_out) -> None:
     kern((-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1), args)
 
 
+def _launch_combine_torch(o_part, lse_part, out, lse_out, stream_ptr: int) -> None:
+    """The combine kernel of :func:`_launch_combine` over :class:`cupyflash.interop.ArrayDesc`
+    of torch tensors (the same arguments, layouts and grid), launched plainly (no PDL) on the
+    stream handle ``stream_ptr`` (torch's current stream) through
+    :class:`cupyflash.launch.PreparedLaunch`, on the current device. CuPy callers keep
+    ``cupy.RawKernel`` (:func:`_launch_combine`)."""
+    num_parts, batch, seqlen, nheads, headdim = o_part.shape
+    op, lp, o, ls = (_estrides(x) for x in (o_part, lse_part, out, lse_out))
+    i64, i32 = np.int64, np.int32
+    args = (_NULL, _NULL, _NULL, _NULL,
+            i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
+            i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
+            i64(o[0]), i64(o[1]), i64(o[2]), i64(ls[0]), i64(ls[1]),
+            i32(num_parts), i32(batch), i32(seqlen), i32(nheads), i32(headdim))
+    kern = jit.get_kernel(combine_kernel_spec(checks.dtype_name(out)))
+    run = launch.PreparedLaunch(kern, (-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1),
+                                args, (0, 1, 2, 3), pdl=False)
+    run(tuple(x.data.ptr for x in (o_part, lse_part, out, lse_out)), stream_ptr)
+
+
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
@@ -671,6 +691,31 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
     return (out, lse) if e.return_lse else out
 
 
+def _same_merge_device(o_dev: int, lse_dev: int) -> None:
+    """ValueError unless ``lse_parts`` is on the GPU of ``o_parts`` (device ordinals)."""
+    if lse_dev != o_dev:
+        raise ValueError(f"lse_parts: on CUDA device {lse_dev}, but o_parts is on device "
+                         f"{o_dev}; pass both on one device")
+
+
+def _merge_states_torch(o_parts, lse_parts, dt: str) -> tuple:
+    """:func:`merge_states` of torch CUDA tensors (checked by it: among others, the head dim
+    contiguous): float32 copies where the inputs are not float32 already, and both outputs,
+    allocated by torch; the combine kernel launched on torch's current stream of the tensors'
+    device."""
+    dev = TorchCaller.device(o_parts)
+    _same_merge_device(dev, TorchCaller.device(lse_parts))
+    batch, seqlen, nheads, headdim = o_parts.shape[1:]
+    with interop.on_device(dev):
+        o32, l32 = o_parts.float(), lse_parts.float()  # (themselves when float32)
+        out = TorchCaller.empty((batch, seqlen, nheads, headdim), dt, dev)
+        lse = TorchCaller.empty((batch, nheads, seqlen), "float32", dev)
+        if out.numel():  # an empty grid is not launchable
+            _launch_combine_torch(*(describe_torch(x) for x in (o32, l32, out, lse)),
+                                  TorchCaller.stream(dev))
+    return out, lse
+
+
 def merge_states(o_parts, lse_parts):
     """Exact merge of partial attention states on the GPU (Flash-Decoding's combine step; also
     cascade and distributed attention).
@@ -689,8 +734,11 @@ def merge_states(o_parts, lse_parts):
 
     Returns
     -------
-    o : CUDA array, shape (batch, seqlen, nheads, headdim), dtype of ``o_parts``
-    lse : float32 CUDA array, shape (batch, nheads, seqlen)
+    o : torch.Tensor or cupy.ndarray, shape (batch, seqlen, nheads, headdim), dtype of ``o_parts``
+    lse : float32, shape (batch, nheads, seqlen), of the same kind
+        Torch tensors when both inputs are torch tensors (allocated by torch, the float32 copies
+        too; the kernel launched on torch's current stream of their device); else CuPy arrays
+        (CuPy's current stream).
 
     Raises
     ------
@@ -698,10 +746,10 @@ def merge_states(o_parts, lse_parts):
         Host arrays (use :func:`cupyflash.reference.merge_states`), float64 ``o_parts``, and the
         errors of :func:`cupyflash.checks.check_merge`.
     ValueError
-        From :func:`cupyflash.checks.check_merge`.
+        From :func:`cupyflash.checks.check_merge`; ``lse_parts`` on another GPU than
+        ``o_parts``.
     """
     num_parts, batch, seqlen, nheads, headdim = checks.check_merge(o_parts, lse_parts)
-    from .interop import is_device_array
     if not is_device_array(o_parts):
         raise TypeError("o_parts: merge_states runs on the GPU, got a host array "
                         f"{type(o_parts).__name__}; use cupyflash.reference.merge_states")
@@ -709,9 +757,12 @@ def merge_states(o_parts, lse_parts):
     if dt not in COMBINE_DTYPES:
         raise TypeError(f"o_parts: dtype {dt} is not supported on the GPU; supported: "
                         f"{', '.join(COMBINE_DTYPES)} (float64: cupyflash.reference.merge_states)")
+    if caller_of(o_parts, lse_parts) is TorchCaller:
+        return _merge_states_torch(o_parts, lse_parts, dt)
     import cupy
     o_parts = as_cupy(o_parts, "o_parts", dt)
     lse_parts = as_cupy(lse_parts, "lse_parts", checks.dtype_name(lse_parts))
+    _same_merge_device(o_parts.device.id, lse_parts.device.id)
     with o_parts.device:
         o32 = o_parts if dt == "float32" else o_parts.astype(cupy.float32)
         l32 = lse_parts if lse_parts.dtype == cupy.float32 else lse_parts.astype(cupy.float32)

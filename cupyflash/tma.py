@@ -7,9 +7,11 @@ the box one copy moves, and passed by value as a ``const __grid_constant__`` ker
 CuPy cannot pass a 128-byte structure by value, so these launches go through ``cuLaunchKernelEx``
 (``ctypes``, as :mod:`cupyflash.launch`) on the function handle CuPy compiled and loaded.
 
-A map depends on the base pointer, so a launch re-encodes a map only when its tensor's pointer
-changed since the previous launch of the same entry (the other fields are the entry's: fixed by
-the layouts that key the launch cache). Layout of every map here: the 4-D tensor
+A map depends on the base pointer. A launch encodes each map once, on its first use; when a
+tensor's pointer differs from the previous launch's (in a model: every call) it only replaces
+the map's address (``cuTensorMapReplaceAddress``, CUDA 12.0+), the other fields being the
+entry's (fixed by the layouts that key the launch cache). The launch copies the maps (kernel
+parameters) before ``cuLaunchKernelEx`` returns, so the next call may change them at once. Layout of every map here: the 4-D tensor
 (headdim, nheads, seqlen, batch) of 16-bit elements, innermost first; box 64 x 1 x rows x 1
 (64 elements = the 128-byte swizzle span; a head dim of 128 or 256 is 2 or 4 boxes); elements
 outside the tensor are zero-filled (rows past the sequence, columns past the actual head dim).
@@ -51,9 +53,19 @@ def _encode_fn():
     return f
 
 
+@functools.lru_cache(maxsize=1)
+def _replace_fn():
+    """``cuTensorMapReplaceAddress(CUtensorMap*, void*)`` with its argument types."""
+    f = launch._driver().cuTensorMapReplaceAddress
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    f.restype = ctypes.c_int
+    return f
+
+
 class _MapEncoder:
     """The constant part of one tensor map (dims, strides, box as ctypes arrays), encoded into a
-    64-byte aligned holder for each new base pointer."""
+    64-byte aligned holder on first use (:meth:`encode`); :meth:`set_address` then only replaces
+    the base address of the encoded map."""
 
     __slots__ = ("dims", "strides", "box", "elem_strides", "rank", "holder", "_raw", "ptr")
 
@@ -76,6 +88,7 @@ class _MapEncoder:
         self.ptr = None
 
     def encode(self, ptr: int) -> None:
+        self.ptr = None  # until the driver accepted the map
         status = _encode_fn()(
             self.holder, CU_TENSOR_MAP_DATA_TYPE_UINT16, self.rank, ptr, self.dims,
             self.strides, self.box, self.elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -83,6 +96,27 @@ class _MapEncoder:
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
         if status:
             launch._check("cuTensorMapEncodeTiled", status)
+        self.ptr = ptr
+
+    def set_address(self, ptr: int) -> None:
+        """The map at base address ``ptr``: encoded the first time, afterwards (a new pointer)
+        the encoded map's address replaced (two arguments instead of twelve); nothing when
+        ``ptr`` is the current one.
+
+        Raises
+        ------
+        cupyflash.launch.LaunchError
+            The driver refused the map or the address (e.g. not 16-byte aligned); the map is
+            then encoded again on the next call."""
+        if ptr == self.ptr:
+            return
+        if self.ptr is None:
+            self.encode(ptr)
+            return
+        self.ptr = None  # until the driver accepted the new address
+        status = _replace_fn()(self.holder, ptr)
+        if status:
+            launch._check("cuTensorMapReplaceAddress", status)
         self.ptr = ptr
 
 
@@ -149,8 +183,8 @@ class TmaLaunch:
     """The launch of one TMA prefill entry: like :class:`cupyflash.launch.PreparedLaunch`
     (constant arguments converted once; a call gives the pointers and the stream), with the
     three tensor maps of q, k, v and the scheduler's counter (:func:`tile_counter` of the
-    call's stream when ``causal``, else NULL) as the kernel's first arguments; a map is
-    re-encoded when its pointer changes.
+    call's stream when ``causal``, else NULL) as the kernel's first arguments; each map is
+    encoded on the first call and its address replaced when its pointer changes.
 
     Parameters
     ----------
@@ -218,7 +252,7 @@ class TmaLaunch:
             self._counter.value = counter
             for enc, x in zip(self._enc, pointers):
                 if enc.ptr != x:
-                    enc.encode(x)
+                    enc.set_address(x)
             for h, x in zip(holders, pointers):
                 h.value = x
             self._cfg.stream = stream_ptr

@@ -4,6 +4,9 @@ library's own Python costs per call, every device operation replaced by a no-op.
 * ``launch``: :class:`cupyflash.launch.PreparedLaunch.__call__` with 10 pointer arguments (the
   decode split kernel's), the driver's ``cuLaunchKernelEx`` a compiled C function that returns
   0 (built with ``cc`` at start), called through ctypes as the library calls the driver.
+* ``TmaLaunch``: :class:`cupyflash.tma.TmaLaunch.__call__` of the TMA prefill kernel with
+  new q/k/v pointers on every call (two sets in turn), the tensor-map calls
+  (``cuTensorMapEncodeTiled``, ``cuTensorMapReplaceAddress``) no-op C functions too.
 * ``prefill`` / ``decode``: warm calls on the issue's shapes (prefill 24 x 256 tokens, 12 heads
   x hd32, fp16, causal; decode Llama-3-8B heads, batch 1 x 4k keys and 16 x 1k, bf16, device
   ``cache_seqlens``), through the real warm path (launch cache, pointers, allocations,
@@ -104,16 +107,19 @@ _NOOP_SO = None
 
 class _NoopDriver:
     """Stands in for libcuda: ``cuLaunchKernelEx`` is a compiled C function of four pointer
-    arguments returning 0 (cc is needed), reached as the library reaches the real one:
-    ``lib.cuLaunchKernelEx`` with the argument types that ``launch._driver`` declares,
+    arguments returning 0 (cc is needed), as are the tensor-map calls of :mod:`cupyflash.tma`;
+    reached as the library reaches the real one: ``lib.cuLaunchKernelEx`` with the argument types that ``launch._driver`` declares,
     ``lib["cuLaunchKernelEx"]`` a new function object without them."""
 
     def __init__(self):
         global _NOOP_SO
         if _NOOP_SO is None:
             d = Path(tempfile.mkdtemp())
-            (d / "noop.c").write_text("int cuLaunchKernelEx(void *a, void *b, void *c, void *d)"
-                                      " { return 0; }\n")
+            (d / "noop.c").write_text(
+                "int cuLaunchKernelEx(void *a, void *b, void *c, void *d) { return 0; }\n"
+                "int cuTensorMapEncodeTiled(void *m, int t, unsigned r, void *p, void *d,\n"
+                "    void *s, void *b, void *e, int i, int w, int l, int o) { return 0; }\n"
+                "int cuTensorMapReplaceAddress(void *m, void *p) { return 0; }\n")
             subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(d / "noop.so"),
                             str(d / "noop.c")], check=True)
             _NOOP_SO = str(d / "noop.so")
@@ -123,6 +129,9 @@ class _NoopDriver:
                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         f.restype = ctypes.c_int
         self.cuLaunchKernelEx = f
+        # the tensor-map calls of cupyflash.tma (which declares their argument types)
+        self.cuTensorMapEncodeTiled = self._lib.cuTensorMapEncodeTiled
+        self.cuTensorMapReplaceAddress = self._lib.cuTensorMapReplaceAddress
 
     def __getitem__(self, name):
         return self._lib[name]
@@ -240,6 +249,23 @@ def main():
     ptrs = tuple(0x7000_0000_0000 + 256 * i for i in range(10))
     rows = [("PreparedLaunch.__call__ (10 pointers)",
              per_call_us(lambda: pl(ptrs, STREAM), args.calls, args.repeats))]
+    # the TMA prefill launch (non-causal: no counter) with new q/k/v pointers on every call,
+    # as in a model (each call's tensors are new): the three tensor maps get the new addresses
+    from cupyflash import tma
+    maps = tuple(((64, 12, 256, 24), (64, 64 * 12, 64 * 12 * 256), (64, 1, 128, 1))
+                 for _ in range(3))
+    tl = tma.TmaLaunch(fake_kernel, (132, 1, 1), (384, 1, 1),
+                       (u64,) * 5 + (np.int64(5),) * 12 + (i32,) * 10, tuple(range(5)), maps,
+                       shared_mem=1 << 17, causal=False, device_id=0)
+    sets = [tuple(0x7000_0000_0000 + (1 << 24) * (3 * j + i) for i in range(5))
+            for j in range(2)]
+    turn = [0]
+
+    def tma_call():
+        turn[0] ^= 1
+        tl(sets[turn[0]], STREAM)
+    rows.append(("TmaLaunch.__call__ (new q/k/v pointers)",
+                 per_call_us(tma_call, args.calls, args.repeats)))
     for name, f in cases().items():
         us = per_call_us(f, args.call_loops, args.repeats)
         ALLOCS[0] = 0

@@ -129,17 +129,27 @@ def test_kernel_arguments_convert_numpy_scalars():
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal):
     """cupyflash.tma.TmaLaunch: the kernel's first three arguments are the q/k/v tensor maps
-    (re-encoded only when a pointer changes), the fourth the causal counter of the call's stream
-    (NULL when non-causal), then the prefill arguments with this call's pointers; the function
-    handle reaches the driver as a ctypes pointer (a bare int would be cut to 32 bits)."""
+    (encoded on the first call; afterwards only a changed pointer's address is replaced), the
+    fourth the causal counter of the call's stream (NULL when non-causal), then the prefill
+    arguments with this call's pointers; the function handle reaches the driver as a ctypes
+    pointer (a bare int would be cut to 32 bits). A refused address raises and the map is
+    encoded again on the next call."""
     from cupyflash import tma
-    encoded = []
+    encoded, replaced = [], []
 
     def encode(holder, dtype, rank, ptr, dims, strides, box, elem, il, sw, l2, oob):
         ctypes.memmove(holder, ctypes.byref(ctypes.c_uint64(ptr)), 8)  # a recognisable map
         encoded.append((ptr, list(dims), list(strides), list(box)))
         return 0
+
+    def replace(holder, ptr):
+        if ptr % 16:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        ctypes.memmove(holder, ctypes.byref(ctypes.c_uint64(ptr)), 8)
+        replaced.append(ptr)
+        return 0
     monkeypatch.setattr(tma, "_encode_fn", lambda: encode)
+    monkeypatch.setattr(tma, "_replace_fn", lambda: replace)
     monkeypatch.setattr(tma, "tile_counter", lambda dev, stream: 0xC000 + stream)
     seen = []
 
@@ -159,12 +169,24 @@ def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal)
                         shared_mem=4096, causal=causal, device_id=0)
     run((0xA00, 0xB00, 0xD00), 0x77)
     run((0xA00, 0xB00, 0xE00), 0x78)
+    run((0xF00, 0x1000, 0x1100), 0x78)
     c = (lambda s: 0xC000 + s) if causal else (lambda s: 0)
     assert seen == [
         (0x1234, (3, 1, 1), 4096, 0x77, [0xA00, 0xB00, 0xD00], [c(0x77), 0xA00, 0xB00, 0xD00, 5]),
-        (0x1234, (3, 1, 1), 4096, 0x78, [0xA00, 0xB00, 0xE00], [c(0x78), 0xA00, 0xB00, 0xE00, 5])]
-    assert [e[0] for e in encoded] == [0xA00, 0xB00, 0xD00, 0xE00]  # only a new pointer re-encodes
+        (0x1234, (3, 1, 1), 4096, 0x78, [0xA00, 0xB00, 0xE00], [c(0x78), 0xA00, 0xB00, 0xE00, 5]),
+        (0x1234, (3, 1, 1), 4096, 0x78, [0xF00, 0x1000, 0x1100],
+         [c(0x78), 0xF00, 0x1000, 0x1100, 5])]
+    assert [e[0] for e in encoded] == [0xA00, 0xB00, 0xD00]  # each map encoded once
     assert encoded[0][1:] == ([64, 2, 100, 1], [128, 256, 25600], [64, 1, 128, 1])
+    assert replaced == [0xE00, 0xF00, 0x1000, 0x1100]  # then only new addresses, only changed
+    monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {
+        "cuGetErrorName": staticmethod(lambda status, out: 0)})())
+    with pytest.raises(launch.LaunchError, match="cuTensorMapReplaceAddress failed"):
+        run((0xF08, 0x1000, 0x1100), 0x78)  # not 16-byte aligned
+    assert len(seen) == 3  # no launch
+    run((0xF00, 0x1000, 0x1100), 0x78)
+    assert [e[0] for e in encoded] == [0xA00, 0xB00, 0xD00, 0xF00]  # the refused map re-encoded
+    assert seen[-1][4] == [0xF00, 0x1000, 0x1100]
     with pytest.raises(ValueError, match="pointers: expected 3"):
         run((1,), 0)
 

@@ -444,6 +444,68 @@ def test_decode_bad_host_page_ids_raise_before_any_launch(fake_cuda):
     assert ptrs[3] == cs.data_ptr() and ptrs[4] not in (0, bt.data_ptr())  # the ids' copy
 
 
+def test_merge_states_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch):
+    """merge_states of torch tensors: torch tensors out (shapes, dtypes), the combine kernel
+    launched plainly on torch's stream with the float32 inputs' and the outputs' pointers
+    (float32 o_parts used in place; float64 LSEs converted); a strided head dim and lse_parts
+    on another device are refused before any launch."""
+    o = _t((3, 2, 5, 4, 64), torch.float32, seed=11)
+    lse = torch.randn(3, 2, 4, 5, dtype=torch.float64)
+    out, lse_out = decode.merge_states(o, lse)
+    assert type(out) is torch.Tensor and type(lse_out) is torch.Tensor
+    assert out.shape == (2, 5, 4, 64) and out.dtype == torch.float32
+    assert lse_out.shape == (2, 4, 5) and lse_out.dtype == torch.float32
+    ((name, pdl, ptrs, stream, _),) = fake_cuda
+    assert name == "decode_combine_fp32" and pdl is False and stream == STREAM
+    assert ptrs[0] == o.data_ptr() and ptrs[1] != lse.data_ptr()  # the float32 copy of lse
+    assert ptrs[2:] == (out.data_ptr(), lse_out.data_ptr())
+    out16, _ = decode.merge_states(o.to(torch.bfloat16), lse.float())
+    assert out16.dtype == torch.bfloat16 and fake_cuda[-1][0] == "decode_combine_bf16"
+    assert fake_cuda[-1][2][2] == out16.data_ptr()
+    n = len(fake_cuda)
+    strided = _t((3, 2, 5, 4, 128), torch.bfloat16, seed=12)[..., ::2]  # head-dim stride 2
+    with pytest.raises(ValueError, match=r"^o_parts: last dimension must be contiguous"):
+        decode.merge_states(strided, lse)
+    monkeypatch.setattr(interop.TorchCaller, "device", staticmethod(lambda a: int(a is lse)))
+    with pytest.raises(ValueError, match=r"^lse_parts: on CUDA device 1, but o_parts is on "
+                                         r"device 0"):
+        decode.merge_states(o, lse)
+    assert len(fake_cuda) == n
+
+
+def test_merge_states_torch_launch_arguments_match_the_cupy_launch(monkeypatch):
+    """The torch launch hands the kernel the arguments cupy.RawKernel gets from the CuPy path
+    (the same strides and sizes, pointers in the first four slots), with a strided lse."""
+    seen = {}
+
+    class Kern:
+        def __call__(self, grid, block, args):
+            seen["cupy"] = (grid, block, args)
+
+    class Prep:
+        def __init__(self, kern, grid, block, args, slots, **kw):
+            seen["torch"] = (grid, block, args, slots, kw)
+
+        def __call__(self, ptrs, stream):
+            seen["ptrs"] = ptrs
+    monkeypatch.setattr(jit, "get_kernel", lambda spec, *a: Kern())
+    monkeypatch.setattr(launch, "PreparedLaunch", Prep)
+    o = np.zeros((3, 2, 5, 4, 64), np.float32)
+    lse = np.zeros((3, 2, 5, 4), np.float32).transpose(0, 1, 3, 2)  # (3, 2, 4, 5), strided
+    out = np.zeros((2, 5, 4, 64), np.float32)
+    lse_out = np.zeros((2, 4, 5), np.float32)
+    descs = [interop.ArrayDesc(1000 * (i + 1), a.shape, [st // 4 for st in a.strides],
+                               "float32", 0) for i, a in enumerate((o, lse, out, lse_out))]
+    decode._launch_combine(o, lse, out, lse_out)  # NumPy arrays stand in for CuPy's
+    decode._launch_combine_torch(*descs, 77)
+    grid, block, args = seen["cupy"]
+    tgrid, tblock, targs, slots, kw = seen["torch"]
+    assert (tgrid, tblock, slots, kw) == (grid, block, (0, 1, 2, 3), {"pdl": False})
+    assert [int(a) for a in targs[4:]] == [int(a) for a in args[4:]]
+    assert [type(a) for a in targs[4:]] == [type(a) for a in args[4:]]
+    assert seen["ptrs"] == (1000, 2000, 3000, 4000)
+
+
 # ----------------------------------------------------------------------------------------------
 # The device-side check's record (cupyflash.guard), surfaced without a synchronisation
 # ----------------------------------------------------------------------------------------------
@@ -570,3 +632,78 @@ def test_compile_fullgraph_traces_the_ops(fake_cuda):
         assert [(x.shape, x.dtype) for x in res] == [(x.shape, x.dtype) for x in eager]
         assert len(fake_cuda) > n
     assert res[0].shape == qd.shape
+
+
+def test_compile_fullgraph_of_the_plain_calls_routes_to_the_ops(fake_cuda):
+    """torch.compile(fullgraph=True) of a function calling cupyflash.flash_attn_func and
+    cupyflash.flash_attn_varlen_func themselves: traced as the custom operators (one graph, no
+    break, the operators in it; Dynamo never sees the CuPy/NumPy path), the compiled code runs
+    the real call (the launch log grows); eager calls do not route (no operator)."""
+    import cupyflash
+    torch._dynamo.reset()
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    qv, kv = _t((40, 4, 64)), _t((50, 2, 64))
+    cq = torch.tensor([0, 10, 40], dtype=torch.int32)
+    ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+
+    def f(q, k, qv, kv, cq, ck):
+        o, lse = cupyflash.flash_attn_func(q, k, k, causal=True, return_lse=True)
+        ov = cupyflash.flash_attn_varlen_func(qv, kv, kv, cq, ck, 30, 30, softmax_scale=0.1,
+                                              validate=False)
+        return o * 2, lse, ov + 1
+    args = (q, k, qv, kv, cq, ck)
+    ex = torch._dynamo.explain(f)(*args)
+    assert ex.graph_count == 1 and ex.graph_break_count == 0
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, backend=capture)(*args)
+    ((graph,),) = (graphs,)
+    assert "target=torch.ops.cupyflash.flash_attn]" in graph
+    assert "target=torch.ops.cupyflash.flash_attn_varlen]" in graph
+    torch._dynamo.reset()
+    n = len(fake_cuda)
+    res = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    assert [x.shape for x in res] == [(2, 16, 4, 64), (2, 4, 16), (40, 4, 64)]
+    assert [x.dtype for x in res] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    assert [name[:3] for name, *_ in fake_cuda[n:]] == ["fwd", "fwd"]  # the real calls ran
+    n = len(fake_cuda)
+    f(*args)  # eager: the library's call path (the same launches)
+    assert len(fake_cuda) == n + 2 and not api._torch_compiling()
+
+
+def test_compiled_plain_call_gives_the_eager_result(monkeypatch):
+    """With the operator's real implementation replaced by a CPU stand-in (the float64
+    reference), a function calling cupyflash.flash_attn_func compiled with fullgraph=True
+    returns bitwise what the stand-in returns eagerly; out= is written and returned, and the
+    LSE only comes back when asked for."""
+    import types
+
+    import cupyflash
+    from cupyflash import reference, torch_ops
+
+    def standin(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                return_lse=False, out=None):
+        assert return_lse is True and out is None  # as the operator calls it
+        o, lse = reference.attention_reference(*(x.double().numpy() for x in (q, k, v)),
+                                               softmax_scale=softmax_scale, causal=causal,
+                                               window_size=window_size)
+        return torch.from_numpy(o).to(q.dtype), torch.from_numpy(lse).float()
+    monkeypatch.setattr(torch_ops, "api", types.SimpleNamespace(flash_attn_func=standin))
+    torch._dynamo.reset()
+    q, k = _t((2, 16, 4, 64), torch.float16, 1), _t((2, 24, 2, 64), torch.float16, 2)
+    out = torch.empty_like(q)
+
+    def f(q, k):
+        o, lse = cupyflash.flash_attn_func(q, k, k, causal=True, window_size=(8, 0),
+                                           return_lse=True)
+        o2 = cupyflash.flash_attn_func(q, k, k, softmax_scale=0.2, out=out)
+        return o, lse, o2
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k)
+    want = standin(q, k, k, causal=True, window_size=(8, 0), return_lse=True)
+    want2 = standin(q, k, k, softmax_scale=0.2, return_lse=True)[0]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want2) and torch.equal(out, want2)

@@ -143,6 +143,33 @@ def test_prefill_runs_on_torch_stream_and_returns_tensors(dtype):
     assert torch.equal(res, out)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_maps_follow_new_tensors(causal):
+    """Warm calls of the TMA kernel with new q/k/v tensors of one layout (each map encoded on
+    the first call, then only its address replaced: cupyflash.tma) equal, bitwise, the same
+    calls each made with a new launch-cache entry (every map encoded anew)."""
+    from cupyflash import dispatch
+    dtype = torch.bfloat16
+    if torch.cuda.get_device_capability(_dev()) != (9, 0):
+        pytest.skip("the TMA kernel runs on sm_90a")
+    sets = [tuple(_randn(shape, dtype, 10 * i + j) for j, shape in
+                  enumerate(((4, 1024, 8, 128), (4, 1024, 2, 128), (4, 1024, 2, 128))))
+            for i in range(3)]
+    assert cupyflash.explain(*sets[0], causal=causal).name.startswith("fwdtma")
+    fresh = []
+    for qkv in sets:
+        dispatch.LAUNCH_CACHE.clear()
+        fresh.append(cupyflash.flash_attn_func(*qkv, causal=causal, return_lse=True))
+    dispatch.LAUNCH_CACHE.clear()
+    warm = [cupyflash.flash_attn_func(*qkv, causal=causal, return_lse=True) for qkv in sets]
+    warm.append(cupyflash.flash_attn_func(*sets[0], causal=causal, return_lse=True))
+    fresh.append(fresh[0])
+    torch.cuda.synchronize()
+    for (o1, l1), (o2, l2) in zip(fresh, warm):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert not torch.equal(fresh[0][0], fresh[1][0])  # the inputs differ
+
+
 def test_varlen_runs_on_torch_stream():
     dtype = torch.bfloat16
     lens_q, lens_k = [100, 0, 37], [120, 5, 37]
@@ -236,6 +263,45 @@ def test_decode_runs_on_torch_stream_with_defaults(paged):
     ref = _decode_ref(q_src, kc_src, vc_src, cs, bt, dtype)
     _assert_close(res, res_lse, ref.out, ref.lse, dtype)
     guard.check_errors()  # the device-side check found nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merge_states_runs_on_torch_stream_and_returns_tensors(dtype):
+    """merge_states of torch tensors behind a long kernel on a side stream: torch tensors out,
+    no synchronisation, and the reference merge (empty parts with NaN outputs ignored)."""
+    o_src = _randn((3, 2, 5, 8, 64), dtype, 101)
+    lse_src = _randn((3, 2, 8, 5), torch.float32, 102)
+    lse_src[1, 0] = float("-inf")  # an empty part: its output is never read
+    o_src[1, 0] = float("nan")
+    o, lse = _poisoned(o_src, lse_src)
+    cupyflash.merge_states(o, lse)  # compile (result discarded)
+    torch.cuda.synchronize()
+    (out, lse_out), (res, res_lse) = _late_inputs_on_a_side_stream(
+        ((o, o_src), (lse, lse_src)), lambda: cupyflash.merge_states(o, lse))
+    assert type(out) is torch.Tensor and type(lse_out) is torch.Tensor
+    assert out.shape == (2, 5, 8, 64) and out.dtype == dtype and lse_out.shape == (2, 8, 5)
+    ref, ref_lse = reference.merge_states(o_src.double().cpu().numpy(),
+                                          lse_src.double().cpu().numpy())
+    tol = {torch.bfloat16: 2 * EPS[torch.bfloat16], torch.float32: 1e-5}[dtype]
+    assert not torch.isnan(res).any()
+    assert np.abs(res.double().cpu().numpy() - ref).max() <= tol * max(np.abs(ref).max(), 1)
+    assert np.allclose(res_lse.double().cpu().numpy(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_merge_states_torch_equals_cupy_bitwise(dtype):
+    """The torch launch (PreparedLaunch on torch's stream) and the CuPy one (cupy.RawKernel)
+    run one kernel on the same inputs: bitwise equal outputs and LSEs (a strided lse_parts,
+    float64 LSEs converted by each caller)."""
+    o = _randn((4, 2, 3, 6, 128), dtype, 201)
+    lse = (_randn((4, 2, 3, 6), torch.float64, 202) * 30).transpose(2, 3)  # (4, 2, 6, 3)
+    lse[2, 1] = float("-inf")
+    out_t, lse_t = cupyflash.merge_states(o, lse)
+    out_c, lse_c = cupyflash.merge_states(cupy.from_dlpack(o), cupy.from_dlpack(lse))
+    torch.cuda.synchronize()
+    assert type(out_c) is cupy.ndarray and type(out_t) is torch.Tensor
+    assert torch.equal(out_t, torch.from_dlpack(out_c))
+    assert torch.equal(lse_t, torch.from_dlpack(lse_c))
 
 
 def test_cupy_callers_keep_cupy_conventions():
@@ -457,6 +523,35 @@ def test_compile_fullgraph_gives_the_eager_result():
     assert torch.equal(res[0][0], res[0][4])  # out was written
     ref = _decode_ref(qd, kc, vc, cs, bt, dtype, k_new, v_new)
     _assert_close(res[1][0], res[1][1], ref.out, ref.lse, dtype)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compile_fullgraph_of_the_plain_calls_gives_the_eager_result():
+    """torch.compile(fullgraph=True) (inductor) of a function calling cupyflash.flash_attn_func
+    and cupyflash.flash_attn_varlen_func themselves (traced as the custom operators): no graph
+    break, bitwise the eager result (outputs, LSEs, out= written)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    dtype = torch.bfloat16
+    q, k, v = (_randn((2, 200, 8, 128), dtype, s) for s in (91, 92, 93))
+    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()  # GQA: 2 KV heads
+    cq = torch.tensor([0, 150, 400], dtype=torch.int32, device=_dev())
+    qv, kv = q.reshape(400, 8, 128), k.reshape(400, 2, 128)
+
+    def prefill(q, k, v, qv, kv, cq, out):
+        o, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        o2 = cupyflash.flash_attn_func(q, k, v, window_size=(64, 0), out=out)
+        ov, lv = cupyflash.flash_attn_varlen_func(qv, kv, kv, cq, cq, 250, 250, causal=True,
+                                                  return_lse=True, validate=False)
+        return o * 1, lse, o2 * 1, ov, lv
+    outs = [torch.empty_like(q) for _ in range(2)]
+    eager = prefill(q, k, v, qv, kv, cq, outs[0])
+    compiled = torch.compile(prefill, fullgraph=True)(q, k, v, qv, kv, cq, outs[1])
+    torch.cuda.synchronize()
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], compiled[2])
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
