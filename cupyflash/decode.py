@@ -196,40 +196,38 @@ def _append_grid(prob) -> tuple:
     return (-(-(prob.seqlen_new * prob.nheads_k * prob.headdim) // 256), prob.batch, 1)
 
 
-def _launch_combine(o_part, lse_part, out, lse_out) -> None:
-    """The combine kernel (decode_combine.cu) over float32 CuPy arrays ``o_part`` (num_parts,
-    batch, seqlen, nheads, headdim) and ``lse_part`` (num_parts, batch, nheads, seqlen), any
-    strides with the head dim contiguous, into ``out`` (batch, seqlen, nheads, headdim) and the
-    float32 ``lse_out`` (batch, nheads, seqlen); one warp per output row."""
+def _combine_launch(o_part, lse_part, out, lse_out) -> tuple:
+    """``(kernel, grid, block, scalars)`` of the combine kernel (decode_combine.cu) over
+    ``o_part`` (num_parts, batch, seqlen, nheads, headdim) and ``lse_part`` (num_parts, batch,
+    nheads, seqlen), float32, any strides with the head dim contiguous, into ``out`` (batch,
+    seqlen, nheads, headdim) and the float32 ``lse_out`` (batch, nheads, seqlen): one warp per
+    output row; the kernel's arguments are the four pointers, then ``scalars``."""
     num_parts, batch, seqlen, nheads, headdim = o_part.shape
     op, lp, o, ls = (_estrides(x) for x in (o_part, lse_part, out, lse_out))
     i64, i32 = np.int64, np.int32
-    args = (o_part, lse_part, out, lse_out,
-            i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
-            i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
-            i64(o[0]), i64(o[1]), i64(o[2]), i64(ls[0]), i64(ls[1]),
-            i32(num_parts), i32(batch), i32(seqlen), i32(nheads), i32(headdim))
+    scalars = (i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
+               i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
+               i64(o[0]), i64(o[1]), i64(o[2]), i64(ls[0]), i64(ls[1]),
+               i32(num_parts), i32(batch), i32(seqlen), i32(nheads), i32(headdim))
     kern = jit.get_kernel(combine_kernel_spec(checks.dtype_name(out)))
-    kern((-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1), args)
+    return kern, (-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1), scalars
+
+
+def _launch_combine(o_part, lse_part, out, lse_out) -> None:
+    """The combine kernel over CuPy arrays (:func:`_combine_launch`), by ``cupy.RawKernel`` on
+    CuPy's current stream."""
+    kern, grid, block, scalars = _combine_launch(o_part, lse_part, out, lse_out)
+    kern(grid, block, (o_part, lse_part, out, lse_out) + scalars)
 
 
 def _launch_combine_torch(o_part, lse_part, out, lse_out, stream_ptr: int) -> None:
-    """The combine kernel of :func:`_launch_combine` over :class:`cupyflash.interop.ArrayDesc`
-    of torch tensors (the same arguments, layouts and grid), launched plainly (no PDL) on the
+    """The combine kernel over :class:`cupyflash.interop.ArrayDesc` of torch tensors (the same
+    arguments, layouts and grid as :func:`_launch_combine`), launched plainly (no PDL) on the
     stream handle ``stream_ptr`` (torch's current stream) through
-    :class:`cupyflash.launch.PreparedLaunch`, on the current device. CuPy callers keep
-    ``cupy.RawKernel`` (:func:`_launch_combine`)."""
-    num_parts, batch, seqlen, nheads, headdim = o_part.shape
-    op, lp, o, ls = (_estrides(x) for x in (o_part, lse_part, out, lse_out))
-    i64, i32 = np.int64, np.int32
-    args = (_NULL, _NULL, _NULL, _NULL,
-            i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
-            i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
-            i64(o[0]), i64(o[1]), i64(o[2]), i64(ls[0]), i64(ls[1]),
-            i32(num_parts), i32(batch), i32(seqlen), i32(nheads), i32(headdim))
-    kern = jit.get_kernel(combine_kernel_spec(checks.dtype_name(out)))
-    run = launch.PreparedLaunch(kern, (-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1),
-                                args, (0, 1, 2, 3), pdl=False)
+    :class:`cupyflash.launch.PreparedLaunch`, on the current device."""
+    kern, grid, block, scalars = _combine_launch(o_part, lse_part, out, lse_out)
+    run = launch.PreparedLaunch(kern, grid, block, (_NULL,) * 4 + scalars, (0, 1, 2, 3),
+                                pdl=False)
     run(tuple(x.data.ptr for x in (o_part, lse_part, out, lse_out)), stream_ptr)
 
 
