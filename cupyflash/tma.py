@@ -158,24 +158,56 @@ def qkv_maps_layout(problem, strides: tuple, block_m: int, block_n: int) -> tupl
 
 _COUNTERS: dict = {}
 _COUNTERS_LOCK = threading.Lock()
+#: CuPy's per-thread default stream handle (cudaStreamPerThread): one CUDA stream per host thread.
+_PER_THREAD_STREAM = 2
+
+
+def _new_counter(device_id: int, stream_ptr: int):
+    """A zeroed int32 counter on the current device (``device_id``), as a CuPy array.
+
+    Raises
+    ------
+    ValueError
+        The stream is capturing a CUDA graph: the first causal call on a stream allocates the
+        counter and synchronises the device, which a capture forbids."""
+    import cupy
+    try:
+        capturing = bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
+    except cupy.cuda.runtime.CUDARuntimeError:  # the legacy stream during a global capture
+        capturing = True
+    if capturing:
+        raise ValueError("causal: the first causal prefill call on a stream runs the Hopper TMA "
+                         "kernel's scheduler set-up (a counter allocated and zeroed), which a "
+                         "CUDA graph capture forbids; call it once on this stream before "
+                         "capturing")
+    arr = cupy.zeros(1, cupy.int32)
+    cupy.cuda.Device(device_id).synchronize()  # zeroed before any stream uses it
+    return arr
 
 
 def tile_counter(device_id: int, stream_ptr: int) -> int:
     """Device address of the causal scheduler's counter for one (device, stream): an int32 that
     is 0 between launches (each launch leaves it 0: ``FwdTileScheduler::next`` in
     ``kernels_cu/flash_fwd_hopper.cu``). One per stream, so that launches on two streams never
-    share one; made (and zeroed, with a device synchronisation) on first use, on the current
-    device, which must be ``device_id``."""
+    share one; CuPy's per-thread default stream is one handle for a CUDA stream per host thread,
+    so there it is one per host thread. Made on first use on the current device, which must be
+    ``device_id`` (:func:`_new_counter`: not inside a CUDA graph capture). A stream destroyed
+    with a causal launch still running, whose handle a new stream then gets, would share its
+    counter with that launch: not guarded.
+
+    Raises
+    ------
+    ValueError
+        The first use on a stream is inside a CUDA graph capture."""
     key = (device_id, stream_ptr)
+    if stream_ptr == _PER_THREAD_STREAM:
+        key += (threading.get_ident(),)
     arr = _COUNTERS.get(key)
     if arr is None:
-        import cupy
         with _COUNTERS_LOCK:
             arr = _COUNTERS.get(key)
             if arr is None:
-                arr = cupy.zeros(1, cupy.int32)
-                cupy.cuda.Device(device_id).synchronize()  # zeroed before any stream uses it
-                _COUNTERS[key] = arr
+                arr = _COUNTERS[key] = _new_counter(device_id, stream_ptr)
     return arr.data.ptr
 
 

@@ -197,3 +197,32 @@ def test_tma_map_layout_and_stride_checks():
         tma._MapEncoder((64, 2, 100, 1), (128, 250, 25600), (64, 1, 128, 1))
     with pytest.raises(ValueError, match="rank"):
         tma._MapEncoder((64, 2), (128, 250), (64, 1))
+
+
+def test_tma_tile_counters_one_per_stream_and_per_thread_on_the_per_thread_stream(monkeypatch):
+    """The causal scheduler's counters (cupyflash.tma.tile_counter): one per (device, stream),
+    made once; on CuPy's per-thread default stream (one handle, a CUDA stream per host thread)
+    one per host thread, so that two threads never share one."""
+    import threading as th
+    from cupyflash import tma
+    made = []
+
+    class _Arr:
+        def __init__(self, ptr):
+            self.data = type("P", (), {"ptr": ptr})()
+
+    def new_counter(dev, stream):
+        made.append((dev, stream))
+        return _Arr(0x1000 + 16 * len(made))
+    monkeypatch.setattr(tma, "_new_counter", new_counter)
+    monkeypatch.setattr(tma, "_COUNTERS", {})
+    a, b = tma.tile_counter(0, 0x77), tma.tile_counter(0, 0x78)
+    assert a != b and tma.tile_counter(0, 0x77) == a and tma.tile_counter(1, 0x77) not in (a, b)
+    here = tma.tile_counter(0, tma._PER_THREAD_STREAM)
+    assert tma.tile_counter(0, tma._PER_THREAD_STREAM) == here
+    other = []
+    t = th.Thread(target=lambda: other.append(tma.tile_counter(0, tma._PER_THREAD_STREAM)))
+    t.start()
+    t.join()
+    assert other[0] != here
+    assert made == [(0, 0x77), (0, 0x78), (1, 0x77), (0, 2), (0, 2)]
