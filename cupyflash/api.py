@@ -149,25 +149,15 @@ def _desc(caller, x):
 
 
 def _prepare(entry):
-    """The :class:`cupyflash.launch.PreparedLaunch` of a prefill entry (a plain launch: the
-    prefill kernels do not wait for the previous kernel), built once on its device."""
-    from . import jit, launch, prefill
+    """The prepared launch of a prefill entry (:func:`cupyflash.prefill.prepared_launch`), built
+    once on its device."""
+    from . import jit, prefill
     kern = entry.kernel
     if kern is None:
         kern = entry.kernel = jit.get_kernel(entry.plan.kernel.spec)
-    n = len(entry.strides)
-    args = (prefill._NULL2[0],) * 5 + entry.strides + prefill._NULL2 + entry.sizes
-    slots = (0, 1, 2, 3, 4, 5 + n, 6 + n)
-    cfg = prefill.config_of(entry.plan.kernel.spec)[0]
-    if cfg.isa == "tma":  # q, k, v tensor maps first, encoded per pointer (cupyflash.tma)
-        from . import tma
-        maps = tma.qkv_maps_layout(entry.problem, entry.strides, cfg.block_m, cfg.block_n)
-        entry.prepared = tma.TmaLaunch(kern, entry.grid, entry.block, args, slots, maps,
-                                       shared_mem=entry.smem, causal=entry.problem.causal,
-                                       device_id=_current_device())
-        return entry.prepared
-    entry.prepared = launch.PreparedLaunch(kern, entry.grid, entry.block, args, slots,
-                                           shared_mem=entry.smem, pdl=False)
+    entry.prepared = prefill.prepared_launch(entry.plan.kernel.spec, kern, entry.grid,
+                                             entry.block, entry.smem, entry.problem,
+                                             entry.strides, entry.sizes, _current_device())
     return entry.prepared
 
 

@@ -42,7 +42,7 @@ __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
     "padded_headdim", "smem_bytes", "kernel_spec", "all_specs", "spec_of",
     "config_of", "launch_config",
-    "kernel_args", "args_template", "check_pointers", "launch",
+    "kernel_args", "args_template", "check_pointers", "launch", "prepared_launch",
 ]
 
 #: Compiled (padded) head dims; every multiple of 8 up to 256 maps to the next one of these.
@@ -475,22 +475,41 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
         return  # nothing to compute (no query rows, heads or sequences)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"problem: nheads ({grid[1]}) and batch ({grid[2]}) must be <= 65535")
-    args = kernel_args(spec, q, k, v, out, lse, problem=problem, cu_seqlens_q=cu_seqlens_q,
-                       cu_seqlens_k=cu_seqlens_k)
     kern = jit.get_kernel(spec)
     if cfg.isa != "tma":
+        args = kernel_args(spec, q, k, v, out, lse, problem=problem,
+                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         kern(grid, block, args, shared_mem=smem, stream=stream)
         return
     if cu_seqlens_q is not None:
         raise ValueError(f"spec: {spec.name} (TMA) runs dense problems only; varlen runs on "
                          f"the wgmma rows")
     import cupy
-    from . import tma
-    n = 5 + 14  # pointers, then the 14 strides
-    run = tma.TmaLaunch(kern, grid, block, args, (0, 1, 2, 3, 4, n, n + 1),
-                        tma.qkv_maps_layout(problem, args[5:n], cfg.block_m, cfg.block_n),
-                        shared_mem=smem, causal=config_of(spec)[1],
-                        device_id=cupy.cuda.runtime.getDevice())
-    ptrs = [a.data.ptr if isinstance(a, cupy.ndarray) else 0 for a in args[:5]] + [0, 0]
+    strides, sizes = args_template(spec, q, k, v, out, _strides(lse, "lse", 3), problem=problem,
+                                   varlen=False)
+    check_pointers(spec, q, k, v, out)
+    run = prepared_launch(spec, kern, grid, block, smem, problem, strides, sizes,
+                          cupy.cuda.runtime.getDevice())
     stream = stream or cupy.cuda.get_current_stream()
-    run(ptrs, stream.ptr)
+    run(tuple(x.data.ptr for x in (q, k, v, out, lse)) + (0, 0), stream.ptr)
+
+
+def prepared_launch(spec: jit.KernelSpec, kern, grid, block, smem: int, problem, strides: tuple,
+                    sizes: tuple, device_id: int):
+    """The launch of ``spec`` with its constant arguments (:func:`args_template`'s ``strides``
+    and ``sizes``) converted once; a call passes the 7 pointers (q, k, v, out, lse,
+    cu_seqlens_q, cu_seqlens_k; 0 for NULL) and a stream handle. A
+    :class:`cupyflash.launch.PreparedLaunch` (a plain launch: the prefill kernels do not wait for
+    the previous kernel), or for TMA rows a :class:`cupyflash.tma.TmaLaunch` (the q, k, v tensor
+    maps and the causal scheduler's counter first), on device ``device_id`` (the current one)."""
+    from . import launch
+    n = len(strides)
+    args = (_NULL2[0],) * 5 + tuple(strides) + _NULL2 + tuple(sizes)
+    slots = (0, 1, 2, 3, 4, 5 + n, 6 + n)
+    cfg, causal = config_of(spec)
+    if cfg.isa == "tma":
+        from . import tma
+        maps = tma.qkv_maps_layout(problem, strides, cfg.block_m, cfg.block_n)
+        return tma.TmaLaunch(kern, grid, block, args, slots, maps, shared_mem=smem,
+                             causal=causal, device_id=device_id)
+    return launch.PreparedLaunch(kern, grid, block, args, slots, shared_mem=smem, pdl=False)
