@@ -168,12 +168,18 @@ def _spy_on_save(monkeypatch):
     return seen
 
 
-def test_fig1_draws_fa3_the_wgmma_kernel_and_hd256(tmp_path, monkeypatch):
+def _hopper_results(tmp_path) -> tuple:
+    """``(results, figures)`` folders: synth's records plus synth_hopper's."""
     res, figs = tmp_path / "results", tmp_path / "figures"
     res.mkdir()
     figs.mkdir()
     synth(res)
     synth_hopper(res)
+    return res, figs
+
+
+def test_fig1_draws_fa3_the_wgmma_kernel_and_hd256(tmp_path, monkeypatch):
+    res, figs = _hopper_results(tmp_path)
     seen = _spy_on_save(monkeypatch)
     paths = plot.fig1_prefill_runtime(res, figs)
     assert [p.name for p in paths] == ["fig1_prefill_runtime.png", "fig1b_prefill_tflops.png"]
@@ -191,11 +197,7 @@ def test_fig1_draws_fa3_the_wgmma_kernel_and_hd256(tmp_path, monkeypatch):
 
 
 def test_fig4_roofline_with_fa3_and_hd256_records(tmp_path, monkeypatch):
-    res, figs = tmp_path / "results", tmp_path / "figures"
-    res.mkdir()
-    figs.mkdir()
-    synth(res)
-    synth_hopper(res)
+    res, figs = _hopper_results(tmp_path)
     seen = _spy_on_save(monkeypatch)
     plot.fig4_roofline(res, figs)
     (_, _, scatter), = seen["fig4_roofline.png"]

@@ -476,6 +476,15 @@ def test_bad_host_metadata_raises_before_the_launch():
 # ----------------------------------------------------------------------------------------------
 # 4. A decode step in a torch CUDA graph
 # ----------------------------------------------------------------------------------------------
+def _compile_prefill_case(dtype, seeds) -> tuple:
+    """``(q, k, v, qv, kv, cu_seqlens)``: batch 2 x 200, 8 query and 2 KV heads (GQA), hd128,
+    and the same tokens packed as two varlen sequences of 150 and 250."""
+    q, k, v = (_randn((2, 200, 8, 128), dtype, s) for s in seeds)
+    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
+    cq = torch.tensor([0, 150, 400], dtype=torch.int32, device=_dev())
+    return q, k, v, q.reshape(400, 8, 128), k.reshape(400, 2, 128), cq
+
+
 def test_compile_fullgraph_gives_the_eager_result():
     """torch.compile(fullgraph=True) (inductor) of functions calling the custom ops: prefill,
     varlen, and a decode step that appends a token and writes into out with a workspace: no
@@ -486,10 +495,7 @@ def test_compile_fullgraph_gives_the_eager_result():
     torch._dynamo.reset()
     counters.clear()
     dtype = torch.bfloat16
-    q, k, v = (_randn((2, 200, 8, 128), dtype, s) for s in (81, 82, 83))
-    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()  # GQA: 2 KV heads
-    cq = torch.tensor([0, 150, 400], dtype=torch.int32, device=_dev())
-    qv, kv = q.reshape(400, 8, 128), k.reshape(400, 2, 128)
+    q, k, v, qv, kv, cq = _compile_prefill_case(dtype, (81, 82, 83))
 
     def prefill(q, k, v, qv, kv, cq):
         o, lse = torch_ops.flash_attn_func(q, k, v, causal=True, return_lse=True)
@@ -534,10 +540,7 @@ def test_compile_fullgraph_of_the_plain_calls_gives_the_eager_result():
     torch._dynamo.reset()
     counters.clear()
     dtype = torch.bfloat16
-    q, k, v = (_randn((2, 200, 8, 128), dtype, s) for s in (91, 92, 93))
-    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()  # GQA: 2 KV heads
-    cq = torch.tensor([0, 150, 400], dtype=torch.int32, device=_dev())
-    qv, kv = q.reshape(400, 8, 128), k.reshape(400, 2, 128)
+    q, k, v, qv, kv, cq = _compile_prefill_case(dtype, (91, 92, 93))
 
     def prefill(q, k, v, qv, kv, cq, out):
         o, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
