@@ -503,8 +503,10 @@ def check_window_size(window_size, causal: bool) -> tuple:
     return (left, right)
 
 
-def _check_device_consistency(named: dict) -> None:
-    """All given arrays on the GPU, or all on the host; names the first that differs."""
+def _check_device_consistency(named: dict, contiguous=None) -> None:
+    """All given arrays on the GPU, or all on the host; names the first that differs. On the
+    GPU, the last dimension of each array named in ``contiguous`` (default: all) must be
+    contiguous."""
     items = [(n, a) for n, a in named.items() if a is not None]
     if not items:
         return
@@ -518,7 +520,8 @@ def _check_device_consistency(named: dict) -> None:
                             f"{other}; pass all arrays on the same device")
     if first_dev:
         for n, a in items:
-            check_last_dim_contiguous(a, n)
+            if contiguous is None or n in contiguous:
+                check_last_dim_contiguous(a, n)
 
 
 def _check_out(out, q_shape: tuple, dt: str) -> None:
@@ -962,7 +965,8 @@ def check_merge(o_parts, lse_parts) -> tuple:
     TypeError
         Non-array, unsupported dtype, host/device mix.
     ValueError
-        Wrong dims, ``num_parts < 1``, shapes that disagree, unsupported headdim.
+        Wrong dims, ``num_parts < 1``, shapes that disagree, unsupported headdim; on the GPU,
+        a head dim of ``o_parts`` that is not contiguous (``lse_parts`` may have any strides).
     """
     os_ = _check_ndim(o_parts, "o_parts", "num_parts, batch, seqlen, nheads, headdim")
     ls = _check_ndim(lse_parts, "lse_parts", "num_parts, batch, nheads, seqlen")
@@ -976,5 +980,6 @@ def check_merge(o_parts, lse_parts) -> tuple:
         raise ValueError(f"lse_parts: expected shape {want} (num_parts, batch, nheads, seqlen "
                          f"of o_parts), got {ls}")
     _check_headdim(headdim, "o_parts")
-    _check_device_consistency({"o_parts": o_parts, "lse_parts": lse_parts})
+    # the combine kernel reads lse_parts with any strides; o_parts' head dim is read as vectors
+    _check_device_consistency({"o_parts": o_parts, "lse_parts": lse_parts}, ("o_parts",))
     return os_

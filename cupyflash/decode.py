@@ -728,7 +728,7 @@ def merge_states(o_parts, lse_parts):
     o_parts : CUDA array, shape (num_parts, batch, seqlen, nheads, headdim)
         Normalised partial outputs, float16, bfloat16 or float32 (converted to float32 first).
     lse_parts : CUDA array, shape (num_parts, batch, nheads, seqlen)
-        Natural-log partial LSEs, float32 or float64 (converted to float32).
+        Natural-log partial LSEs, float32 or float64 (converted to float32); any strides.
 
     Returns
     -------

@@ -279,12 +279,12 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     for (int qn = 0;; ++qn) {
         mbarrier_wait(q_full, (uint32_t)(qn & 1));  // the next tile (and its Q, if it has keys)
         const int tile = s_tile;
+        // every lane's read of s_tile before its warp's (lane 0's) release of q_empty, after
+        // which the producer overwrites it (compute-sanitizer racecheck: 11 hazards without)
+        __syncwarp();
         if (tile >= sched.num_tiles) break;
         const Work w(p, sched.get(tile));
-        if (w.n_tiles <= 0) {  // no Q to read: the producer may go on at once
-            __syncwarp();
-            release(q_empty);
-        }
+        if (w.n_tiles <= 0) release(q_empty);  // no Q to read: the producer may go on at once
         if (w.empty()) continue;
         const int row0 = w.m0 + wg * 64 + warp_in_wg * 16 + g;  // this thread's rows: row0, row0 + 8
         float o[Tr::kOAcc];

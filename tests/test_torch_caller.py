@@ -447,8 +447,9 @@ def test_decode_bad_host_page_ids_raise_before_any_launch(fake_cuda):
 def test_merge_states_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch):
     """merge_states of torch tensors: torch tensors out (shapes, dtypes), the combine kernel
     launched plainly on torch's stream with the float32 inputs' and the outputs' pointers
-    (float32 o_parts used in place; float64 LSEs converted); a strided head dim and lse_parts
-    on another device are refused before any launch."""
+    (float32 o_parts used in place; float64 LSEs converted; a strided float32 lse_parts read
+    in place); a strided head dim and lse_parts on another device are refused before any
+    launch."""
     o = _t((3, 2, 5, 4, 64), torch.float32, seed=11)
     lse = torch.randn(3, 2, 4, 5, dtype=torch.float64)
     out, lse_out = decode.merge_states(o, lse)
@@ -462,6 +463,9 @@ def test_merge_states_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch)
     out16, _ = decode.merge_states(o.to(torch.bfloat16), lse.float())
     assert out16.dtype == torch.bfloat16 and fake_cuda[-1][0] == "decode_combine_bf16"
     assert fake_cuda[-1][2][2] == out16.data_ptr()
+    lse_t = torch.randn(3, 2, 5, 4, dtype=torch.float32).transpose(2, 3)  # any LSE strides
+    decode.merge_states(o, lse_t)
+    assert fake_cuda[-1][2][1] == lse_t.data_ptr()  # float32: read in place, strided
     n = len(fake_cuda)
     strided = _t((3, 2, 5, 4, 128), torch.bfloat16, seed=12)[..., ::2]  # head-dim stride 2
     with pytest.raises(ValueError, match=r"^o_parts: last dimension must be contiguous"):
