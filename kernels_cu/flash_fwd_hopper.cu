@@ -15,8 +15,8 @@
 //     runs the softmax of S_{i+1} while P_i V_i runs (FA3 Sec. 3.2, intra-warpgroup overlap),
 //     then rescales O; two warpgroups take turns issuing their GEMMs (named barriers: ping-pong,
 //     FA3 Sec. 3.1); the output is normalised once and written from registers.
-// The producer hands each tile's index to the consumers with its Q (shared memory), so both
-// roles walk the same tiles and the same ring positions.
+// The producer hands each tile's index to the consumers (shared memory, between two named
+// barriers), so both roles walk the same tiles and the same ring positions.
 // The consumers compute no load address and issue no copy: every instruction they issue is
 // GEMM, softmax or a barrier. Shared-memory layouts and descriptors: common/wgmma.cuh.
 #include "common/dtype.cuh"
@@ -103,10 +103,18 @@ struct FwdTileScheduler {
     // requests are made in all and the one that sees num_tiles - 1 resets the counter for the
     // next launch (kernels of one stream run one after the other).
     __device__ __forceinline__ int next(int t, int* counter) const {
-        if (!CAUSAL) return t + (int)gridDim.x;
+        if (!CAUSAL) return t + grid_size();
         const int ticket = atomicAdd(counter, 1);
         if (ticket == num_tiles - 1) atomicExch(counter, 0);
-        return (int)gridDim.x + ticket;
+        return grid_size() + ticket;
+    }
+
+    // gridDim.x, read where it is used: the producer runs on 24 registers, and ptxas would
+    // rather spill a gridDim.x read once than read the special register again.
+    static __device__ __forceinline__ int grid_size() {
+        int n;
+        asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+        return n;
     }
 
     __device__ __forceinline__ Work get(int t) const {
@@ -159,9 +167,14 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     auto empty_k = [&](int st) { return bars + 8u * (uint32_t)(2 * S + st); };
     auto empty_v = [&](int st) { return bars + 8u * (uint32_t)(3 * S + st); };
     const uint32_t q_full = bars + 8u * (uint32_t)(4 * S), q_empty = q_full + 8u;
-    // The producer hands each work tile to the consumers with its Q: the tile index is written
-    // here before the arrival on q_full (an arrive releases, a completed wait acquires), and read
-    // by the consumers before they release q_empty.
+    // The producer hands each work tile's index to the consumers through shared memory, between
+    // two named barriers (FA3's tile scheduler does the same): it writes the index, then arrives
+    // on kTileFull; the consumers sync on kTileFull, read it and arrive on kTileEmpty, on which
+    // the producer syncs before it writes the next one. (Handed over with q_full / q_empty, the
+    // same order held, but compute-sanitizer's racecheck does not follow mbarriers: 11 hazards.)
+    // The producer's one thread counts as its whole warp at a named barrier.
+    constexpr int kTileFull = 3, kTileEmpty = 4;  // 1 and 2: the consumers' ping-pong
+    constexpr int kTileThreads = Tr::kConsumerThreads + 32;
     int& s_tile = *reinterpret_cast<int*>(smem_raw + (bars + 8u * Tr::kBarriers - smem_u32addr(smem_raw)));
 
     const int tid = threadIdx.x;
@@ -193,14 +206,15 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         tma_prefetch_desc(&tv);
         int kv = 0;  // K/V tiles loaded so far (ring position and phase)
         for (int t = blockIdx.x, qn = 0;; t = sched.next(t, tile_counter), ++qn) {
-            // the tile (and its Q), once the consumers have read the previous one and their last
+            // the tile's index, once the consumers have read the previous one and their last
             // Q K^T of it has completed; t >= num_tiles tells them to stop
-            if (qn > 0) mbarrier_wait(q_empty, (uint32_t)((qn - 1) & 1));
-            s_tile = t;
-            if (t >= sched.num_tiles) {
-                mbarrier_arrive(q_full);
-                break;
+            if (qn > 0) {
+                mbarrier_wait(q_empty, (uint32_t)((qn - 1) & 1));
+                named_barrier_sync(kTileEmpty, kTileThreads);
             }
+            s_tile = t;
+            named_barrier_arrive(kTileFull, kTileThreads);
+            if (t >= sched.num_tiles) break;
             const Work w(p, sched.get(t));
             if (w.n_tiles <= 0) {  // no key: the consumers write 0 and -inf without Q
                 mbarrier_arrive(q_full);
@@ -277,12 +291,11 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     constexpr bool kPingPong = Tr::kConsumerWGs == 2;
     int kv = 0;  // ring position, in step with the producer
     for (int qn = 0;; ++qn) {
-        mbarrier_wait(q_full, (uint32_t)(qn & 1));  // the next tile (and its Q, if it has keys)
+        named_barrier_sync(kTileFull, kTileThreads);  // the next tile's index
         const int tile = s_tile;
-        // every lane's read of s_tile before its warp's (lane 0's) release of q_empty, after
-        // which the producer overwrites it (compute-sanitizer racecheck: 11 hazards without)
-        __syncwarp();
         if (tile >= sched.num_tiles) break;
+        named_barrier_arrive(kTileEmpty, kTileThreads);
+        mbarrier_wait(q_full, (uint32_t)(qn & 1));  // its Q, if it has keys
         const Work w(p, sched.get(tile));
         if (w.n_tiles <= 0) release(q_empty);  // no Q to read: the producer may go on at once
         if (w.empty()) continue;
