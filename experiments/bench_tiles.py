@@ -1,5 +1,6 @@
-"""Tile-size sweep of the prefill kernel: every (BLOCK_M, BLOCK_N, warps) specialisation in
-``cupyflash.prefill``'s table, launched directly (bypassing the dispatcher), TFLOP/s (figure 7).
+"""Tile-size sweep of the prefill kernels: every (BLOCK_M, BLOCK_N, warps) specialisation in
+``cupyflash.prefill``'s table (mma.sync, wgmma and, on sm_90a, the Hopper TMA kernel), launched
+directly (bypassing the dispatcher), TFLOP/s (figure 7).
 
 bf16, head dims 64 and 128, 16k tokens per batch, hidden 2048, S = 4096 and 8192, not causal
 (``--causal`` adds causal). Each configuration's output is compared with a reference computed
@@ -10,7 +11,7 @@ tile shape cannot win. ``chosen`` marks the configuration ``explain()`` picks fo
     python experiments/bench_tiles.py
 
 Appends to ``experiments/results/bench_tiles.jsonl`` (impl, dtype, headdim, seqlen, causal,
-kernel, block_m, block_n, nwarps, ms, tflops, rel_diff, chosen).
+kernel, family, block_m, block_n, nwarps, ms, tflops, rel_diff, chosen).
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
-NAME_RE = re.compile(r"^fwd_(?P<dt>[a-z0-9]+)_hd(?P<hd>\d+)_m(?P<m>\d+)_n(?P<n>\d+)_w(?P<w>\d+)(?P<rest>.*)$")
+# mma.sync rows (fwd_..._w<warps>), the wgmma kernel's (fwdwg_...) and the Hopper TMA kernel's
+# (fwdtma_..._s<ring stages>); the warps of the latter two come from their launch block
+NAME_RE = re.compile(r"^(?P<family>fwd|fwdwg|fwdtma)_(?P<dt>[a-z0-9]+)_hd(?P<hd>\d+)_m(?P<m>\d+)"
+                     r"_n(?P<n>\d+)(?:_w(?P<w>\d+)|_s(?P<s>\d+))?(?P<rest>.*)$")
 SHORT = {"bfloat16": "bf16", "float16": "f16"}
 
 
@@ -120,7 +124,9 @@ def main(argv=None) -> int:
                     rec = {"what": "tiles", "impl": "cupyflash", "dtype": args.dtype, "headdim": d,
                            "batch": B, "nheads": H, "seqlen": S, "causal": causal,
                            "kernel": spec.name, "block_m": int(f["m"]), "block_n": int(f["n"]),
-                           "nwarps": int(f["w"]), "smem_bytes": getattr(spec, "smem_bytes", None),
+                           "family": f["family"],
+                           "nwarps": prefill.launch_config(spec, problem)[1][0] // 32,
+                           "smem_bytes": getattr(spec, "smem_bytes", None),
                            "chosen": spec.name == chosen, "gpu": prov.get("gpu"),
                            "commit": prov["commit"], "provenance": prov}
                     if time.time() - t_start > budget:

@@ -462,8 +462,11 @@ def fig7_tiles(results: Path, figures: Path) -> list:
     fig, axes = plt.subplots(1, len(groups), figsize=(max(6, 4.2 * len(groups)), 4.6), squeeze=False)
     for ax, (hd, S, causal) in zip(axes[0], groups):
         sub = sorted((r for r in recs if (r["headdim"], r["seqlen"], bool(r.get("causal"))) == (hd, S, causal)),
-                     key=lambda r: (r["block_m"], r["block_n"], r["nwarps"]))
-        labels = [f"{r['block_m']}x{r['block_n']}\nw{r['nwarps']}" for r in sub]
+                     key=lambda r: (r.get("family", "fwd"), r["block_m"], r["block_n"], r["nwarps"]))
+        # family: fwd = mma.sync, fwdwg = wgmma, fwdtma = the Hopper TMA kernel (records before
+        # session 16 are mma.sync rows and carry no family)
+        labels = [f"{r.get('family', 'fwd')}\n{r['block_m']}x{r['block_n']}\nw{r['nwarps']}"
+                  for r in sub]
         colors = ["C0" if r.get("chosen") else "C7" for r in sub]
         bars = ax.bar(range(len(sub)), [r["tflops"] for r in sub], color=colors)
         for b, r in zip(bars, sub):
@@ -474,7 +477,8 @@ def fig7_tiles(results: Path, figures: Path) -> list:
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"hd{hd}, S={S}{', causal' if causal else ''} (blue: explain()'s choice)", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("Prefill tile sweep: BLOCK_M x BLOCK_N, warps (bf16, 16k tokens per batch)", fontsize=11)
+    fig.suptitle("Prefill tile sweep: kernel family, BLOCK_M x BLOCK_N, warps (bf16, 16k tokens per batch)",
+                 fontsize=11)
     return [_save(fig, figures / "fig7_tiles.png", recs)]
 
 

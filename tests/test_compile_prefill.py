@@ -67,9 +67,8 @@ def test_wgmma_pipeline_is_not_serialised(reports):
 # causal, the build measured on the H200 in session 15 (experiments/notes/session15.md: 1093
 # prefill GPU tests, 543-580 TFLOP/s; 28/48 bytes there, 28/52 since the tile index is handed
 # over between named barriers; two of the reloads are in the key loop, local-memory hits in
-L1). A variant
-# without them (the work tile's fields handed over in shared memory, commit 333a835) was never
-# run on a GPU and is not adopted.
+# L1). A variant without them (the work tile's fields handed over in shared memory, commit
+# 333a835) was never run on a GPU and is not adopted.
 KNOWN_SPILLS = {f"fwdtma_{t}_hd128_m128_n128_s2_causal": (28, 52) for t in ("bf16", "f16")}
 
 
