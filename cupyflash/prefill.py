@@ -121,8 +121,8 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
     rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
-    if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 2 mbarriers, the tile index
-        return (block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 3) + 1024
+    if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index
+        return (block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 4) + 1024
     if isa == "wgmma":
         return (block_m + 2 * stages * block_n) * headdim * isz + 32 * stages + 1024
     pad = 16 // isz

@@ -162,10 +162,10 @@ def test_tma_rows_lead_on_sm90a():
 
 
 def test_smem_formula_matches_kernel_traits():
-    # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 2 mbarriers, the 8-byte
+    # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 3 mbarriers, the 8-byte
     # tile index, 1024 bytes of alignment
     assert prefill.smem_bytes("bfloat16", 128, 128, 128, 2, isa="tma") == \
-        (128 + 4 * 128) * 128 * 2 + 8 * 10 + 8 + 1024
+        (128 + 4 * 128) * 128 * 2 + 8 * 11 + 8 + 1024
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
     # flash_fwd_simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)
