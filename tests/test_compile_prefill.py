@@ -282,3 +282,29 @@ def test_kernel_args_varlen_and_checks():
         prefill.kernel_args(spec16, qd, _Fake((2, 300, 2, 120), np.float16),
                             _Fake((2, 300, 2, 120), np.float16), _Fake((2, 100, 8, 120), np.float16),
                             _Fake((2, 8, 100), np.float32), problem=p16)
+
+
+def test_tma_maps_of_dense_and_varlen_problems():
+    """The TMA kernel's q, k, v tensor maps (cupyflash.tma.qkv_maps_layout from args_template's
+    strides): dense, 4-D (headdim, heads, seqlen, batch) in bytes; varlen, the packed tokens as
+    one batch entry (rows = total_q / total_k; the kernel's row coordinates start at
+    cu_seqlens), whose batch stride (0 in the kernel's arguments) is replaced by one TMA
+    accepts. Boxes: 64 columns x 1 head x block_m (q) or block_n (k, v) rows."""
+    from cupyflash import tma
+    spec = prefill.kernel_spec("float16", 128, 128, 128, 12, False, isa="tma")
+    p = _problem(causal=False, window_size=(-1, -1))  # batch 2, sq 100, sk 300, heads 8 / 2, d 120
+    arrays = [_Fake((2, n, h, 120), np.float16) for n, h in ((100, 8), (300, 2), (300, 2), (100, 8))]
+    strides, _ = prefill.args_template(spec, *arrays, (800, 100, 1), problem=p, varlen=False)
+    assert tma.qkv_maps_layout(p, strides, 128, 128) == (
+        ((120, 8, 100, 2), (240, 1920, 192000), (64, 1, 128, 1)),
+        ((120, 2, 300, 2), (240, 480, 144000), (64, 1, 128, 1)),
+        ((120, 2, 300, 2), (240, 480, 144000), (64, 1, 128, 1)))
+    pv = _problem(varlen=True, batch=3, total_q=50, total_k=90, causal=False,
+                  window_size=(-1, -1), seqlen_q=30, seqlen_k=40)
+    arrays = [_Fake((n, h, 120), np.float16) for n, h in ((50, 8), (90, 2), (90, 2), (50, 8))]
+    strides, _ = prefill.args_template(spec, *arrays, (50, 1), problem=pv, varlen=True)
+    assert tma.qkv_maps_layout(pv, strides, 128, 128) == (
+        ((120, 8, 50, 1), (240, 1920, 50 * 1920), (64, 1, 128, 1)),
+        ((120, 2, 90, 1), (240, 480, 90 * 480), (64, 1, 128, 1)),
+        ((120, 2, 90, 1), (240, 480, 90 * 480), (64, 1, 128, 1)))
+    assert prefill.launch_config(spec, pv)[0] == (3 * 8 * 1, 1, 1)  # work tiles: m-blocks of 30
