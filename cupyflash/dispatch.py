@@ -53,8 +53,8 @@ class KernelChoice:
         C++ name expression of the ``__global__`` function.
     template : dict
         Template values: ``dtype``, ``headdim`` (the compiled, padded one), ``block_m``,
-        ``block_n``, ``nwarps``, ``causal``, and for prefill ``isa`` (``"wgmma"``, ``"mma"``,
-        ``"simt"``).
+        ``block_n``, ``nwarps``, ``causal``, and for prefill ``isa`` (``"tma"``, ``"wgmma"``,
+        ``"mma"``, ``"simt"``).
     grid, block : tuple of 3 int
         Launch geometry (CTAs; threads per CTA).
     smem_bytes : int
@@ -390,8 +390,7 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
 
     if not reasons:
         feasible = [c for c in prefill.SUPPORTED if c.dtype == p.dtype and c.headdim == hd
-                    and c.smem_bytes <= max_smem_bytes and c.arch in ("", arch)
-                    and not (c.isa == "tma" and p.varlen)]
+                    and c.smem_bytes <= max_smem_bytes and c.arch in ("", arch)]
         if not feasible:  # raises, listing every candidate's reason
             return _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes,
                                  lengths, True)
@@ -462,9 +461,6 @@ def _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes) -> tuple:
                 rank, why = 2, ("non-causal specialisation; the problem is causal (window "
                                 "right == 0): the causal one serves it (mask known at compile "
                                 "time)")
-            elif cfg.isa == "tma" and p.varlen:
-                rank, why = 1, ("TMA kernel: dense problems only (its tensor maps are per batch "
-                                "entry); varlen runs on the wgmma kernel")
             elif cfg.arch not in ("", arch):
                 rank, why = 1, (f"{cfg.isa} kernel: runs on {cfg.arch} (Hopper) only; the "
                                 f"target is {arch}")

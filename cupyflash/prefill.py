@@ -9,12 +9,11 @@ partitioning of Sec. 3.2-3.3: one CTA per (``block_m`` query rows, head, batch),
   2407.08608) on Hopper (sm_90a only): TMA loads by a producer warpgroup, two consumer
   warpgroups with ``setmaxnreg``, warpgroup MMA with the intra-warpgroup overlap and ping-pong, a
   persistent grid (dynamic tile order when causal); float16/bfloat16, head dims 64, 128, 256
-  (every multiple of 8 padded onto them); dense problems (varlen runs on ``"wgmma"``). The
-  default on sm_90a; its launch passes three tensor maps (:mod:`cupyflash.tma`);
+  (every multiple of 8 padded onto them), dense and varlen problems. The default on sm_90a;
+  its launch passes three tensor maps (:mod:`cupyflash.tma`);
 * ``"wgmma"``: ``kernels_cu/flash_fwd_wgmma.cu``, Hopper's warpgroup MMA (sm_90a only), with the
   intra-warpgroup overlap of softmax and P V of FlashAttention-3 (Sec. 3.2) but cp.async loads
-  from every thread and one CTA per tile; float16/bfloat16, head dims 64 and 128: the varlen
-  path on sm_90a;
+  from every thread and one CTA per tile; float16/bfloat16, head dims 64 and 128;
 * ``"mma"``: ``kernels_cu/flash_fwd.cu``, mma.sync m16n8k16 (sm_80+), float16/bfloat16, every head dim;
 * ``"simt"``: ``kernels_cu/flash_fwd_simt.cu``, CUDA cores, float32/float64.
 
@@ -121,8 +120,8 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
     rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
-    if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 2 mbarriers, the tile index
-        return (block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 3) + 1024
+    if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index
+        return (block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 4) + 1024
     if isa == "wgmma":
         return (block_m + 2 * stages * block_n) * headdim * isz + 32 * stages + 1024
     pad = 16 // isz
@@ -177,9 +176,9 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 _WG_TILES = {64: ((128, 128),), 128: ((128, 128),)}
 
 
-# Hopper TMA rows (kernels_cu/flash_fwd_hopper.cu, sm_90a only, dense problems: varlen runs on the
-# wgmma rows): headdim -> (block_m, block_n, stages); a producer warpgroup plus block_m / 64
-# consumer warpgroups, nwarps = 4 * (block_m / 64 + 1); a persistent grid (launch_config).
+# Hopper TMA rows (kernels_cu/flash_fwd_hopper.cu, sm_90a only, dense and varlen problems):
+# headdim -> (block_m, block_n, stages); a producer warpgroup plus block_m / 64 consumer
+# warpgroups, nwarps = 4 * (block_m / 64 + 1); a persistent grid (launch_config).
 # Listed first: the default on sm_90a.
 _TMA_TILES = {64: ((128, 128, 2),), 128: ((128, 128, 2),), 256: ((128, 64, 2),)}
 
@@ -323,10 +322,10 @@ def launch_config(spec: jit.KernelSpec, problem, num_sms: int | None = None) -> 
 
     TMA rows (persistent): grid = (min(work tiles, ``num_sms``), 1, 1), work tiles = ceil(seqlen_q
     / block_m) * nheads * batch (``num_sms`` default: 132, an H100/H200 SXM). Other rows:
-    grid = (ceil(seqlen_q / block_m), nheads, batch): one CTA per (m-block, head, batch);
-    for varlen problems ``seqlen_q`` is max_seqlen_q and ``batch`` the number of sequences (CTAs
-    past a sequence's end return at once). Causal kernels visit the m-blocks in reverse order
-    (heaviest first) inside the kernel; the grid is the same.
+    grid = (ceil(seqlen_q / block_m), nheads, batch): one CTA per (m-block, head, batch).
+    For varlen problems ``seqlen_q`` is max_seqlen_q and ``batch`` the number of sequences (CTAs
+    and work tiles past a sequence's end do nothing). Causal kernels visit the m-blocks in
+    reverse order (heaviest first) inside the kernel; the grid is the same.
 
     Parameters
     ----------
@@ -481,17 +480,18 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         kern(grid, block, args, shared_mem=smem, stream=stream)
         return
-    if cu_seqlens_q is not None:
-        raise ValueError(f"spec: {spec.name} (TMA) runs dense problems only; varlen runs on "
-                         f"the wgmma rows")
+    varlen = cu_seqlens_q is not None
+    if (cu_seqlens_k is not None) != varlen:
+        raise ValueError("cu_seqlens_q, cu_seqlens_k: give both or neither")
     import cupy
-    strides, sizes = args_template(spec, q, k, v, out, _strides(lse, "lse", 3), problem=problem,
-                                   varlen=False)
+    strides, sizes = args_template(spec, q, k, v, out, _strides(lse, "lse", 2 if varlen else 3),
+                                   problem=problem, varlen=varlen)
     check_pointers(spec, q, k, v, out)
     run = prepared_launch(spec, kern, grid, block, smem, problem, strides, sizes,
                           cupy.cuda.runtime.getDevice())
     stream = stream or cupy.cuda.get_current_stream()
-    run(tuple(x.data.ptr for x in (q, k, v, out, lse)) + (0, 0), stream.ptr)
+    cu = (cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr) if varlen else (0, 0)
+    run(tuple(x.data.ptr for x in (q, k, v, out, lse)) + cu, stream.ptr)
 
 
 def prepared_launch(spec: jit.KernelSpec, kern, grid, block, smem: int, problem, strides: tuple,

@@ -12,9 +12,10 @@ tensor's pointer differs from the previous launch's (in a model: every call) it 
 the map's address (``cuTensorMapReplaceAddress``, CUDA 12.0+), the other fields being the
 entry's (fixed by the layouts that key the launch cache). The launch copies the maps (kernel
 parameters) before ``cuLaunchKernelEx`` returns, so the next call may change them at once. Layout of every map here: the 4-D tensor
-(headdim, nheads, seqlen, batch) of 16-bit elements, innermost first; box 64 x 1 x rows x 1
-(64 elements = the 128-byte swizzle span; a head dim of 128 or 256 is 2 or 4 boxes); elements
-outside the tensor are zero-filled (rows past the sequence, columns past the actual head dim).
+(headdim, nheads, seqlen, batch) of 16-bit elements, innermost first (varlen: seqlen = the
+packed tokens, batch = 1); box 64 x 1 x rows x 1 (64 elements = the 128-byte swizzle span; a
+head dim of 128 or 256 is 2 or 4 boxes); elements outside the tensor are zero-filled (rows past
+a dense sequence or past the packed tensor, columns past the actual head dim).
 """
 from __future__ import annotations
 
@@ -138,20 +139,26 @@ def encode_tensor_map(ptr: int, dims, strides_bytes, box) -> TensorMap:
 
 
 def qkv_maps_layout(problem, strides: tuple, block_m: int, block_n: int) -> tuple:
-    """``(dims, strides_bytes, box)`` of the q, k and v maps of a dense prefill problem.
+    """``(dims, strides_bytes, box)`` of the q, k and v maps of a prefill problem.
 
     ``strides``: the 12 q/k/v/o element strides of :func:`cupyflash.prefill.args_template`
-    (batch, row, head for each of q, k, v, o). 16-bit elements."""
+    (batch, row, head for each of q, k, v, o). 16-bit elements. A varlen problem's packed
+    tensors (total tokens, heads, headdim) are one batch entry of ``total_q`` / ``total_k``
+    rows: the kernel adds each sequence's first row (``cu_seqlens``) to its row coordinates,
+    and zeroes the V rows past a sequence's end that a tile reads (they are the next
+    sequence's, not zero-filled as past the tensor's end)."""
     p = problem
+    batch, rows_q, rows_k = ((1, p.total_q, p.total_k) if p.varlen
+                             else (p.batch, p.seqlen_q, p.seqlen_k))
     out = []
-    for i, (rows, heads, box_rows) in enumerate(((p.seqlen_q, p.nheads, block_m),
-                                                  (p.seqlen_k, p.nheads_k, block_n),
-                                                  (p.seqlen_k, p.nheads_k, block_n))):
+    for i, (rows, heads, box_rows) in enumerate(((rows_q, p.nheads, block_m),
+                                                  (rows_k, p.nheads_k, block_n),
+                                                  (rows_k, p.nheads_k, block_n))):
         b, r, h = (int(s) for s in strides[3 * i:3 * i + 3])
-        # a batch of one may carry any batch stride; give TMA one it accepts
-        if p.batch == 1:
+        # a batch of one may carry any batch stride (varlen: 0); give TMA one it accepts
+        if batch == 1:
             b = max(b, r * max(rows, 1), h * heads)
-        out.append(((p.headdim, heads, max(rows, 1), p.batch), (2 * h, 2 * r, 2 * b),
+        out.append(((p.headdim, heads, max(rows, 1), batch), (2 * h, 2 * r, 2 * b),
                     (64, 1, box_rows, 1)))
     return tuple(out)
 

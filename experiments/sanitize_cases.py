@@ -33,8 +33,8 @@ def main():
                 cf.flash_attn_func(q, k, v, causal=causal, window_size=window)
     # the Hopper kernels (TMA and wgmma): the dispatcher takes them for large problems only, so
     # they are launched directly here (ragged tails, GQA, causal and window masks, a padded head
-    # dim); then the TMA kernel through the call with more work tiles than SMs, so that its
-    # persistent CTAs take several tiles each (from the counter when causal)
+    # dim, varlen); then the TMA kernel through the call with more work tiles than SMs, so that
+    # its persistent CTAs take several tiles each (from the counter when causal)
     from cupyflash import checks, dispatch, prefill
     if dispatch.default_arch() == prefill.WG_ARCH:
         q, k, v = rand((1, 1100, 16, 64), bf16), rand((1, 1100, 4, 64), bf16), rand((1, 1100, 4, 64), bf16)
@@ -51,6 +51,16 @@ def main():
                 out = cp.empty_like(q)
                 lse = cp.empty((2, 4, 200), cp.float32)
                 prefill.launch(prefill.spec_of(cfg, pr.causal), q, k, v, out, lse, problem=pr)
+            # varlen: 1 token, none, ragged, queries without keys: tiles that run past a
+            # sequence's end into the next one (the TMA producer zeroes those V rows)
+            cu_q = cp.asarray(np.array([0, 1, 1, 131, 134], np.int32))
+            cu_k = cp.asarray(np.array([0, 1, 10, 210, 210], np.int32))
+            q, k, v = rand((134, 4, d), dt), rand((210, 2, d), dt), rand((210, 2, d), dt)
+            for causal in (False, True):
+                pr = checks.check_varlen(q, k, v, cu_q, cu_k, 130, 200, causal=causal)
+                out, lse = cp.empty_like(q), cp.empty((4, 134), cp.float32)
+                prefill.launch(prefill.spec_of(cfg, causal), q, k, v, out, lse, problem=pr,
+                               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     # varlen
     cu = cp.asarray(np.array([0, 5, 5, 70], dtype=np.int32))
     q = rand((70, 4, 64), cp.float16)

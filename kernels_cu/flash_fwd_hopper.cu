@@ -5,11 +5,10 @@
 // A persistent CTA (at most one per SM) takes work tiles (BLOCK_M query rows of one head) from
 // the tile scheduler (static when non-causal, a global counter when causal) and runs them one
 // after the other. Its warpgroups have two roles (FA3 Sec. 3.1, "warp specialisation"):
-//   * the producer (the last warpgroup; one thread works, the registers of the others are given
-//     to the consumers with setmaxnreg): TMA copies of the Q tile and of a ring of STAGES K and V
-//     tiles into 128-byte swizzled shared memory, each completing on a "full" mbarrier by its
-//     byte count; a slot is refilled once every consumer warp has released it on its "empty"
-//     mbarrier;
+//   * the producer (one warp of the last warpgroup, whose registers are given to the consumers
+//     with setmaxnreg): TMA copies of the Q tile and of a ring of STAGES K and V tiles into
+//     128-byte swizzled shared memory, each completing on a "full" mbarrier by its byte count; a
+//     slot is refilled once every consumer warp has released it on its "empty" mbarrier;
 //   * the consumers (BLOCK_M / 64 warpgroups of 64 query rows): the loop of flash_fwd_wgmma.cu:
 //     in step i a warpgroup issues S_{i+1} = Q K_{i+1}^T and O += P_i V_i on the tensor cores,
 //     runs the softmax of S_{i+1} while P_i V_i runs (FA3 Sec. 3.2, intra-warpgroup overlap),
@@ -17,6 +16,12 @@
 //     FA3 Sec. 3.1); the output is normalised once and written from registers.
 // The producer hands each tile's index to the consumers (shared memory, between two named
 // barriers), so both roles walk the same tiles and the same ring positions.
+// Varlen (packed sequences, cu_seqlens): the tensor maps see the packed tensors as one batch
+// entry of total-token rows, and a tile's copies start at its sequence's first row. Rows past a
+// sequence's end then hold the next sequence's tokens (or TMA's zeros past the tensor): query
+// rows are independent and not stored, keys are masked in S (a select: NaN gives -inf), and
+// the V rows, which P (0 there) would multiply, are zeroed by the producer (0 * NaN = NaN;
+// design.md, Semantics 5).
 // The consumers compute no load address and issue no copy: every instruction they issue is
 // GEMM, softmax or a barrier. Shared-memory layouts and descriptors: common/wgmma.cuh.
 #include "common/dtype.cuh"
@@ -40,8 +45,8 @@ struct HopperFwdTraits {
     static constexpr int kColTiles = HEADDIM / 64;            // 64-element (128-byte) column tiles
     static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;
-    // full_k, full_v, empty_k, empty_v per ring slot; q_full, q_empty
-    static constexpr int kBarriers = 4 * STAGES + 2;
+    // full_k, full_v, empty_k, empty_v per ring slot; q_full, q_empty, v_landed
+    static constexpr int kBarriers = 4 * STAGES + 3;
     // Q, the K and V rings, the barriers, the tile index (8 bytes), and 1024 bytes to align the
     // base to the swizzle repeat. cupyflash/prefill.py computes the same number.
     static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 8 + 1024;
@@ -103,19 +108,12 @@ struct FwdTileScheduler {
     // requests are made in all and the one that sees num_tiles - 1 resets the counter for the
     // next launch (kernels of one stream run one after the other).
     __device__ __forceinline__ int next(int t, int* counter) const {
-        if (!CAUSAL) return t + grid_size();
+        if (!CAUSAL) return t + (int)gridDim.x;
         const int ticket = atomicAdd(counter, 1);
         if (ticket == num_tiles - 1) atomicExch(counter, 0);
-        return grid_size() + ticket;
+        return (int)gridDim.x + ticket;
     }
 
-    // gridDim.x, read where it is used: the producer runs on 24 registers, and ptxas would
-    // rather spill a gridDim.x read once than read the special register again.
-    static __device__ __forceinline__ int grid_size() {
-        int n;
-        asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
-        return n;
-    }
 
     __device__ __forceinline__ Work get(int t) const {
         const int span = group * num_m_blocks;
@@ -128,11 +126,14 @@ struct FwdTileScheduler {
     }
 };
 
-// One work tile as both roles see it: its sequence, first row and key tiles.
+// One work tile as both roles see it: its sequence, first row and key tiles, and the TMA
+// coordinates of its copies: the rows of its first query and of its sequence's key 0, and the
+// batch entry (0 when varlen: cupyflash/tma.py maps the packed tensors as one entry).
 template <int BLOCK_M, int BLOCK_N, bool CAUSAL>
 struct FwdWork {
     FwdSeq seq;
     int m0, b, h, n_block_min, n_tiles;
+    int q_row, k_row, tma_b;
     KeyTiles<BLOCK_N> tiles;
 
     __device__ __forceinline__ FwdWork(const FwdParams& p,
@@ -142,6 +143,10 @@ struct FwdWork {
                 p.window_left, p.window_right) {
         n_block_min = tiles.n_block_min;
         n_tiles = m0 < seq.seqlen_q ? tiles.n_block_max - tiles.n_block_min : 0;
+        const bool varlen = p.cu_seqlens_q != nullptr;
+        q_row = (varlen ? p.cu_seqlens_q[b] : 0) + m0;
+        k_row = varlen ? p.cu_seqlens_k[b] : 0;
+        tma_b = varlen ? 0 : b;
     }
     __device__ __forceinline__ bool empty() const { return m0 >= seq.seqlen_q; }
 };
@@ -167,14 +172,15 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     auto empty_k = [&](int st) { return bars + 8u * (uint32_t)(2 * S + st); };
     auto empty_v = [&](int st) { return bars + 8u * (uint32_t)(3 * S + st); };
     const uint32_t q_full = bars + 8u * (uint32_t)(4 * S), q_empty = q_full + 8u;
+    // a varlen sequence's last V tile lands here first (the producer cleans it, then fills full_v)
+    const uint32_t v_landed = q_empty + 8u;
     // The producer hands each work tile's index to the consumers through shared memory, between
     // two named barriers (FA3's tile scheduler does the same): it writes the index, then arrives
     // on kTileFull; the consumers sync on kTileFull, read it and arrive on kTileEmpty, on which
     // the producer syncs before it writes the next one. (Handed over with q_full / q_empty, the
     // same order held, but compute-sanitizer's racecheck does not follow mbarriers: 11 hazards.)
-    // The producer's one thread counts as its whole warp at a named barrier.
     constexpr int kTileFull = 3, kTileEmpty = 4;  // 1 and 2: the consumers' ping-pong
-    constexpr int kTileThreads = Tr::kConsumerThreads + 32;
+    constexpr int kTileThreads = Tr::kConsumerThreads + 32;  // the consumers and the producer warp
     int& s_tile = *reinterpret_cast<int*>(smem_raw + (bars + 8u * Tr::kBarriers - smem_u32addr(smem_raw)));
 
     const int tid = threadIdx.x;
@@ -192,54 +198,110 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         }
         mbarrier_init(q_full, 1);
         mbarrier_init(q_empty, Tr::kConsumerWarps);
+        mbarrier_init(v_landed, 1);
         fence_proxy_async();  // the initialised barriers, before TMA completes bytes on them
     }
     __syncthreads();
-    const Sched sched(p, HEADDIM);
 
     // ============================== producer ==============================
     if (wg == Tr::kConsumerWGs) {
         warpgroup_reg_dealloc<Tr::kProducerRegs>();
-        if (tid != Tr::kConsumerThreads) return;  // one thread issues every copy
-        tma_prefetch_desc(&tq);
-        tma_prefetch_desc(&tk);
-        tma_prefetch_desc(&tv);
-        int kv = 0;  // K/V tiles loaded so far (ring position and phase)
-        for (int t = blockIdx.x, qn = 0;; t = sched.next(t, tile_counter), ++qn) {
+        // One warp produces, the other three leave. Lane 0 issues every copy and arrival; the
+        // whole warp walks the tiles and waits with it, to zero V rows together (below).
+        if (tid >= Tr::kConsumerThreads + 32) return;
+        // Each role builds the scheduler after its setmaxnreg: no value lives across the change
+        // of register count (built before it, some were spilled for the 24-register producer).
+        const Sched sched(p, HEADDIM);
+        const int lane = tid & 31;
+        const bool leader = lane == 0;
+        if (leader) {
+            tma_prefetch_desc(&tq);
+            tma_prefetch_desc(&tk);
+            tma_prefetch_desc(&tv);
+        }
+        // The tile after t: lane 0 asks (the causal counter counts one request per CTA and
+        // tile), the warp takes its answer.
+        auto next_tile = [&](int t) {
+            int n = 0;
+            if (leader) n = sched.next(t, tile_counter);
+            return __shfl_sync(0xffffffffu, n, 0);
+        };
+        // Rows [valid, BLOCK_N) of the V slot at `slot` set to zero in every 64-column tile:
+        // whole 128-byte rows, which the 128-byte swizzle leaves in place (it only moves the
+        // 16-byte chunks inside a row), 16 bytes per lane and store.
+        auto zero_v_rows = [&](uint32_t slot, int valid) {
+            uint4* chunks = reinterpret_cast<uint4*>(smem_raw + (slot - smem_u32addr(smem_raw)));
+#pragma unroll
+            for (int c = 0; c < Tr::kColTiles; ++c)
+                for (int i = valid * 8 + lane; i < BLOCK_N * 8; i += 32)
+                    chunks[c * BLOCK_N * 8 + i] = make_uint4(0u, 0u, 0u, 0u);
+        };
+        const bool varlen = p.cu_seqlens_k != nullptr;
+        int kv = 0;       // K/V tiles loaded so far (ring position and phase)
+        int v_tails = 0;  // V tiles that landed on v_landed so far (its phase)
+        for (int t = blockIdx.x, qn = 0;; t = next_tile(t), ++qn) {
             // the tile's index, once the consumers have read the previous one and their last
             // Q K^T of it has completed; t >= num_tiles tells them to stop
             if (qn > 0) {
                 mbarrier_wait(q_empty, (uint32_t)((qn - 1) & 1));
                 named_barrier_sync(kTileEmpty, kTileThreads);
             }
-            s_tile = t;
+            if (leader) s_tile = t;
+            // (one arrival in each branch: with one before the test, ptxas spilled 40 bytes of
+            // the 24-register producer)
+            if (t >= sched.num_tiles) {
+                named_barrier_arrive(kTileFull, kTileThreads);
+                break;
+            }
             named_barrier_arrive(kTileFull, kTileThreads);
-            if (t >= sched.num_tiles) break;
             const Work w(p, sched.get(t));
             if (w.n_tiles <= 0) {  // no key: the consumers write 0 and -inf without Q
-                mbarrier_arrive(q_full);
+                if (leader) mbarrier_arrive(q_full);
                 continue;
             }
-            mbarrier_arrive_expect_tx(q_full, Tr::kQBytes);
+            if (leader) {
+                mbarrier_arrive_expect_tx(q_full, Tr::kQBytes);
 #pragma unroll
-            for (int c = 0; c < Tr::kColTiles; ++c)
-                tma_load_4d(sQ + (uint32_t)(c * BLOCK_M * 128), &tq, c * 64, w.h, w.m0, w.b, q_full);
+                for (int c = 0; c < Tr::kColTiles; ++c)
+                    tma_load_4d(sQ + (uint32_t)(c * BLOCK_M * 128), &tq, c * 64, w.h, w.q_row,
+                                w.tma_b, q_full);
+            }
             const int hk = w.h / p.h_per_kv;
             for (int j = 0; j < w.n_tiles; ++j, ++kv) {
                 const int st = kv % S, n0 = (w.n_block_min + j) * BLOCK_N;
                 const uint32_t release = (uint32_t)((kv / S - 1) & 1);  // the previous use's phase
+                const uint32_t k_slot = sK + (uint32_t)(st * Tr::kKVBytes);
+                const uint32_t v_slot = sV + (uint32_t)(st * Tr::kKVBytes);
                 if (kv >= S) mbarrier_wait(empty_k(st), release);
-                mbarrier_arrive_expect_tx(full_k(st), Tr::kKVBytes);
+                if (leader) {
+                    mbarrier_arrive_expect_tx(full_k(st), Tr::kKVBytes);
 #pragma unroll
-                for (int c = 0; c < Tr::kColTiles; ++c)
-                    tma_load_4d(sK + (uint32_t)(st * Tr::kKVBytes + c * BLOCK_N * 128), &tk, c * 64,
-                                hk, n0, w.b, full_k(st));
+                    for (int c = 0; c < Tr::kColTiles; ++c)
+                        tma_load_4d(k_slot + (uint32_t)(c * BLOCK_N * 128), &tk, c * 64, hk,
+                                    w.k_row + n0, w.tma_b, full_k(st));
+                }
+                // The tile that runs past a varlen sequence's end: its V lands on v_landed, the
+                // warp zeroes the rows past the end, then lane 0 completes full_v's phase with
+                // its one arrival (no bytes). Dense maps end at seqlen_k: TMA zero-fills there.
+                const bool v_tail = varlen && n0 + BLOCK_N > w.seq.seqlen_k;
+                const uint32_t v_bar = v_tail ? v_landed : full_v(st);
                 if (kv >= S) mbarrier_wait(empty_v(st), release);
-                mbarrier_arrive_expect_tx(full_v(st), Tr::kKVBytes);
+                if (leader) {
+                    mbarrier_arrive_expect_tx(v_bar, Tr::kKVBytes);
 #pragma unroll
-                for (int c = 0; c < Tr::kColTiles; ++c)
-                    tma_load_4d(sV + (uint32_t)(st * Tr::kKVBytes + c * BLOCK_N * 128), &tv, c * 64,
-                                hk, n0, w.b, full_v(st));
+                    for (int c = 0; c < Tr::kColTiles; ++c)
+                        tma_load_4d(v_slot + (uint32_t)(c * BLOCK_N * 128), &tv, c * 64, hk,
+                                    w.k_row + n0, w.tma_b, v_bar);
+                }
+                if (v_tail) {
+                    // one copy at a time on v_landed: its k-th completion has parity k & 1
+                    mbarrier_wait(v_landed, (uint32_t)(v_tails & 1));
+                    ++v_tails;
+                    zero_v_rows(v_slot, w.seq.seqlen_k - n0);
+                    fence_proxy_async();  // the zeros (generic proxy) before wgmma's reads (async)
+                    __syncwarp();         // every lane's zeros and fence before lane 0's arrival
+                    if (leader) mbarrier_arrive(full_v(st));
+                }
             }
         }
         return;
@@ -247,6 +309,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
 
     // ============================== consumers ==============================
     warpgroup_reg_alloc<Tr::kConsumerRegs>();
+    const Sched sched(p, HEADDIM);  // (after setmaxnreg, as the producer's)
     const int lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int g = lane >> 2, t4 = lane & 3;
     const float scale_log2 = p.scale_log2;

@@ -64,12 +64,11 @@ def test_wgmma_pipeline_is_not_serialised(reports):
 
 
 # Spills accepted, each with its bound (stores, loads in bytes) and why: the TMA kernel at hd128
-# causal, the build measured on the H200 in session 15 (experiments/notes/session15.md: 1093
-# prefill GPU tests, 543-580 TFLOP/s; 28/48 bytes there, 28/52 since the tile index is handed
-# over between named barriers; two of the reloads are in the key loop, local-memory hits in
-# L1). A variant without them (the work tile's fields handed over in shared memory, commit
-# 333a835) was never run on a GPU and is not adopted.
-KNOWN_SPILLS = {f"fwdtma_{t}_hd128_m128_n128_s2_causal": (28, 52) for t in ("bf16", "f16")}
+# causal, 20/28 bytes (28/48 in the build measured in session 15, experiments/notes/session15.md);
+# two of the reloads are in the key loop, local-memory hits in L1. A variant without them (the
+# work tile's fields handed over in shared memory, commit 333a835) was never run on a GPU and is
+# not adopted.
+KNOWN_SPILLS = {f"fwdtma_{t}_hd128_m128_n128_s2_causal": (20, 28) for t in ("bf16", "f16")}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
@@ -164,10 +163,10 @@ def test_tma_rows_lead_on_sm90a():
 
 
 def test_smem_formula_matches_kernel_traits():
-    # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 2 mbarriers, the 8-byte
+    # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 3 mbarriers, the 8-byte
     # tile index, 1024 bytes of alignment
     assert prefill.smem_bytes("bfloat16", 128, 128, 128, 2, isa="tma") == \
-        (128 + 4 * 128) * 128 * 2 + 8 * 10 + 8 + 1024
+        (128 + 4 * 128) * 128 * 2 + 8 * 11 + 8 + 1024
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
     # flash_fwd_simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)
@@ -284,3 +283,29 @@ def test_kernel_args_varlen_and_checks():
         prefill.kernel_args(spec16, qd, _Fake((2, 300, 2, 120), np.float16),
                             _Fake((2, 300, 2, 120), np.float16), _Fake((2, 100, 8, 120), np.float16),
                             _Fake((2, 8, 100), np.float32), problem=p16)
+
+
+def test_tma_maps_of_dense_and_varlen_problems():
+    """The TMA kernel's q, k, v tensor maps (cupyflash.tma.qkv_maps_layout from args_template's
+    strides): dense, 4-D (headdim, heads, seqlen, batch) in bytes; varlen, the packed tokens as
+    one batch entry (rows = total_q / total_k; the kernel's row coordinates start at
+    cu_seqlens), whose batch stride (0 in the kernel's arguments) is replaced by one TMA
+    accepts. Boxes: 64 columns x 1 head x block_m (q) or block_n (k, v) rows."""
+    from cupyflash import tma
+    spec = prefill.kernel_spec("float16", 128, 128, 128, 12, False, isa="tma")
+    p = _problem(causal=False, window_size=(-1, -1))  # batch 2, sq 100, sk 300, heads 8 / 2, d 120
+    arrays = [_Fake((2, n, h, 120), np.float16) for n, h in ((100, 8), (300, 2), (300, 2), (100, 8))]
+    strides, _ = prefill.args_template(spec, *arrays, (800, 100, 1), problem=p, varlen=False)
+    assert tma.qkv_maps_layout(p, strides, 128, 128) == (
+        ((120, 8, 100, 2), (240, 1920, 192000), (64, 1, 128, 1)),
+        ((120, 2, 300, 2), (240, 480, 144000), (64, 1, 128, 1)),
+        ((120, 2, 300, 2), (240, 480, 144000), (64, 1, 128, 1)))
+    pv = _problem(varlen=True, batch=3, total_q=50, total_k=90, causal=False,
+                  window_size=(-1, -1), seqlen_q=30, seqlen_k=40)
+    arrays = [_Fake((n, h, 120), np.float16) for n, h in ((50, 8), (90, 2), (90, 2), (50, 8))]
+    strides, _ = prefill.args_template(spec, *arrays, (50, 1), problem=pv, varlen=True)
+    assert tma.qkv_maps_layout(pv, strides, 128, 128) == (
+        ((120, 8, 50, 1), (240, 1920, 50 * 1920), (64, 1, 128, 1)),
+        ((120, 2, 90, 1), (240, 480, 90 * 480), (64, 1, 128, 1)),
+        ((120, 2, 90, 1), (240, 480, 90 * 480), (64, 1, 128, 1)))
+    assert prefill.launch_config(spec, pv)[0] == (3 * 8 * 1, 1, 1)  # work tiles: m-blocks of 30

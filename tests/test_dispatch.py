@@ -268,6 +268,32 @@ def test_explain_varlen_counts_flops_per_sequence():
     assert lazy.flops is None and lazy.name == plan.name
 
 
+def test_varlen_runs_the_tma_kernel_on_hopper():
+    """Packed sequences run the Hopper TMA kernel on sm_90a, as dense problems do (float16 /
+    bfloat16, padded head dims included): the same specialisation as the dense problem of the
+    longest sequence, a persistent grid over (m-blocks of max_seqlen_q) x heads x sequences
+    (enough work tiles for every SM: the heuristic takes smaller tiles otherwise, for both);
+    sm_80 gets the mma.sync kernel."""
+    lens_q, lens_k = [300, 0, 1, 77], [290, 5, 0, 128]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    for dtype, d, causal in (("bfloat16", 120, True), ("float16", 64, False)):
+        q = np.zeros((cq[-1], 16, d), np_dtype(dtype))
+        k = np.zeros((ck[-1], 4, d), np_dtype(dtype))
+        plan = api.explain_varlen(q, k, k, cq, ck, 300, 290, causal=causal, arch="sm_90a")
+        assert plan.template["isa"] == "tma" and plan.kernel.spec.arch == "sm_90a"
+        dense = api.explain(np.zeros((4, 300, 16, d), q.dtype), np.zeros((4, 290, 4, d), q.dtype),
+                            np.zeros((4, 290, 4, d), q.dtype), causal=causal, arch="sm_90a")
+        # persistent: min(132 SMs, 3 m-blocks x 16 heads x 4 sequences) CTAs
+        assert plan.name == dense.name and plan.grid == dense.grid == (132, 1, 1)
+        assert plan.flops == sum(io_model.prefill_flops(1, 16, a, b, d, causal,
+                                                        (-1, 0) if causal else (-1, -1))
+                                 for a, b in zip(lens_q, lens_k))
+        assert not any("varlen" in r or "dense" in r for _, r in plan.rejected)
+        plan80 = api.explain_varlen(q, k, k, cq, ck, 300, 290, causal=causal, arch="sm_80")
+        assert plan80.template["isa"] == "mma"
+
+
 def test_explain_rejects_what_flash_attn_func_rejects():
     q = np.zeros((1, 10, 2, 12), np.float16)
     with pytest.raises(ValueError, match="^q: headdim 12"):

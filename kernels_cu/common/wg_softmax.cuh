@@ -37,6 +37,8 @@ __device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], u
             hi[hh] = r.hi - k0 - 2 * t;
         }
     }
+    // A masked score is replaced, not added to: a key past a varlen sequence's end may hold NaN
+    // or Inf (the next sequence's row), and its score must still become -inf (design.md, 5).
     auto score = [&](int i, int hh, int e) {
         const float x = s[4 * i + 2 * hh + e];
         if constexpr (MASK) return (8 * i + e >= lo[hh] && 8 * i + e < hi[hh]) ? x : -INFINITY;

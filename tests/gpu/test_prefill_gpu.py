@@ -624,3 +624,51 @@ def test_tma_persistent_scheduler_on_two_streams(causal):
         assert to_host(r).tobytes() == first.tobytes()
     for arr in tma._COUNTERS.values():
         assert int(arr.get()[0]) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 120, 256])
+def test_varlen_call_on_the_tma_kernel(causal, d):
+    """flash_attn_varlen_func on the Hopper TMA kernel (enough work tiles that the dispatcher
+    takes it): sequences of 1 token, none, shorter than a tile, ragged and tile-sized, queries
+    without keys; every sequence matches its own reference, the persistent CTAs take several
+    tiles each (causal: from the counter, left 0), the warm call (validate=False, cached
+    entry) is bitwise equal, and NaN rows after cu_seqlens_k[-1] (k, v are views of larger
+    buffers) change nothing."""
+    from cupyflash import api, tma
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the TMA kernel runs on sm_90a only")
+    rng = np.random.default_rng(43)
+    lens_q = [300, 1, 0, 517, 128, 77, 2, 5]
+    lens_k = [260, 1, 9, 517, 128, 100, 0, 700]
+    h, hk, dt = 16, 4, "bfloat16"
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    qh = testing.random_normal(rng, (cq[-1], h, d), dt)
+    kh = testing.random_normal(rng, (ck[-1], hk, d), dt)
+    vh = testing.random_normal(rng, (ck[-1], hk, d), dt)
+    k, v = (nan_buffer((ck[-1] + 50, hk, d), dt)[:ck[-1]] for _ in range(2))
+    for dst, src in ((k, kh), (v, vh)):  # bits: no bfloat16 kernel needed
+        dst.view(np.uint16)[...] = to_dev(src.view(np.uint16))
+    q = to_dev(qh)
+    cq_d, ck_d = to_dev(cq), to_dev(ck)
+    args = (q, k, v, cq_d, ck_d, max(lens_q), max(lens_k))
+    plan = api.explain_varlen(*args, causal=causal)
+    assert plan.template["isa"] == "tma", plan.name  # 5 m-blocks x 16 heads x 8 sequences
+    out = nan_buffer(q.shape, dt)
+    res, lse = flash_attn_varlen_func(*args, causal=causal, return_lse=True, out=out)
+    out_h, lse_h = to_host(res), to_host(lse)
+    for _ in range(2):  # warm: the cached entry, its tensor maps
+        res2, lse2 = flash_attn_varlen_func(*args, causal=causal, return_lse=True, validate=False)
+        assert to_host(res2).tobytes() == out_h.tobytes()
+        assert to_host(lse2).tobytes() == lse_h.tobytes()
+    for b in range(len(lens_q)):
+        if lens_q[b] == 0:
+            continue
+        sl_q, sl_k = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        q1, k1, v1 = qh[None, sl_q], kh[None, sl_k], vh[None, sl_k]
+        assert_matches_reference(out_h[None, sl_q], lse_h[None, :, sl_q], q1, k1, v1, dtype=dt,
+                                 causal=causal, block_n=plan.template["block_n"],
+                                 what=f"{plan.name} sequence {b} ({lens_q[b]}, {lens_k[b]})")
+    for arr in tma._COUNTERS.values():
+        assert int(arr.get()[0]) == 0

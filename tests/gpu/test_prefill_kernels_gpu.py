@@ -136,11 +136,10 @@ def _check(out, lse, q, k, v, problem, cfg, *, what=""):
         assert err <= 1e-12, f"{what}: float64 rel error {err:.3g} > 1e-12"
 
 
-def _configs(dtype_name, hd, varlen=False):
-    """The table's rows for (dtype, padded hd); varlen: without the TMA rows (dense only)."""
+def _configs(dtype_name, hd):
+    """The table's rows for (dtype, padded hd)."""
     hp = prefill.padded_headdim(hd)
-    return [c for c in prefill.SUPPORTED if c.dtype == dtype_name and c.headdim == hp
-            and not (varlen and c.isa == "tma")]
+    return [c for c in prefill.SUPPORTED if c.dtype == dtype_name and c.headdim == hp]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,15 +209,16 @@ def test_strided_views_and_scale(dtype_name, headdim):
 
 
 # ----------------------------------------------------------------------------------------------
-# Varlen (cu_seqlens), including empty and one-token sequences
+# Varlen (cu_seqlens), including empty and one-token sequences: every row of the table, the TMA
+# kernel's too (head dims 40 and 128 run its hd64 and hd128 rows, 256 its 64-key tiles)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("headdim", (40, 128))
+@pytest.mark.parametrize("headdim", (40, 128, 256))
 @pytest.mark.parametrize("causal", (False, True))
 def test_varlen(dtype_name, headdim, causal):
     rng = np.random.default_rng(11)
-    lens_q = [5, 0, 130, 1, 64]
-    lens_k = [9, 3, 70, 200, 64]
+    lens_q = [5, 0, 130, 1, 64, 3]   # the last: queries and no key (output 0, LSE -inf)
+    lens_k = [9, 3, 70, 200, 64, 0]
     h, hk = 4, 2
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
@@ -228,7 +228,7 @@ def test_varlen(dtype_name, headdim, causal):
     q, k, v = (cupy.asarray(x) for x in (qh, kh, vh))
     cq, ck = cupy.asarray(cu_q), cupy.asarray(cu_k)
     problem = checks.check_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=causal)
-    for cfg in _configs(dtype_name, headdim, varlen=True):
+    for cfg in _configs(dtype_name, headdim):
         spec = prefill.spec_of(cfg, causal)
         out1, lse1 = _launch(spec, q, k, v, problem, cu_q=cq, cu_k=ck)
         out2, lse2 = _launch(spec, q, k, v, problem, cu_q=cq, cu_k=ck)
@@ -241,6 +241,75 @@ def test_varlen(dtype_name, headdim, causal):
             sub = checks.check_attention(qh[None, sl_q], kh[None, sl_k], vh[None, sl_k], causal=causal)
             _check(out_h[None, sl_q], lse_h[None, :, sl_q], qh[None, sl_q], kh[None, sl_k],
                    vh[None, sl_k], sub, cfg, what=f"{spec.name} seq {i}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Varlen, design.md Semantics 5: a tile that runs past a sequence's end reads the next
+# sequence's rows (the TMA kernel's copies start at the sequence's first row; its producer
+# zeroes such V rows), or the memory after cu_seqlens[-1]. NaN / Inf there must change nothing.
+# ----------------------------------------------------------------------------------------------
+_POISON_LENS_Q = [37, 1, 130, 0, 5, 64, 3, 200]     # 1, 0, shorter than a tile, ragged tails
+_POISON_LENS_K = [100, 1, 200, 7, 37, 128, 0, 333]  # 128: a whole tile, no tail
+
+
+def _packed(rng, lens, heads, d, dtype_name, poisoned, values, pad=70):
+    """A packed host array of random rows for sequences of ``lens`` and its copy on the device,
+    a view of a buffer with ``pad`` NaN rows after the last sequence. The rows of the sequences
+    in ``poisoned`` alternate between the two non-finite ``values``."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    x = _randn(rng, (cu[-1], heads, d), dtype_name)
+    for b in poisoned:
+        x[cu[b]:cu[b + 1]:2] = values[0]
+        x[cu[b] + 1:cu[b + 1]:2] = values[1]
+    buf = _nan_array((cu[-1] + pad, heads, d), dtype_name)
+    ut = _NAN_BITS[x.dtype.itemsize][0]
+    buf[:cu[-1]].view(ut)[...] = cupy.asarray(x.view(ut))  # bits, no 16-bit float kernel needed
+    return x, buf[:cu[-1]]
+
+
+@pytest.mark.parametrize("dtype_name", ("float16", "bfloat16", "float32"))
+@pytest.mark.parametrize("headdim", (64, 120, 256))
+@pytest.mark.parametrize("causal", (False, True))
+def test_varlen_other_sequences_rows_change_nothing(dtype_name, headdim, causal):
+    """Each row of the table runs the packed batch three times: clean, with the odd sequences'
+    q, k and v rows non-finite (NaN and +Inf, alternating by row), and with the even ones'.
+    Every clean sequence of a poisoned run (its neighbours poisoned) equals the clean run's
+    result bitwise, output and LSE, and is finite; the clean run matches the reference. The
+    packed tensors are views of larger buffers whose rows after cu_seqlens[-1] are NaN."""
+    h, hk = 4, 2
+    lq, lk = _POISON_LENS_Q, _POISON_LENS_K
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    cq, ck = cupy.asarray(cu_q), cupy.asarray(cu_k)
+    runs = []
+    for poisoned in ((), range(1, len(lq), 2), range(0, len(lq), 2)):
+        rng = np.random.default_rng(23)  # the same finite values in every run
+        qh, q = _packed(rng, lq, h, headdim, dtype_name, poisoned, (np.nan, np.inf))
+        kh, k = _packed(rng, lk, hk, headdim, dtype_name, poisoned, (np.nan, np.inf))
+        vh, v = _packed(rng, lk, hk, headdim, dtype_name, poisoned, (np.inf, np.nan))
+        runs.append((poisoned, qh, kh, vh, q, k, v))
+    problem = checks.check_varlen(runs[0][4], runs[0][5], runs[0][6], cq, ck, max(lq), max(lk),
+                                  causal=causal)
+    for cfg in _configs(dtype_name, headdim):
+        spec = prefill.spec_of(cfg, causal)
+        results = [tuple(cupy.asnumpy(x) for x in _launch(spec, q, k, v, problem, cu_q=cq, cu_k=ck))
+                   for _, _, _, _, q, k, v in runs]
+        clean_o, clean_l = results[0]
+        _, qh, kh, vh = runs[0][:4]
+        for b in range(len(lq)):
+            sl_q, sl_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if lq[b]:
+                sub = checks.check_attention(qh[None, sl_q], kh[None, sl_k], vh[None, sl_k],
+                                             causal=causal)
+                _check(clean_o[None, sl_q], clean_l[None, :, sl_q], qh[None, sl_q],
+                       kh[None, sl_k], vh[None, sl_k], sub, cfg, what=f"{spec.name} seq {b}")
+            for (poisoned, *_), (o, lse) in zip(runs[1:], results[1:]):
+                if b in poisoned:
+                    continue
+                what = f"{spec.name} seq {b}, sequences {list(poisoned)} poisoned"
+                assert np.isfinite(o[sl_q].astype(np.float64)).all(), f"{what}: non-finite output"
+                assert _bits(o[sl_q]) == _bits(clean_o[sl_q]), f"{what}: output differs"
+                assert _bits(lse[:, sl_q]) == _bits(clean_l[:, sl_q]), f"{what}: LSE differs"
 
 
 # ----------------------------------------------------------------------------------------------
