@@ -53,8 +53,8 @@ class KernelChoice:
         C++ name expression of the ``__global__`` function.
     template : dict
         Template values: ``dtype``, ``headdim`` (the compiled, padded one), ``block_m``,
-        ``block_n``, ``nwarps``, ``causal``, and for prefill ``isa`` (``"tma"``, ``"wgmma"``,
-        ``"mma"``, ``"simt"``).
+        ``block_n``, ``nwarps``, ``causal``, and for prefill ``isa`` (``"tma"``, ``"mma"``,
+        ``"simt"``).
     grid, block : tuple of 3 int
         Launch geometry (CTAs; threads per CTA).
     smem_bytes : int

@@ -26,7 +26,7 @@ def _is_int(x) -> bool:
 
 def prefill_tiles(dtype: str, headdim: int, arch: str = "sm_90a") -> tuple:
     """The compiled ``(block_m, block_n, nwarps, isa)`` tiles for ``dtype`` and ``headdim`` that
-    ``arch`` runs, default first (``isa``: ``"wgmma"`` rows run on sm_90a only).
+    ``arch`` runs, default first (``isa``: ``"tma"`` rows run on sm_90a only).
 
     Parameters
     ----------
@@ -122,8 +122,9 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # Not adopted (and removed from the kernel): hd64 causal with 3 K/V stages: +0.2-2% causal
     # (280 vs 277 at S = 4096, 304 vs 303 bf16 / 303 vs 297 fp16 at S = 16384) but -1.5%
     # non-causal.
-    # On sm_90a the wgmma rows (prefill._WG_TILES, Hopper warpgroup MMA) come first for hd64 and
-    # hd128 and are taken by this rule; v3 in experiments/NOTES.md has their measurements.
+    # On sm_90a the TMA rows (prefill._TMA_TILES, the Hopper TMA kernel) come first for hd64,
+    # hd128 and hd256 and are taken by this rule; v50 in experiments/NOTES.md has their
+    # measurements.
     tile = tiles[0]                                              # rule 1
     block_ms = sorted({t[0] for t in tiles})
 

@@ -3,7 +3,7 @@ the launch itself.
 
 The kernels implement FlashAttention-2 (Dao, arXiv 2307.08691), Algorithm 1 with the work
 partitioning of Sec. 3.2-3.3: one CTA per (``block_m`` query rows, head, batch), K/V tiles of
-``block_n`` keys streamed through shared memory. Four kernels (``PrefillConfig.isa``):
+``block_n`` keys streamed through shared memory. Three kernels (``PrefillConfig.isa``):
 
 * ``"tma"``: ``kernels_cu/flash_fwd_hopper.cu``, FlashAttention-3 (Shah et al., arXiv
   2407.08608) on Hopper (sm_90a only): TMA loads by a producer warpgroup, two consumer
@@ -11,9 +11,6 @@ partitioning of Sec. 3.2-3.3: one CTA per (``block_m`` query rows, head, batch),
   persistent grid (dynamic tile order when causal); float16/bfloat16, head dims 64, 128, 256
   (every multiple of 8 padded onto them), dense and varlen problems. The default on sm_90a;
   its launch passes three tensor maps (:mod:`cupyflash.tma`);
-* ``"wgmma"``: ``kernels_cu/flash_fwd_wgmma.cu``, Hopper's warpgroup MMA (sm_90a only), with the
-  intra-warpgroup overlap of softmax and P V of FlashAttention-3 (Sec. 3.2) but cp.async loads
-  from every thread and one CTA per tile; float16/bfloat16, head dims 64 and 128;
 * ``"mma"``: ``kernels_cu/flash_fwd.cu``, mma.sync m16n8k16 (sm_80+), float16/bfloat16, every head dim;
 * ``"simt"``: ``kernels_cu/flash_fwd_simt.cu``, CUDA cores, float32/float64.
 
@@ -24,7 +21,6 @@ Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU
   can run), and (block_m, block_n, nwarps, isa) is unique, so a tile names one row.
 * :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one.
 * :func:`kernel_spec` names a specialisation (``fwdtma_bf16_hd128_m128_n128_s2_causal``,
-  ``fwdwg_bf16_hd128_m128_n64_causal``,
   ``fwd_bf16_hd128_m128_n64_w8_causal``, ``fwd_bf16_hd128_m128_n64_w4_pf``,
   ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.jit.KernelSpec`.
 * :func:`launch_config` gives (grid, block, dynamic shared memory) for a spec and a problem.
@@ -54,15 +50,14 @@ SIMT_DTYPES = ("float32", "float64")
 MAX_SMEM_BYTES = 227 * 1024
 
 TC_SOURCE = "flash_fwd.cu"
-WG_SOURCE = "flash_fwd_wgmma.cu"
 SIMT_SOURCE = "flash_fwd_simt.cu"
 TMA_SOURCE = "flash_fwd_hopper.cu"
-#: The architecture the wgmma kernels are compiled for (and the only one that runs them).
+#: The architecture the TMA kernel (wgmma, setmaxnreg) is compiled for, the only one that runs it.
 WG_ARCH = "sm_90a"
 #: Instruction sets of the prefill kernels (``PrefillConfig.isa``).
-ISAS = ("tma", "wgmma", "mma", "simt")
+ISAS = ("tma", "mma", "simt")
 #: The instruction sets that run on WG_ARCH only.
-HOPPER_ISAS = ("tma", "wgmma")
+HOPPER_ISAS = ("tma",)
 SIMT_THREADS = 128
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
@@ -82,11 +77,12 @@ class PrefillConfig:
         CUDA cores: always 4, i.e. 128 threads).
     smem_bytes : dynamic shared memory per CTA, bytes (same formula as the kernel's traits).
     source : kernel file under ``kernels_cu/``.
-    stages : K/V tiles in the shared-memory ring (mma: 2, double buffering; wgmma: 3).
+    stages : K/V tiles in the shared-memory ring (2: double buffering).
     prefetch : mma only: the Q K^T fragments of the next k16 step are loaded before the MMAs of
         the current one (name suffix ``_pf``; the kernel's ``PREFETCH``).
-    isa : ``"wgmma"`` (Hopper warpgroup MMA, :data:`WG_SOURCE`, runs on :data:`WG_ARCH` only;
-        ``nwarps = 4 * block_m / 64``), ``"mma"`` (mma.sync) or ``"simt"`` (CUDA cores).
+    isa : ``"tma"`` (the Hopper TMA kernel, :data:`TMA_SOURCE`, runs on :data:`WG_ARCH`
+        only; ``nwarps = 4 * (block_m / 64 + 1)``), ``"mma"`` (mma.sync) or ``"simt"`` (CUDA
+        cores).
     """
     dtype: str
     headdim: int
@@ -105,7 +101,7 @@ class PrefillConfig:
 
     @property
     def arch(self) -> str:
-        """The one architecture that runs this row (:data:`WG_ARCH` for wgmma), else ``""``
+        """The one architecture that runs this row (:data:`WG_ARCH` for TMA), else ``""``
         (any sm_80+ device)."""
         return WG_ARCH if self.isa in HOPPER_ISAS else ""
 
@@ -114,16 +110,15 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
                isa: str = "mma") -> int:
     """Dynamic shared memory of a configuration, bytes.
 
-    wgmma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), 4 *
-    ``stages`` mbarriers and 1024 bytes to align the base (``WgmmaFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K and V tiles, rows
+    tma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), the
+    mbarriers, the handed-over tile index and 1024 bytes to align the base
+    (``HopperFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K and V tiles, rows
     padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles and the P tile,
     rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
     if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index
         return (block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 4) + 1024
-    if isa == "wgmma":
-        return (block_m + 2 * stages * block_n) * headdim * isz + 32 * stages + 1024
     pad = 16 // isz
     row = headdim + pad
     if dtype in TC_DTYPES:
@@ -165,17 +160,6 @@ _SIMT_TILES["float64"][256] = ((16, 32), (16, 16))  # 32x32 needs > 255 register
 # moved (0-1%, noise), 3 K/V stages and 32-key register working sets (v1).
 _TC_PREFETCH = {(128, 128, 64, 4)}
 
-# Hopper wgmma rows (kernels_cu/flash_fwd_wgmma.cu, sm_90a only): headdim -> (block_m, block_n),
-# nwarps = block_m / 16 (one warpgroup per 64 rows), a 3-tile K/V ring. Listed before the mma.sync
-# rows of their head dim, so rule 1 of cupyflash.heuristics.choose_prefill_tile picks them on
-# sm_90a devices; the dispatcher rejects them elsewhere. ptxas (sm_90a, 256 threads): 255 / 254
-# registers, no spills, no wgmma serialisation. H200, bf16, 16k tokens (experiments/NOTES.md v3c):
-# hd128 128x128 475-501 TFLOP/s non-causal, 422-505 causal (mma.sync default 326-331 / 286-304;
-# 128x64 wgmma 366-377); hd64 128x128 308-317 non-causal (mma.sync 128x64x4 310-314), 291-326
-# causal (mma.sync 281-305). The 2-tile rings (s2) lost 20-25% and were dropped.
-_WG_TILES = {64: ((128, 128),), 128: ((128, 128),)}
-
-
 # Hopper TMA rows (kernels_cu/flash_fwd_hopper.cu, sm_90a only, dense and varlen problems):
 # headdim -> (block_m, block_n, stages); a producer warpgroup plus block_m / 64 consumer
 # warpgroups, nwarps = 4 * (block_m / 64 + 1); a persistent grid (launch_config).
@@ -189,20 +173,12 @@ def _tma_row(dtype: str, hd: int, bm: int, bn: int, stages: int) -> PrefillConfi
                          stages=stages, isa="tma")
 
 
-def _wg_row(dtype: str, hd: int, bm: int, bn: int, stages: int = 3) -> PrefillConfig:
-    return PrefillConfig(dtype, hd, bm, bn, bm // 16,
-                         smem_bytes(dtype, hd, bm, bn, stages, isa="wgmma"), WG_SOURCE,
-                         stages=stages, isa="wgmma")
-
-
 def _build_table() -> tuple:
     rows = []
     for dtype in TC_DTYPES:
         for hd in HEADDIMS:
             for bm, bn, st in _TMA_TILES.get(hd, ()):
                 rows.append(_tma_row(dtype, hd, bm, bn, st))
-            for bm, bn in _WG_TILES.get(hd, ()):
-                rows.append(_wg_row(dtype, hd, bm, bn))
             for bm, bn, nw in _TC_TILES[hd]:
                 rows.append(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn),
                                           TC_SOURCE, prefetch=(hd, bm, bn, nw) in _TC_PREFETCH))
@@ -237,8 +213,6 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
     if cfg.isa == "tma":
         return (f"fwdtma_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
                 f"_s{cfg.stages}{suffix}")
-    if cfg.isa == "wgmma":
-        return f"fwdwg_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}{suffix}"
     if cfg.dtype in TC_DTYPES:
         return (f"fwd_{_SHORT[cfg.dtype]}_hd{cfg.headdim}_m{cfg.block_m}_n{cfg.block_n}"
                 f"_w{cfg.nwarps}{'_pf' if cfg.prefetch else ''}{suffix}")
@@ -251,10 +225,7 @@ def _entry(cfg: PrefillConfig, causal: bool) -> str:
     if cfg.isa == "tma":  # its own entry: three tensor maps, then flash_fwd_entry's arguments
         return (f"cf::flash_fwd_tma_entry<cf::FlashFwdHopper<{t}, {cfg.headdim}, {cfg.block_m}, "
                 f"{cfg.block_n}, {c}, {cfg.stages}>, {t}>")
-    if cfg.isa == "wgmma":
-        block = (f"cf::FlashFwdWgmma<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {c}, "
-                 f"{cfg.stages}>")
-    elif cfg.dtype in TC_DTYPES:
+    if cfg.dtype in TC_DTYPES:
         pf = ", true" if cfg.prefetch else ""
         block = (f"cf::FlashFwd<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {cfg.nwarps}, "
                  f"{c}{pf}>")
@@ -275,9 +246,9 @@ def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: 
                 causal: bool, *, isa: str | None = None) -> jit.KernelSpec:
     """The :class:`~cupyflash.jit.KernelSpec` of the :data:`SUPPORTED` row with this tile.
 
-    ``isa``: ``"tma"``, ``"wgmma"``, ``"mma"`` or ``"simt"``; default ``"simt"`` for
-    float32/float64 and ``"mma"`` for float16/bfloat16 (a TMA or wgmma row must be asked for by
-    name, or through :func:`spec_of`).
+    ``isa``: ``"tma"``, ``"mma"`` or ``"simt"``; default ``"simt"`` for float32/float64 and
+    ``"mma"`` for float16/bfloat16 (a TMA row must be asked for by name, or through
+    :func:`spec_of`).
 
     Raises
     ------

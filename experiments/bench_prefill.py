@@ -16,7 +16,7 @@ seqlen, causal, ms, tflops, gpu, commit, the timing spread, the cupyflash ``expl
 the output's relative difference to torch's flash backend. Impls: ``fa3`` (FlashAttention-3,
 when ``fa3_fwd_interface`` imports: ../shared/peers/README.md; bf16 only; the run says why when
 it is skipped), ``torch_cudnn``, ``torch_flash`` (FlashAttention-2 in torch), ``baseline``
-(materialising), ``cupyflash_wgmma`` (the previous Hopper kernel, for a before/after).
+(materialising).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
-IMPLS = ("cupyflash", "fa3", "torch_flash", "torch_cudnn", "baseline", "cupyflash_wgmma")
+IMPLS = ("cupyflash", "fa3", "torch_flash", "torch_cudnn", "baseline")
 
 
 def _fa3_fn(q, k, v, causal):
@@ -45,22 +45,6 @@ def _fa3_fn(q, k, v, causal):
     return run
 
 
-def _wgmma_fn(q, k, v, causal):
-    """cupyflash's previous Hopper kernel (flash_fwd_wgmma.cu, cp.async ring, no producer),
-    launched directly: the before of the TMA kernel, in the same run."""
-    import cupy
-    from cupyflash import checks, prefill
-    problem = checks.check_attention(q, k, v, causal=causal)
-    cfg = next((c for c in prefill.SUPPORTED if c.isa == "wgmma" and c.dtype == str(q.dtype)
-                and c.headdim == prefill.padded_headdim(q.shape[-1])), None)
-    if cfg is None:
-        raise ValueError(f"cupyflash_wgmma: no wgmma kernel for {q.dtype} hd{q.shape[-1]}")
-    spec = prefill.spec_of(cfg, causal)
-    out = cupy.empty_like(q)
-    lse = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), cupy.float32)
-    return lambda: (prefill.launch(spec, q, k, v, out, lse, problem=problem), out)[1]
-
-
 def make_fn(impl, q, k, v, causal):
     """A no-argument callable computing attention with ``impl`` (raises if unavailable)."""
     if impl == "cupyflash":
@@ -73,8 +57,6 @@ def make_fn(impl, q, k, v, causal):
         return common.torch_sdpa(q, k, v, impl[len("torch_"):], causal=causal)
     if impl == "fa3":
         return _fa3_fn(q, k, v, causal)
-    if impl == "cupyflash_wgmma":
-        return _wgmma_fn(q, k, v, causal)
     raise ValueError(f"impl: unknown {impl!r}; known: {IMPLS}")
 
 
@@ -92,8 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--headdims", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--seqlens", nargs="+", type=int, default=None)
     ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
-    ap.add_argument("--impls", nargs="+", default=[i for i in IMPLS if i != "cupyflash_wgmma"],
-                    choices=IMPLS)
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per batch (batch = tokens / S)")
     ap.add_argument("--hidden", type=int, default=2048, help="nheads = hidden / headdim")
     ap.add_argument("--baseline-max-seqlen", type=int, default=8192)
@@ -162,8 +143,7 @@ def main(argv=None) -> int:
         # correctness beside speed: each output against torch's flash backend on the same inputs
         if torch_ref is not None:
             for rec in records:
-                if rec["impl"] in ("cupyflash", "baseline", "fa3", "cupyflash_wgmma") \
-                        and "error" not in rec:
+                if rec["impl"] in ("cupyflash", "baseline", "fa3") and "error" not in rec:
                     try:
                         rec["rel_diff_vs_torch_flash"] = rel_diff_vs(
                             make_fn(rec["impl"], q, k, v, causal)(), torch_ref)

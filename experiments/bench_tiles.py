@@ -1,5 +1,5 @@
 """Tile-size sweep of the prefill kernels: every (BLOCK_M, BLOCK_N, warps) specialisation in
-``cupyflash.prefill``'s table (mma.sync, wgmma and, on sm_90a, the Hopper TMA kernel), launched
+``cupyflash.prefill``'s table (mma.sync and, on sm_90a, the Hopper TMA kernel), launched
 directly (bypassing the dispatcher), TFLOP/s (figure 7).
 
 bf16, head dims 64 and 128, 16k tokens per batch, hidden 2048, S = 4096 and 8192, not causal
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
-# mma.sync rows (fwd_..._w<warps>), the wgmma kernel's (fwdwg_...) and the Hopper TMA kernel's
-# (fwdtma_..._s<ring stages>); the warps of the latter two come from their launch block
-NAME_RE = re.compile(r"^(?P<family>fwd|fwdwg|fwdtma)_(?P<dt>[a-z0-9]+)_hd(?P<hd>\d+)_m(?P<m>\d+)"
+# mma.sync rows (fwd_..._w<warps>) and the Hopper TMA kernel's (fwdtma_..._s<ring stages>); the
+# warps come from the launch block
+NAME_RE = re.compile(r"^(?P<family>fwd|fwdtma)_(?P<dt>[a-z0-9]+)_hd(?P<hd>\d+)_m(?P<m>\d+)"
                      r"_n(?P<n>\d+)(?:_w(?P<w>\d+)|_s(?P<s>\d+))?(?P<rest>.*)$")
 SHORT = {"bfloat16": "bf16", "float16": "f16"}
 

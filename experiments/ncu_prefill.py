@@ -89,7 +89,7 @@ STALL_RE = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_acti
 PIPE_RE = re.compile(r"^sm__(inst_executed_pipe_(\w+)|pipe_(\w+)_cycles_active)"
                      r"\.avg\.pct_of_peak_sustained_active$")
 MARKER = "cupyflash_ncu_marker"
-IMPLS = ("cupyflash", "fa3", "torch_cudnn", "cupyflash_wgmma")
+IMPLS = ("cupyflash", "fa3", "torch_cudnn")
 TIME_UNITS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3, "ns": 1e-6,
               "us": 1e-3, "ms": 1.0, "s": 1e3}
 

@@ -463,7 +463,7 @@ def fig7_tiles(results: Path, figures: Path) -> list:
     for ax, (hd, S, causal) in zip(axes[0], groups):
         sub = sorted((r for r in recs if (r["headdim"], r["seqlen"], bool(r.get("causal"))) == (hd, S, causal)),
                      key=lambda r: (r.get("family", "fwd"), r["block_m"], r["block_n"], r["nwarps"]))
-        # family: fwd = mma.sync, fwdwg = wgmma, fwdtma = the Hopper TMA kernel (records before
+        # family: fwd = mma.sync, fwdtma = the Hopper TMA kernel (records before
         # session 16 are mma.sync rows and carry no family)
         labels = [f"{r.get('family', 'fwd')}\n{r['block_m']}x{r['block_n']}\nw{r['nwarps']}"
                   for r in sub]

@@ -31,8 +31,8 @@ def main():
             q, k, v = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt), rand((2, 133, 2, d), dt)
             for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
                 cf.flash_attn_func(q, k, v, causal=causal, window_size=window)
-    # the Hopper kernels (TMA and wgmma): the dispatcher takes them for large problems only, so
-    # they are launched directly here (ragged tails, GQA, causal and window masks, a padded head
+    # the Hopper TMA kernel: the dispatcher takes it for large problems only, so its rows are
+    # launched directly here (ragged tails, GQA, causal and window masks, a padded head
     # dim, varlen); then the TMA kernel through the call with more work tiles than SMs, so that
     # its persistent CTAs take several tiles each (from the counter when causal)
     from cupyflash import checks, dispatch, prefill

@@ -9,11 +9,11 @@
 //     with setmaxnreg): TMA copies of the Q tile and of a ring of STAGES K and V tiles into
 //     128-byte swizzled shared memory, each completing on a "full" mbarrier by its byte count; a
 //     slot is refilled once every consumer warp has released it on its "empty" mbarrier;
-//   * the consumers (BLOCK_M / 64 warpgroups of 64 query rows): the loop of flash_fwd_wgmma.cu:
-//     in step i a warpgroup issues S_{i+1} = Q K_{i+1}^T and O += P_i V_i on the tensor cores,
-//     runs the softmax of S_{i+1} while P_i V_i runs (FA3 Sec. 3.2, intra-warpgroup overlap),
-//     then rescales O; two warpgroups take turns issuing their GEMMs (named barriers: ping-pong,
-//     FA3 Sec. 3.1); the output is normalised once and written from registers.
+//   * the consumers (BLOCK_M / 64 warpgroups of 64 query rows): in step i a warpgroup issues
+//     S_{i+1} = Q K_{i+1}^T and O += P_i V_i on the tensor cores, runs the softmax of S_{i+1}
+//     while P_i V_i runs (FA3 Sec. 3.2, intra-warpgroup overlap), then rescales O; two
+//     warpgroups take turns issuing their GEMMs (named barriers: ping-pong, FA3 Sec. 3.1); the
+//     output is normalised once and written from registers.
 // The producer hands each tile's index to the consumers (shared memory, between two named
 // barriers), so both roles walk the same tiles and the same ring positions.
 // Varlen (packed sequences, cu_seqlens): the tensor maps see the packed tensors as one batch

@@ -4,9 +4,9 @@
   for ``sm_80`` one specialisation per kernel file is compiled by default, because all of them
   for both architectures take over 2 minutes on 2 cores. ``CUPYFLASH_COMPILE_ALL_ARCHS=1``
   compiles every specialisation for ``sm_80`` too (all had zero spills when the table was set).
-  The Hopper kernels (TMA and wgmma, ``KernelSpec.arch == "sm_90a"``) are built for sm_90a only.
+  The Hopper TMA kernel (``KernelSpec.arch == "sm_90a"``) is built for sm_90a only.
 * Tensor-core specialisations of the supported table have zero spill bytes (the ptxas report),
-  and no Hopper kernel has its wgmma pipeline serialised by ptxas (warnings C7510 / C7513 /
+  and the Hopper kernel never has its wgmma pipeline serialised by ptxas (warnings C7510 / C7513 /
   C7515 / C7520, "serialized");
   every report has a register count; the CUDA-core (float32/float64) reports' spills are
   printed, not asserted.
@@ -49,15 +49,14 @@ def test_every_spec_compiles(reports):
     names = {s.name for s in prefill.all_specs()}
     assert set(reports["sm_90a"]) == names
     assert {s.source for s in prefill.all_specs()} == {prefill.TC_SOURCE, prefill.SIMT_SOURCE,
-                                                       prefill.WG_SOURCE, prefill.TMA_SOURCE}
+                                                       prefill.TMA_SOURCE}
     assert len(reports["sm_80"]) >= 2
-    assert all(s.arch == "sm_90a" for s in prefill.all_specs()
-               if s.source in (prefill.WG_SOURCE, prefill.TMA_SOURCE))
+    assert all(s.arch == "sm_90a" for s in prefill.all_specs() if s.source == prefill.TMA_SOURCE)
 
 
 def test_wgmma_pipeline_is_not_serialised(reports):
-    wg = {n: r for n, r in reports["sm_90a"].items() if n.startswith(("fwdwg_", "fwdtma_"))}
-    assert any(n.startswith("fwdtma_") for n in wg) and any(n.startswith("fwdwg_") for n in wg)
+    wg = {n: r for n, r in reports["sm_90a"].items() if n.startswith("fwdtma_")}
+    assert wg
     for name, r in wg.items():
         bad = [c for c in ("C7510", "C7513", "C7515", "C7520", "serialized") if c in r.log]
         assert not bad, f"{name}: ptxas serialised the wgmma pipeline ({bad}):\n{r.log}"
@@ -105,10 +104,6 @@ def test_table_is_consistent():
             assert c.source == prefill.TMA_SOURCE and c.dtype in prefill.TC_DTYPES
             assert c.nwarps == 4 * (c.block_m // 64 + 1) and c.headdim in (64, 128, 256)
             assert c.arch == "sm_90a"
-        elif c.isa == "wgmma":
-            assert c.source == prefill.WG_SOURCE and c.dtype in prefill.TC_DTYPES
-            assert c.block_m == 16 * c.nwarps and c.block_m % 64 == 0 and c.headdim in (64, 128)
-            assert c.arch == "sm_90a"
         elif c.dtype in prefill.TC_DTYPES:
             assert c.isa == "mma" and c.arch == ""
             assert c.source == prefill.TC_SOURCE
@@ -129,7 +124,7 @@ def test_table_names_and_options_are_consistent():
     for c in rows:
         tile = (c.headdim, c.block_m, c.block_n, c.nwarps)
         assert c.prefetch == (c.isa == "mma" and tile in prefill._TC_PREFETCH), c
-        assert c.stages == (3 if c.isa == "wgmma" else 2), c  # tma: 3 measured slower (v52)
+        assert c.stages == 2, c  # tma: 3 measured slower (v52)
         for causal in (False, True):
             spec = prefill.kernel_spec(c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps, causal,
                                        isa=c.isa)
@@ -140,7 +135,7 @@ def test_table_names_and_options_are_consistent():
 def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
     # v1 H200 sweep (experiments/NOTES.md): hd128 128x64x4 315-321 TFLOP/s vs 295-299 for
     # 128x32x4; hd96 128x64x4 297-304 vs 234-242 for 128x64x8
-    # (the mma.sync rows; on sm_90a the wgmma rows come first, see test_wgmma_rows_lead_on_sm90a)
+    # (the mma.sync rows; on sm_90a the TMA rows come first, see test_tma_rows_lead_on_sm90a)
     from cupyflash import heuristics
     for hd in (96, 128):
         for dtype in ("bfloat16", "float16"):

@@ -38,9 +38,9 @@ def test_prefill_tiles_follow_the_table():
     for cfg in prefill.SUPPORTED:
         tile = (cfg.block_m, cfg.block_n, cfg.nwarps, cfg.isa)
         assert tile in heuristics.prefill_tiles(cfg.dtype, cfg.headdim)
-        # TMA and wgmma rows are offered for sm_90a only
+        # TMA rows are offered for sm_90a only
         assert (tile in heuristics.prefill_tiles(cfg.dtype, cfg.headdim, "sm_80")) == \
-            (cfg.isa not in ("tma", "wgmma"))
+            (cfg.isa != "tma")
     first = next(c for c in prefill.SUPPORTED if c.dtype == "bfloat16" and c.headdim == 128)
     assert first.isa == "tma"
     assert heuristics.prefill_tiles("bfloat16", 120)[0] == (first.block_m, first.block_n,

@@ -1,12 +1,12 @@
 // mbarriers and the async-proxy fence (sm_90; PTX ISA 8.0, "mbarrier", "fence.proxy.async") of
-// the Hopper prefill kernels' K/V rings (flash_fwd_wgmma.cu, flash_fwd_hopper.cu). CTA scope
+// the Hopper prefill kernel's Q tile and K/V rings (flash_fwd_hopper.cu). CTA scope
 // throughout. Before sm_90 the sm_90-only instructions compile to traps.
 #pragma once
 
 namespace cf {
 
-// Generic-proxy shared-memory accesses (cp.async, st.shared, ld.shared) before -> ordered with
-// the async proxy's (wgmma reads) after.
+// Generic-proxy shared-memory accesses (st.shared, ld.shared) before -> ordered with the async
+// proxy's (TMA writes, wgmma reads) after.
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -35,12 +35,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
 #else
     __trap();
 #endif
-}
-
-// One arrival of this thread, triggered when all of its earlier cp.async copies have completed
-// (.noinc: the barrier's expected count includes this arrival).
-__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
 
 // Wait until the phase with parity `parity` of the barrier has completed (the k-th completion,

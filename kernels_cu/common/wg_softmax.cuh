@@ -1,6 +1,6 @@
 // The online-softmax step of one S tile held in wgmma accumulator registers (the m64nN f32
-// D fragment, common/wgmma.cuh), shared by the Hopper prefill kernels (flash_fwd_wgmma.cu,
-// flash_fwd_hopper.cu). The arithmetic is common/online_softmax.cuh's SoftmaxRow.
+// D fragment, common/wgmma.cuh), of the Hopper prefill kernel's consumers (flash_fwd_hopper.cu).
+// The arithmetic is common/online_softmax.cuh's SoftmaxRow.
 #pragma once
 #include "dtype.cuh"
 #include "params.cuh"

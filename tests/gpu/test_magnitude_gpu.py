@@ -12,11 +12,11 @@ twin whose every score of a row is larger by an integer. Properties, per kernel 
   ``softmax_scale * shift``;
 * one visible key gives exactly its V row.
 
-Families: prefill through the public call (wgmma on sm_90a for float16/bfloat16 at head dims 64
-and 128, mma.sync elsewhere, CUDA cores for float32/float64), the mma.sync kernel launched
-directly at head dims 64 and 128, the materialising baseline, split-KV decode (one split, and
-several splits merged by the fused combine; contiguous and paged caches), and ``merge_states``
-(the separate combine kernel).
+Families: prefill through the public call (the TMA kernel on sm_90a for float16/bfloat16 where
+the dispatcher takes it, mma.sync elsewhere, CUDA cores for float32/float64), the mma.sync
+kernel launched directly at head dims 64 and 128, the materialising baseline, split-KV decode
+(one split, and several splits merged by the fused combine; contiguous and paged caches), and
+``merge_states`` (the separate combine kernel).
 """
 import dataclasses
 
