@@ -87,7 +87,10 @@ struct HopperFwdTraits {
 // same length on the same CTA round after round when it is close to the number of m-blocks.
 template <int BLOCK_M, bool CAUSAL>
 struct FwdTileScheduler {
-    static constexpr long long kL2Bytes = 24ll << 20;  // of the H100/H200's 50/60 MB
+    // 8 MB of the H100/H200's 50/60 MB: with 24 MB, DRAM reads were twice io_model's at S 4k-16k
+    // (exp_hbm, NOTES v57): a group's K and V did not stay in L2 from one round of CTAs to the
+    // next. 8 MB is about one round's worth of tiles (132 CTAs) at S >= 2k.
+    static constexpr long long kL2Bytes = 8ll << 20;
     int num_m_blocks, num_bh, nheads, group, num_tiles;
 
     __device__ __forceinline__ FwdTileScheduler(const FwdParams& p, int headdim) {
