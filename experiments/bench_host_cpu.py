@@ -154,10 +154,15 @@ def install_fakes():
         ALLOCS[0] += 1
         return torch.empty(shape, dtype=interop._TORCH_DTYPES[dt])
 
+    def torch_empty_like(a):
+        ALLOCS[0] += 1
+        return torch.empty_like(a)
+
     def cupy_empty(shape, dt, dev):
         ALLOCS[0] += 1
         return _Out(shape, dt)
     tc.empty = staticmethod(torch_empty)
+    tc.empty_like = staticmethod(torch_empty_like)  # (the library's from 0f0f0f0 on)
     tc.full = staticmethod(lambda shape, value, dt, dev: torch.full(
         tuple(shape), value, dtype=interop._TORCH_DTYPES[dt]))
     tc.stream = staticmethod(lambda dev: STREAM)
@@ -167,7 +172,8 @@ def install_fakes():
     ident = lambda x, *a, **k: x  # noqa: E731
     api.as_cupy = decode.as_cupy = ident
     interop.current_device = lambda: 0
-    api._current_device = lambda: 0
+    if hasattr(api, "_current_device"):  # (before 0f0f0f0)
+        api._current_device = lambda: 0
     dispatch._device_info = lambda dev: ("sm_90a", 132, 227 * 1024)
     dispatch.launch_plan = lambda p: dispatch._launch_plan_cached(p, 0)
     jit.get_kernel = lambda spec, *a: spec
