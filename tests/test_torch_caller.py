@@ -225,17 +225,21 @@ def test_decode_torch_warm_path_misses_on_any_key_field_and_revalidates(fake_cud
     assert len(fake_cuda) == n
 
 
-def test_prefill_varlen_torch(fake_cuda):
+def test_prefill_varlen_torch(fake_cuda, monkeypatch):
+    """validate=False varlen calls of torch tensors: tensors out, the seven pointers; the second
+    call is a launch-cache hit (no checks)."""
     q, k = _t((40, 4, 64), seed=4), _t((50, 2, 64), seed=5)
     cq = torch.tensor([0, 10, 40], dtype=torch.int32)
     ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+    spy = _Counter(checks.check_varlen)
+    monkeypatch.setattr(checks, "check_varlen", spy)
     for _ in range(2):
         out, lse = api.flash_attn_varlen_func(q, k, k, cq, ck, 30, 30, return_lse=True,
                                               validate=False)
         assert type(out) is torch.Tensor and out.shape == q.shape and lse.shape == (4, 40)
         assert fake_cuda[-1][2] == (q.data_ptr(), k.data_ptr(), k.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), cq.data_ptr(), ck.data_ptr())
-    assert len(dispatch.LAUNCH_CACHE) == 1
+    assert len(dispatch.LAUNCH_CACHE) == 1 and spy.n == 1
 
 
 def test_prefill_torch_errors_are_the_checks(fake_cuda):
