@@ -501,12 +501,15 @@ def _launch_plan_cached(problem, dev: int) -> Plan:
 #: arguments (NumPy scalars) and the compiled kernel. ``flash_attn_func``,
 #: ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` store an entry only after the full
 #: validation (:mod:`cupyflash.checks`) and the planning succeeded, and look it up *before*
-#: validating only when every array argument is exactly a ``cupy.ndarray`` and every option is
+#: validating only when every array argument is exactly a ``cupy.ndarray`` (or every one exactly
+#: a ``torch.Tensor``: :func:`torch_key`, the device in the key) and every option is
 #: a plain Python value of the exact type (``bool``, ``int``, ``float``, ``None``, a tuple of
 #: two ``int``): for such arguments the checks read nothing but the key's fields, so a hit
 #: proves they pass again. Values that are not in the key are checked on every call (the device
-#: of every array, base-pointer alignment). Content checks (``validate=True``: ``cu_seqlens``,
-#: ``cache_seqlens``, ``block_table`` values) never take the cached path.
+#: of every array for CuPy arrays, base-pointer alignment). Host content checks
+#: (``validate=True``: ``cu_seqlens``, host ``cache_seqlens`` / ``block_table`` values) never
+#: take the cached path (device ``cache_seqlens`` / ``block_table`` are checked by the decode
+#: kernels, :mod:`cupyflash.guard`).
 #: Cleared when it reaches :data:`LAUNCH_CACHE_SIZE` entries.
 LAUNCH_CACHE: dict = {}
 LAUNCH_CACHE_SIZE = 4096
