@@ -37,7 +37,7 @@ import sys
 import numpy as np
 
 from . import checks, dispatch, interop
-from .interop import (ArrayDesc, TorchCaller, _cupy, as_cupy, caller_of,
+from .interop import (ArrayDesc, TorchCaller, as_cupy, caller_of,
                       describe_torch, is_device_array)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "explain_varlen"]
@@ -107,10 +107,11 @@ def _run(problem, q, k, v, out, cu_seqlens_q=None, cu_seqlens_k=None, options=No
     device = interop.on_device(dev) if caller is TorchCaller else views["q"].device
     with device:  # the device of q: its current stream, its SM count
         key = None
-        if options is not None:
-            key = dispatch.caller_key(caller, options[0], dev, options[1:], arrays)
+        if options is not None:  # (the dense call's key has no cu_seqlens)
+            key = dispatch.caller_key(caller, options[0], dev, options[1:],
+                                      arrays if problem.varlen else arrays[:4])
         d = tuple(views.values())
-        entry = dispatch.prefill_launch(problem, key, *d[:4])
+        entry = dispatch.prefill_launch(problem, key, dev, *d[:4])
         return _execute(entry, caller, dev, want_lse, *arrays)
 
 
@@ -118,8 +119,9 @@ def _execute(entry, caller, dev, want_lse, q, k, v, out, cu_seqlens_q, cu_seqlen
     """Allocate and launch a :class:`cupyflash.dispatch.PrefillLaunch` on the current device
     ``dev`` (that of every array) and the caller's stream. Returns ``(out, lse)``; without
     ``want_lse`` no LSE is allocated or written (None; the kernel gets NULL)."""
-    if out is None:
-        out = caller.empty(q.shape, entry.problem.dtype, dev)
+    if out is None:  # (torch: empty_like where it gives what empty would, cheaper)
+        out = (caller.empty_like(q) if entry.out_like_q
+               else caller.empty(q.shape, entry.problem.dtype, dev))
     lse = caller.empty(entry.lse_shape, "float32", dev) if want_lse else None
     action = entry.action
     if action == "launch":
@@ -157,7 +159,7 @@ def _prepare(entry):
         kern = entry.kernel = jit.get_kernel(entry.plan.kernel.spec)
     entry.prepared = prefill.prepared_launch(entry.plan.kernel.spec, kern, entry.grid,
                                              entry.block, entry.smem, entry.problem,
-                                             entry.strides, entry.sizes, _current_device())
+                                             entry.strides, entry.sizes, entry.device)
     return entry.prepared
 
 
@@ -166,47 +168,53 @@ def _cached_call(key_options, want_lse, q, k, v, out, cu_seqlens_q=None, cu_seql
     None (not every array exactly a ``cupy.ndarray``, or every one exactly a ``torch.Tensor``;
     not cached yet; arrays on different devices: the caller runs the full checks, which raise
     or fill the cache). Reads each array's layout and pointer from its own attributes."""
-    arrays = (q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+    arrays = (q, k, v, out, cu_seqlens_q, cu_seqlens_k) if key_options[0] == "varlen" else \
+        (q, k, v, out)
     hit = dispatch.warm_entry(key_options[0], key_options[1:], arrays)
     if hit is None:
         return None
     caller, dev, entry = hit
-    if _current_device() == dev:
-        return _execute(entry, caller, dev, want_lse, *arrays)
+    return _execute_on(entry, caller, dev, want_lse, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+
+
+def _execute_on(entry, caller, dev, want_lse, q, k, v, out, cu_seqlens_q, cu_seqlens_k):
+    """:func:`_execute` with ``dev`` made the current device for it when it is not."""
+    if interop.current_device() == dev:
+        return _execute(entry, caller, dev, want_lse, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
     with interop.on_device(dev):
-        return _execute(entry, caller, dev, want_lse, *arrays)
+        return _execute(entry, caller, dev, want_lse, q, k, v, out, cu_seqlens_q, cu_seqlens_k)
 
 
-def _current_device() -> int:
-    return _cupy().cuda.runtime.getDevice()
+_NO_WINDOW = (-1, -1)  # the default window_size (the warm path knows it by identity)
+
+
+def _plain_window(window_size) -> bool:
+    """``window_size`` is a tuple of two int (the exact types the launch cache accepts)."""
+    return (type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int)
 
 
 def _plain_options(softmax_scale, causal, window_size):
     """``(softmax_scale, causal, window_size)`` when all are plain values of the exact types the
     launch cache accepts (None or float; bool; tuple of two int), else None."""
     if (type(causal) is bool and (softmax_scale is None or type(softmax_scale) is float)
-            and type(window_size) is tuple and len(window_size) == 2
-            and type(window_size[0]) is int and type(window_size[1]) is int):
+            and _plain_window(window_size)):
         return softmax_scale, causal, window_size
     return None
-
-
-_IS_COMPILING = None  # torch.compiler.is_compiling, once torch has been imported
 
 
 def _torch_compiling() -> bool:
     """True while ``torch.compile`` (Dynamo) or ``torch.export`` traces the caller
     (``torch.compiler.is_compiling()``, which Dynamo folds to True); False when torch has not
     been imported (never imports it) and in eager code, the custom operators' real
-    implementations included. ~0.1 us per eager call."""
-    global _IS_COMPILING
-    f = _IS_COMPILING
-    if f is None:
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return False
-        f = _IS_COMPILING = torch.compiler.is_compiling
-    return f()
+    implementations included. Once torch is imported this name is rebound to
+    ``torch.compiler.is_compiling`` itself (~0.1 us per eager call, no frame of ours)."""
+    global _torch_compiling
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    _torch_compiling = torch.compiler.is_compiling
+    return _torch_compiling()
 
 
 def _all_torch(*arrays) -> bool:
@@ -231,7 +239,7 @@ def _traced_call(op, args: tuple, kwargs: dict, return_lse, out):
 # ----------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=_NO_WINDOW,
                     return_lse=False, out=None):
     """Exact softmax attention, tiled on chip (FlashAttention-2 forward).
 
@@ -309,6 +317,26 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         return _traced_call(torch_ops.flash_attn_func, (q, k, v),
                             dict(softmax_scale=softmax_scale, causal=causal,
                                  window_size=window_size), return_lse, out)
+    tensor = interop._TORCH_TENSOR  # (None until a torch tensor was seen: no hit possible)
+    if (type(q) is tensor and type(k) is tensor and type(v) is tensor
+            and (causal is False or causal is True) and (return_lse is False or return_lse is True)
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and (window_size is _NO_WINDOW or _plain_window(window_size))):
+        # the warm path of torch tensors: dispatch.torch_key, built here in one expression
+        key = ("dense:torch", softmax_scale, causal, window_size,
+               q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device)
+        if out is None:
+            key += (None,)
+        elif type(out) is tensor:
+            key += (out.shape, out.stride(), out.dtype, out.device)
+        else:  # an out of another kind: the full path
+            key = None
+        entry = dispatch.LAUNCH_CACHE.get(key)
+        if entry is not None:
+            o, lse = _execute_on(entry, TorchCaller, entry.device, return_lse, q, k, v, out,
+                                 None, None)
+            return (o, lse) if return_lse else o
     opts = _plain_options(softmax_scale, causal, window_size)
     if opts is not None:
         opts = ("dense",) + opts

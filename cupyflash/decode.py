@@ -336,8 +336,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     """
     if guard._record is not None and guard._record[0]:  # an earlier call's device check
         guard.raise_pending()
+    tensor = interop._TORCH_TENSOR  # (None until a torch tensor was seen: no hit possible)
+    if (type(q) is tensor and (validate is True or validate is False)
+            and (causal is True or causal is False)
+            and (return_lse is False or return_lse is True) and type(num_splits) is int
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and (split_size is None or type(split_size) is int)):
+        # the warm path of torch tensors (the options of _plain_options, checked inline)
+        entry = dispatch.LAUNCH_CACHE.get(dispatch.torch_key(
+            ("kvcache:torch", softmax_scale, causal, num_splits, split_size, return_lse),
+            (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace), tensor))
+        if entry is not None:
+            r = _execute_kvcache_on(entry, TorchCaller, entry.device,
+                                    validate and cache_seqlens is not None, q, k_cache, v_cache,
+                                    k, v, cache_seqlens, block_table, out, workspace)
+            if r is not None:
+                return r
     opts = _plain_options(softmax_scale, causal, num_splits, split_size, return_lse)
-    if opts is not None and (validate is False or validate is True):  # the warm path
+    if opts is not None and (validate is False or validate is True) and type(q) is not tensor:
+        # the warm path of CuPy arrays
         r = _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                          out, workspace)
         if r is not None:
@@ -411,8 +428,9 @@ _ARRAY_NAMES = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_tab
 
 def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                  workspace):
-    """A warm call from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit, or None when the arrays
-    are not all exactly ``cupy.ndarray`` or all exactly ``torch.Tensor``, not cached yet, on
+    """A warm call from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit (the CuPy caller's; torch
+    tensors take the inline path of :func:`flash_attn_with_kvcache`), or None when the arrays
+    are not all exactly ``cupy.ndarray``, not cached yet, on
     different devices or with unaligned cache pointers (the full path then validates: it raises
     or caches). With ``validate`` the first kernel also checks ``cache_seqlens`` /
     ``block_table`` on the device (:mod:`cupyflash.guard`)."""
@@ -421,7 +439,12 @@ def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block
     if hit is None:
         return None
     caller, dev, entry = hit
-    check = validate and cache_seqlens is not None
+    return _execute_kvcache_on(entry, caller, dev, validate and cache_seqlens is not None,
+                               *arrays)
+
+
+def _execute_kvcache_on(entry, caller, dev, check, *arrays):
+    """:func:`_execute_kvcache` with ``dev`` made the current device for it when it is not."""
     if interop.current_device() == dev:
         return _execute_kvcache(entry, caller, dev, check, *arrays)
     with interop.on_device(dev):
@@ -450,8 +473,8 @@ def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts,
         key = dispatch.caller_key(caller, opts[0], dev, opts[1:], values)
     entry = dispatch.LAUNCH_CACHE.get(key) if key is not None else None
     if entry is None or entry.prob != prob:  # (a q of the same layout, on another alignment)
-        entry = _KVCacheLaunch(prob, plan, *(descs[n] for n in _ARRAY_NAMES[:8]), return_lse,
-                               descs["workspace"] if plan.workspace_elems else None)
+        entry = _KVCacheLaunch(prob, plan, dev, *(descs[n] for n in _ARRAY_NAMES[:8]),
+                               return_lse, descs["workspace"] if plan.workspace_elems else None)
         if key is not None:
             dispatch.cache_put(key, entry)
     r = _execute_kvcache(entry, caller, dev, check, *values)
@@ -469,18 +492,21 @@ def _compute_capability() -> int:
 class _KVCacheLaunch:
     """One :data:`cupyflash.dispatch.LAUNCH_CACHE` entry of :func:`flash_attn_with_kvcache`:
     the plan, the kernels' prepared launches with their constant arguments (from the layouts),
-    built once per key after the checks on the current device; :func:`_execute_kvcache` adds
-    the pointers and the stream per call. Arrays: CuPy arrays or
-    :class:`cupyflash.interop.ArrayDesc` (layouts only)."""
+    built once per key after the checks on the current device ``device``;
+    :func:`_execute_kvcache` adds the pointers and the stream per call. Arrays: CuPy arrays or
+    :class:`cupyflash.interop.ArrayDesc` (layouts only). ``out_like_q``: as in
+    :class:`cupyflash.dispatch.PrefillLaunch` (``out`` by ``torch.empty_like(q)``)."""
     __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
                  "o_part_bytes", "counters_bytes", "counters_nbytes", "append_kernel",
                  "append_grid", "append_tail", "split_kernel", "split_tail", "split_end",
-                 "pdl_ok", "launches", "bt_stride")
+                 "pdl_ok", "launches", "bt_stride", "device", "out_like_q")
 
-    def __init__(self, prob, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
-                 return_lse, workspace):
+    def __init__(self, prob, plan, dev, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                 out, return_lse, workspace):
         from .dispatch import _ContiguousLayout
         self.prob, self.plan, self.return_lse = prob, plan, return_lse
+        self.device = dev
+        self.out_like_q = out is None and dispatch.out_like(q)
         ns = plan.num_splits
         self.copy_seqlens = cache_seqlens is not None and cache_seqlens.strides[0] != 4
         self.bt_stride = _estrides(block_table)[0] if block_table is not None else 0
@@ -573,7 +599,8 @@ class _KVCacheLaunch:
 # buffers are kept per host thread. torch callers' buffers (torch tensors, the counters zeroed on
 # the stream) are keyed by the stream handle: torch keeps its streams for the life of the
 # process. Entries: CuPy (stream ref, counters, partials, counters address, partials address);
-# torch (counters, partials, counters address, partials address).
+# torch (counters, partials, counters address, partials address, counters bytes, partials
+# bytes).
 _COUNTERS: dict = {}
 _COUNTERS_PER_THREAD = threading.local()
 _TORCH_COUNTERS: dict = {}
@@ -613,18 +640,18 @@ def _stream_scratch(caller, dev: int, stream_ptr: int, counters_nbytes: int,
     if caller is TorchCaller:
         key = (dev, stream_ptr)
         hit = _TORCH_COUNTERS.get(key)
-        if (hit is None or hit[0].numel() * 4 < counters_nbytes
-                or hit[1].numel() * 4 < partials_nbytes):
+        if hit is None or hit[4] < counters_nbytes or hit[5] < partials_nbytes:
             counters = partials = None
             if hit is not None:
-                counters = hit[0] if hit[0].numel() * 4 >= counters_nbytes else None
-                partials = hit[1] if hit[1].numel() * 4 >= partials_nbytes else None
+                counters = hit[0] if hit[4] >= counters_nbytes else None
+                partials = hit[1] if hit[5] >= partials_nbytes else None
             if counters is None:  # zeroed on the stream itself
                 counters = caller.full((max(-(-counters_nbytes // 4), 1024),), 0, "int32", dev)
             if partials is None:
                 partials = caller.empty((max(-(-partials_nbytes // 4), 1024),), "float32", dev)
             hit = _TORCH_COUNTERS[key] = (counters, partials, counters.data_ptr(),
-                                          partials.data_ptr())
+                                          partials.data_ptr(), counters.numel() * 4,
+                                          partials.numel() * 4)
         return hit[2], hit[3]
     cupy = _cupy()
     stream = cupy.cuda.get_current_stream()
@@ -674,8 +701,8 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
     bt_ptr = ptr(block_table) if block_table is not None else 0
     if e.copy_seqlens:
         cache_seqlens = caller.contiguous(cache_seqlens)
-    if out is None:
-        out = caller.empty(q.shape, e.prob.dtype, dev)
+    if out is None:  # (torch: empty_like where it gives what empty would, cheaper)
+        out = caller.empty_like(q) if e.out_like_q else caller.empty(q.shape, e.prob.dtype, dev)
     lse = caller.empty(e.lse_shape, "float32", dev) if e.lse_shape is not None else None
     # programmatic dependent launches (module docstring); with ``check`` the first kernel also
     # checks the lengths and page ids (recorded on the device, raised later: guard)

@@ -507,38 +507,59 @@ def _launch_plan_cached(problem, dev: int) -> Plan:
 #: arguments (NumPy scalars) and the compiled kernel. ``flash_attn_func``,
 #: ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` store an entry only after the full
 #: validation (:mod:`cupyflash.checks`) and the planning succeeded, and look it up *before*
-#: validating only when every array argument is exactly a ``cupy.ndarray`` and every option is
+#: validating only when every array argument is exactly a ``cupy.ndarray`` (or every one exactly
+#: a ``torch.Tensor``: :func:`torch_key`, the device in the key) and every option is
 #: a plain Python value of the exact type (``bool``, ``int``, ``float``, ``None``, a tuple of
 #: two ``int``): for such arguments the checks read nothing but the key's fields, so a hit
 #: proves they pass again. Values that are not in the key are checked on every call (the device
-#: of every array, base-pointer alignment). Content checks (``validate=True``: ``cu_seqlens``,
-#: ``cache_seqlens``, ``block_table`` values) never take the cached path.
+#: of every array for CuPy arrays, base-pointer alignment). Host content checks
+#: (``validate=True``: ``cu_seqlens``, host ``cache_seqlens`` / ``block_table`` values) never
+#: take the cached path (device ``cache_seqlens`` / ``block_table`` are checked by the decode
+#: kernels, :mod:`cupyflash.guard`).
 #: Cleared when it reaches :data:`LAUNCH_CACHE_SIZE` entries.
 LAUNCH_CACHE: dict = {}
 LAUNCH_CACHE_SIZE = 4096
 
 
-def launch_key(kind: str, dev: int, options: tuple, arrays: tuple, layout=None) -> tuple:
-    """The :data:`LAUNCH_CACHE` key of a call.
+def launch_key(kind: str, dev: int, options: tuple, arrays: tuple) -> tuple:
+    """The :data:`LAUNCH_CACHE` key of a call of CuPy arrays (:func:`torch_key`: of torch
+    tensors).
 
     Parameters
     ----------
     kind : str
-        ``"dense"``, ``"varlen"`` or ``"kvcache"``; the calls of torch tensors add ``":torch"``
-        (their layouts are torch's: strides in elements, torch dtypes).
+        ``"dense"``, ``"varlen"`` or ``"kvcache"``.
     dev : int
         CUDA device of ``q`` (the launch device).
     options : tuple
         The call's options as given (hashable plain values; see :data:`LAUNCH_CACHE`).
     arrays : tuple
         The array arguments in signature order (None where absent); each contributes its
-        ``(shape, strides, dtype)``, or ``layout(array)`` when given
-        (:meth:`cupyflash.interop.TorchCaller.layout`).
+        ``(shape, strides, dtype)``.
     """
-    if layout is None:
-        return (kind, dev, options) + tuple(None if a is None else (a.shape, a.strides, a.dtype)
-                                            for a in arrays)
-    return (kind, dev, options) + tuple(None if a is None else layout(a) for a in arrays)
+    return (kind, dev, options) + tuple(None if a is None else (a.shape, a.strides, a.dtype)
+                                        for a in arrays)
+
+
+def torch_key(head: tuple, arrays: tuple, tensor):
+    """The :data:`LAUNCH_CACHE` key of a call of torch tensors, or None when an array is not
+    exactly of the class ``tensor`` (``torch.Tensor``).
+
+    One flat tuple: ``head`` (the kind, ``"dense:torch"``, ``"varlen:torch"`` or
+    ``"kvcache:torch"``, then the call's options as given), then for each array in signature
+    order ``None`` when absent, else its ``shape``, ``stride()`` (elements), ``dtype`` and
+    ``device`` (a hit proves every array is on the device its entry was validated for; the
+    entry's ``device`` is that device's ordinal). An absent array is one ``None`` and a shape is
+    never None, so two keys of one kind are equal only when every array's fields are."""
+    key = head
+    for a in arrays:
+        if a is None:
+            key += (None,)
+        elif type(a) is tensor:
+            key += (a.shape, a.stride(), a.dtype, a.device)
+        else:
+            return None
+    return key
 
 
 #: the launch-cache kind of a torch caller's call (its layouts are torch's)
@@ -546,10 +567,10 @@ TORCH_KINDS = {"dense": "dense:torch", "varlen": "varlen:torch", "kvcache": "kvc
 
 
 def caller_key(caller, kind: str, dev: int, options: tuple, arrays: tuple) -> tuple:
-    """:func:`launch_key` of a call by ``caller`` (:mod:`cupyflash.interop`'s CupyCaller or
-    TorchCaller: the kind and the layouts it reads)."""
+    """The :data:`LAUNCH_CACHE` key of a call by ``caller`` (:mod:`cupyflash.interop`'s
+    CupyCaller: :func:`launch_key`; TorchCaller: :func:`torch_key`)."""
     if caller is interop.TorchCaller:
-        return launch_key(TORCH_KINDS[kind], dev, options, arrays, caller.layout)
+        return torch_key((TORCH_KINDS[kind],) + options, arrays, interop.torch_tensor_type())
     return launch_key(kind, dev, options, arrays)
 
 
@@ -561,31 +582,23 @@ def warm_entry(kind: str, options: tuple, arrays: tuple):
     q = arrays[0]
     tq = type(q)
     if tq is (interop._CUPY_NDARRAY or interop.cupy_ndarray_type()):
-        caller, dev = interop.CupyCaller, q.data.device_id
-    elif tq is (interop._TORCH_TENSOR or interop.torch_tensor_type()) and tq is not type(None):
-        # (a torch layout holds the device: a hit proves every array is where it was)
-        caller = interop.TorchCaller
-        dev, kind = caller.device(q), TORCH_KINDS[kind]
-    else:
-        return None
-    layout = caller.layout
-    key = [kind, dev, options]
-    append = key.append
-    for a in arrays:
-        if a is None:
-            append(None)
-        elif type(a) is not tq:
-            return None
-        else:
-            append(layout(a))
-    entry = LAUNCH_CACHE.get(tuple(key))
-    if entry is None:
-        return None
-    if caller is interop.CupyCaller:
+        dev = q.data.device_id
+        key = [kind, dev, options]
+        append = key.append
         for a in arrays:
-            if a is not None and a.data.device_id != dev:
+            if a is None:
+                append(None)
+            elif type(a) is not tq or a.data.device_id != dev:
                 return None
-    return caller, dev, entry
+            else:
+                append((a.shape, a.strides, a.dtype))
+        entry = LAUNCH_CACHE.get(tuple(key))
+        return None if entry is None else (interop.CupyCaller, dev, entry)
+    if tq is (interop._TORCH_TENSOR or interop.torch_tensor_type()) and tq is not type(None):
+        key = torch_key((TORCH_KINDS[kind],) + options, arrays, tq)
+        entry = LAUNCH_CACHE.get(key) if key is not None else None
+        return None if entry is None else (interop.TorchCaller, entry.device, entry)
+    return None
 
 
 def cache_put(key, entry) -> None:
@@ -609,6 +622,15 @@ class _ContiguousLayout:
             strides.insert(0, acc)
             acc *= max(n, 1)
         self.strides = tuple(strides)
+
+
+def out_like(q) -> bool:
+    """Whether an output of ``q``'s shape and dtype, C-contiguous, can be allocated as
+    ``torch.empty_like(q)``: ``q`` is a torch tensor's :class:`cupyflash.interop.ArrayDesc`
+    whose strides are exactly the C-contiguous ones (``empty_like`` keeps the strides of a dense
+    tensor, so then it allocates what ``torch.empty(q.shape)`` would)."""
+    return (isinstance(q, interop.ArrayDesc)
+            and q.strides == _ContiguousLayout(q.shape, q.dtype).strides)
 
 
 class PrefillLaunch:
@@ -636,13 +658,23 @@ class PrefillLaunch:
         The launch with the constant arguments converted once (built on the first launch);
         a call passes the 7 pointers (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k; 0 for
         the dense call's) and the stream.
+    device : int
+        The CUDA device the entry was built for (that of every array of its key).
+    out_like_q : bool
+        ``out`` is allocated by the caller (``out=None``) and ``q`` (a torch tensor's
+        :class:`cupyflash.interop.ArrayDesc`) has C-contiguous strides: ``torch.empty_like(q)``
+        then gives the contiguous output the kernel is built for, at less host cost than
+        ``torch.empty``.
     """
     __slots__ = ("problem", "plan", "action", "lse_shape", "grid", "block", "smem",
-                 "tensor_cores", "strides", "sizes", "tail", "kernel", "prepared")
+                 "tensor_cores", "strides", "sizes", "tail", "kernel", "prepared", "device",
+                 "out_like_q")
 
-    def __init__(self, problem, q, k, v, out):
+    def __init__(self, problem, dev, q, k, v, out):
         from . import prefill
         self.problem = p = problem
+        self.device = dev
+        self.out_like_q = out is None and out_like(q)
         self.plan = launch_plan(p)  # raises (every rejection) when no specialisation fits
         spec = self.plan.kernel.spec
         self.lse_shape = (p.nheads, p.total_q) if p.varlen else (p.batch, p.nheads, p.seqlen_q)
@@ -670,13 +702,13 @@ class PrefillLaunch:
             self.tail = self.strides + prefill._NULL2 + self.sizes
 
 
-def prefill_launch(problem, key, q, k, v, out) -> PrefillLaunch:
+def prefill_launch(problem, key, dev, q, k, v, out) -> PrefillLaunch:
     """The cached :class:`PrefillLaunch` of ``key`` (None: do not cache), built for the
     validated ``problem`` and the layouts of ``q``, ``k``, ``v``, ``out`` (None: allocated
-    contiguous) on the current device when missing."""
+    contiguous) on the current device ``dev`` when missing."""
     entry = LAUNCH_CACHE.get(key) if key is not None else None
     if entry is None:
-        entry = PrefillLaunch(problem, q, k, v, out)
+        entry = PrefillLaunch(problem, dev, q, k, v, out)
         if key is not None:
             cache_put(key, entry)
     return entry

@@ -201,7 +201,12 @@ def _torch():
             if dt is not None:
                 TORCH_DTYPE_NAMES[dt] = name
                 _TORCH_DTYPES[name] = dt
-        TorchCaller.ptr = staticmethod(torch.Tensor.data_ptr)  # the same call, C-level
+        # the same calls, C-level: no Python frame per call
+        TorchCaller.ptr = staticmethod(torch.Tensor.data_ptr)
+        TorchCaller.empty_like = staticmethod(torch.empty_like)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            TorchCaller.stream = staticmethod(raw)
     return _torch_module
 
 
@@ -326,12 +331,6 @@ class TorchCaller:
     _devices: dict = {}
 
     @staticmethod
-    def layout(a) -> tuple:
-        """Shape, strides (elements), dtype and device (a ``torch.device``): a launch-cache
-        hit proves that every array is on the device its entry was validated for."""
-        return (a.shape, a.stride(), a.dtype, a.device)
-
-    @staticmethod
     def device(a) -> int:
         return a.get_device() if a.is_cuda else -1
 
@@ -356,7 +355,14 @@ class TorchCaller:
                                    device=TorchCaller.torch_device(dev))
 
     @staticmethod
+    def empty_like(a):
+        """``torch.empty_like(a)`` (replaced by that function itself once torch is loaded)."""
+        return _torch().empty_like(a)
+
+    @staticmethod
     def stream(dev: int) -> int:
+        """Handle of torch's current stream of device ``dev`` (replaced by
+        ``torch._C._cuda_getCurrentRawStream`` itself once torch is loaded, where it exists)."""
         return _raw_stream(dev)
 
     @staticmethod
@@ -382,8 +388,11 @@ class TorchCaller:
 
 
 def current_device() -> int:
-    """The current CUDA device (CuPy's and torch's: both the runtime's)."""
-    return _cupy().cuda.runtime.getDevice()
+    """The current CUDA device (CuPy's and torch's: both the runtime's). On first use this name
+    is rebound to ``cupy.cuda.runtime.getDevice`` itself (no frame of ours per call)."""
+    global current_device
+    current_device = _cupy().cuda.runtime.getDevice
+    return current_device()
 
 
 def on_device(dev: int):

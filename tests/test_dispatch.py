@@ -520,7 +520,7 @@ def _entry(q, k, v, out=None, softmax_scale=None, causal=False, window_size=(-1,
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, out=out)
     key = dispatch.launch_key("dense", 0, opts[1:], (q, k, v, out, None, None))
-    return key, dispatch.prefill_launch(p, key, q, k, v, out), p
+    return key, dispatch.prefill_launch(p, key, 0, q, k, v, out), p
 
 
 def test_launch_cache_entry_equals_a_fresh_plan(fresh_cache):
@@ -528,7 +528,7 @@ def test_launch_cache_entry_equals_a_fresh_plan(fresh_cache):
     lse = FakeDevArray((2, 8, 33), "float32")
     for causal, window, scale in ((False, (-1, -1), None), (True, (5, -1), 0.3)):
         key, e, p = _entry(q, k, v, out, scale, causal, window)
-        assert dispatch.prefill_launch(p, key, q, k, v, out) is e  # a hit
+        assert dispatch.prefill_launch(p, key, 0, q, k, v, out) is e  # a hit
         fresh = dispatch._plan_prefill(p, "sm_90a", False, False, 132, 227 * 1024, None,
                                        reasons=False)
         assert e.plan == fresh and e.plan.kernel.spec == fresh.kernel.spec
@@ -586,7 +586,7 @@ def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
     from cupyflash import interop
     launched = []
     monkeypatch.setattr(interop, "_CUPY_NDARRAY", FakeDevArray)  # the fakes play cupy.ndarray
-    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    monkeypatch.setattr(interop, "current_device", lambda: 0)
     monkeypatch.setattr(api, "as_cupy", lambda a, name, dtype=None: a)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: FakeDevArray(shape, "float32"))
     monkeypatch.setattr(jit, "get_kernel", lambda spec: spec)

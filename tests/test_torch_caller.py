@@ -64,7 +64,6 @@ def fake_cuda(monkeypatch):
         lambda values, dt, dev: torch.from_numpy(np.array(values, interop.np_dtype(dt)))))
     monkeypatch.setattr(tc, "stream", staticmethod(lambda dev: STREAM))
     monkeypatch.setattr(interop, "current_device", lambda: 0)
-    monkeypatch.setattr(api, "_current_device", lambda: 0)
     monkeypatch.setattr(dispatch, "LAUNCH_CACHE", {})
     monkeypatch.setattr(dispatch, "_device_info", lambda dev: ("sm_90a", 132, 227 * 1024))
     monkeypatch.setattr(dispatch, "launch_plan", lambda p: dispatch._launch_plan_cached(p, 0))
@@ -120,7 +119,10 @@ def test_caller_kind_and_device_test():
     assert interop.caller_of(a, np.zeros(2)) is interop.CupyCaller  # mixed kinds: CuPy's
     assert interop.caller_of(np.zeros(2), a) is interop.CupyCaller
     assert not interop.is_device_array(a)  # a CPU tensor (answered without the interface)
-    assert interop.TorchCaller.layout(a) == (a.shape, a.stride(), a.dtype, torch.device("cpu"))
+    assert dispatch.torch_key(("dense:torch",), (a, None, b), torch.Tensor) == (
+        "dense:torch", a.shape, a.stride(), a.dtype, torch.device("cpu"), None, b.shape,
+        b.stride(), b.dtype, b.device)
+    assert dispatch.torch_key(("dense:torch",), (a, np.zeros(2)), torch.Tensor) is None
 
 
 def test_host_tensors_still_go_to_the_reference_paths():
@@ -157,17 +159,87 @@ def test_prefill_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch):
     assert fake_cuda[-1][2][3] == o2.data_ptr()
 
 
-def test_prefill_varlen_torch(fake_cuda):
+def test_prefill_torch_warm_path_misses_on_any_key_field_and_revalidates(fake_cuda,
+                                                                          monkeypatch):
+    """After a call is cached, the same tensors with other strides, another dtype, an out, or a
+    tensor on another device miss the entry: the full checks run again (and plan anew, or
+    raise before any launch); options of other types than the cached ones' raise as before."""
+    q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
+    spy = _Counter(checks.check_attention)
+    monkeypatch.setattr(checks, "check_attention", spy)
+    for _ in range(2):
+        api.flash_attn_func(q, k, k, causal=True)
+    assert spy.n == 1 and len(fake_cuda) == 2
+    k_t = _t((2, 2, 16, 64)).transpose(1, 2)  # k's shape, other strides
+    half = [x.half() for x in (q, k)]
+    for args, kw in (((q, k_t, k), {}), ((*half, half[1]), {}), ((q, k, k), {"out": q.clone()}),
+                     ((q, k, k), {"window_size": (8, 0)}), ((q, k, k), {"softmax_scale": 0.5})):
+        n = spy.n
+        for _ in range(2):  # missed, then its own entry
+            api.flash_attn_func(*args, causal=True, **kw)
+        assert spy.n == n + 1
+    assert fake_cuda[-1][2][:3] == (q.data_ptr(), k.data_ptr(), k.data_ptr())
+    n = len(fake_cuda)
+    meta = torch.empty(tuple(k.shape), dtype=k.dtype, device="meta")  # not device 0 (fake_cuda)
+    for kwargs, args, exc, match in (
+            ({"causal": 1}, (q, k, k), TypeError, "^causal"),
+            ({"causal": True, "return_lse": 1}, (q, k, k), TypeError, "^return_lse"),
+            ({"causal": True, "softmax_scale": -1.0}, (q, k, k), ValueError, "^softmax_scale"),
+            ({"causal": True, "window_size": (-2, 0)}, (q, k, k), ValueError, "^window_size"),
+            ({"causal": True, "out": q.float()}, (q, k, k), TypeError, "^out: dtype"),
+            ({"causal": True}, (q, meta, k), ValueError, r"^k: on CUDA device -1, but q is on "
+                                                         r"device 0")):
+        with pytest.raises(exc, match=match):
+            api.flash_attn_func(*args, **kwargs)
+    assert len(fake_cuda) == n
+
+
+def test_decode_torch_warm_path_misses_on_any_key_field_and_revalidates(fake_cuda,
+                                                                         monkeypatch):
+    """The decode call's warm path: other cache strides, another dtype, host lengths, a tensor
+    on another device, or other options miss the entry and run the full checks (which raise
+    before any launch where the input is bad)."""
+    q, kc, cs, _ = _decode_args()
+    spy = _Counter(checks.check_kvcache)
+    monkeypatch.setattr(checks, "check_kvcache", spy)
+    for _ in range(2):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs)
+    assert spy.n == 1
+    kc_t = _t((3, 2, 256, 128)).transpose(1, 2)  # kc's shape, other strides
+    for args, kw in (((q, kc_t, kc), {}), ((q.half(), kc.half(), kc.half()), {}),
+                     ((q, kc, kc), {"cache_seqlens": [5, 200, 0]}),
+                     ((q, kc, kc), {"num_splits": 2}), ((q, kc, kc), {"return_lse": True})):
+        kw = {"cache_seqlens": cs, **kw}
+        n = spy.n
+        for _ in range(2):
+            decode.flash_attn_with_kvcache(*args, **kw)
+        assert spy.n == n + (1 if type(kw["cache_seqlens"]) is torch.Tensor else 2)
+    n = len(fake_cuda)
+    meta = torch.empty(tuple(kc.shape), dtype=kc.dtype, device="meta")
+    with pytest.raises(ValueError, match=r"^v_cache: on CUDA device -1, but q is on device 0"):
+        decode.flash_attn_with_kvcache(q, kc, meta, cache_seqlens=cs)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: must be >= 0"):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=[5, -1, 0])
+    with pytest.raises(TypeError, match=r"^causal"):
+        decode.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cs, causal=1)
+    assert len(fake_cuda) == n
+
+
+def test_prefill_varlen_torch(fake_cuda, monkeypatch):
+    """validate=False varlen calls of torch tensors: tensors out, the seven pointers; the second
+    call is a launch-cache hit (no checks)."""
     q, k = _t((40, 4, 64), seed=4), _t((50, 2, 64), seed=5)
     cq = torch.tensor([0, 10, 40], dtype=torch.int32)
     ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+    spy = _Counter(checks.check_varlen)
+    monkeypatch.setattr(checks, "check_varlen", spy)
     for _ in range(2):
         out, lse = api.flash_attn_varlen_func(q, k, k, cq, ck, 30, 30, return_lse=True,
                                               validate=False)
         assert type(out) is torch.Tensor and out.shape == q.shape and lse.shape == (4, 40)
         assert fake_cuda[-1][2] == (q.data_ptr(), k.data_ptr(), k.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), cq.data_ptr(), ck.data_ptr())
-    assert len(dispatch.LAUNCH_CACHE) == 1
+    assert len(dispatch.LAUNCH_CACHE) == 1 and spy.n == 1
 
 
 def test_prefill_torch_errors_are_the_checks(fake_cuda):
@@ -185,12 +257,17 @@ def test_warm_calls_allocate_only_the_outputs_asked_for(fake_cuda, monkeypatch):
     only out: its partials and counters come from the stream's scratch, the same addresses every
     call; the LSE only with return_lse. Consecutive calls return distinct tensors."""
     allocs = []
-    orig = interop.TorchCaller.empty
+    orig, orig_like = interop.TorchCaller.empty, interop.TorchCaller.empty_like
 
     def counting(shape, dt, dev):
         allocs.append((tuple(shape), dt))
         return orig(shape, dt, dev)
+
+    def counting_like(a):
+        allocs.append((tuple(a.shape), interop.torch_dtype_name(a.dtype)))
+        return orig_like(a)
     monkeypatch.setattr(interop.TorchCaller, "empty", staticmethod(counting))
+    monkeypatch.setattr(interop.TorchCaller, "empty_like", staticmethod(counting_like))
     q, k = _t((2, 16, 4, 64)), _t((2, 16, 2, 64))
     api.flash_attn_func(q, k, k, causal=True)  # cold
     del allocs[:]
@@ -221,6 +298,35 @@ def test_warm_calls_allocate_only_the_outputs_asked_for(fake_cuda, monkeypatch):
     _, lse = decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs, num_splits=4,
                                             return_lse=True)
     assert [a[1] for a in allocs] == ["bfloat16", "float32"] and fake_cuda[-1][2][6] == lse.data_ptr()
+
+
+@pytest.mark.parametrize("q_kind", ["contiguous", "transposed", "size-1 dim strided"])
+def test_outputs_are_c_contiguous_whatever_q(fake_cuda, monkeypatch, q_kind):
+    """out (prefill and decode, warm and cold) has q's shape and dtype and C-contiguous strides
+    (those the kernel is built for); torch.empty_like(q) serves only a q with exactly those
+    strides (it keeps a dense q's strides), torch.empty the others."""
+    likes = []
+    orig_like = interop.TorchCaller.empty_like
+    monkeypatch.setattr(interop.TorchCaller, "empty_like",
+                        staticmethod(lambda a: likes.append(1) or orig_like(a)))
+
+    def contiguous_strides(shape):
+        return torch.empty(shape).stride()
+    if q_kind == "contiguous":
+        q, qd = _t((2, 16, 4, 64)), _t((3, 1, 8, 128))
+    elif q_kind == "transposed":
+        q, qd = _t((2, 4, 16, 64)).transpose(1, 2), _t((3, 8, 1, 128)).transpose(1, 2)
+    else:  # torch calls these contiguous (a dim of one), yet their strides are not C's
+        q, qd = _t((1, 32, 4, 64))[:, 16:], _t((1, 5, 8, 128))[:, 4:]
+        assert q.is_contiguous() and q.stride() != contiguous_strides(q.shape)
+    k, (_, kc, cs, _) = _t((q.shape[0], 16, 2, 64)), _decode_args(batch=qd.shape[0])
+    for _ in range(2):
+        o = api.flash_attn_func(q, k, k, causal=True)
+        od = decode.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=cs)
+        for x, ref in ((o, q), (od, qd)):
+            assert x.shape == ref.shape and x.dtype == ref.dtype
+            assert x.stride() == contiguous_strides(ref.shape)
+    assert len(likes) == (4 if q_kind == "contiguous" else 0)
 
 
 class _NoImports:
