@@ -322,16 +322,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=_N
             and (causal is False or causal is True) and (return_lse is False or return_lse is True)
             and (softmax_scale is None or type(softmax_scale) is float)
             and (window_size is _NO_WINDOW or _plain_window(window_size))):
-        # the warm path of torch tensors: dispatch.torch_key, built here in one expression
-        key = ("dense:torch", softmax_scale, causal, window_size,
-               q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-               v.shape, v.stride(), v.dtype, v.device)
-        if out is None:
-            key += (None,)
-        elif type(out) is tensor:
-            key += (out.shape, out.stride(), out.dtype, out.device)
-        else:  # an out of another kind: the full path
-            key = None
+        # the warm path of torch tensors (an out of another kind: no key, the full path)
+        key = dispatch.torch_key(("dense:torch", softmax_scale, causal, window_size),
+                                 (q, k, v, out), tensor)
         entry = dispatch.LAUNCH_CACHE.get(key)
         if entry is not None:
             o, lse = _execute_on(entry, TorchCaller, entry.device, return_lse, q, k, v, out,
