@@ -617,11 +617,7 @@ class _ContiguousLayout:
     def __init__(self, shape: tuple, dtype):
         self.shape, self.dtype, self.ndim = tuple(shape), dtype, len(shape)
         self.itemsize = dtype.itemsize
-        strides, acc = [], dtype.itemsize
-        for n in reversed(self.shape):
-            strides.insert(0, acc)
-            acc *= max(n, 1)
-        self.strides = tuple(strides)
+        self.strides = interop.c_strides(self.shape, dtype.itemsize)
 
 
 def out_like(q) -> bool:

@@ -143,6 +143,15 @@ def _no_gpu_reason() -> str | None:
     return None if n > 0 else "no CUDA device found"
 
 
+def c_strides(shape, itemsize: int) -> tuple:
+    """Byte strides of a C-contiguous array of ``shape`` (a dim of size 0 or 1 counts as 1)."""
+    strides, acc = [], int(itemsize)
+    for n in reversed(tuple(shape)):
+        strides.insert(0, acc)
+        acc *= max(int(n), 1)
+    return tuple(strides)
+
+
 def _wrap_cai(x, dtype: str | None):
     """Zero-copy ``cupy.ndarray`` over the memory ``x.__cuda_array_interface__`` describes
     (shape, byte strides, pointer), typed ``dtype`` (default: the interface's typestr); ``x``
@@ -153,12 +162,7 @@ def _wrap_cai(x, dtype: str | None):
     dt = np_dtype(dtype) if dtype is not None else np.dtype(cai["typestr"])
     shape = tuple(int(n) for n in cai["shape"])
     strides = cai.get("strides")
-    if strides is None:  # C-contiguous
-        strides, acc = [], dt.itemsize
-        for n in reversed(shape):
-            strides.insert(0, acc)
-            acc *= max(n, 1)
-    strides = tuple(int(st) for st in strides)
+    strides = c_strides(shape, dt.itemsize) if strides is None else tuple(int(st) for st in strides)
     size = 0 if 0 in shape else dt.itemsize + sum((n - 1) * st for n, st in zip(shape, strides))
     mem = cupy.cuda.UnownedMemory(int(cai["data"][0]), size, x)
     return cupy.ndarray(shape, dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0), strides=strides)

@@ -86,12 +86,8 @@ class FakeCupy:
         self.shape = tuple(shape)
         self.ndim = len(self.shape)
         self.itemsize = self.dtype.itemsize
-        if strides is None:
-            strides, acc = [], self.itemsize
-            for n in reversed(self.shape):
-                strides.insert(0, acc)
-                acc *= max(n, 1)
-        self.strides = tuple(strides)
+        self.strides = interop.c_strides(self.shape, self.itemsize) if strides is None \
+            else tuple(strides)
         self.size = math.prod(self.shape)
         self.nbytes = self.size * self.itemsize
         self.data = _Mem(FakeCupy._next[0])

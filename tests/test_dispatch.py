@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from cupyflash import api, checks, dispatch, heuristics, io_model, jit, launch, prefill
+from cupyflash import api, checks, dispatch, heuristics, interop, io_model, jit, launch, prefill
 from cupyflash.testing import np_dtype
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -333,12 +333,8 @@ class FakeCuda:
         self.dtype = np_dtype(dtype)
         self.itemsize = self.dtype.itemsize
         self.ndim = len(self.shape)
-        if strides is None:
-            strides, acc = [], self.itemsize
-            for n in reversed(self.shape):
-                strides.insert(0, acc)
-                acc *= max(n, 1)
-        self.strides = tuple(strides)
+        self.strides = interop.c_strides(self.shape, self.itemsize) if strides is None \
+            else tuple(strides)
 
     @property
     def __cuda_array_interface__(self):
@@ -583,7 +579,6 @@ def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
     """After a call is cached, the same arrays with a bad option, or an out of another dtype,
     miss the cache and raise the errors of the full checks before any launch."""
     cupy = pytest.importorskip("cupy")
-    from cupyflash import interop
     launched = []
     monkeypatch.setattr(interop, "_CUPY_NDARRAY", FakeDevArray)  # the fakes play cupy.ndarray
     monkeypatch.setattr(interop, "current_device", lambda: 0)
