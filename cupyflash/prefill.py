@@ -131,8 +131,8 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
     tma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), the
     mbarriers, the handed-over tile index, 1024 bytes to align the base and the O buffers of
     :func:`tma_o_bytes` (``HopperFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K
-    and V tiles, rows padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles and the P tile,
-    rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
+    and V tiles, rows padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles
+    and the P tile, rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
     if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index, O

@@ -338,6 +338,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     const bool o_leader = (tid & 127) == 0;  // issues, commits and waits for its stores
     const uint32_t sO_wg = sO + (uint32_t)(wg * Tr::kOWGBytes);
     constexpr int kOBar = 5;  // + wg: the warpgroup's epilogue barrier (1-4 taken above)
+    if (o_store && o_leader) tma_prefetch_desc(&to);
     // A warp releases a slot (or Q) once its wgmma that read it has completed: wgmma_wait is
     // warp-synchronous, so one lane arrives for the warp.
     auto release = [&](uint32_t bar) { if (lane == 0) mbarrier_arrive(bar); };
@@ -530,8 +531,8 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                     for (int d = 0; d < Tr::kDTiles; ++d) {
                         const int col = d * 8 + 2 * t4;
                         if (col < p.headdim)
-                            *reinterpret_cast<uint32_t*>(o_row + col) =
-                                pack2<T>(o[4 * d + 2 * hh] * inv[hh], o[4 * d + 2 * hh + 1] * inv[hh]);
+                            *reinterpret_cast<uint32_t*>(o_row + col) = pack2<T>(
+                                o[4 * d + 2 * hh] * inv[hh], o[4 * d + 2 * hh + 1] * inv[hh]);
                     }
                 }
             }
@@ -551,8 +552,8 @@ struct FlashFwdHopper {
                                                const TmaDesc& tk, const TmaDesc& tv,
                                                const TmaDesc& to, int* tile_counter,
                                                int o_map_ok) {
-        flash_fwd_hopper_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES>(p, tq, tk, tv, to,
-                                                                             tile_counter, o_map_ok);
+        flash_fwd_hopper_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES>(
+            p, tq, tk, tv, to, tile_counter, o_map_ok);
     }
 };
 
