@@ -241,7 +241,7 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
 def _entry(cfg: PrefillConfig, causal: bool) -> str:
     # The shared entry (kernels_cu/common/fwd_entry.cuh) instantiated with one CTA's algorithm.
     c, t = ("true" if causal else "false"), _CTYPE[cfg.dtype]
-    if cfg.isa == "tma":  # its own entry: three tensor maps, then flash_fwd_entry's arguments
+    if cfg.isa == "tma":  # its own entry: 4 tensor maps, counter, o_map_ok, flash_fwd_entry's
         return (f"cf::flash_fwd_tma_entry<cf::FlashFwdHopper<{t}, {cfg.headdim}, {cfg.block_m}, "
                 f"{cfg.block_n}, {c}, {cfg.stages}>, {t}>")
     if cfg.dtype in TC_DTYPES:

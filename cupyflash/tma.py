@@ -14,8 +14,8 @@ entry's (fixed by the layouts that key the launch cache). The launch copies the 
 parameters) before ``cuLaunchKernelEx`` returns, so the next call may change them at once. Layout of every map here: the 4-D tensor
 (headdim, nheads, seqlen, batch) of 16-bit elements, innermost first (varlen: seqlen = the
 packed tokens, batch = 1); box 64 x 1 x rows x 1 (64 elements = the 128-byte swizzle span; a
-head dim of 128 or 256 is 2 or 4 boxes); elements outside the tensor are zero-filled (rows past
-a dense sequence or past the packed tensor, columns past the actual head dim).
+head dim of 128 or 256 is 2 or 4 boxes); elements outside the tensor are zero-filled on loads (rows
+past a dense sequence or past the packed tensor, columns past the actual head dim).
 
 The output of a dense problem is written the same way where the kernel has room for it (hd64,
 hd128: :func:`cupyflash.prefill.tma_o_bytes`): each consumer warpgroup stores its 64 x headdim
@@ -273,7 +273,7 @@ class TmaLaunch:
         ``cf::flash_fwd_tma_entry<...>``, loaded on the current device.
     grid, block : tuple of 3 ints
     args : tuple
-        The arguments after the three maps, as for ``PreparedLaunch`` (NumPy scalars; the
+        The arguments after the maps, the counter and the flag, as for ``PreparedLaunch`` (NumPy scalars; the
         entries at ``pointer_slots`` are placeholders).
     pointer_slots : tuple of int
         Indices in ``args`` of the per-call pointers; the first three are q, k, v.
