@@ -10,7 +10,7 @@ partitioning of Sec. 3.2-3.3: one CTA per (``block_m`` query rows, head, batch),
   warpgroups with ``setmaxnreg``, warpgroup MMA with the intra-warpgroup overlap and ping-pong, a
   persistent grid (dynamic tile order when causal); float16/bfloat16, head dims 64, 128, 256
   (every multiple of 8 padded onto them), dense and varlen problems. The default on sm_90a;
-  its launch passes three tensor maps (:mod:`cupyflash.tma`);
+  its launch passes four tensor maps (q, k, v and, dense, o: :mod:`cupyflash.tma`);
 * ``"mma"``: ``kernels_cu/flash_fwd.cu``, mma.sync m16n8k16 (sm_80+), float16/bfloat16, every head dim;
 * ``"simt"``: ``kernels_cu/flash_fwd_simt.cu``, CUDA cores, float32/float64.
 
@@ -35,7 +35,7 @@ from . import checks, jit
 
 __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
-    "padded_headdim", "smem_bytes", "kernel_spec", "all_specs", "spec_of",
+    "padded_headdim", "smem_bytes", "tma_o_bytes", "kernel_spec", "all_specs", "spec_of",
     "config_of", "launch_config",
     "kernel_args", "args_template", "check_pointers", "launch", "prepared_launch",
 ]
@@ -100,10 +100,28 @@ class PrefillConfig:
         return 32 * self.nwarps
 
     @property
+    def o_store(self) -> bool:
+        """TMA rows whose kernel can write O through shared memory and TMA stores (it has the
+        O buffers: :func:`tma_o_bytes`); dense problems only, and only when the launch passes
+        an O map (:func:`cupyflash.tma.o_map_layout`)."""
+        return self.isa == "tma" and tma_o_bytes(self.headdim, self.block_m, self.block_n,
+                                                 self.stages) > 0
+
+    @property
     def arch(self) -> str:
         """The one architecture that runs this row (:data:`WG_ARCH` for TMA), else ``""``
         (any sm_80+ device)."""
         return WG_ARCH if self.isa in HOPPER_ISAS else ""
+
+
+def tma_o_bytes(headdim: int, block_m: int, block_n: int, stages: int = 2) -> int:
+    """Shared memory of the TMA kernel's O buffers, bytes (``HopperFwdTraits::kOBytes``): one
+    64 x ``headdim`` 16-bit tile per consumer warpgroup (``block_m / 64``) where they fit beside
+    Q, the K/V ring and the barriers in :data:`MAX_SMEM_BYTES` (hd64, hd128), else 0 (hd256:
+    that kernel writes O from registers and has no O map)."""
+    base = (block_m + 2 * stages * block_n) * headdim * 2 + 8 * (4 * stages + 4) + 1024
+    o = (block_m // 64) * 64 * headdim * 2
+    return o if base + o <= MAX_SMEM_BYTES else 0
 
 
 def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int = 2,
@@ -111,14 +129,15 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
     """Dynamic shared memory of a configuration, bytes.
 
     tma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), the
-    mbarriers, the handed-over tile index and 1024 bytes to align the base
-    (``HopperFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K and V tiles, rows
-    padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles and the P tile,
-    rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
+    mbarriers, the handed-over tile index, 1024 bytes to align the base and the O buffers of
+    :func:`tma_o_bytes` (``HopperFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K
+    and V tiles, rows padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles
+    and the P tile, rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
-    if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index
-        return (block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 4) + 1024
+    if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index, O
+        return ((block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 4) + 1024
+                + tma_o_bytes(headdim, block_m, block_n, stages))
     pad = 16 // isz
     row = headdim + pad
     if dtype in TC_DTYPES:
@@ -222,7 +241,7 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
 def _entry(cfg: PrefillConfig, causal: bool) -> str:
     # The shared entry (kernels_cu/common/fwd_entry.cuh) instantiated with one CTA's algorithm.
     c, t = ("true" if causal else "false"), _CTYPE[cfg.dtype]
-    if cfg.isa == "tma":  # its own entry: three tensor maps, then flash_fwd_entry's arguments
+    if cfg.isa == "tma":  # its own entry: 4 tensor maps, counter, o_map_ok, flash_fwd_entry's
         return (f"cf::flash_fwd_tma_entry<cf::FlashFwdHopper<{t}, {cfg.headdim}, {cfg.block_m}, "
                 f"{cfg.block_n}, {c}, {cfg.stages}>, {t}>")
     if cfg.dtype in TC_DTYPES:
@@ -471,8 +490,10 @@ def prepared_launch(spec: jit.KernelSpec, kern, grid, block, smem: int, problem,
     and ``sizes``) converted once; a call passes the 7 pointers (q, k, v, out, lse,
     cu_seqlens_q, cu_seqlens_k; 0 for NULL) and a stream handle. A
     :class:`cupyflash.launch.PreparedLaunch` (a plain launch: the prefill kernels do not wait for
-    the previous kernel), or for TMA rows a :class:`cupyflash.tma.TmaLaunch` (the q, k, v tensor
-    maps and the causal scheduler's counter first), on device ``device_id`` (the current one)."""
+    the previous kernel), or for TMA rows a :class:`cupyflash.tma.TmaLaunch` (the q, k, v and o
+    tensor maps, the causal scheduler's counter and the O-map flag first; an O map for dense
+    problems of rows with the O buffers, :attr:`PrefillConfig.o_store`, whose ``out`` strides a
+    map accepts), on device ``device_id`` (the current one)."""
     from . import launch
     n = len(strides)
     args = (_NULL2[0],) * 5 + tuple(strides) + _NULL2 + tuple(sizes)
@@ -481,6 +502,7 @@ def prepared_launch(spec: jit.KernelSpec, kern, grid, block, smem: int, problem,
     if cfg.isa == "tma":
         from . import tma
         maps = tma.qkv_maps_layout(problem, strides, cfg.block_m, cfg.block_n)
+        o_map = tma.o_map_layout(problem, strides) if cfg.o_store else None
         return tma.TmaLaunch(kern, grid, block, args, slots, maps, shared_mem=smem,
-                             causal=causal, device_id=device_id)
+                             causal=causal, device_id=device_id, o_map=o_map)
     return launch.PreparedLaunch(kern, grid, block, args, slots, shared_mem=smem, pdl=False)

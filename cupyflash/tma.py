@@ -14,8 +14,16 @@ entry's (fixed by the layouts that key the launch cache). The launch copies the 
 parameters) before ``cuLaunchKernelEx`` returns, so the next call may change them at once. Layout of every map here: the 4-D tensor
 (headdim, nheads, seqlen, batch) of 16-bit elements, innermost first (varlen: seqlen = the
 packed tokens, batch = 1); box 64 x 1 x rows x 1 (64 elements = the 128-byte swizzle span; a
-head dim of 128 or 256 is 2 or 4 boxes); elements outside the tensor are zero-filled (rows past
-a dense sequence or past the packed tensor, columns past the actual head dim).
+head dim of 128 or 256 is 2 or 4 boxes); elements outside the tensor are zero-filled on loads (rows
+past a dense sequence or past the packed tensor, columns past the actual head dim).
+
+The output of a dense problem is written the same way where the kernel has room for it (hd64,
+hd128: :func:`cupyflash.prefill.tma_o_bytes`): each consumer warpgroup stores its 64 x headdim
+tile into shared memory and one thread writes it with TMA stores through the O map
+(:func:`o_map_layout`: box 64 x 1 x 64 x 1; elements outside the tensor, rows past seqlen_q and
+columns past the head dim, are not written). A varlen problem (a box would run into the next
+sequence's rows), an ``out`` whose strides or base a tensor map refuses, or a kernel without the
+buffers (hd256) is written from registers: the launch passes the flag ``o_map_ok = 0``.
 """
 from __future__ import annotations
 
@@ -25,7 +33,8 @@ import threading
 
 from . import launch
 
-__all__ = ["TensorMap", "encode_tensor_map", "qkv_maps_layout", "tile_counter", "TmaLaunch"]
+__all__ = ["TensorMap", "encode_tensor_map", "qkv_maps_layout", "o_map_layout", "tile_counter",
+           "TmaLaunch"]
 
 
 class TensorMap(ctypes.Structure):
@@ -75,8 +84,7 @@ class _MapEncoder:
         if not (1 <= rank <= 5 and len(strides_bytes) == rank - 1 and len(box) == rank):
             raise ValueError(f"dims, strides_bytes, box: expected rank 1-5 with rank - 1 "
                              f"strides, got {dims}, {strides_bytes}, {box}")
-        bad = [s for s in strides_bytes if s % 16 or s <= 0 or s >= 1 << 40]
-        if bad:
+        if not map_strides_ok(strides_bytes):
             raise ValueError(f"strides: a TMA tensor map needs positive strides that are "
                              f"multiples of 16 bytes below 2^40, got {tuple(strides_bytes)} "
                              f"bytes")
@@ -163,6 +171,33 @@ def qkv_maps_layout(problem, strides: tuple, block_m: int, block_n: int) -> tupl
     return tuple(out)
 
 
+def map_strides_ok(strides_bytes) -> bool:
+    """Strides a tensor map accepts: positive multiples of 16 bytes below 2^40 (as
+    :class:`_MapEncoder` requires)."""
+    return all(s > 0 and s % 16 == 0 and s < 1 << 40 for s in strides_bytes)
+
+
+def o_map_layout(problem, strides: tuple):
+    """``(dims, strides_bytes, box)`` of the O map of a dense prefill problem (encoded like q's:
+    (headdim, nheads, seqlen_q, batch) of 16-bit elements, box 64 x 1 x 64 x 1, one consumer
+    warpgroup's rows), or None where the kernel must write O from registers: a varlen problem
+    (a box's rows past a sequence's end are the next sequence's, which TMA would overwrite), or
+    ``out`` strides a tensor map refuses (not positive multiples of 16 bytes, e.g. a reversed
+    view). ``strides``: as for :func:`qkv_maps_layout` (out's are the 10th to 12th). The base
+    address is checked per call (:class:`TmaLaunch`)."""
+    p = problem
+    if p.varlen:
+        return None
+    rows = max(p.seqlen_q, 1)
+    b, r, h = (int(x) for x in strides[9:12])
+    if p.batch == 1:  # (as q's) a batch of one may carry any batch stride
+        b = max(b, r * rows, h * p.nheads)
+    sb = (2 * h, 2 * r, 2 * b)
+    if not map_strides_ok(sb):
+        return None
+    return ((p.headdim, p.nheads, rows, p.batch), sb, (64, 1, 64, 1))
+
+
 _COUNTERS: dict = {}
 _COUNTERS_LOCK = threading.Lock()
 #: CuPy's per-thread default stream handle (cudaStreamPerThread): one CUDA stream per host thread.
@@ -221,9 +256,16 @@ def tile_counter(device_id: int, stream_ptr: int) -> int:
 class TmaLaunch:
     """The launch of one TMA prefill entry: like :class:`cupyflash.launch.PreparedLaunch`
     (constant arguments converted once; a call gives the pointers and the stream), with the
-    three tensor maps of q, k, v and the scheduler's counter (:func:`tile_counter` of the
-    call's stream when ``causal``, else NULL) as the kernel's first arguments; each map is
-    encoded on the first call and its address replaced when its pointer changes.
+    four tensor maps of q, k, v and o, the scheduler's counter (:func:`tile_counter` of the
+    call's stream when ``causal``, else NULL) and the flag ``o_map_ok`` as the kernel's first
+    arguments; each map is encoded on the first call and its address replaced when its pointer
+    changes.
+
+    The O map (``o_map``) is optional: without one (varlen, hd256, strides a map refuses) the
+    fourth map is zeros and ``o_map_ok`` 0, and the kernel writes O from registers. With one,
+    a call whose ``out`` pointer (the fourth pointer) the driver refuses (not 16-byte aligned)
+    launches with ``o_map_ok`` 0 too, never with a stale map: that call's O is written from
+    registers.
 
     Parameters
     ----------
@@ -231,12 +273,14 @@ class TmaLaunch:
         ``cf::flash_fwd_tma_entry<...>``, loaded on the current device.
     grid, block : tuple of 3 ints
     args : tuple
-        The arguments after the three maps, as for ``PreparedLaunch`` (NumPy scalars; the
+        The arguments after the maps, the counter and the flag, as for ``PreparedLaunch`` (NumPy scalars; the
         entries at ``pointer_slots`` are placeholders).
     pointer_slots : tuple of int
         Indices in ``args`` of the per-call pointers; the first three are q, k, v.
     maps : tuple of 3 ``(dims, strides_bytes, box)``
         From :func:`qkv_maps_layout`.
+    o_map : ``(dims, strides_bytes, box)`` or None
+        From :func:`o_map_layout`; the fourth pointer of a call is then ``out``.
     shared_mem : int
         Dynamic shared memory per block, bytes.
     causal : bool
@@ -246,10 +290,10 @@ class TmaLaunch:
     """
 
     __slots__ = ("_func", "_func_arg", "_cfg", "_cfg_ref", "_holders", "_params", "_keep", "_enc", "_lock",
-                 "_counter", "_causal", "_device", "__weakref__")
+                 "_counter", "_causal", "_device", "_enc_o", "_o_ok", "_o_none", "__weakref__")
 
     def __init__(self, kernel, grid, block, args, pointer_slots, maps, *, shared_mem: int,
-                 causal: bool, device_id: int):
+                 causal: bool, device_id: int, o_map=None):
         self._func = launch._function_ptr(kernel)
         # launch._launch_ex() declares no argument types: every argument is a ready ctypes object
         # (a bare int would be passed as a 32-bit C int)
@@ -257,13 +301,21 @@ class TmaLaunch:
         self._causal, self._device = bool(causal), int(device_id)
         self._counter = ctypes.c_uint64(0)
         self._enc = tuple(_MapEncoder(*m) for m in maps)
+        self._enc_o = _MapEncoder(*o_map) if o_map is not None else None
+        self._o_ok = ctypes.c_int32(0)
+        self._o_none = ctypes.create_string_buffer(128 + 64)  # the zero map of "no O map"
+        o_holder = (self._enc_o.holder if self._enc_o is not None
+                    else (ctypes.addressof(self._o_none) + 63) & ~63)
         ptrs, self._keep = launch.kernel_arguments(args)
         slots = tuple(int(i) for i in pointer_slots)
+        if self._enc_o is not None and len(slots) < 4:
+            raise ValueError("o_map: the launch needs out's pointer (a fourth pointer slot)")
         self._holders = [ctypes.c_uint64(0) for _ in slots]
-        addrs = ([e.holder for e in self._enc] + [ctypes.addressof(self._counter)]
-                 + [ptrs[i] for i in range(len(args))])
+        head = [e.holder for e in self._enc] + [o_holder, ctypes.addressof(self._counter),
+                                                ctypes.addressof(self._o_ok)]
+        addrs = head + [ptrs[i] for i in range(len(args))]
         for i, h in zip(slots, self._holders):
-            addrs[4 + i] = ctypes.addressof(h)
+            addrs[len(head) + i] = ctypes.addressof(h)
         self._params = (ctypes.c_void_p * len(addrs))(*addrs)
         cfg = self._cfg = launch._Config()
         cfg.grid[0], cfg.grid[1], cfg.grid[2] = (int(g) for g in grid)
@@ -274,8 +326,8 @@ class TmaLaunch:
         self._lock = threading.Lock()
 
     def __call__(self, pointers, stream_ptr: int) -> None:
-        """Launch with ``pointers`` (ints, in ``pointer_slots`` order: q, k, v first) on the
-        stream handle ``stream_ptr``.
+        """Launch with ``pointers`` (ints, in ``pointer_slots`` order: q, k, v first, then out)
+        on the stream handle ``stream_ptr``.
 
         Raises
         ------
@@ -292,6 +344,19 @@ class TmaLaunch:
             for enc, x in zip(self._enc, pointers):
                 if enc.ptr != x:
                     enc.set_address(x)
+            enc = self._enc_o
+            if enc is not None:
+                x = pointers[3]
+                ok = 1
+                if enc.ptr != x:
+                    if x % 16:  # the driver would refuse it: registers, no driver call
+                        ok = 0
+                    else:
+                        try:
+                            enc.set_address(x)
+                        except launch.LaunchError:  # refused: this call writes from registers
+                            ok = 0
+                self._o_ok.value = ok
             for h, x in zip(holders, pointers):
                 h.value = x
             self._cfg.stream = stream_ptr

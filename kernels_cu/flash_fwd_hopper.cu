@@ -13,7 +13,13 @@
 //     S_{i+1} = Q K_{i+1}^T and O += P_i V_i on the tensor cores, runs the softmax of S_{i+1}
 //     while P_i V_i runs (FA3 Sec. 3.2, intra-warpgroup overlap), then rescales O; two
 //     warpgroups take turns issuing their GEMMs (named barriers: ping-pong, FA3 Sec. 3.1); the
-//     output is normalised once and written from registers.
+//     output is normalised once and, for dense problems at hd64 / hd128, written through a
+//     shared O buffer per warpgroup by TMA stores (FA3's epilogue), else from registers.
+// The O buffer protocol (per consumer warpgroup, named barrier 5 + wg, 128 threads; its thread
+// 0, the "leader", issues the stores): [leader: cp.async.bulk.wait_group.read 0 -- its previous
+// tile's stores have read the buffer] bar.sync; every thread writes its O fragment (swizzled),
+// fence.proxy.async.shared::cta; bar.sync; leader: one TMA store per 64-column tile, commit.
+// Before the leader exits: cp.async.bulk.wait_group 0. The LSE stays a plain store.
 // The producer hands each tile's index to the consumers (shared memory, between two named
 // barriers), so both roles walk the same tiles and the same ring positions.
 // Varlen (packed sequences, cu_seqlens): the tensor maps see the packed tensors as one batch
@@ -48,8 +54,14 @@ struct HopperFwdTraits {
     // full_k, full_v, empty_k, empty_v per ring slot; q_full, q_empty, v_landed
     static constexpr int kBarriers = 4 * STAGES + 3;
     // Q, the K and V rings, the barriers, the tile index (8 bytes), and 1024 bytes to align the
-    // base to the swizzle repeat. cupyflash/prefill.py computes the same number.
-    static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 8 + 1024;
+    // base to the swizzle repeat; then, where they fit in sm_90's 227 KB (hd64, hd128; not
+    // hd256), one O buffer per consumer warpgroup (64 x HEADDIM, 128-byte swizzled as the TMA
+    // store reads it: the epilogue below). cupyflash/prefill.py computes the same numbers.
+    static constexpr int kSmemBase = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 8 + 1024;
+    static constexpr int kOWGBytes = 64 * HEADDIM * 2;        // one warpgroup's O tile
+    static constexpr bool kOStore = kSmemBase + kConsumerWGs * kOWGBytes <= 227 * 1024;
+    static constexpr int kOBytes = kOStore ? kConsumerWGs * kOWGBytes : 0;
+    static constexpr int kSmemBytes = kSmemBase + kOBytes;
     // setmaxnreg: the registers the launch gave the CTA (168 per thread, 384 threads) move from
     // the producer warpgroup (24) to the two consumer warpgroups (240 each: O, S, P_i and P_{i+1}
     // of hd128 take 192). The counts must add up to the CTA's allocation exactly: with a
@@ -157,7 +169,8 @@ struct FwdWork {
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL, int STAGES>
 __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const TmaDesc& tq,
                                                        const TmaDesc& tk, const TmaDesc& tv,
-                                                       int* tile_counter) {
+                                                       const TmaDesc& to, int* tile_counter,
+                                                       int o_map_ok) {
     using Tr = HopperFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, STAGES>;
     using Sched = FwdTileScheduler<BLOCK_M, CAUSAL>;
     using Work = FwdWork<BLOCK_M, BLOCK_N, CAUSAL>;
@@ -169,7 +182,8 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     const uint32_t sQ = (smem_u32addr(smem_raw) + 1023u) & ~1023u;  // swizzle repeat alignment
     const uint32_t sK = sQ + Tr::kQBytes;                            // K ring: S tiles
     const uint32_t sV = sK + S * Tr::kKVBytes;                       // V ring: S tiles
-    const uint32_t bars = sV + S * Tr::kKVBytes;                     // mbarriers, 8 bytes each
+    const uint32_t sO = sV + S * Tr::kKVBytes;                       // O buffers (kOStore)
+    const uint32_t bars = sO + Tr::kOBytes;                          // mbarriers, 8 bytes each
     auto full_k = [&](int st) { return bars + 8u * (uint32_t)st; };
     auto full_v = [&](int st) { return bars + 8u * (uint32_t)(S + st); };
     auto empty_k = [&](int st) { return bars + 8u * (uint32_t)(2 * S + st); };
@@ -316,6 +330,15 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     const int lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int g = lane >> 2, t4 = lane & 3;
     const float scale_log2 = p.scale_log2;
+    // The epilogue writes O through this warpgroup's shared O buffer and TMA stores (FA3) when
+    // the kernel has the buffers (kOStore), the host encoded the O map (o_map_ok: dense, and
+    // out's strides and base are ones a tensor map accepts) and the problem is dense (a varlen
+    // tile's box would run past its sequence into the next one's rows); else from registers.
+    const bool o_store = Tr::kOStore && o_map_ok != 0 && p.cu_seqlens_q == nullptr;
+    const bool o_leader = (tid & 127) == 0;  // issues, commits and waits for its stores
+    const uint32_t sO_wg = sO + (uint32_t)(wg * Tr::kOWGBytes);
+    constexpr int kOBar = 5;  // + wg: the warpgroup's epilogue barrier (1-4 taken above)
+    if (o_store && o_leader) tma_prefetch_desc(&to);
     // A warp releases a slot (or Q) once its wgmma that read it has completed: wgmma_wait is
     // warp-synchronous, so one lane arrives for the warp.
     auto release = [&](uint32_t bar) { if (lane == 0) mbarrier_arrive(bar); };
@@ -456,26 +479,68 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         // ---- epilogue: l summed over the quad; out = O / l (0 for an empty row); LSE ----
         T* o_base = static_cast<T*>(p.o) + w.seq.o_off;
         float* lse_base = p.lse + w.seq.lse_off;
+        float inv[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             float l = row[hh].l;
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = SoftmaxRow<float>::inv_l(l);
+            inv[hh] = SoftmaxRow<float>::inv_l(l);
             const int r = row0 + 8 * hh;
-            if (r < w.seq.seqlen_q) {
-                T* o_row = o_base + (int64_t)r * p.o_row_stride;
+            if (r < w.seq.seqlen_q && t4 == 0 && p.lse != nullptr)  // NULL: not asked for
+                lse_base[r] = row[hh].lse(l, scale_log2);
+        }
+        if (o_store) {
+            // O through shared memory: the warpgroup's 64 rows into its buffer as the O map's
+            // boxes (64 columns x 64 rows) read it, 128-byte swizzled: column tile c = d / 8 at
+            // c * 8 KB, row r at r * 128 bytes, its 16-byte chunk j = d % 8 at chunk j ^ (r % 8).
+            // A warp's 32 four-byte stores of one (d, hh) hit 32 different banks (r % 8 = g).
+            // The leader's previous stores have read the buffer (wait_group.read), then the
+            // barrier lets the warpgroup overwrite it.
+            if (o_leader) bulk_wait_group_read<0>();
+            named_barrier_sync(kOBar + wg, 128);
+            unsigned char* o_sm = smem_raw + (sO_wg - smem_u32addr(smem_raw));
 #pragma unroll
-                for (int d = 0; d < Tr::kDTiles; ++d) {
-                    const int col = d * 8 + 2 * t4;
-                    if (col < p.headdim)
-                        *reinterpret_cast<uint32_t*>(o_row + col) =
-                            pack2<T>(o[4 * d + 2 * hh] * inv, o[4 * d + 2 * hh + 1] * inv);
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = warp_in_wg * 16 + g + 8 * hh;  // r % 8 == g
+#pragma unroll
+                for (int d = 0; d < Tr::kDTiles; ++d)
+                    *reinterpret_cast<uint32_t*>(o_sm + (d >> 3) * (64 * 128) + r * 128 +
+                                                 (((d & 7) ^ g) << 4) + 4 * t4) =
+                        pack2<T>(o[4 * d + 2 * hh] * inv[hh], o[4 * d + 2 * hh + 1] * inv[hh]);
+            }
+            fence_proxy_async();                  // the generic writes, before TMA's reads
+            named_barrier_sync(kOBar + wg, 128);  // every thread's writes and fence
+            if (o_leader) {
+                // rows past seqlen_q and columns past headdim are outside the map: not written
+                const int r0 = w.m0 + wg * 64;
+                if (r0 < w.seq.seqlen_q) {
+#pragma unroll
+                    for (int c = 0; c < Tr::kColTiles; ++c)
+                        tma_store_4d(&to, sO_wg + (uint32_t)(c * 64 * 128), c * 64, w.h, r0, w.b);
                 }
-                if (t4 == 0 && p.lse != nullptr) lse_base[r] = row[hh].lse(l, scale_log2);  // NULL: not asked for
+                bulk_commit_group();
+            }
+        } else {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = row0 + 8 * hh;
+                if (r < w.seq.seqlen_q) {
+                    T* o_row = o_base + (int64_t)r * p.o_row_stride;
+#pragma unroll
+                    for (int d = 0; d < Tr::kDTiles; ++d) {
+                        const int col = d * 8 + 2 * t4;
+                        if (col < p.headdim)
+                            *reinterpret_cast<uint32_t*>(o_row + col) = pack2<T>(
+                                o[4 * d + 2 * hh] * inv[hh], o[4 * d + 2 * hh + 1] * inv[hh]);
+                    }
+                }
             }
         }
     }
+    // The shared memory of the CTA outlives no thread: the stores complete before their leader
+    // exits (their reads of the O buffers above all).
+    if (o_store && o_leader) bulk_wait_group<0>();
 }
 
 // One CTA of the TMA forward, for flash_fwd_tma_entry below: the name expression is
@@ -485,25 +550,28 @@ struct FlashFwdHopper {
     static constexpr int kThreads = HopperFwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, STAGES>::kThreads;
     static __device__ __forceinline__ void run(const FwdParams& p, const TmaDesc& tq,
                                                const TmaDesc& tk, const TmaDesc& tv,
-                                               int* tile_counter) {
-        flash_fwd_hopper_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES>(p, tq, tk, tv,
-                                                                             tile_counter);
+                                               const TmaDesc& to, int* tile_counter,
+                                               int o_map_ok) {
+        flash_fwd_hopper_block<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES>(
+            p, tq, tk, tv, to, tile_counter, o_map_ok);
     }
 };
 
-// The entry: three tensor maps (q, k, v as 4-D (headdim, nheads, seqlen, batch) tensors of T,
-// boxes of 64 x 1 x BLOCK_M (q) or BLOCK_N (k, v) x 1 with the 128-byte swizzle: cupyflash/tma.py),
-// the causal scheduler's counter (an int that is 0 before the launch and left 0 after it; one
-// per stream: cupyflash/tma.py; unused when non-causal), then the arguments of flash_fwd_entry
-// (common/fwd_entry.cuh). The grid is persistent: min(work tiles, SMs) CTAs on x.
+// The entry: four tensor maps (q, k, v, o as 4-D (headdim, nheads, seqlen, batch) tensors of T,
+// boxes of 64 x 1 x BLOCK_M (q), BLOCK_N (k, v) or 64 (o) x 1 with the 128-byte swizzle:
+// cupyflash/tma.py), the causal scheduler's counter (an int that is 0 before the launch and left
+// 0 after it; one per stream: cupyflash/tma.py; unused when non-causal), o_map_ok (1: the o map
+// is encoded for this call's out, a dense problem; 0: O is written from registers and the o map
+// is not read), then the arguments of flash_fwd_entry (common/fwd_entry.cuh). The grid is
+// persistent: min(work tiles, SMs) CTAs on x.
 template <typename Block, typename T>
 __global__ void __launch_bounds__(Block::kThreads, 1)
 flash_fwd_tma_entry(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
-                    const __grid_constant__ TmaDesc tv, int* tile_counter,
-                    CF_FWD_ENTRY_PARAMS(T)) {
+                    const __grid_constant__ TmaDesc tv, const __grid_constant__ TmaDesc to,
+                    int* tile_counter, int o_map_ok, CF_FWD_ENTRY_PARAMS(T)) {
     FwdParams p;
     CF_FWD_ENTRY_PACK(p);
-    Block::run(p, tq, tk, tv, tile_counter);
+    Block::run(p, tq, tk, tv, to, tile_counter, o_map_ok);
 }
 
 }  // namespace cf

@@ -159,9 +159,18 @@ def test_tma_rows_lead_on_sm90a():
 
 def test_smem_formula_matches_kernel_traits():
     # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 3 mbarriers, the 8-byte
-    # tile index, 1024 bytes of alignment
+    # tile index, 1024 bytes of alignment, and the two consumer warpgroups' O buffers (64 rows
+    # each) where they fit in 227 KB: hd64 and hd128, not hd256
     assert prefill.smem_bytes("bfloat16", 128, 128, 128, 2, isa="tma") == \
-        (128 + 4 * 128) * 128 * 2 + 8 * 11 + 8 + 1024
+        (128 + 4 * 128) * 128 * 2 + 8 * 11 + 8 + 1024 + 2 * 64 * 128 * 2
+    assert prefill.smem_bytes("float16", 64, 128, 128, 2, isa="tma") == \
+        (128 + 4 * 128) * 64 * 2 + 8 * 11 + 8 + 1024 + 2 * 64 * 64 * 2
+    assert prefill.smem_bytes("bfloat16", 256, 128, 64, 2, isa="tma") == \
+        (128 + 4 * 64) * 256 * 2 + 8 * 11 + 8 + 1024
+    assert prefill.tma_o_bytes(256, 128, 64) == 0
+    assert [(c.headdim, c.o_store) for c in prefill.SUPPORTED
+            if c.isa == "tma" and c.dtype == "float16"] == [(64, True), (128, True), (256, False)]
+    assert not any(c.o_store for c in prefill.SUPPORTED if c.isa != "tma")
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
     # flash_fwd_simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)
@@ -304,3 +313,94 @@ def test_tma_maps_of_dense_and_varlen_problems():
         ((120, 2, 90, 1), (240, 480, 90 * 480), (64, 1, 128, 1)),
         ((120, 2, 90, 1), (240, 480, 90 * 480), (64, 1, 128, 1)))
     assert prefill.launch_config(spec, pv)[0] == (3 * 8 * 1, 1, 1)  # work tiles: m-blocks of 30
+
+
+def test_tma_o_map_of_dense_problems_and_its_fallbacks():
+    """The O map of the TMA epilogue (cupyflash.tma.o_map_layout): encoded like q's, with
+    out's strides and a box of 64 columns x 1 head x 64 rows (one consumer warpgroup) x 1;
+    None, i.e. O written from registers, for varlen problems and for out strides a tensor map
+    refuses (negative, zero, not multiples of 16 bytes), never a map that would write elsewhere."""
+    from cupyflash import tma
+    spec = prefill.kernel_spec("float16", 128, 128, 128, 12, False, isa="tma")
+    p = _problem(causal=False, window_size=(-1, -1))  # batch 2, sq 100, sk 300, heads 8 / 2, d 120
+    qkv = [_Fake((2, n, h, 120), np.float16) for n, h in ((100, 8), (300, 2), (300, 2))]
+
+    def o_map(out, problem=p):
+        strides, _ = prefill.args_template(spec, *qkv, out, (800, 100, 1), problem=problem,
+                                           varlen=False)
+        return tma.o_map_layout(problem, strides)
+    assert o_map(_Fake((2, 100, 8, 120), np.float16)) == \
+        ((120, 8, 100, 2), (240, 1920, 192000), (64, 1, 64, 1))
+    # out inside a larger buffer (heads 9, head dim 136): its strides, the view's dims (TMA
+    # writes no column past 120 and no row past 100 of the view)
+    big = _Fake((2, 100, 8, 120), np.float16, strides=(100 * 9 * 136 * 2, 9 * 136 * 2, 136 * 2, 2))
+    assert o_map(big) == ((120, 8, 100, 2), (272, 9 * 272, 100 * 9 * 272), (64, 1, 64, 1))
+    # reversed rows (a negative stride): refused, registers
+    rev = _Fake((2, 100, 8, 120), np.float16, strides=(192000, -1920, 240, 2))
+    assert o_map(rev) is None
+    # a batch of one takes a batch stride TMA accepts (as q's); a zero row stride does not
+    p1 = _problem(batch=1, seqlen_q=1, causal=False, window_size=(-1, -1))
+    qkv = [_Fake((1, n, h, 120), np.float16) for n, h in ((1, 8), (300, 2), (300, 2))]
+    assert o_map(_Fake((1, 1, 8, 120), np.float16, strides=(0, 1920, 240, 2)), p1) == \
+        ((120, 8, 1, 1), (240, 1920, 1920), (64, 1, 64, 1))
+    assert o_map(_Fake((1, 1, 8, 120), np.float16, strides=(0, 0, 240, 2)), p1) is None
+    pv = _problem(varlen=True, batch=3, total_q=50, total_k=90, causal=False,
+                  window_size=(-1, -1), seqlen_q=30, seqlen_k=40)
+    arrays = [_Fake((n, h, 120), np.float16) for n, h in ((50, 8), (90, 2), (90, 2), (50, 8))]
+    strides, _ = prefill.args_template(spec, *arrays, (50, 1), problem=pv, varlen=True)
+    assert tma.o_map_layout(pv, strides) is None
+
+
+@pytest.mark.parametrize("hd,varlen,reversed_out,want", [
+    (128, False, False, True), (64, False, False, True), (256, False, False, False),
+    (128, True, False, False), (128, False, True, False)])
+def test_tma_prepared_launch_passes_an_o_map_where_the_kernel_may_use_it(
+        monkeypatch, hd, varlen, reversed_out, want):
+    """prefill.prepared_launch gives TmaLaunch an O map for dense problems of the rows with O
+    buffers (hd64, hd128) whose out strides a map accepts; else none (o_map_ok = 0)."""
+    from cupyflash import tma
+    got = {}
+
+    class _Launch:
+        def __init__(self, *a, **kw):
+            got.update(kw)
+    monkeypatch.setattr(tma, "TmaLaunch", _Launch)
+    bn = 64 if hd == 256 else 128
+    spec = prefill.kernel_spec("float16", hd, 128, bn, 12, False, isa="tma")
+    if varlen:
+        p = _problem(varlen=True, batch=3, total_q=50, total_k=90, causal=False,
+                     window_size=(-1, -1), seqlen_q=30, seqlen_k=40, headdim=hd)
+        arrays = [_Fake((n, h, hd), np.float16) for n, h in ((50, 8), (90, 2), (90, 2), (50, 8))]
+        ls = (50, 1)
+    else:
+        p = _problem(causal=False, window_size=(-1, -1), headdim=hd)
+        arrays = [_Fake((2, n, h, hd), np.float16) for n, h in
+                  ((100, 8), (300, 2), (300, 2), (100, 8))]
+        if reversed_out:
+            arrays[3] = _Fake((2, 100, 8, hd), np.float16,
+                              strides=(100 * 8 * hd * 2, -8 * hd * 2, hd * 2, 2))
+        ls = (800, 100, 1)
+    strides, sizes = prefill.args_template(spec, *arrays, ls, problem=p, varlen=varlen)
+    prefill.prepared_launch(spec, None, (1, 1, 1), (384, 1, 1), 1024, p, strides, sizes, 0)
+    assert (got["o_map"] is not None) == want
+    if want:
+        assert got["o_map"][2] == (64, 1, 64, 1) and got["o_map"][0] == (hd, 8, 100, 2)
+
+
+def test_tma_traits_match_the_host_smem_and_o_store():
+    """HopperFwdTraits (kernels_cu/flash_fwd_hopper.cu) agree with the host on every TMA row:
+    kSmemBytes == PrefillConfig.smem_bytes and kOStore == PrefillConfig.o_store (a probe of
+    static_asserts compiled with NVRTC, no GPU)."""
+    checks_ = []
+    for c in prefill.SUPPORTED:
+        if c.isa != "tma":
+            continue
+        t = (f"cf::HopperFwdTraits<{prefill._CTYPE[c.dtype]}, {c.headdim}, {c.block_m}, "
+             f"{c.block_n}, {c.stages}>")
+        checks_.append(f'static_assert({t}::kSmemBytes == {c.smem_bytes}, "smem {c.headdim}");')
+        checks_.append(f'static_assert({t}::kOStore == {str(c.o_store).lower()}, '
+                       f'"o_store {c.headdim}");')
+    assert len(checks_) == 12
+    code = (jit.preprocess(prefill.TMA_SOURCE) + "\n" + "\n".join(checks_)
+            + "\n__global__ void cf_traits_probe() {}\n")
+    jit._compile_report_cached(code, "cf_traits_probe", "sm_90a", ())

@@ -130,7 +130,8 @@ def test_kernel_arguments_convert_numpy_scalars():
 def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal):
     """cupyflash.tma.TmaLaunch: the kernel's first three arguments are the q/k/v tensor maps
     (encoded on the first call; afterwards only a changed pointer's address is replaced), the
-    fourth the causal counter of the call's stream (NULL when non-causal), then the prefill
+    fourth the o map (zeros without one), the fifth the causal counter of the call's stream
+    (NULL when non-causal), the sixth o_map_ok (0 without an o map), then the prefill
     arguments with this call's pointers; the function handle reaches the driver as a ctypes
     pointer (a bare int would be cut to 32 bits). A refused address raises and the map is
     encoded again on the next call."""
@@ -157,9 +158,12 @@ def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal)
         cfg = ctypes.cast(cfg_ref, ctypes.POINTER(launch._Config)).contents
         maps = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_uint64)).contents.value
                 for i in range(3)]
+        o_map = ctypes.string_at(params[3], 128)
+        assert o_map == bytes(128) and params[3] % 64 == 0  # no o map: zeros, aligned
+        assert ctypes.cast(params[5], ctypes.POINTER(ctypes.c_int32)).contents.value == 0
         rest = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in
-                ((3, ctypes.c_uint64), (4, ctypes.c_uint64), (5, ctypes.c_uint64),
-                 (6, ctypes.c_uint64), (7, ctypes.c_int32))]
+                ((4, ctypes.c_uint64), (6, ctypes.c_uint64), (7, ctypes.c_uint64),
+                 (8, ctypes.c_uint64), (9, ctypes.c_int32))]
         seen.append((func.value, tuple(cfg.grid), cfg.shared_mem_bytes, cfg.stream, maps, rest))
         return 0
     monkeypatch.setattr(launch, "_LAUNCH_EX", launch_ex)
@@ -189,6 +193,60 @@ def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal)
     assert seen[-1][4] == [0xF00, 0x1000, 0x1100]
     with pytest.raises(ValueError, match="pointers: expected 3"):
         run((1,), 0)
+
+
+def test_tma_launch_o_map_and_its_flag(monkeypatch):
+    """With an o map (dense problems of the hd64 / hd128 TMA rows), TmaLaunch passes it fourth
+    and o_map_ok = 1 when this call's out (the fourth pointer) is in it: encoded on the first
+    call, its address replaced when out moves. An out address the driver refuses (or one not
+    16-byte aligned, not even asked) launches with o_map_ok = 0 (the kernel then writes O from
+    registers), never with the previous call's map: no error, no stale address; the next
+    aligned out is encoded again and the flag is 1 again."""
+    from cupyflash import tma
+    encoded, replaced = [], []
+
+    def encode(holder, dtype, rank, ptr, dims, strides, box, elem, il, sw, l2, oob):
+        if ptr == 0xBAD0:
+            return 1  # refused
+        ctypes.memmove(holder, ctypes.byref(ctypes.c_uint64(ptr)), 8)
+        encoded.append((ptr, list(dims), list(strides), list(box)))
+        return 0
+
+    def replace(holder, ptr):
+        if ptr == 0xBAD0:
+            return 1
+        ctypes.memmove(holder, ctypes.byref(ctypes.c_uint64(ptr)), 8)
+        replaced.append(ptr)
+        return 0
+    monkeypatch.setattr(tma, "_encode_fn", lambda: encode)
+    monkeypatch.setattr(tma, "_replace_fn", lambda: replace)
+    monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {
+        "cuGetErrorName": staticmethod(lambda status, out: 0)})())
+    seen = []
+
+    def launch_ex(cfg_ref, func, params, extra):
+        word = lambda i, t=ctypes.c_uint64: ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
+        seen.append((word(3), word(5, ctypes.c_int32), word(9)))  # o map, o_map_ok, out
+        return 0
+    monkeypatch.setattr(launch, "_LAUNCH_EX", launch_ex)
+    qkv = tuple(((64, 2, 100, 1), (128, 256, 25600), (64, 1, 128, 1)) for _ in range(3))
+    o_map = ((64, 2, 100, 1), (128, 256, 25600), (64, 1, 64, 1))
+    args = (np.uint64(0),) * 4 + (np.int32(5),)
+    run = tma.TmaLaunch(_FakeKernel(), (3, 1, 1), (384, 1, 1), args, (0, 1, 2, 3), qkv,
+                        shared_mem=4096, causal=False, device_id=0, o_map=o_map)
+    for out in (0x2000, 0x2000, 0x3000, 0x3008, 0xBAD0, 0x3000, 0xBAD0, 0x4000):
+        run((0xA00, 0xB00, 0xD00, out), 0x77)
+    # (where the flag is 0 the map still holds an older address: the kernel does not read it)
+    assert seen == [(0x2000, 1, 0x2000), (0x2000, 1, 0x2000), (0x3000, 1, 0x3000),
+                    (0x3000, 0, 0x3008), (0x3000, 0, 0xBAD0), (0x3000, 1, 0x3000),
+                    (0x3000, 0, 0xBAD0), (0x4000, 1, 0x4000)]
+    assert encoded[3] == (0x2000, [64, 2, 100, 1], [128, 256, 25600], [64, 1, 64, 1])
+    # out 0x3000 after a refused address: the map is encoded again, not assumed
+    assert [e[0] for e in encoded[3:]] == [0x2000, 0x3000, 0x4000]
+    assert replaced == [0x3000]
+    with pytest.raises(ValueError, match="fourth pointer"):
+        tma.TmaLaunch(_FakeKernel(), (3, 1, 1), (384, 1, 1), args, (0, 1, 2), qkv,
+                      shared_mem=4096, causal=False, device_id=0, o_map=o_map)
 
 
 def test_tma_map_layout_and_stride_checks():

@@ -43,6 +43,48 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* desc, int 
 #endif
 }
 
+// The reverse copy (PTX ISA "cp.async.bulk.tensor", .global.shared::cta): the box at
+// coordinates (c0, c1, c2, c3) of `desc` written from the shared address `src` (laid out as a
+// load of the same map would leave it: 128-byte swizzled, 1024-byte aligned). Elements outside
+// the tensor's bounds are not written. The shared memory must have been written before by the
+// generic proxy: every writing thread fence_proxy_async(), then a barrier, then one thread
+// issues the store. Completion is tracked per thread in bulk groups: bulk_commit_group() closes
+// the group of the thread's stores issued since its last commit.
+__device__ __forceinline__ void tma_store_4d(const void* desc, uint32_t src, int c0, int c1,
+                                             int c2, int c3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+        :: "l"(desc), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void bulk_commit_group() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed bulk groups have not yet READ their shared
+// source (their global writes may still be in flight): the shared memory may then be rewritten.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed bulk groups are incomplete (reads and
+// writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+
 // Warp-specialised kernels move registers between warpgroups (PTX ISA "setmaxnreg"): every warp
 // of a warpgroup executes the same instruction; the count is a multiple of 8 in [24, 256].
 template <int N>

@@ -672,3 +672,89 @@ def test_varlen_call_on_the_tma_kernel(causal, d):
                                  what=f"{plan.name} sequence {b} ({lens_q[b]}, {lens_k[b]})")
     for arr in tma._COUNTERS.values():
         assert int(arr.get()[0]) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq", [1000, 1])
+@pytest.mark.parametrize("d", [64, 72, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tma_o_store_epilogue_and_its_register_fallback(dtype, d, sq, causal):
+    """The TMA kernel's epilogue (issue 23, item 1): dense hd64 / hd128 problems write O through
+    a shared O buffer per consumer warpgroup and TMA stores (the O map: rows past seqlen_q and
+    columns past the head dim clipped); outs whose strides a tensor map refuses (reversed rows)
+    and calls whose out base the map refuses (8-byte aligned) are written from registers.
+    Shapes whose last m-block is partial (1000 rows: 7 full blocks and 104 rows; 1 row: the
+    second warpgroup's box entirely past the end). Every out is NaN before the call; every
+    result matches the reference and the TMA-store results are bitwise equal to the register
+    ones (both round the same O / l); padding around strided views stays NaN; the warm launch
+    (one prepared launch, new out pointers: the O map's address replaced) keeps all of it."""
+    from cupyflash import jit, tma
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the TMA kernel runs on sm_90a only")
+    rng = np.random.default_rng([d, sq, int(causal)])
+    B, H, Hk, sk = 2, 4, 2, (1000 if sq > 1 else 333)
+    qh, kh, vh = host_inputs(rng, B, sq, sk, H, Hk, d, dtype)
+    q, k, v = to_dev(qh), to_dev(kh), to_dev(vh)
+    problem = check_attention(q, k, v, causal=causal)
+    cfg = next(c for c in prefill.SUPPORTED if c.isa == "tma" and c.dtype == dtype
+               and c.headdim == prefill.padded_headdim(d))
+    assert cfg.o_store, cfg
+    spec = prefill.spec_of(cfg, causal)
+
+    def launch_into(out):
+        lse = cupy.full((B, H, sq), np.nan, dtype=np.float32)
+        prefill.launch(spec, q, k, v, out, lse, problem=problem)
+        cupy.cuda.get_current_stream().synchronize()
+        return lse
+
+    shape = (B, sq, H, d)
+    results = {}
+    # contiguous, a padded view (rows of d + 8, 37 more rows), heads-major: the O map's path
+    for layout in ("contiguous", "padded", "heads_major"):
+        out, buf = out_buffer(shape, dtype, layout)
+        lse = launch_into(out)
+        results[layout] = (to_host(out), to_host(lse))
+        if buf is not None:
+            pad = np.ones(buf.shape, bool)
+            pad[:, :sq, :, :d] = False
+            assert np.isnan(to_host(buf).astype(np.float64)[pad]).all(), \
+                f"{spec.name} {layout}: wrote outside the out view"
+    # reversed rows: a negative stride, no O map (registers)
+    strides, _ = prefill.args_template(spec, q, k, v, nan_buffer(shape, dtype)[:, ::-1],
+                                       (H * sq, sq, 1), problem=problem, varlen=False)
+    assert tma.o_map_layout(problem, strides) is None
+    rev = nan_buffer(shape, dtype)
+    lse = launch_into(rev[:, ::-1])
+    results["reversed"] = (to_host(rev)[:, ::-1], to_host(lse))
+    out_h, lse_h = results["contiguous"]
+    assert_matches_reference(out_h, lse_h, qh, kh, vh, dtype=dtype, causal=causal,
+                             block_n=cfg.block_n, what=f"{spec.name} d{d} sq{sq}")
+    for layout, (o, l) in results.items():
+        assert bits(o).tobytes() == bits(out_h).tobytes(), f"{spec.name} {layout}: out differs"
+        assert l.tobytes() == lse_h.tobytes(), f"{spec.name} {layout}: lse differs"
+
+    # one prepared launch, out pointers changing per call (same layout): A, B, then a view 8
+    # bytes into a buffer (the map refuses the base: o_map_ok 0, registers), then A again
+    grid, block, smem = prefill.launch_config(spec, problem,
+                                              cupy.cuda.Device().attributes["MultiProcessorCount"])
+    lse = cupy.full((B, H, sq), np.nan, dtype=np.float32)
+    strides, sizes = prefill.args_template(spec, q, k, v, q, (H * sq, sq, 1), problem=problem,
+                                           varlen=False)
+    run = prefill.prepared_launch(spec, jit.get_kernel(spec), grid, block, smem, problem,
+                                  strides, sizes, cupy.cuda.runtime.getDevice())
+    n = B * sq * H * d
+    flat = nan_buffer((n + 8,), dtype)
+    outs = (nan_buffer(shape, dtype), nan_buffer(shape, dtype), flat[4:4 + n].reshape(shape))
+    assert outs[2].data.ptr % 16 == 8
+    for i, want_flag in ((0, 1), (1, 1), (2, 0), (0, 1)):
+        outs[i].view(_UINT[2]).fill(_NAN_BITS[dtype])
+        lse.fill(np.nan)
+        run(tuple(x.data.ptr for x in (q, k, v, outs[i], lse)) + (0, 0),
+            cupy.cuda.get_current_stream().ptr)
+        cupy.cuda.get_current_stream().synchronize()
+        assert run._o_ok.value == want_flag
+        assert bits(to_host(outs[i])).tobytes() == bits(out_h).tobytes(), \
+            f"{spec.name} warm call {i}: out differs"
+        assert to_host(lse).tobytes() == lse_h.tobytes()
+    assert np.isnan(to_host(flat[:4]).astype(np.float64)).all()
+    assert np.isnan(to_host(flat[4 + n:]).astype(np.float64)).all()
