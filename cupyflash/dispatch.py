@@ -389,20 +389,20 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
     from . import prefill
     p = problem
     try:
-        hd = prefill.padded_headdim(p.headdim)
+        pad = {isa: prefill.padded_headdim(p.headdim, isa) for isa in prefill.ISAS}
     except ValueError:
-        hd = None
+        pad = None
     causal = bool(p.causal)
 
     if not reasons:
-        feasible = [c for c in prefill.SUPPORTED if c.dtype == p.dtype and c.headdim == hd
-                    and c.smem_bytes <= max_smem_bytes and c.arch in ("", arch)]
+        feasible = [c for c in (prefill.configs_for(p.dtype, p.headdim) if pad else ())
+                    if c.smem_bytes <= max_smem_bytes and c.arch in ("", arch)]
         if not feasible:  # raises, listing every candidate's reason
             return _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes,
                                  lengths, True)
         rejected = []
     else:
-        feasible, rejected = _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes)
+        feasible, rejected = _feasible_and_rejected(p, pad, causal, arch, max_smem_bytes)
     tiles = tuple((c.block_m, c.block_n, c.nwarps, c.isa) for c in feasible)
     tile = heuristics.choose_prefill_tile(p.dtype, p.headdim, p.seqlen_q, p.seqlen_k, causal,
                                           num_sms, batch_nheads=p.batch * p.nheads, tiles=tiles)
@@ -428,7 +428,7 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
     flops = hbm = None
     if predict:
         flops, hbm = _io_prediction(p, tile[0], tile[1], lengths, kv_reuse=tile[3] == "tma")
-    template = {"dtype": p.dtype, "headdim": hd, "block_m": tile[0], "block_n": tile[1],
+    template = {"dtype": p.dtype, "headdim": chosen.headdim, "block_m": tile[0], "block_n": tile[1],
                 "nwarps": tile[2], "causal": causal, "isa": tile[3]}
     choice = KernelChoice(name=spec.name, entry=spec.entry, template=template,
                           grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block),
@@ -442,23 +442,29 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
                 rejected=[(n, w) for _, n, w in rejected], num_sms=int(num_sms))
 
 
-def _feasible_and_rejected(p, hd, causal, arch, max_smem_bytes) -> tuple:
-    """Table rows that can run problem ``p`` at all, and ``(rank, name, reason)`` for the other
-    specialisations; raises ValueError with every reason when no row is feasible."""
+def _feasible_and_rejected(p, pad, causal, arch, max_smem_bytes) -> tuple:
+    """Table rows that can run problem ``p`` at all (in :func:`prefill.configs_for`'s order), and
+    ``(rank, name, reason)`` for the other specialisations; ``pad``: isa -> padded head dim, or
+    None for a head dim nothing runs. Raises ValueError with every reason when no row is
+    feasible."""
     from . import prefill
     feasible, rejected = [], []
-    for cfg in prefill.SUPPORTED:
+    order = prefill.configs_for(p.dtype, p.headdim) if pad else ()
+    for cfg in order + tuple(c for c in prefill.SUPPORTED if c not in order):
         for c in (False, True):
             name = prefill.spec_of(cfg, c).name
             # rank: how near the candidate is to the problem (listed nearest first)
             if cfg.dtype != p.dtype:
                 rank, why = 4, f"dtype {cfg.dtype}; the problem is {p.dtype}"
-            elif hd is None:
+            elif pad is None:
                 rank, why = 3, (f"headdim {p.headdim} is not compiled (compiled: "
-                                f"{', '.join(map(str, prefill.HEADDIMS))}; multiples of 8 up to "
-                                f"256 run padded to the next one)")
-            elif cfg.headdim != hd:
-                rank, why = 3, (f"compiled for headdim {cfg.headdim}; the problem needs {hd}"
+                                f"{', '.join(map(str, prefill.HEADDIMS))}, the TMA kernel "
+                                f"{', '.join(map(str, prefill.TMA_HEADDIMS))}; multiples of 8 up "
+                                f"to 256 run padded to the next one)")
+            elif cfg.headdim != pad[cfg.isa]:
+                hd = pad[cfg.isa]
+                rank, why = 3, (f"compiled for headdim {cfg.headdim}; the problem needs {hd} on "
+                                f"the {cfg.isa} kernel"
                                 + (f" (headdim {p.headdim}, padded)" if hd != p.headdim else ""))
             elif c and not causal:
                 rank, why = 2, (f"causal specialisation; the problem is not causal (window_size "

@@ -33,16 +33,18 @@ def prefill_tiles(dtype: str, headdim: int, arch: str = "sm_90a") -> tuple:
     dtype : str
         ``'float16'``, ``'bfloat16'``, ``'float32'`` or ``'float64'``.
     headdim : int
-        Actual head dim (a multiple of 8 up to 256); padded with
-        :func:`cupyflash.prefill.padded_headdim`.
+        Actual head dim (a multiple of 8 up to 256); each instruction set's rows at its own
+        padded head dim (:func:`cupyflash.prefill.configs_for`: 72 runs as 128 on the TMA
+        kernel and as 96 on the mma.sync kernel).
     arch : str
         Target architecture, ``"sm_90a"`` (H100/H200) by default.
 
     Returns
     -------
     tuple of (int, int, int, str)
-        In the order of ``cupyflash.prefill.SUPPORTED`` (its first row per (dtype, headdim) is the
-        suggested default); empty when nothing is compiled for the pair.
+        In the order of :func:`cupyflash.prefill.configs_for` (the TMA rows first, then
+        ``cupyflash.prefill.SUPPORTED``'s order; the first is the suggested default); empty
+        when nothing is compiled for the pair.
 
     Raises
     ------
@@ -50,9 +52,8 @@ def prefill_tiles(dtype: str, headdim: int, arch: str = "sm_90a") -> tuple:
         ``headdim`` not a multiple of 8 in [8, 256].
     """
     from . import prefill  # pure Python; no CuPy
-    hd = prefill.padded_headdim(headdim)
-    return tuple((c.block_m, c.block_n, c.nwarps, c.isa) for c in prefill.SUPPORTED
-                 if c.dtype == dtype and c.headdim == hd and c.arch in ("", arch))
+    return tuple((c.block_m, c.block_n, c.nwarps, c.isa) for c in prefill.configs_for(dtype, headdim)
+                 if c.arch in ("", arch))
 
 
 def _first_with_block_m(tiles, block_m):

@@ -35,8 +35,8 @@ from . import checks, jit
 
 __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
-    "padded_headdim", "smem_bytes", "tma_o_bytes", "kernel_spec", "all_specs", "spec_of",
-    "config_of", "launch_config",
+    "TMA_HEADDIMS", "padded_headdim", "configs_for", "smem_bytes", "tma_o_bytes", "kernel_spec",
+    "all_specs", "spec_of", "config_of", "launch_config",
     "kernel_args", "args_template", "check_pointers", "launch", "prepared_launch",
 ]
 
@@ -184,6 +184,8 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 # warpgroups, nwarps = 4 * (block_m / 64 + 1); a persistent grid (launch_config).
 # Listed first: the default on sm_90a.
 _TMA_TILES = {64: ((128, 128, 2),), 128: ((128, 128, 2),), 256: ((128, 64, 2),)}
+#: The TMA kernel's compiled head dims; every multiple of 8 up to 256 runs padded onto the next.
+TMA_HEADDIMS = tuple(sorted(_TMA_TILES))
 
 
 def _tma_row(dtype: str, hd: int, bm: int, bn: int, stages: int) -> PrefillConfig:
@@ -213,18 +215,40 @@ def _build_table() -> tuple:
 SUPPORTED: tuple = _build_table()
 
 
-def padded_headdim(d: int) -> int:
-    """The compiled head dim for an actual head dim ``d`` (a multiple of 8 in [8, 256]).
+def padded_headdim(d: int, isa: str = "mma") -> int:
+    """The compiled head dim that runs an actual head dim ``d`` (a multiple of 8 in [8, 256]).
+
+    ``isa="mma"`` or ``"simt"``: the next one of :data:`HEADDIMS`; ``isa="tma"`` (the Hopper
+    kernel): the next one of :data:`TMA_HEADDIMS` (64, 128, 256, FlashAttention-3's), the head
+    dim columns past ``d`` loaded as zeros by the tensor maps and never stored.
+
+    Raises
+    ------
+    ValueError
+        If ``d`` is not a multiple of 8 in [8, 256], or ``isa`` is not one of :data:`ISAS`.
+    """
+    if isinstance(d, bool) or not isinstance(d, int) or d < 8 or d > 256 or d % 8:
+        raise ValueError(f"headdim: got {d!r}; supported: multiples of 8 from 8 to 256 "
+                         f"(compiled as {', '.join(map(str, HEADDIMS))}; the Hopper kernel as "
+                         f"{', '.join(map(str, TMA_HEADDIMS))})")
+    if isa not in ISAS:
+        raise ValueError(f"isa: got {isa!r}; expected one of {ISAS}")
+    return next(h for h in (TMA_HEADDIMS if isa == "tma" else HEADDIMS) if h >= d)
+
+
+def configs_for(dtype: str, d: int) -> tuple:
+    """The :data:`SUPPORTED` rows that run ``dtype`` at actual head dim ``d``: each instruction
+    set's rows at its own padded head dim (:func:`padded_headdim`), the Hopper (TMA) rows first
+    (the default where the target runs them), then the table's order.
 
     Raises
     ------
     ValueError
         If ``d`` is not a multiple of 8 in [8, 256].
     """
-    if isinstance(d, bool) or not isinstance(d, int) or d < 8 or d > 256 or d % 8:
-        raise ValueError(f"headdim: got {d!r}; supported: multiples of 8 from 8 to 256 "
-                         f"(compiled as {', '.join(map(str, HEADDIMS))})")
-    return next(h for h in HEADDIMS if h >= d)
+    pad = {isa: padded_headdim(d, isa) for isa in ISAS}
+    return tuple(c for isa in ISAS for c in SUPPORTED
+                 if c.isa == isa and c.dtype == dtype and c.headdim == pad[isa])
 
 
 def _name(cfg: PrefillConfig, causal: bool) -> str:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from cupyflash import jit, prefill
+from cupyflash import heuristics, jit, prefill
 
 
 def _compile_all(specs, arch):
@@ -201,13 +201,50 @@ def test_names_and_entries():
 @pytest.mark.parametrize("d,hp", [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (128, 128),
                                   (136, 160), (200, 224), (248, 256), (256, 256)])
 def test_padded_headdim(d, hp):
-    assert prefill.padded_headdim(d) == hp
+    assert prefill.padded_headdim(d) == hp == prefill.padded_headdim(d, "mma") \
+        == prefill.padded_headdim(d, "simt")
+
+
+@pytest.mark.parametrize("d,hp", [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128),
+                                  (136, 256), (192, 256), (256, 256)])
+def test_padded_headdim_of_the_tma_kernel(d, hp):
+    """Issue 23, item 1: every multiple of 8 up to 256 runs on the Hopper kernel, padded onto
+    FlashAttention-3's head dims 64, 128, 256."""
+    assert prefill.padded_headdim(d, "tma") == hp
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("d", range(8, 257, 8))
+def test_configs_for_every_head_dim(dtype, d):
+    """Each instruction set's rows at its own padded head dim, the TMA rows first (the sm_90a
+    default); the tile heuristic's candidates are these rows."""
+    rows = prefill.configs_for(dtype, d)
+    assert rows and all(c.dtype == dtype and c.headdim == prefill.padded_headdim(d, c.isa)
+                        for c in rows)
+    want = [c for isa in prefill.ISAS for c in prefill.SUPPORTED if c.dtype == dtype
+            and c.isa == isa and c.headdim == prefill.padded_headdim(d, isa)]
+    assert list(rows) == want
+    isas = [c.isa for c in rows]
+    assert isas == sorted(isas, key=prefill.ISAS.index)
+    assert ("tma" in isas) == (dtype in prefill.TC_DTYPES)
+    assert heuristics.prefill_tiles(dtype, d)[0] == (
+        (rows[0].block_m, rows[0].block_n, rows[0].nwarps, rows[0].isa))
+    assert all(t[3] != "tma" for t in heuristics.prefill_tiles(dtype, d, "sm_80"))
 
 
 @pytest.mark.parametrize("d", [0, 4, 12, 257, 264, -8, 64.0, True])
 def test_padded_headdim_rejects(d):
     with pytest.raises(ValueError, match="^headdim"):
         prefill.padded_headdim(d)
+    with pytest.raises(ValueError, match="^headdim"):
+        prefill.padded_headdim(d, "tma")
+    with pytest.raises(ValueError, match="^headdim"):
+        prefill.configs_for("bfloat16", d)
+
+
+def test_padded_headdim_rejects_an_unknown_isa():
+    with pytest.raises(ValueError, match="^isa"):
+        prefill.padded_headdim(64, "wgmma")
 
 
 class _Fake:

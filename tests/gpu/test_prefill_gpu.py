@@ -697,7 +697,7 @@ def test_tma_o_store_epilogue_and_its_register_fallback(dtype, d, sq, causal):
     q, k, v = to_dev(qh), to_dev(kh), to_dev(vh)
     problem = check_attention(q, k, v, causal=causal)
     cfg = next(c for c in prefill.SUPPORTED if c.isa == "tma" and c.dtype == dtype
-               and c.headdim == prefill.padded_headdim(d))
+               and c.headdim == prefill.padded_headdim(d, "tma"))
     assert cfg.o_store, cfg
     spec = prefill.spec_of(cfg, causal)
 
