@@ -2,7 +2,8 @@
 ``cupyflash.prefill``'s table (mma.sync and, on sm_90a, the Hopper TMA kernel), launched
 directly (bypassing the dispatcher), TFLOP/s (figure 7).
 
-bf16, head dims 64 and 128, 16k tokens per batch, hidden 2048, S = 4096 and 8192, not causal
+bf16, head dims 64 and 128 (any multiple of 8: each kernel at its padded head dim, TFLOP/s
+counting the actual one), 16k tokens per batch, hidden 2048, S = 4096 and 8192, not causal
 (``--causal`` adds causal). Each configuration's output is compared with a reference computed
 once per shape (torch's flash backend if present, else the baseline) so that a fast but wrong
 tile shape cannot win. ``chosen`` marks the configuration ``explain()`` picks for the shape.
@@ -94,8 +95,12 @@ def main(argv=None) -> int:
     for d in args.headdims:
         for S in seqlens:
             for causal in causals:
+                # every kernel that runs head dim d, each at its own padded head dim (72: the
+                # TMA kernel's 128, the mma.sync kernel's 96); TFLOP/s count d, not the padding
                 mine = [(s, f) for s, f in specs if f["dt"] == SHORT.get(args.dtype, args.dtype)
-                        and int(f["hd"]) == d and (("causal" in f["rest"]) == causal)]
+                        and int(f["hd"]) == prefill.padded_headdim(
+                            d, "tma" if f["family"] == "fwdtma" else "mma")
+                        and (("causal" in f["rest"]) == causal)]
                 if not mine:
                     print(f"bench_tiles: no {args.dtype} hd{d} causal={causal} specialisation in the table")
                     continue
