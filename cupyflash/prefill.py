@@ -35,7 +35,7 @@ from . import checks, jit
 
 __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
-    "TMA_HEADDIMS", "padded_headdim", "configs_for", "smem_bytes", "tma_o_bytes", "kernel_spec",
+    "TMA_HEADDIMS", "TMA_FIRST_ABOVE", "padded_headdim", "configs_for", "smem_bytes", "tma_o_bytes", "kernel_spec",
     "all_specs", "spec_of", "config_of", "launch_config",
     "kernel_args", "args_template", "check_pointers", "launch", "prepared_launch",
 ]
@@ -186,6 +186,12 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 _TMA_TILES = {64: ((128, 128, 2),), 128: ((128, 128, 2),), 256: ((128, 64, 2),)}
 #: The TMA kernel's compiled head dims; every multiple of 8 up to 256 runs padded onto the next.
 TMA_HEADDIMS = tuple(sorted(_TMA_TILES))
+#: Head dims up to this one default to the mma.sync kernel's hd32 rows on sm_90a: the TMA
+#: kernel pads them to 64 and does twice the work. Measured (bench_tiles, H200, bf16, session 17,
+#: experiments/results/session17/padded_tiles.jsonl): hd32 on TMA hd64 at 0.78-0.98x of mma.sync
+#: hd32 (S 256 and 4k, causal and not); hd72/96 on TMA hd128 at 1.1-1.6x of mma.sync hd96, hd192
+#: on TMA hd256 at 1.2-2.0x of mma.sync hd192.
+TMA_FIRST_ABOVE = 32
 
 
 def _tma_row(dtype: str, hd: int, bm: int, bn: int, stages: int) -> PrefillConfig:
@@ -239,7 +245,8 @@ def padded_headdim(d: int, isa: str = "mma") -> int:
 def configs_for(dtype: str, d: int) -> tuple:
     """The :data:`SUPPORTED` rows that run ``dtype`` at actual head dim ``d``: each instruction
     set's rows at its own padded head dim (:func:`padded_headdim`), the Hopper (TMA) rows first
-    (the default where the target runs them), then the table's order.
+    (the default where the target runs them) when ``d`` is above :data:`TMA_FIRST_ABOVE`, after
+    the mma.sync rows otherwise; within an instruction set, the table's order.
 
     Raises
     ------
@@ -247,7 +254,8 @@ def configs_for(dtype: str, d: int) -> tuple:
         If ``d`` is not a multiple of 8 in [8, 256].
     """
     pad = {isa: padded_headdim(d, isa) for isa in ISAS}
-    return tuple(c for isa in ISAS for c in SUPPORTED
+    order = ISAS if d > TMA_FIRST_ABOVE else ("mma", "tma", "simt")
+    return tuple(c for isa in order for c in SUPPORTED
                  if c.isa == isa and c.dtype == dtype and c.headdim == pad[isa])
 
 

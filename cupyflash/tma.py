@@ -202,29 +202,51 @@ _COUNTERS: dict = {}
 _COUNTERS_LOCK = threading.Lock()
 #: CuPy's per-thread default stream handle (cudaStreamPerThread): one CUDA stream per host thread.
 _PER_THREAD_STREAM = 2
+#: Counters come from one zeroed int32 array of this many per device (a new one when it runs out).
+_POOL_SLOTS = 256
+_POOLS: dict = {}
+#: Counters handed to launches captured in CUDA graphs: kept for the graphs' lifetime (unknown).
+_CAPTURED: list = []
+
+
+def _capturing(stream_ptr: int) -> bool:
+    import cupy
+    try:
+        return bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
+    except cupy.cuda.runtime.CUDARuntimeError:  # the legacy stream during a global capture
+        return True
 
 
 def _new_counter(device_id: int, stream_ptr: int):
-    """A zeroed int32 counter on the current device (``device_id``), as a CuPy array.
+    """A zeroed int32 counter on the current device (``device_id``): a one-element CuPy view of
+    the device's pool, and whether :func:`tile_counter` keeps it for the stream.
+
+    Outside a capture the stream keeps it. Inside a CUDA graph capture (the pool already made,
+    which needs an allocation and a synchronisation a capture forbids) the captured launch gets
+    a slot of its own, kept for as long as the process runs and never given to a stream: the
+    graph's replays and eager calls on the capturing stream never share a counter.
 
     Raises
     ------
     ValueError
-        The stream is capturing a CUDA graph: the first causal call on a stream allocates the
-        counter and synchronises the device, which a capture forbids."""
+        Inside a capture when this device's pool is not made yet, or is used up."""
     import cupy
-    try:
-        capturing = bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
-    except cupy.cuda.runtime.CUDARuntimeError:  # the legacy stream during a global capture
-        capturing = True
+    capturing = _capturing(stream_ptr)
+    pool = _POOLS.get(device_id)
+    if pool is None or pool[1] == _POOL_SLOTS:
+        if capturing:
+            raise ValueError(
+                "causal: a causal prefill call on the Hopper TMA kernel needs a zeroed scheduler "
+                "counter, allocated (with a synchronisation) on this device's first such call "
+                "and every 256 streams or captured calls after it, which a CUDA graph capture "
+                "forbids; make one causal call on this device outside the capture first")
+        pool = _POOLS[device_id] = [cupy.zeros(_POOL_SLOTS, cupy.int32), 0]
+        cupy.cuda.Device(device_id).synchronize()  # zeroed before any stream uses it
+    arr = pool[0][pool[1]:pool[1] + 1]
+    pool[1] += 1
     if capturing:
-        raise ValueError("causal: the first causal prefill call on a stream runs the Hopper TMA "
-                         "kernel's scheduler set-up (a counter allocated and zeroed), which a "
-                         "CUDA graph capture forbids; call it once on this stream before "
-                         "capturing")
-    arr = cupy.zeros(1, cupy.int32)
-    cupy.cuda.Device(device_id).synchronize()  # zeroed before any stream uses it
-    return arr
+        _CAPTURED.append(arr)
+    return arr, not capturing
 
 
 def tile_counter(device_id: int, stream_ptr: int) -> int:
@@ -233,14 +255,17 @@ def tile_counter(device_id: int, stream_ptr: int) -> int:
     ``kernels_cu/flash_fwd_hopper.cu``). One per stream, so that launches on two streams never
     share one; CuPy's per-thread default stream is one handle for a CUDA stream per host thread,
     so there it is one per host thread. Made on first use on the current device, which must be
-    ``device_id`` (:func:`_new_counter`: not inside a CUDA graph capture). A stream destroyed
-    with a causal launch still running, whose handle a new stream then gets, would share its
-    counter with that launch: not guarded.
+    ``device_id`` (:func:`_new_counter`). A launch captured in a CUDA graph on a stream without
+    one gets a counter of its own (its replays must not overlap each other, as with any graph's
+    buffers); captured on a stream that has one, it uses that stream's, so its replays must not
+    overlap eager causal calls on that stream. A stream destroyed with a causal launch still
+    running, whose handle a new stream then gets, would share its counter with that launch:
+    not guarded.
 
     Raises
     ------
     ValueError
-        The first use on a stream is inside a CUDA graph capture."""
+        The device's first causal call is inside a CUDA graph capture."""
     key = (device_id, stream_ptr)
     if stream_ptr == _PER_THREAD_STREAM:
         key += (threading.get_ident(),)
@@ -249,7 +274,9 @@ def tile_counter(device_id: int, stream_ptr: int) -> int:
         with _COUNTERS_LOCK:
             arr = _COUNTERS.get(key)
             if arr is None:
-                arr = _COUNTERS[key] = _new_counter(device_id, stream_ptr)
+                arr, keep = _new_counter(device_id, stream_ptr)
+                if keep:
+                    _COUNTERS[key] = arr
     return arr.data.ptr
 
 

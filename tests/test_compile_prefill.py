@@ -217,16 +217,19 @@ def test_padded_headdim_of_the_tma_kernel(d, hp):
 @pytest.mark.parametrize("d", range(8, 257, 8))
 def test_configs_for_every_head_dim(dtype, d):
     """Each instruction set's rows at its own padded head dim, the TMA rows first (the sm_90a
-    default); the tile heuristic's candidates are these rows."""
+    default) above hd32; the tile heuristic's candidates are these rows."""
     rows = prefill.configs_for(dtype, d)
     assert rows and all(c.dtype == dtype and c.headdim == prefill.padded_headdim(d, c.isa)
                         for c in rows)
-    want = [c for isa in prefill.ISAS for c in prefill.SUPPORTED if c.dtype == dtype
+    order = prefill.ISAS if d > prefill.TMA_FIRST_ABOVE else ("mma", "tma", "simt")
+    want = [c for isa in order for c in prefill.SUPPORTED if c.dtype == dtype
             and c.isa == isa and c.headdim == prefill.padded_headdim(d, isa)]
     assert list(rows) == want
     isas = [c.isa for c in rows]
-    assert isas == sorted(isas, key=prefill.ISAS.index)
+    assert isas == sorted(isas, key=order.index)
     assert ("tma" in isas) == (dtype in prefill.TC_DTYPES)
+    if dtype in prefill.TC_DTYPES:  # hd <= 32: the mma.sync hd32 rows first (measured faster)
+        assert isas[0] == ("tma" if d > 32 else "mma")
     assert heuristics.prefill_tiles(dtype, d)[0] == (
         (rows[0].block_m, rows[0].block_n, rows[0].nwarps, rows[0].isa))
     assert all(t[3] != "tma" for t in heuristics.prefill_tiles(dtype, d, "sm_80"))

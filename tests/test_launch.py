@@ -271,7 +271,7 @@ def test_tma_tile_counters_one_per_stream_and_per_thread_on_the_per_thread_strea
 
     def new_counter(dev, stream):
         made.append((dev, stream))
-        return _Arr(0x1000 + 16 * len(made))
+        return _Arr(0x1000 + 16 * len(made)), stream != 0x99  # 0x99 plays a capturing stream
     monkeypatch.setattr(tma, "_new_counter", new_counter)
     monkeypatch.setattr(tma, "_COUNTERS", {})
     a, b = tma.tile_counter(0, 0x77), tma.tile_counter(0, 0x78)
@@ -284,3 +284,7 @@ def test_tma_tile_counters_one_per_stream_and_per_thread_on_the_per_thread_strea
     t.join()
     assert other[0] != here
     assert made == [(0, 0x77), (0, 0x78), (1, 0x77), (0, 2), (0, 2)]
+    # a capturing stream: each captured call gets its own counter, none kept for the stream
+    c1, c2 = tma.tile_counter(0, 0x99), tma.tile_counter(0, 0x99)
+    assert c1 != c2 and (0, 0x99) not in tma._COUNTERS
+    assert made[-2:] == [(0, 0x99), (0, 0x99)]

@@ -615,6 +615,45 @@ def test_decode_step_captured_in_a_torch_cuda_graph(paged, via):
         cupyflash.check_errors()
 
 
+@pytest.mark.parametrize("warm_stream", ["other", "capturing"])
+def test_causal_tma_prefill_captured_in_a_torch_cuda_graph(warm_stream):
+    """A causal prefill on the Hopper TMA kernel (its scheduler needs a zeroed counter per
+    stream: cupyflash.tma.tile_counter) captured by torch.cuda.graph, warmed up on another
+    stream (the capture then gets a counter of its own) or on the capturing stream itself
+    (it uses that stream's); replayed with new q/k/v contents, each replay equals, bitwise, the
+    eager call on the same inputs, and every counter is left 0."""
+    from cupyflash import tma
+    dtype = torch.bfloat16
+    if torch.cuda.get_device_capability(_dev()) != (9, 0):
+        pytest.skip("the TMA kernel runs on sm_90a")
+    q, k, v = (_randn(shape, dtype, 80 + j) for j, shape in
+               enumerate(((2, 1100, 8, 128), (2, 1100, 2, 128), (2, 1100, 2, 128))))
+    assert cupyflash.explain(q, k, v, causal=True).name.startswith("fwdtma")
+    out = torch.empty_like(q)
+    capture = torch.cuda.Stream(device=_dev())
+    warm = capture if warm_stream == "capturing" else torch.cuda.Stream(device=_dev())
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        cupyflash.flash_attn_func(q, k, v, causal=True, out=out)  # compile, plan, cache
+    torch.cuda.synchronize()
+    n_captured = len(tma._CAPTURED)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        cupyflash.flash_attn_func(q, k, v, causal=True, out=out)
+    assert len(tma._CAPTURED) == n_captured + (warm_stream == "other")
+    for rnd in range(3):
+        for x, seed in ((q, 90), (k, 91), (v, 92)):
+            x.copy_(_randn(x.shape, dtype, seed + 10 * rnd))
+        want = cupyflash.flash_attn_func(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"replay {rnd}"
+    for arr in list(tma._COUNTERS.values()) + tma._CAPTURED:
+        assert int(arr.get()[0]) == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. A real client: Hugging Face transformers
 # ----------------------------------------------------------------------------------------------
