@@ -56,6 +56,9 @@ def prefill_tiles(dtype: str, headdim: int, arch: str = "sm_90a") -> tuple:
                  if c.arch in ("", arch))
 
 
+_SHORT_TILE = (64, 64, 4, "mma")
+
+
 def _first_with_block_m(tiles, block_m):
     return next(t for t in tiles if t[0] == block_m)
 
@@ -68,6 +71,8 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     Rules, in order (each one's evidence is in the comment beside it in the code):
 
     1. Start from the table's default tile for (dtype, padded headdim).
+       1b. Head dims up to 32 on the mma.sync kernel, ``seqlen_k`` up to 256 (1024 when causal):
+       the 64 x 64 x 4-warp tile.
     2. Short queries: ``seqlen_q`` no longer than the smallest compiled ``block_m`` -> the first
        tile with that smallest ``block_m``.
     3. Under-filled GPU: if the default makes fewer CTAs (``batch_nheads * ceil(seqlen_q /
@@ -75,8 +80,8 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     4. Short keys: ``seqlen_k`` no longer than a smaller compiled ``block_n`` of the chosen
        ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` and ``isa`` if compiled).
 
-    ``causal`` does not change the choice (causal launches skip whole tiles above the diagonal
-    with any tile shape; the heaviest m-blocks run first).
+    ``causal`` changes the choice only at head dims up to 32 (rule 1b, measured): elsewhere
+    causal launches skip whole tiles above the diagonal with any tile shape.
 
     Parameters
     ----------
@@ -128,6 +133,18 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # measurements.
     tile = tiles[0]                                              # rule 1
     block_ms = sorted({t[0] for t in tiles})
+    # Rule 1b: head dims up to 32 (the mma.sync hd32 rows), keys up to 256, or up to 1024 when
+    # causal (the lengths measured): 64x64x4w.
+    # Measured (bench_tiles, H200, fp16, 24 sequences x 12 heads, session 17,
+    # experiments/results/session17/short_tiles.jsonl): causal S = 128 / 256 / 512 / 1024 31 /
+    # 65 / 109 / 149 TFLOP/s against 22 / 53 / 94 / 135 for 128x128x4w (the first row), 1.10-1.41x;
+    # non-causal S = 128 / 256 52 / 108 against 47 / 97, but 143 / 168 against 146 / 189 at
+    # S = 512 / 1024. More CTAs of half the rows: at these lengths a 128-row CTA has 1-8 key
+    # tiles, and its prologue and epilogue are most of its time.
+    short = _SHORT_TILE
+    if (short in tiles and tile[3] == "mma" and headdim <= 32
+            and (seqlen_k <= 256 or (causal and seqlen_k <= 1024))):
+        tile = short
 
     # Rule 2. Provisional: to be measured by experiments/bench_tiles.py (seqlen_q in 1..128,
     # every block_m). Expected: a tile taller than the sequence spends (block_m - seqlen_q) /

@@ -30,8 +30,29 @@ def test_chosen_tile_is_always_a_compiled_row():
                         t = heuristics.choose_prefill_tile(dtype, d, sq, sk, False,
                                                            batch_nheads=bh)
                         assert t in tiles
-                        assert t == heuristics.choose_prefill_tile(dtype, d, sq, sk, True,
-                                                                   batch_nheads=bh)
+                        tc = heuristics.choose_prefill_tile(dtype, d, sq, sk, True,
+                                                            batch_nheads=bh)
+                        # causal changes the choice only by rule 1b (hd <= 32, 256 < sk <= 1024)
+                        rule_1b = (d <= 32 and dtype in ("float16", "bfloat16")
+                                   and 256 < sk <= 1024)
+                        assert tc == t or (rule_1b and tc == (64, 64, 4, "mma")), (dtype, d, sq, sk)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rule_1b_short_sequences_at_head_dims_up_to_32(dtype):
+    """hd <= 32: 64 x 64 x 4 warps for keys up to 256, or up to 1024 when causal (measured:
+    heuristics.py rule 1b); the table's first row otherwise; other head dims never."""
+    short, first = (64, 64, 4, "mma"), heuristics.prefill_tiles(dtype, 32)[0]
+    assert first == (128, 128, 4, "mma")
+    for d in (8, 16, 24, 32):
+        for sk, causal, want in ((128, False, short), (256, False, short), (257, False, first),
+                                 (1024, False, first), (512, True, short), (1024, True, short),
+                                 (1025, True, first), (4096, True, first)):
+            assert heuristics.choose_prefill_tile(dtype, d, 4096, sk, causal,
+                                                  batch_nheads=288) == want, (d, sk, causal)
+    for d in (40, 64, 128):
+        assert heuristics.choose_prefill_tile(dtype, d, 256, 256, True, batch_nheads=288)[:3] \
+            != short[:3]
 
 
 def test_prefill_tiles_follow_the_table():
