@@ -74,7 +74,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
        1b. Head dims up to 32 on the mma.sync kernel, ``seqlen_k`` up to 256 (1024 when causal):
        the 64 x 64 x 4-warp tile.
     2. Short queries: ``seqlen_q`` no longer than the smallest compiled ``block_m`` -> the first
-       tile with that smallest ``block_m``.
+       tile with that smallest ``block_m`` (a tile that has it already, rule 1b's, is kept).
     3. Under-filled GPU: if the default makes fewer CTAs (``batch_nheads * ceil(seqlen_q /
        block_m)``) than ``num_sms``, step down to the next smaller compiled ``block_m``.
     4. Short keys: ``seqlen_k`` no longer than a smaller compiled ``block_n`` of the chosen
@@ -149,8 +149,11 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # Rule 2. Provisional: to be measured by experiments/bench_tiles.py (seqlen_q in 1..128,
     # every block_m). Expected: a tile taller than the sequence spends (block_m - seqlen_q) /
     # block_m of its QK^T and PV tensor-core work on zero rows; the smallest tile wastes least.
+    # A tile that already has the smallest block_m (rule 1b's 64 x 64) is kept: without rule
+    # 1b that is the table's first row, which _first_with_block_m would return anyway.
     if seqlen_q <= block_ms[0]:
-        tile = _first_with_block_m(tiles, block_ms[0])
+        if tile[0] > block_ms[0]:
+            tile = _first_with_block_m(tiles, block_ms[0])
     else:
         # Rule 3. Provisional: to be measured by experiments/bench_tiles.py (batch * nheads * m-
         # blocks below, at and above num_sms). Expected: with fewer CTAs than SMs the idle SMs

@@ -55,6 +55,20 @@ def test_rule_1b_short_sequences_at_head_dims_up_to_32(dtype):
             != short[:3]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rule_1b_survives_rule_2_for_short_queries(dtype):
+    """Rule 2 (short queries -> the smallest block_m) must not undo rule 1b: its 64 x 64 tile
+    already has the smallest block_m, and 64 x 64 beat 64 x 128 at every measured length
+    (session17/short_tiles.jsonl). The choice may not depend on whether seqlen_q is 64 or 65."""
+    short = (64, 64, 4, "mma")
+    for d in (8, 32):
+        for sk, causal in ((128, False), (256, False), (200, True), (1024, True)):
+            for sq in (1, 63, 64, 65, 128):
+                assert heuristics.choose_prefill_tile(dtype, d, sq, sk, causal,
+                                                      batch_nheads=288) == short, \
+                    (d, sq, sk, causal)
+
+
 def test_prefill_tiles_follow_the_table():
     for cfg in prefill.SUPPORTED:
         tile = (cfg.block_m, cfg.block_n, cfg.nwarps, cfg.isa)
