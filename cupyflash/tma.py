@@ -207,6 +207,10 @@ _POOL_SLOTS = 256
 _POOLS: dict = {}
 #: Counters handed to launches captured in CUDA graphs: kept for the graphs' lifetime (unknown).
 _CAPTURED: list = []
+#: Devices whose pool a captured call used up (or found used up or not made): the next causal
+#: call outside a capture, on any stream, makes a new one (:func:`tile_counter`), so that a
+#: later capture finds free slots though captured calls alone used them up.
+_REFILL: set = set()
 
 
 def _capturing(stream_ptr: int) -> bool:
@@ -230,23 +234,34 @@ def _new_counter(device_id: int, stream_ptr: int):
     ------
     ValueError
         Inside a capture when this device's pool is not made yet, or is used up."""
-    import cupy
     capturing = _capturing(stream_ptr)
     pool = _POOLS.get(device_id)
     if pool is None or pool[1] == _POOL_SLOTS:
         if capturing:
+            _REFILL.add(device_id)
             raise ValueError(
                 "causal: a causal prefill call on the Hopper TMA kernel needs a zeroed scheduler "
                 "counter, allocated (with a synchronisation) on this device's first such call "
                 "and every 256 streams or captured calls after it, which a CUDA graph capture "
                 "forbids; make one causal call on this device outside the capture first")
-        pool = _POOLS[device_id] = [cupy.zeros(_POOL_SLOTS, cupy.int32), 0]
-        cupy.cuda.Device(device_id).synchronize()  # zeroed before any stream uses it
+        pool = _new_pool(device_id)
     arr = pool[0][pool[1]:pool[1] + 1]
     pool[1] += 1
     if capturing:
         _CAPTURED.append(arr)
+        if pool[1] == _POOL_SLOTS:  # (used up outside captures: made by the next new stream)
+            _REFILL.add(device_id)
     return arr, not capturing
+
+
+def _new_pool(device_id: int) -> list:
+    """A new zeroed pool for ``device_id`` (the current device), outside any capture: the
+    device's ``[array, next free slot]``; the old pool's slots stay with their streams."""
+    import cupy
+    pool = _POOLS[device_id] = [cupy.zeros(_POOL_SLOTS, cupy.int32), 0]
+    cupy.cuda.Device(device_id).synchronize()  # zeroed before any stream uses it
+    _REFILL.discard(device_id)
+    return pool
 
 
 def tile_counter(device_id: int, stream_ptr: int) -> int:
@@ -265,13 +280,17 @@ def tile_counter(device_id: int, stream_ptr: int) -> int:
     Raises
     ------
     ValueError
-        The device's first causal call is inside a CUDA graph capture."""
+        Inside a CUDA graph capture, the device's first causal call, or a captured call that
+        finds the device's pool used up (256 streams and captured calls per pool; the next
+        causal call outside a capture, on any stream, makes a new one)."""
     key = (device_id, stream_ptr)
     if stream_ptr == _PER_THREAD_STREAM:
         key += (threading.get_ident(),)
     arr = _COUNTERS.get(key)
-    if arr is None:
+    if arr is None or device_id in _REFILL:
         with _COUNTERS_LOCK:
+            if device_id in _REFILL and not _capturing(stream_ptr):
+                _new_pool(device_id)
             arr = _COUNTERS.get(key)
             if arr is None:
                 arr, keep = _new_counter(device_id, stream_ptr)

@@ -288,3 +288,75 @@ def test_tma_tile_counters_one_per_stream_and_per_thread_on_the_per_thread_strea
     c1, c2 = tma.tile_counter(0, 0x99), tma.tile_counter(0, 0x99)
     assert c1 != c2 and (0, 0x99) not in tma._COUNTERS
     assert made[-2:] == [(0, 0x99), (0, 0x99)]
+
+
+class _FakeCupy:
+    """Just enough of CuPy for cupyflash.tma's counter pool: zeros (int32 arrays whose slices
+    know their device address), streamIsCapturing (the streams in ``capturing``) and
+    Device.synchronize."""
+
+    class _Array:
+        def __init__(self, ptr, n):
+            self.ptr, self.n = ptr, n
+            self.data = type("P", (), {"ptr": ptr})()
+
+        def __getitem__(self, s):
+            assert 0 <= s.start < s.stop <= self.n
+            return _FakeCupy._Array(self.ptr + 4 * s.start, s.stop - s.start)
+
+    def __init__(self):
+        self.capturing, self.pools = set(), []
+        fake = self
+
+        class _Runtime:
+            class CUDARuntimeError(Exception):
+                pass
+
+            @staticmethod
+            def streamIsCapturing(s):
+                return int(s in fake.capturing)
+
+        class _Device:
+            def __init__(self, dev):
+                pass
+
+            def synchronize(self):
+                pass
+        self.cuda = type("cuda", (), {"runtime": _Runtime, "Device": _Device})
+        self.int32 = "int32"
+
+    def zeros(self, n, dtype):
+        assert dtype == "int32"
+        self.pools.append(self._Array(0x10000 * (len(self.pools) + 1), n))
+        return self.pools[-1]
+
+
+def test_tma_counter_pool_slots_and_captures(monkeypatch):
+    """cupyflash.tma's counter pool with a stand-in CuPy: every slot is handed out once; a
+    captured call gets a slot of its own, not kept for its stream; a capture that finds no pool
+    raises; and a pool that captured calls used up is made again by the next causal call outside
+    a capture, on any stream (what the error message asks for), not only on a new stream."""
+    import sys
+    from cupyflash import tma
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for name, value in (("_COUNTERS", {}), ("_POOLS", {}), ("_CAPTURED", []), ("_REFILL", set())):
+        monkeypatch.setattr(tma, name, value, raising=False)
+    eager, cap = 0x77, 0x99
+    fake.capturing.add(cap)
+    with pytest.raises(ValueError, match="outside the capture first"):
+        tma.tile_counter(0, cap)  # no pool yet
+    seen = [tma.tile_counter(0, eager)]
+    assert len(fake.pools) == 1 and tma.tile_counter(0, eager) == seen[0]
+    seen += [tma.tile_counter(0, cap) for _ in range(tma._POOL_SLOTS - 1)]
+    assert len(set(seen)) == tma._POOL_SLOTS and len(fake.pools) == 1  # each slot once
+    assert (0, cap) not in tma._COUNTERS and len(tma._CAPTURED) == tma._POOL_SLOTS - 1
+    with pytest.raises(ValueError, match="outside the capture first"):
+        tma.tile_counter(0, cap)  # used up
+    # the remedy the message gives: one causal call on this device outside the capture
+    assert tma.tile_counter(0, eager) == seen[0]
+    again = tma.tile_counter(0, cap)
+    assert len(fake.pools) == 2 and again not in seen
+    # another device's pool is its own
+    fake.capturing.discard(cap)
+    assert tma.tile_counter(1, eager) not in seen and len(fake.pools) == 3
