@@ -42,7 +42,8 @@ def prefill_tiles(dtype: str, headdim: int, arch: str = "sm_90a") -> tuple:
     Returns
     -------
     tuple of (int, int, int, str)
-        In the order of :func:`cupyflash.prefill.configs_for` (the TMA rows first, then
+        In the order of :func:`cupyflash.prefill.configs_for` (above hd32 the TMA rows first,
+        at hd32 and below after the mma.sync rows; within a kernel
         ``cupyflash.prefill.SUPPORTED``'s order; the first is the suggested default); empty
         when nothing is compiled for the pair.
 
@@ -128,9 +129,9 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # Not adopted (and removed from the kernel): hd64 causal with 3 K/V stages: +0.2-2% causal
     # (280 vs 277 at S = 4096, 304 vs 303 bf16 / 303 vs 297 fp16 at S = 16384) but -1.5%
     # non-causal.
-    # On sm_90a the TMA rows (prefill._TMA_TILES, the Hopper TMA kernel) come first for hd64,
-    # hd128 and hd256 and are taken by this rule; v50 in experiments/NOTES.md has their
-    # measurements.
+    # On sm_90a the TMA rows (prefill._TMA_TILES, the Hopper TMA kernel) come first for every
+    # head dim above prefill.TMA_FIRST_ABOVE (32; padded onto 64, 128, 256) and are taken by this
+    # rule; v50 and v60 in experiments/NOTES.md have their measurements.
     tile = tiles[0]                                              # rule 1
     block_ms = sorted({t[0] for t in tiles})
     # Rule 1b: head dims up to 32 (the mma.sync hd32 rows), keys up to 256, or up to 1024 when

@@ -19,7 +19,8 @@ Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU
 * :data:`SUPPORTED` is the table of compiled configurations (a tuple of :class:`PrefillConfig`);
   within one (dtype, headdim) the first row is the suggested default (the first one the device
   can run), and (block_m, block_n, nwarps, isa) is unique, so a tile names one row.
-* :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one.
+* :func:`padded_headdim` maps an actual head dim (a multiple of 8 up to 256) to the compiled one
+  of a kernel (``isa``); :func:`configs_for` lists the rows that run it, default first.
 * :func:`kernel_spec` names a specialisation (``fwdtma_bf16_hd128_m128_n128_s2_causal``,
   ``fwd_bf16_hd128_m128_n64_w8_causal``, ``fwd_bf16_hd128_m128_n64_w4_pf``,
   ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.jit.KernelSpec`.
