@@ -202,8 +202,10 @@ _COUNTERS: dict = {}
 _COUNTERS_LOCK = threading.Lock()
 #: CuPy's per-thread default stream handle (cudaStreamPerThread): one CUDA stream per host thread.
 _PER_THREAD_STREAM = 2
-#: Counters come from one zeroed int32 array of this many per device (a new one when it runs out).
-_POOL_SLOTS = 256
+#: Counters come from one zeroed int32 array of this many per device (16 KiB; a new one when it
+#: runs out): one per stream and one per captured causal call, so that a model's graphs (layers
+#: x captured shapes) seldom use one up between eager calls.
+_POOL_SLOTS = 4096
 _POOLS: dict = {}
 #: Counters handed to launches captured in CUDA graphs: kept for the graphs' lifetime (unknown).
 _CAPTURED: list = []
@@ -242,8 +244,8 @@ def _new_counter(device_id: int, stream_ptr: int):
             raise ValueError(
                 "causal: a causal prefill call on the Hopper TMA kernel needs a zeroed scheduler "
                 "counter, allocated (with a synchronisation) on this device's first such call "
-                "and every 256 streams or captured calls after it, which a CUDA graph capture "
-                "forbids; make one causal call on this device outside the capture first")
+                f"and every {_POOL_SLOTS} streams or captured calls after it, which a CUDA graph "
+                "capture forbids; make one causal call on this device outside the capture first")
         pool = _new_pool(device_id)
     arr = pool[0][pool[1]:pool[1] + 1]
     pool[1] += 1
@@ -281,7 +283,7 @@ def tile_counter(device_id: int, stream_ptr: int) -> int:
     ------
     ValueError
         Inside a CUDA graph capture, the device's first causal call, or a captured call that
-        finds the device's pool used up (256 streams and captured calls per pool; the next
+        finds the device's pool used up (4096 streams and captured calls per pool; the next
         causal call outside a capture, on any stream, makes a new one)."""
     key = (device_id, stream_ptr)
     if stream_ptr == _PER_THREAD_STREAM:
