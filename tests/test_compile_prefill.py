@@ -245,6 +245,23 @@ def test_padded_headdim_rejects(d):
         prefill.configs_for("bfloat16", d)
 
 
+@pytest.mark.parametrize("d,first,rest", [(72, "fwdtma_bf16_hd128_", "fwd_bf16_hd96_"),
+                                          (200, "fwdtma_bf16_hd256_", "fwd_bf16_hd224_"),
+                                          (120, "fwdtma_bf16_hd128_", "fwd_bf16_hd128_"),
+                                          (24, "fwd_bf16_hd32_", None)])
+def test_configs_for_names_the_kernels_that_run_a_head_dim(d, first, rest):
+    """Spelled out: hd72 runs TMA hd128 then mma.sync hd96; hd200 TMA hd256 then mma.sync hd224;
+    hd24 mma.sync hd32 first (TMA hd64 after them)."""
+    names = [prefill.spec_of(c, False).name for c in prefill.configs_for("bfloat16", d)]
+    tma = [n for n in names if n.startswith("fwdtma")]
+    assert names[0].startswith(first) and len(tma) == 1
+    if rest is not None:
+        assert all(n.startswith(rest) for n in names[1:]), names
+    else:
+        assert names[-1].startswith("fwdtma_bf16_hd64_")
+        assert all(n.startswith(first) for n in names[:-1]), names
+
+
 def test_padded_headdim_rejects_an_unknown_isa():
     with pytest.raises(ValueError, match="^isa"):
         prefill.padded_headdim(64, "wgmma")
