@@ -15,6 +15,10 @@ issue's shapes; plus the cold JIT compile of one specialisation.
 * cold compile: a fresh process with an empty CuPy kernel cache times its first
   ``flash_attn_func`` call (NVRTC + module load + launch), then a second fresh process that
   reuses that cache (``--no-cold`` skips it).
+* host reference (``op: "host"``): how fast this machine's host is, so that runs on different
+  machines can be compared (the same calls took 12-25 us on three H200 hosts in session 17):
+  a fixed piece of pure Python like the warm path's, ``torch.empty_like`` on the device, and an
+  empty CuPy kernel's launch, per call.
 
 One JSON line per measurement (``op``, ``impl``, ``caller``, ``variant``, ``batch``,
 ``seqlen_q``, ``seqlen_k``, ``us_per_call``, ... and the provenance: ``commit``, ``gpu``, ...).
@@ -204,6 +208,51 @@ def to_cupy(x):
     return cupy.from_dlpack(x)
 
 
+class _RefObj:
+    __slots__ = ("shape", "dtype", "ptr")
+
+    def __init__(self, i):
+        self.shape, self.dtype, self.ptr = (1, 4096, 8, 128), "bfloat16", 0x7000 + 256 * i
+
+
+_REF_OBJS = tuple(_RefObj(i) for i in range(4))
+_REF_TABLE = {(("k",) + tuple((o.shape, o.dtype) for o in _REF_OBJS)): 1}
+
+
+def _python_ref():
+    """A fixed piece of pure Python of the warm path's kind (attribute reads, a tuple key, a
+    dict lookup, integer arithmetic): its time per call measures the host's Python speed."""
+    key = ("k",) + tuple((o.shape, o.dtype) for o in _REF_OBJS)
+    hit = _REF_TABLE.get(key)
+    ptrs = tuple(o.ptr for o in _REF_OBJS)
+    return hit, (ptrs[0] | ptrs[1] | ptrs[2]) % 16
+
+
+def host_reference(calls: int, repeats: int, prov: dict) -> list:
+    """How fast this host is, for comparing per-call numbers across machines and runs (the
+    same GPU work took 12-25 us per call on three H200 hosts): microseconds per call of
+    :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device, and of an empty
+    CuPy kernel's launch (eager loops as above; the last one host-bound: the kernel is ~2 us)."""
+    import cupy
+    import torch
+    q = torch.empty((1, 1, 32, 128), dtype=torch.bfloat16, device="cuda")
+    k = cupy.RawKernel('extern "C" __global__ void cf_empty() {}', "cf_empty")
+    k((1,), (1,), ())
+    cupy.cuda.Device().synchronize()
+    n = 50 * calls
+    cases = [("python", "warm_path_like", _python_ref, lambda: None, n),
+             ("torch", "empty_like", lambda: torch.empty_like(q), torch.cuda.synchronize, n),
+             ("cupy", "empty_kernel_launch", lambda: k((1,), (1,), ()),
+              cupy.cuda.Device().synchronize, calls)]
+    recs = []
+    for caller, variant, fn, sync, m in cases:
+        us = eager_us(fn, m, repeats, sync)
+        recs.append(dict(op="host", impl="reference", caller=caller, variant=variant, batch=0,
+                         seqlen_q=0, seqlen_k=0, us_per_call=round(statistics.median(us), 3),
+                         us_all=[round(x, 3) for x in us], calls=m, **prov))
+    return recs
+
+
 def table(records: list) -> str:
     """Rows: shape x (impl, caller, variant); columns: before (the issue) and now (us/call)."""
     lines = [f"{'shape':24s} {'impl':10s} {'caller':6s} {'variant':15s} {'before':>7s} "
@@ -214,7 +263,8 @@ def table(records: list) -> str:
         shape = f"{r['op']} b{r['batch']} x {r['seqlen_k']}"
         old = OLD_US.get((r["op"], r["batch"], r["seqlen_k"], r["impl"], r["caller"],
                           r["variant"]))
-        now = f"{r['us_per_call']:8.1f}" if "us_per_call" in r else "   error"
+        now = (f"{r['us_per_call']:8.{3 if r['op'] == 'host' else 1}f}" if "us_per_call" in r
+               else "   error")
         lines.append(f"{shape:24s} {r['impl']:10s} {r['caller']:6s} {r['variant']:15s} "
                      f"{old if old is not None else '':>7} {now}")
     return "\n".join(lines)
@@ -249,6 +299,7 @@ def main(argv=None) -> int:
                          us_per_call=round(1e6 * warm["first_call_s"], 1)))
         print(f"  cold first call (NVRTC + load + launch) {cold['first_call_s']:.2f} s "
               f"({cold['kernel']}); with CuPy's disk cache {warm['first_call_s']:.2f} s")
+    recs += host_reference(args.calls, args.repeats, prov)
     for shape in SHAPES:
         recs += measure_shape(shape, args.calls, args.repeats, prov)
     n = common.append_jsonl(args.out, recs)

@@ -251,3 +251,18 @@ def test_ncu_failure_messages():
     why = common.ncu_failure("==ERROR== Failed to initialize the profiler: LibraryNotLoaded\n")
     assert "LibraryNotLoaded" in why
     assert common.ncu_failure(SAMPLE) is None and common.ncu_failure("") is None
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_overhead: the host reference (how fast the machine's Python is, per run)
+# ----------------------------------------------------------------------------------------------
+def test_bench_overhead_python_reference_and_its_table_row():
+    import bench_overhead
+    hit, misaligned = bench_overhead._python_ref()
+    assert hit == 1 and misaligned == 0  # the key is in the table; the pointers are aligned
+    us = bench_overhead.eager_us(bench_overhead._python_ref, 200, 2, lambda: None)
+    assert len(us) == 2 and all(0 < x < 1000 for x in us)
+    rec = {"op": "host", "impl": "reference", "caller": "python", "variant": "warm_path_like",
+           "batch": 0, "seqlen_k": 0, "us_per_call": 0.8125}
+    row = bench_overhead.table([rec]).splitlines()[1]
+    assert row.split()[:5] == ["host", "b0", "x", "0", "reference"] and row.endswith("0.812")
