@@ -2,10 +2,11 @@
 
 ``flash_attn_func`` / ``flash_attn_varlen_func`` compute exact softmax attention with the tiled
 forward pass of FlashAttention-2 (Dao, arXiv 2307.08691, Sec. 3.1, Algorithm 1): the
-``seqlen_q x seqlen_k`` score matrix never reaches device memory. On Hopper (sm_90a) head dims
-64 and 128 (float16/bfloat16) run on warpgroup MMA with FlashAttention-3's scheduling (Shah et
-al., arXiv 2407.08608, Sec. 3.1 ping-pong and Sec. 3.2 intra-warpgroup overlap); elsewhere
-mma.sync (tensor cores) or CUDA cores (float32/float64). ``explain`` names the kernel. ``explain`` returns what such a
+``seqlen_q x seqlen_k`` score matrix never reaches device memory. On Hopper (sm_90a)
+float16/bfloat16 at head dims from 40 up (padded onto 64, 128 or 256) run the TMA kernel built as
+FlashAttention-3 (Shah et al., arXiv 2407.08608: TMA producer, warpgroup MMA, Sec. 3.1 ping-pong
+and Sec. 3.2 intra-warpgroup overlap, a persistent grid); elsewhere mma.sync (tensor cores) or
+CUDA cores (float32/float64). ``explain`` names the kernel. ``explain`` returns what such a
 call would launch (:class:`cupyflash.dispatch.Plan`) without launching anything; it also works on
 NumPy arrays, on a machine without a GPU.
 
@@ -246,9 +247,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=_N
     ``out[b, i, h] = sum_j softmax_j(softmax_scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]``
     over the keys ``j`` that query row ``i`` may see, with ``g = nheads // nheads_k`` (GQA/MQA).
     FlashAttention-2, arXiv 2307.08691, Sec. 3.1 (online softmax, unscaled accumulator normalised
-    once at the end) and Algorithm 1; on sm_90a devices, head dims 64 and 128 in float16/bfloat16
-    use the warpgroup-MMA kernel with FlashAttention-3's softmax/GEMM overlap (arXiv 2407.08608,
-    Sec. 3.1-3.2). The result is the same function (tested against the same float64 reference).
+    once at the end) and Algorithm 1; on sm_90a devices, float16/bfloat16 at head dims from 40 up
+    (padded onto 64, 128 or 256) use the TMA kernel built as FlashAttention-3 (arXiv 2407.08608,
+    Sec. 3.1-3.2: producer warp, warpgroup MMA, softmax/GEMM overlap, persistent grid). The
+    result is the same function (tested against the same float64 reference).
 
     Parameters
     ----------
@@ -265,7 +267,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=_N
         raises a TypeError instead of reading the dropout rate as the scale.
     causal : bool
         Causal mask aligned bottom-right: row ``i`` sees key ``j`` iff
-        ``j <= i + seqlen_k - seqlen_q``. Same as ``window_size=(left, 0)``.
+        ``j <= i + seqlen_k - seqlen_q``. Same as ``window_size=(left, 0)``: with ``causal=True``
+        a window's right side is dropped (FlashAttention's convention), its left side kept.
     window_size : tuple of 2 int
         Sliding window ``(left, right)`` in keys, -1 = unbounded, aligned bottom-right like
         ``causal``: row ``i`` sees ``i + seqlen_k - seqlen_q - left <= j <=
@@ -353,7 +356,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; each is attended on its own, with the causal / window
     masks aligned bottom-right against that sequence's own lengths. FlashAttention-2,
-    arXiv 2307.08691, Sec. 3.1 and Algorithm 1, per sequence.
+    arXiv 2307.08691, Sec. 3.1 and Algorithm 1, per sequence; on sm_90a float16/bfloat16 from
+    head dim 40 up, the TMA kernel built as FlashAttention-3 (arXiv 2407.08608), its tensor maps
+    seeing the packed tokens as one batch entry.
 
     Parameters
     ----------

@@ -800,9 +800,12 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
                              f"block_table)")
         seqlen_cache = kcs[1]
     if (k is None) != (v is None):
+        given = k if k is not None else v
+        hint = ("; cache_seqlens and block_table are keyword arguments (cache_seqlens=...)"
+                if isinstance(given, (int, list, tuple)) else "")
         raise TypeError(f"{'v' if k is not None else 'k'}: k and v must be given together "
-                        f"(got k={'array' if k is not None else None}, "
-                        f"v={'array' if v is not None else None})")
+                        f"(got k={type(k).__name__ if k is not None else None}, "
+                        f"v={type(v).__name__ if v is not None else None}){hint}")
     seqlen_new = 0
     if k is not None:
         ns = _check_ndim(k, "k", "batch, seqlen_new, nheads_k, headdim")

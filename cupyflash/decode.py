@@ -273,7 +273,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Page ids: token ``t`` of sequence ``b`` lives in page ``block_table[b, t // page_size]``
         at row ``t % page_size``. Only the entries a sequence uses are read.
     softmax_scale : float or None
-        Scale of ``q k^T``; None = ``1/sqrt(headdim)``.
+        Scale of ``q k^T``; None = ``1/sqrt(headdim)``. Must be finite and positive.
     causal : bool
         Bottom-right causal mask (default True, as decoding needs; note that FlashAttention's
         ``flash_attn_with_kvcache`` defaults to False).

@@ -1198,3 +1198,17 @@ def test_paged_plan_says_why_it_keeps_three_stages():
     short = decode.explain_kvcache(q, pool[:, :], pool, cache_seqlens=np.full(16, 1024, np.int32),
                                    block_table=bt[:, :64], report=False, num_sms=132)
     assert not any(t == "stages" for t, _ in short.reasons)  # nothing to explain there
+
+
+@pytest.mark.parametrize("lens", [[8000, 17], 17, (8000, 17)])
+def test_cache_seqlens_passed_positionally_gets_a_hint(lens):
+    """FlashAttention's signature puts k, v after the caches: a list or int given there is taken
+    for k, and the error says the lengths are a keyword argument."""
+    bf16 = ml_dtypes.bfloat16
+    q = np.zeros((2, 1, 8, 64), bf16)
+    kc = np.zeros((2, 8192, 2, 64), bf16)
+    with pytest.raises(TypeError, match=r"^v: k and v must be given together .*cache_seqlens="):
+        decode.explain_kvcache(q, kc, kc, lens)
+    with pytest.raises(TypeError, match=r"^v: k and v must be given together \(got k=ndarray, "
+                                        r"v=None\)$"):
+        decode.explain_kvcache(q, kc, kc, np.zeros((2, 1, 2, 64), bf16))
