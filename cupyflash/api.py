@@ -450,8 +450,9 @@ def explain(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
     cupyflash.dispatch.Plan
         Kernel specialisation name and template values, grid, block, dynamic shared memory
         (bytes), registers per thread and spill bytes (ptxas report of an NVRTC compile),
-        ``num_splits`` (None for prefill), predicted FLOPs and HBM bytes, and the reasons every
-        other specialisation was not chosen.
+        ``num_splits`` (None for prefill), predicted FLOPs and HBM bytes, ``roofline_ms`` (the
+        predicted time in milliseconds at the H200's measured roofs), and the reasons every other
+        specialisation was not chosen (``rejected``; printing shows the nearest eight).
 
     Raises
     ------
