@@ -53,8 +53,8 @@ def prefill_tiles(dtype: str, headdim: int, arch: str = "sm_90a") -> tuple:
         ``headdim`` not a multiple of 8 in [8, 256].
     """
     from . import prefill  # pure Python; no CuPy
-    return tuple((c.block_m, c.block_n, c.nwarps, c.isa) for c in prefill.configs_for(dtype, headdim)
-                 if c.arch in ("", arch))
+    return tuple((c.block_m, c.block_n, c.nwarps, c.isa)
+                 for c in prefill.configs_for(dtype, headdim) if c.arch in ("", arch))
 
 
 _SHORT_TILE = (64, 64, 4, "mma")

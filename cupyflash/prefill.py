@@ -36,8 +36,8 @@ from . import checks, jit
 
 __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
-    "TMA_HEADDIMS", "TMA_FIRST_ABOVE", "padded_headdim", "configs_for", "smem_bytes", "tma_o_bytes", "kernel_spec",
-    "all_specs", "spec_of", "config_of", "launch_config",
+    "TMA_HEADDIMS", "TMA_FIRST_ABOVE", "padded_headdim", "configs_for", "smem_bytes",
+    "tma_o_bytes", "kernel_spec", "all_specs", "spec_of", "config_of", "launch_config",
     "kernel_args", "args_template", "check_pointers", "launch", "prepared_launch",
 ]
 

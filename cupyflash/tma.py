@@ -321,8 +321,8 @@ class TmaLaunch:
         ``cf::flash_fwd_tma_entry<...>``, loaded on the current device.
     grid, block : tuple of 3 ints
     args : tuple
-        The arguments after the maps, the counter and the flag, as for ``PreparedLaunch`` (NumPy scalars; the
-        entries at ``pointer_slots`` are placeholders).
+        The arguments after the maps, the counter and the flag, as for ``PreparedLaunch``
+        (NumPy scalars; the entries at ``pointer_slots`` are placeholders).
     pointer_slots : tuple of int
         Indices in ``args`` of the per-call pointers; the first three are q, k, v.
     maps : tuple of 3 ``(dims, strides_bytes, box)``

@@ -151,7 +151,8 @@ def test_plan_fields(dtype, causal, window):
     tile = heuristics.choose_prefill_tile(dtype, p.headdim, p.seqlen_q, p.seqlen_k, p.causal,
                                           132, batch_nheads=p.batch * p.nheads)
     assert (t["block_m"], t["block_n"], t["nwarps"], t["isa"]) == tile
-    assert t == {"dtype": dtype, "headdim": prefill.padded_headdim(120, tile[3]), "block_m": tile[0],
+    assert t == {"dtype": dtype, "headdim": prefill.padded_headdim(120, tile[3]),
+                 "block_m": tile[0],
                  "block_n": tile[1], "nwarps": tile[2], "causal": p.causal, "isa": tile[3]}
     spec = prefill.kernel_spec(dtype, t["headdim"], *tile[:3], p.causal, isa=tile[3])
     assert plan.kernel.spec == spec and plan.name == spec.name and plan.kernel.entry == spec.entry
