@@ -30,7 +30,6 @@ from common import RESULTS  # noqa: E402
 # warps come from the launch block
 NAME_RE = re.compile(r"^(?P<family>fwd|fwdtma)_(?P<dt>[a-z0-9]+)_hd(?P<hd>\d+)_m(?P<m>\d+)"
                      r"_n(?P<n>\d+)(?:_w(?P<w>\d+)|_s(?P<s>\d+))?(?P<rest>.*)$")
-SHORT = {"bfloat16": "bf16", "float16": "f16"}
 
 
 def table_specs():
@@ -95,12 +94,12 @@ def main(argv=None) -> int:
     for d in args.headdims:
         for S in seqlens:
             for causal in causals:
-                # every kernel that runs head dim d, each at its own padded head dim (72: the
-                # TMA kernel's 128, the mma.sync kernel's 96); TFLOP/s count d, not the padding
-                mine = [(s, f) for s, f in specs if f["dt"] == SHORT.get(args.dtype, args.dtype)
-                        and int(f["hd"]) == prefill.padded_headdim(
-                            d, "tma" if f["family"] == "fwdtma" else "mma")
-                        and (("causal" in f["rest"]) == causal)]
+                # every kernel that runs head dim d (prefill.configs_for: each at its own
+                # padded head dim, 72 on the TMA kernel's 128 and the mma.sync kernel's 96);
+                # TFLOP/s count d, not the padding
+                runs_d = set(prefill.configs_for(args.dtype, d))
+                mine = [(s, f) for s, f in specs
+                        if prefill.config_of(s) in {(c, causal) for c in runs_d}]
                 if not mine:
                     print(f"bench_tiles: no {args.dtype} hd{d} causal={causal} specialisation in the table")
                     continue
