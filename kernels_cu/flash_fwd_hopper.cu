@@ -397,11 +397,18 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         row[1].init();
         auto softmax = [&](const float (&s)[Tr::kSAcc], uint32_t (&pf)[Tr::kPVSteps][4],
                            float (&alpha)[2], int nb) {
-            if (w.tiles.needs_mask(nb))
-                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, true>(s, pf, row, alpha, row0, nb * BLOCK_N,
+            if (w.tiles.needs_mask(nb)) {
+                // The rows' key bounds are derived from row0 in each masked step (a few integer
+                // instructions, on boundary tiles only): row0 is made opaque here so that the
+                // compiler cannot hoist them out of the key loop, where they took 4-6 registers
+                // per thread for the whole loop and the hd128 causal kernel spilled (16 / 28
+                // bytes at 240 registers; 0 now).
+                int r0 = row0;
+                asm volatile("" : "+r"(r0));
+                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, true>(s, pf, row, alpha, r0, nb * BLOCK_N,
                                                                t4, p, w.seq.seqlen_q, w.seq.seqlen_k,
                                                                CAUSAL, scale_log2);
-            else
+            } else
                 wg_softmax_step<T, BLOCK_N, Tr::kNTiles, false>(s, pf, row, alpha, row0, nb * BLOCK_N,
                                                                 t4, p, w.seq.seqlen_q, w.seq.seqlen_k,
                                                                 CAUSAL, scale_log2);

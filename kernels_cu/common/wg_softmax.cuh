@@ -31,8 +31,10 @@ __device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], u
     if constexpr (MASK) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
+            // (causal: a right window >= 0 cannot narrow the range, diag + window_right + 1 >=
+            // diag + 1, so it is not passed: one upper bound per row, not one per window case)
             const KeyRange r = visible_keys(row0 + 8 * hh, seqlen_q, seqlen_k, causal,
-                                            p.window_left, p.window_right);
+                                            p.window_left, causal ? -1 : p.window_right);
             lo[hh] = r.lo - k0 - 2 * t;
             hi[hh] = r.hi - k0 - 2 * t;
         }
