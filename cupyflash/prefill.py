@@ -184,7 +184,8 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 # headdim -> (block_m, block_n, stages); a producer warpgroup plus block_m / 64 consumer
 # warpgroups, nwarps = 4 * (block_m / 64 + 1); a persistent grid (launch_config).
 # Listed first: the default on sm_90a.
-_TMA_TILES = {64: ((128, 128, 2),), 128: ((128, 128, 2),), 256: ((128, 64, 2),)}
+_TMA_TILES = {64: ((128, 128, 2), (192, 128, 2)), 128: ((128, 128, 2), (128, 176, 2)),
+              256: ((128, 64, 2), (128, 80, 2))}
 #: The TMA kernel's compiled head dims; every multiple of 8 up to 256 runs padded onto the next.
 TMA_HEADDIMS = tuple(sorted(_TMA_TILES))
 #: Head dims up to this one default to the mma.sync kernel's hd32 rows on sm_90a: the TMA

@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting new configurations after this many seconds")
+    ap.add_argument("--isa", choices=("tma", "mma"), default=None,
+                    help="only this kernel's rows (tma: the Hopper TMA kernel; mma: mma.sync)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_tiles.jsonl")
     args = ap.parse_args(argv)
     seqlens = args.seqlens or ([4096] if args.quick else [4096, 8192])
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
                 # every kernel that runs head dim d (prefill.configs_for: each at its own
                 # padded head dim, 72 on the TMA kernel's 128 and the mma.sync kernel's 96);
                 # TFLOP/s count d, not the padding
-                runs_d = set(prefill.configs_for(args.dtype, d))
+                runs_d = {c for c in prefill.configs_for(args.dtype, d)
+                          if args.isa is None or c.isa == args.isa}
                 mine = [(s, f) for s, f in specs
                         if prefill.config_of(s) in {(c, causal) for c in runs_d}]
                 if not mine:

@@ -62,12 +62,15 @@ struct HopperFwdTraits {
     static constexpr bool kOStore = kSmemBase + kConsumerWGs * kOWGBytes <= 227 * 1024;
     static constexpr int kOBytes = kOStore ? kConsumerWGs * kOWGBytes : 0;
     static constexpr int kSmemBytes = kSmemBase + kOBytes;
-    // setmaxnreg: the registers the launch gave the CTA (168 per thread, 384 threads) move from
-    // the producer warpgroup (24) to the two consumer warpgroups (240 each: O, S, P_i and P_{i+1}
-    // of hd128 take 192). The counts must add up to the CTA's allocation exactly: with a
-    // producer at 32 the consumers' setmaxnreg.inc waited forever for registers (an H200 hang).
-    static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = 240;
+    // setmaxnreg: the registers the launch gives each thread (the register file's 64K over the
+    // CTA's threads, in steps of 8: 168 at 384 threads, 128 at 512) move from the producer
+    // warpgroup to the consumers, FA3's split: 24 / 240 with two consumer warpgroups (O, S and P
+    // of hd128 take 160), 32 / 160 with three (hd64: 128). The counts must add up to the CTA's
+    // allocation exactly: with a producer at 32 beside two consumers at 240 the consumers'
+    // setmaxnreg.inc waited forever for registers (an H200 hang).
+    static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+    static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
     static constexpr int kSAcc = BLOCK_N / 2;                 // S floats per thread (64 x BLOCK_N)
     static constexpr int kOAcc = HEADDIM / 2;                 // O floats per thread (64 x HEADDIM)
     static constexpr int kQKSteps = HEADDIM / 16;             // k16 steps of Q K^T
@@ -79,11 +82,12 @@ struct HopperFwdTraits {
 
     static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
     static_assert(HEADDIM == 64 || HEADDIM == 128 || HEADDIM == 256, "compiled head dims: 64, 128, 256");
-    static_assert(BLOCK_M == 128, "two consumer warpgroups (three, 192 x 64 at hd64, measured slower: NOTES v53)");
-    static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
+    static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
+    static_assert(BLOCK_N == 64 || BLOCK_N == 80 || BLOCK_N == 128 || BLOCK_N == 176,
+                  "BLOCK_N: an N of common/wgmma.cuh");
     static_assert(STAGES >= 2 && STAGES <= 3, "K/V ring of 2 or 3 tiles");
-    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads == 168 * kThreads,
-                  "setmaxnreg: the counts add up to the launch's 168 registers per thread");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads == kLaunchRegs * kThreads,
+                  "setmaxnreg: the counts add up to the launch's registers");
     // sm_90's opt-in limit; also keeps every shared address below 2^18, the reach of the
     // descriptors' 14-bit (address >> 4) field (common/wgmma.cuh)
     static_assert(kSmemBytes <= 227 * 1024, "shared memory of the configuration");
@@ -196,7 +200,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     // on kTileFull; the consumers sync on kTileFull, read it and arrive on kTileEmpty, on which
     // the producer syncs before it writes the next one. (Handed over with q_full / q_empty, the
     // same order held, but compute-sanitizer's racecheck does not follow mbarriers: 11 hazards.)
-    constexpr int kTileFull = 3, kTileEmpty = 4;  // 1 and 2: the consumers' ping-pong
+    constexpr int kTileFull = 4, kTileEmpty = 5;  // 1 .. 3: the consumers' turns (below)
     constexpr int kTileThreads = Tr::kConsumerThreads + 32;  // the consumers and the producer warp
     int& s_tile = *reinterpret_cast<int*>(smem_raw + (bars + 8u * Tr::kBarriers - smem_u32addr(smem_raw)));
 
@@ -337,7 +341,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     const bool o_store = Tr::kOStore && o_map_ok != 0 && p.cu_seqlens_q == nullptr;
     const bool o_leader = (tid & 127) == 0;  // issues, commits and waits for its stores
     const uint32_t sO_wg = sO + (uint32_t)(wg * Tr::kOWGBytes);
-    constexpr int kOBar = 5;  // + wg: the warpgroup's epilogue barrier (1-4 taken above)
+    constexpr int kOBar = 6;  // + wg: the warpgroup's epilogue barrier (1-5 taken above)
     if (o_store && o_leader) tma_prefetch_desc(&to);
     // A warp releases a slot (or Q) once its wgmma that read it has completed: wgmma_wait is
     // warp-synchronous, so one lane arrives for the warp.
@@ -377,7 +381,13 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         wgmma_commit();
     };
 
-    constexpr bool kPingPong = Tr::kConsumerWGs == 2;
+    // Turns (FA3's warp scheduler barriers): the consumer warpgroups issue their GEMMs one after
+    // the other, 0, 1, (2,) 0, ...: warpgroup wg waits on barrier 1 + wg, issues, and hands the
+    // turn to the next one on its barrier (128 threads arrive, 128 sync: 256 per phase).
+    constexpr int kWGs = Tr::kConsumerWGs;
+    const int next_wg = wg + 1 < kWGs ? wg + 1 : 0;
+    auto my_turn = [&]() { named_barrier_sync(1 + wg, 256); };
+    auto pass_turn = [&]() { named_barrier_arrive(1 + next_wg, 256); };
     int kv = 0;  // ring position, in step with the producer
     for (int qn = 0;; ++qn) {
         named_barrier_sync(kTileFull, kTileThreads);  // the next tile's index
@@ -395,8 +405,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         SoftmaxRow<float> row[2];
         row[0].init();
         row[1].init();
-        auto softmax = [&](const float (&s)[Tr::kSAcc], uint32_t (&pf)[Tr::kPVSteps][4],
-                           float (&alpha)[2], int nb) {
+        auto softmax = [&](float (&s)[Tr::kSAcc], float (&alpha)[2], int nb) {
             if (w.tiles.needs_mask(nb)) {
                 // The rows' key bounds are derived from row0 in each masked step (a few integer
                 // instructions, on boundary tiles only): row0 is made opaque here so that the
@@ -405,11 +414,11 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 // bytes at 240 registers; 0 now).
                 int r0 = row0;
                 asm volatile("" : "+r"(r0));
-                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, true>(s, pf, row, alpha, r0, nb * BLOCK_N,
+                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, true>(s, row, alpha, r0, nb * BLOCK_N,
                                                                t4, p, w.seq.seqlen_q, w.seq.seqlen_k,
                                                                CAUSAL, scale_log2);
             } else
-                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, false>(s, pf, row, alpha, row0, nb * BLOCK_N,
+                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, false>(s, row, alpha, row0, nb * BLOCK_N,
                                                                 t4, p, w.seq.seqlen_q, w.seq.seqlen_k,
                                                                 CAUSAL, scale_log2);
         };
@@ -427,59 +436,61 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 release(empty_k(kv % S));
                 if (n_tiles == 1) release(q_empty);
                 float alpha[2];
-                softmax(s, p_cur, alpha, w.n_block_min);
+                softmax(s, alpha, w.n_block_min);
+                wg_pack_p<T, BLOCK_N>(s, p_cur);
             }
-            // Ping-pong: warpgroup 1 hands the first turn to warpgroup 0.
-            if (kPingPong && wg == 1) named_barrier_arrive(1, Tr::kConsumerThreads);
+            // The last warpgroup hands the first turn to warpgroup 0.
+            if (wg == kWGs - 1) pass_turn();
 
             // ---- main loop: step i consumes V_i (P_i V_i) and K_{i+1} (S_{i+1}) ----
-            for (int i = 0; i < n_tiles; ++i) {
+            for (int i = 0; i + 1 < n_tiles; ++i) {
                 const int it = kv + i;
-                const bool has_next = i + 1 < n_tiles;
-                if (has_next) wait_k(it + 1);
+                wait_k(it + 1);
                 wait_v(it);
-                if (kPingPong) named_barrier_sync(1 + wg, Tr::kConsumerThreads);          // my turn
+                my_turn();
                 float s[Tr::kSAcc];
-                // O and P_i were last written by ordinary instructions (rescale, copy)
+                // O and P_i were last written by ordinary instructions (rescale, pack)
                 wgmma_fence_operand(o);
                 wgmma_fence_operand(p_cur);
                 wgmma_fence();
-                if (has_next) issue_qk(s, it + 1);
+                issue_qk(s, it + 1);
                 issue_pv(o, p_cur, it);
-                if (kPingPong) named_barrier_arrive(1 + (wg ^ 1), Tr::kConsumerThreads);  // theirs
-                if (has_next) {
-                    uint32_t p_next[Tr::kPVSteps][4];
-                    float alpha[2];
-                    wgmma_wait<1>();                   // S_{i+1} is done; P_i V_i may still run
-                    wgmma_fence_operand(s);
-                    release(empty_k((it + 1) % S));
-                    if (i + 2 == n_tiles) release(q_empty);  // the tile's last Q K^T
-                    softmax(s, p_next, alpha, w.n_block_min + i + 1);
-                    wgmma_wait<0>();                   // P_i V_i is done: O and P_i are free
-                    // P_i stays live to here, so that P_{i+1} is not built in its registers
-                    // while the P_i V_i group reads them (ptxas would serialise, C7513).
-                    wgmma_fence_operand(p_cur);
-                    wgmma_fence_operand(o);
-                    release(empty_v(it % S));
+                pass_turn();
+                float alpha[2];
+                wgmma_wait<1>();                   // S_{i+1} is done; P_i V_i may still run
+                wgmma_fence_operand(s);
+                release(empty_k((it + 1) % S));
+                if (i + 2 == n_tiles) release(q_empty);  // the tile's last Q K^T
+                softmax(s, alpha, w.n_block_min + i + 1);
+                wgmma_wait<0>();                   // P_i V_i is done: O and P_i are free
+                wgmma_fence_operand(p_cur);
+                wgmma_fence_operand(o);
+                release(empty_v(it % S));
 #pragma unroll
-                    for (int d = 0; d < Tr::kDTiles; ++d) {
-                        o[4 * d + 0] *= alpha[0];
-                        o[4 * d + 1] *= alpha[0];
-                        o[4 * d + 2] *= alpha[1];
-                        o[4 * d + 3] *= alpha[1];
-                    }
-#pragma unroll
-                    for (int kk = 0; kk < Tr::kPVSteps; ++kk)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) p_cur[kk][e] = p_next[kk][e];
-                } else {
-                    wgmma_wait<0>();
-                    wgmma_fence_operand(o);
-                    release(empty_v(it % S));
+                for (int d = 0; d < Tr::kDTiles; ++d) {
+                    o[4 * d + 0] *= alpha[0];
+                    o[4 * d + 1] *= alpha[0];
+                    o[4 * d + 2] *= alpha[1];
+                    o[4 * d + 3] *= alpha[1];
                 }
+                wg_pack_p<T, BLOCK_N>(s, p_cur);
             }
-            // Warpgroup 1 handed over one more turn than warpgroup 0 takes in the loop.
-            if (kPingPong && wg == 0) named_barrier_sync(1, Tr::kConsumerThreads);
+            // ---- last step: P V of the last key tile ----
+            {
+                const int it = kv + n_tiles - 1;
+                wait_v(it);
+                my_turn();
+                wgmma_fence_operand(o);
+                wgmma_fence_operand(p_cur);
+                wgmma_fence();
+                issue_pv(o, p_cur, it);
+                pass_turn();
+                wgmma_wait<0>();
+                wgmma_fence_operand(o);
+                release(empty_v(it % S));
+            }
+            // Warpgroup 0 was handed one more turn than it takes in the loop.
+            if (wg == 0) my_turn();
             kv += n_tiles;
         }
 

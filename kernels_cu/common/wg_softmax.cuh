@@ -15,7 +15,7 @@ namespace cf {
 // 16 bits in A-fragment order, and the factor alpha that rescales the old O (the arithmetic:
 // common/online_softmax.cuh, SoftmaxRow).
 template <typename T, int BLOCK_N, int NT, bool MASK>
-__device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], uint32_t (&pf)[BLOCK_N / 16][4],
+__device__ __forceinline__ void wg_softmax_step(float (&s)[BLOCK_N / 2],
                                                 SoftmaxRow<float> (&row)[2], float (&alpha)[2],
                                                 int row0, int k0, int t, const FwdParams& p,
                                                 int seqlen_q, int seqlen_k, bool causal,
@@ -77,12 +77,23 @@ __device__ __forceinline__ void wg_softmax_step(const float (&s)[BLOCK_N / 2], u
             const float p0 = SoftmaxRow<float>::prob(score(i, hh, 0), ref[hh], scale_log2);
             const float p1 = SoftmaxRow<float>::prob(score(i, hh, 1), ref[hh], scale_log2);
             sp[hh][i % kAcc] += p0 + p1;
-            // keys 8i + 2t, +1 of row g + 8 hh -> A register (i & 1) * 2 + hh of k-step i / 2
-            pf[i >> 1][(i & 1) * 2 + hh] = pack2<T>(p0, p1);
+            s[4 * i + 2 * hh] = p0;
+            s[4 * i + 2 * hh + 1] = p1;
         }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
         row[hh].l += sp[hh][0] + sp[hh][1];
+}
+
+// P (probabilities in the S accumulator's layout) packed to 16 bits as the A fragments of P V:
+// keys 8i + 2t, +1 of row g + 8 hh -> A register (i & 1) * 2 + hh of k-step i / 2.
+template <typename T, int BLOCK_N>
+__device__ __forceinline__ void wg_pack_p(const float (&s)[BLOCK_N / 2], uint32_t (&pf)[BLOCK_N / 16][4]) {
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            pf[i >> 1][(i & 1) * 2 + hh] = pack2<T>(s[4 * i + 2 * hh], s[4 * i + 2 * hh + 1]);
 }
 
 }  // namespace cf
