@@ -78,11 +78,14 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
        tile with that smallest ``block_m`` (a tile that has it already, rule 1b's, is kept).
     3. Under-filled GPU: if the default makes fewer CTAs (``batch_nheads * ceil(seqlen_q /
        block_m)``) than ``num_sms``, step down to the next smaller compiled ``block_m``.
+       3b. The TMA kernel's 192-row tile (hd64), causal, ``seqlen_k`` up to 1024: its 128-row
+       tile.
     4. Short keys: ``seqlen_k`` no longer than a smaller compiled ``block_n`` of the chosen
        ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` and ``isa`` if compiled).
 
-    ``causal`` changes the choice only at head dims up to 32 (rule 1b, measured): elsewhere
-    causal launches skip whole tiles above the diagonal with any tile shape.
+    ``causal`` changes the choice at head dims up to 32 (rule 1b) and at hd64 on the TMA kernel
+    (rule 3b), both measured: elsewhere causal launches skip whole tiles above the diagonal with
+    any tile shape.
 
     Parameters
     ----------
@@ -163,6 +166,17 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         smaller = [m for m in block_ms if m < tile[0]]
         if smaller and batch_nheads * -(-seqlen_q // tile[0]) < num_sms:
             tile = _first_with_block_m(tiles, smaller[-1])
+
+    # Rule 3b (after rule 3, which may have stepped down from 192 rows already): the TMA
+    # kernel's 192-row tile (hd64, three consumer warpgroups), causal, keys up to 1024: its
+    # 128-row tile. Measured (bench_tiles --isa tma, H200, bf16, 16k tokens, hidden
+    # 2048, session 18, experiments/results/session18/tiles_v62.jsonl): causal S = 1024 280
+    # TFLOP/s (128 x 128) against 247 (192 x 128); from S = 4096 192 x 128 wins, causal 411 / 495
+    # against 390 / 421 (S 4k / 16k), non-causal at every length (373 / 478 / 517 against 358 /
+    # 417 / 432 at S 1k / 4k / 16k). A causal 192-row tile computes more masked scores on the
+    # diagonal, a large share of a short sequence's tiles.
+    if tile[3] == "tma" and tile[0] == 192 and causal and seqlen_k <= 1024 and 128 in block_ms:
+        tile = _first_with_block_m(tiles, 128)
 
     # Rule 4. Provisional: to be measured by experiments/bench_tiles.py (seqlen_k <= 64).
     # Expected: when every key fits in a narrower tile, the wider one computes masked columns.

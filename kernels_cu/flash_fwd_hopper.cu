@@ -9,13 +9,15 @@
 //     with setmaxnreg): TMA copies of the Q tile and of a ring of STAGES K and V tiles into
 //     128-byte swizzled shared memory, each completing on a "full" mbarrier by its byte count; a
 //     slot is refilled once every consumer warp has released it on its "empty" mbarrier;
-//   * the consumers (BLOCK_M / 64 warpgroups of 64 query rows): in step i a warpgroup issues
-//     S_{i+1} = Q K_{i+1}^T and O += P_i V_i on the tensor cores, runs the softmax of S_{i+1}
-//     while P_i V_i runs (FA3 Sec. 3.2, intra-warpgroup overlap), then rescales O; two
-//     warpgroups take turns issuing their GEMMs (named barriers: ping-pong, FA3 Sec. 3.1); the
-//     output is normalised once and, for dense problems at hd64 / hd128, written through a
-//     shared O buffer per warpgroup by TMA stores (FA3's epilogue), else from registers.
-// The O buffer protocol (per consumer warpgroup, named barrier 5 + wg, 128 threads; its thread
+//   * the consumers (BLOCK_M / 64 warpgroups of 64 query rows: two, or three for hd64's 192
+//     rows): in step i a warpgroup issues S_{i+1} = Q K_{i+1}^T and O += P_i V_i on the tensor
+//     cores, runs the softmax of S_{i+1} in place (fp32 probabilities over S) while P_i V_i runs
+//     (FA3 Sec. 3.2, intra-warpgroup overlap), then, P_i V_i done, rescales O and packs the
+//     probabilities into P's registers (one P buffer, FA3's form); the warpgroups take turns
+//     issuing their GEMMs (named barriers: ping-pong, FA3 Sec. 3.1); the output is normalised
+//     once and, for dense problems at hd64 / hd128, written through a shared O buffer per
+//     warpgroup by TMA stores (FA3's epilogue), else from registers.
+// The O buffer protocol (per consumer warpgroup, named barrier 6 + wg, 128 threads; its thread
 // 0, the "leader", issues the stores): [leader: cp.async.bulk.wait_group.read 0 -- its previous
 // tile's stores have read the buffer] bar.sync; every thread writes its O fragment (swizzled),
 // fence.proxy.async.shared::cta; bar.sync; leader: one TMA store per 64-column tile, commit.
@@ -64,10 +66,10 @@ struct HopperFwdTraits {
     static constexpr int kSmemBytes = kSmemBase + kOBytes;
     // setmaxnreg: the registers the launch gives each thread (the register file's 64K over the
     // CTA's threads, in steps of 8: 168 at 384 threads, 128 at 512) move from the producer
-    // warpgroup to the consumers, FA3's split: 24 / 240 with two consumer warpgroups (O, S and P
-    // of hd128 take 160), 32 / 160 with three (hd64: 128). The counts must add up to the CTA's
-    // allocation exactly: with a producer at 32 beside two consumers at 240 the consumers'
-    // setmaxnreg.inc waited forever for registers (an H200 hang).
+    // warpgroup to the consumers, FA3's split: 24 / 240 with two consumer warpgroups (O, S and
+    // P of hd128 take 160 of them), 32 / 160 with three (hd64: 128). The counts must add up to
+    // the CTA's allocation exactly: with a producer at 32 beside two consumers at 240 the
+    // consumers' setmaxnreg.inc waited forever for registers (an H200 hang).
     static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
     static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
     static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
@@ -83,8 +85,7 @@ struct HopperFwdTraits {
     static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
     static_assert(HEADDIM == 64 || HEADDIM == 128 || HEADDIM == 256, "compiled head dims: 64, 128, 256");
     static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
-    static_assert(BLOCK_N == 64 || BLOCK_N == 80 || BLOCK_N == 128 || BLOCK_N == 176,
-                  "BLOCK_N: an N of common/wgmma.cuh");
+    static_assert(BLOCK_N == 80 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
     static_assert(STAGES >= 2 && STAGES <= 3, "K/V ring of 2 or 3 tiles");
     static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads == kLaunchRegs * kThreads,
                   "setmaxnreg: the counts add up to the launch's registers");
@@ -414,13 +415,13 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 // bytes at 240 registers; 0 now).
                 int r0 = row0;
                 asm volatile("" : "+r"(r0));
-                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, true>(s, row, alpha, r0, nb * BLOCK_N,
-                                                               t4, p, w.seq.seqlen_q, w.seq.seqlen_k,
-                                                               CAUSAL, scale_log2);
+                wg_softmax_step<BLOCK_N, Tr::kNTiles, true>(s, row, alpha, r0, nb * BLOCK_N, t4, p,
+                                                            w.seq.seqlen_q, w.seq.seqlen_k,
+                                                            CAUSAL, scale_log2);
             } else
-                wg_softmax_step<T, BLOCK_N, Tr::kNTiles, false>(s, row, alpha, row0, nb * BLOCK_N,
-                                                                t4, p, w.seq.seqlen_q, w.seq.seqlen_k,
-                                                                CAUSAL, scale_log2);
+                wg_softmax_step<BLOCK_N, Tr::kNTiles, false>(s, row, alpha, row0, nb * BLOCK_N, t4,
+                                                             p, w.seq.seqlen_q, w.seq.seqlen_k,
+                                                             CAUSAL, scale_log2);
         };
         const int n_tiles = w.n_tiles;
         if (n_tiles > 0) {

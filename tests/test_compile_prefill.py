@@ -146,28 +146,35 @@ def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
 
 def test_tma_rows_lead_on_sm90a():
     from cupyflash import heuristics
-    for hd, tile in ((128, (128, 128, 12, "tma")), (64, (128, 128, 12, "tma")),
-                     (256, (128, 64, 12, "tma"))):
+    for hd, tile in ((128, (128, 128, 12, "tma")), (64, (192, 128, 16, "tma")),
+                     (256, (128, 80, 12, "tma"))):
         for dtype in ("bfloat16", "float16"):
             assert heuristics.prefill_tiles(dtype, hd)[0] == tile
             for causal in (False, True):
                 assert heuristics.choose_prefill_tile(dtype, hd, 4096, 4096, causal,
                                                       batch_nheads=64) == tile
+    # rule 3b: hd64 causal with keys up to 1024 takes the 128-row tile; non-causal keeps 192
+    for sk, causal, rows in ((1024, True, 128), (1025, True, 192), (1024, False, 192)):
+        assert heuristics.choose_prefill_tile("bfloat16", 64, 4096, sk, causal,
+                                              batch_nheads=64)[:1] == (rows,), (sk, causal)
 
 
 def test_smem_formula_matches_kernel_traits():
     # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 3 mbarriers, the 8-byte
-    # tile index, 1024 bytes of alignment, and the two consumer warpgroups' O buffers (64 rows
-    # each) where they fit in 227 KB: hd64 and hd128, not hd256
+    # tile index, 1024 bytes of alignment, and the consumer warpgroups' O buffers (64 rows
+    # each, block_m / 64 of them) where they fit in 227 KB: hd64 and hd128, not hd256
     assert prefill.smem_bytes("bfloat16", 128, 128, 128, 2, isa="tma") == \
         (128 + 4 * 128) * 128 * 2 + 8 * 11 + 8 + 1024 + 2 * 64 * 128 * 2
     assert prefill.smem_bytes("float16", 64, 128, 128, 2, isa="tma") == \
         (128 + 4 * 128) * 64 * 2 + 8 * 11 + 8 + 1024 + 2 * 64 * 64 * 2
-    assert prefill.smem_bytes("bfloat16", 256, 128, 64, 2, isa="tma") == \
-        (128 + 4 * 64) * 256 * 2 + 8 * 11 + 8 + 1024
-    assert prefill.tma_o_bytes(256, 128, 64) == 0
-    assert [(c.headdim, c.o_store) for c in prefill.SUPPORTED
-            if c.isa == "tma" and c.dtype == "float16"] == [(64, True), (128, True), (256, False)]
+    assert prefill.smem_bytes("float16", 64, 192, 128, 2, isa="tma") == \
+        (192 + 4 * 128) * 64 * 2 + 8 * 11 + 8 + 1024 + 3 * 64 * 64 * 2
+    assert prefill.smem_bytes("bfloat16", 256, 128, 80, 2, isa="tma") == \
+        (128 + 4 * 80) * 256 * 2 + 8 * 11 + 8 + 1024
+    assert prefill.tma_o_bytes(256, 128, 80) == 0
+    assert [(c.headdim, c.block_m, c.o_store) for c in prefill.SUPPORTED
+            if c.isa == "tma" and c.dtype == "float16"] == [(64, 192, True), (64, 128, True),
+                                                             (128, 128, True), (256, 128, False)]
     assert not any(c.o_store for c in prefill.SUPPORTED if c.isa != "tma")
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
@@ -249,15 +256,16 @@ def test_padded_headdim_rejects(d):
                                           (24, "fwd_bf16_hd32_", None)])
 def test_configs_for_names_the_kernels_that_run_a_head_dim(d, first, rest):
     """Spelled out: hd72 runs TMA hd128 then mma.sync hd96; hd200 TMA hd256 then mma.sync hd224;
-    hd24 mma.sync hd32 first (TMA hd64 after them)."""
+    hd24 mma.sync hd32 first (TMA hd64's two tiles after them, 192 rows first)."""
     names = [prefill.spec_of(c, False).name for c in prefill.configs_for("bfloat16", d)]
     tma = [n for n in names if n.startswith("fwdtma")]
-    assert names[0].startswith(first) and len(tma) == 1
     if rest is not None:
+        assert names[0].startswith(first) and len(tma) == 1
         assert all(n.startswith(rest) for n in names[1:]), names
     else:
-        assert names[-1].startswith("fwdtma_bf16_hd64_")
-        assert all(n.startswith(first) for n in names[:-1]), names
+        assert names[0].startswith(first)
+        assert tma == names[-2:] == ["fwdtma_bf16_hd64_m192_n128_s2", "fwdtma_bf16_hd64_m128_n128_s2"]
+        assert all(n.startswith(first) for n in names[:-2]), names
 
 
 def test_padded_headdim_rejects_an_unknown_isa():
@@ -420,7 +428,7 @@ def test_tma_prepared_launch_passes_an_o_map_where_the_kernel_may_use_it(
         def __init__(self, *a, **kw):
             got.update(kw)
     monkeypatch.setattr(tma, "TmaLaunch", _Launch)
-    bn = 64 if hd == 256 else 128
+    bn = 80 if hd == 256 else 128
     spec = prefill.kernel_spec("float16", hd, 128, bn, 12, False, isa="tma")
     if varlen:
         p = _problem(varlen=True, batch=3, total_q=50, total_k=90, causal=False,
@@ -455,7 +463,7 @@ def test_tma_traits_match_the_host_smem_and_o_store():
         checks_.append(f'static_assert({t}::kSmemBytes == {c.smem_bytes}, "smem {c.headdim}");')
         checks_.append(f'static_assert({t}::kOStore == {str(c.o_store).lower()}, '
                        f'"o_store {c.headdim}");')
-    assert len(checks_) == 12
+    assert len(checks_) == 16  # 2 dtypes x 4 rows (hd64 192 and 128 rows, hd128, hd256)
     code = (jit.preprocess(prefill.TMA_SOURCE) + "\n" + "\n".join(checks_)
             + "\n__global__ void cf_traits_probe() {}\n")
     jit._compile_report_cached(code, "cf_traits_probe", "sm_90a", ())

@@ -11,18 +11,20 @@
 namespace cf {
 
 // The online-softmax step of one S tile for this thread's two rows (row0, row0 + 8): mask (on
-// boundary tiles), row max over the quad, the state update and P = exp2((S - m) c) packed to
-// 16 bits in A-fragment order, and the factor alpha that rescales the old O (the arithmetic:
-// common/online_softmax.cuh, SoftmaxRow).
-template <typename T, int BLOCK_N, int NT, bool MASK>
+// boundary tiles), row max over the quad, the state update, P = exp2((S - m) c) written over S
+// in place (fp32), and the factor alpha that rescales the old O (the arithmetic:
+// common/online_softmax.cuh, SoftmaxRow). wg_pack_p below packs P to 16 bits once the previous
+// P V has completed (flash_fwd_hopper.cu: one P buffer, FA3's form).
+template <int BLOCK_N, int NT, bool MASK>
 __device__ __forceinline__ void wg_softmax_step(float (&s)[BLOCK_N / 2],
                                                 SoftmaxRow<float> (&row)[2], float (&alpha)[2],
                                                 int row0, int k0, int t, const FwdParams& p,
                                                 int seqlen_q, int seqlen_k, bool causal,
                                                 float scale_log2) {
-    // s is only read: the S accumulator registers are never written by ordinary instructions
-    // while a wgmma group is pending (ptxas would serialise the wgmma pipeline, C7515; writing
-    // P over S in place, to save P_{i+1}'s 32 registers, does exactly that: NOTES v50).
+    // s is written while the previous P V group is pending, which ptxas accepts only when every
+    // path through the consumer's loop issues the same groups (the loop always issues Q K^T and
+    // P V, the last P V is peeled off): with `if (has_next)` around the Q K^T it serialised the
+    // wgmma pipeline (C7515; NOTES v55, v62).
     // The row max and row sum use kAcc independent partial results each (and both rows are
     // interleaved), so that they are not one chain of BLOCK_N / 4 dependent instructions:
     // with 2 warps per scheduler nothing else would hide that latency.

@@ -94,22 +94,11 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&r)[N][4]) {
 //          B(16xN, smem, MN-major: imm-trans-b = 1); scale_d as above.
 template <typename T, int N> struct Wgmma;
 
-// One macro per N (the register lists differ), instantiated for both 16-bit input types.
+// One macro per N (the register lists differ), instantiated for both 16-bit input types; each
+// N has the forms the TMA kernel uses. N = 64: O += P V at hd64 (rs_tn only).
 #define CF_WGMMA_M64N64K16(T, PTX_T) \
 template <> struct Wgmma<T, 64> { \
     static constexpr int kAcc = 32; \
-    static __device__ __forceinline__ void ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-            "%32, %33, p, 1, 1, 0, 0;\n}\n" \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
-    } \
     static __device__ __forceinline__ void rs_tn(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) { \
         asm volatile( \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
@@ -124,6 +113,7 @@ template <> struct Wgmma<T, 64> { \
     } \
 };
 
+// N = 128: S = Q K^T of 128-key tiles (ss), O += P V at hd128 and, in two halves, hd256 (rs_tn).
 #define CF_WGMMA_M64N128K16(T, PTX_T) \
 template <> struct Wgmma<T, 128> { \
     static constexpr int kAcc = 64; \
@@ -161,7 +151,7 @@ template <> struct Wgmma<T, 128> { \
     } \
 };
 
-// N = 80 (FA3's hd256 key tile), Q K^T only.
+// N = 80: S = Q K^T of hd256's 80-key tiles (FA3's; ss only).
 #define CF_WGMMA_M64N80K16(T, PTX_T) \
 template <> struct Wgmma<T, 80> { \
     static constexpr int kAcc = 40; \
@@ -180,42 +170,14 @@ template <> struct Wgmma<T, 80> { \
     } \
 };
 
-// N = 176 (FA3's hd128 key tile), Q K^T only: S = Q K^T with 176 keys per tile.
-#define CF_WGMMA_M64N176K16(T, PTX_T) \
-template <> struct Wgmma<T, 176> { \
-    static constexpr int kAcc = 88; \
-    static __device__ __forceinline__ void ss(float (&d)[88], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n176k16.f32." PTX_T "." PTX_T " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, " \
-            "%88, %89, p, 1, 1, 0, 0;\n}\n" \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-              "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-              "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-              "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]) \
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
-    } \
-};
-
 CF_WGMMA_M64N64K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N64K16(__half, "f16")
 CF_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N128K16(__half, "f16")
 CF_WGMMA_M64N80K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N80K16(__half, "f16")
-CF_WGMMA_M64N176K16(__nv_bfloat16, "bf16")
-CF_WGMMA_M64N176K16(__half, "f16")
 #undef CF_WGMMA_M64N64K16
 #undef CF_WGMMA_M64N128K16
-#undef CF_WGMMA_M64N176K16
 #undef CF_WGMMA_M64N80K16
 
 }  // namespace cf
