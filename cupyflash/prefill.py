@@ -188,7 +188,7 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 # for the O buffers). Measured (bench_tiles --isa tma, H200, bf16, session 18, NOTES v63-v65,
 # experiments/results/session18/tiles_v62.jsonl): hd64 192 x 128 1.04-1.20x 128 x 128 except
 # causal S 1k (0.88x: heuristics rule 3b); hd256 128 x 80 1.01-1.07x 128 x 64 at S 1k-16k.
-_TMA_TILES = {64: ((192, 128, 2), (128, 128, 2)), 128: ((128, 128, 2), (128, 144, 2), (128, 160, 2)), 256: ((128, 80, 2),)}
+_TMA_TILES = {64: ((192, 128, 2), (128, 128, 2)), 128: ((128, 128, 2),), 256: ((128, 80, 2),)}
 #: The TMA kernel's compiled head dims; every multiple of 8 up to 256 runs padded onto the next.
 TMA_HEADDIMS = tuple(sorted(_TMA_TILES))
 #: Head dims up to this one default to the mma.sync kernel's hd32 rows on sm_90a: the TMA

@@ -85,8 +85,7 @@ struct HopperFwdTraits {
     static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
     static_assert(HEADDIM == 64 || HEADDIM == 128 || HEADDIM == 256, "compiled head dims: 64, 128, 256");
     static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
-    static_assert(BLOCK_N == 80 || BLOCK_N == 128 || BLOCK_N == 144 || BLOCK_N == 160,
-                  "BLOCK_N: an N of common/wgmma.cuh");
+    static_assert(BLOCK_N == 80 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
     static_assert(STAGES >= 2 && STAGES <= 3, "K/V ring of 2 or 3 tiles");
     static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads == kLaunchRegs * kThreads,
                   "setmaxnreg: the counts add up to the launch's registers");
