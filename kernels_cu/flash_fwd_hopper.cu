@@ -386,7 +386,6 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     // the other, 0, 1, (2,) 0, ...: warpgroup wg waits on barrier 1 + wg, issues, and hands the
     // turn to the next one on its barrier (128 threads arrive, 128 sync: 256 per phase).
     constexpr int kWGs = Tr::kConsumerWGs;
-    constexpr bool kRescaleFirst = HEADDIM > 128;
     const int next_wg = wg + 1 < kWGs ? wg + 1 : 0;
     auto my_turn = [&]() { named_barrier_sync(1 + wg, 256); };
     auto pass_turn = [&]() { named_barrier_arrive(1 + next_wg, 256); };
@@ -428,7 +427,6 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         if (n_tiles > 0) {
             // ---- prologue: S_0 and its softmax ----
             uint32_t p_cur[Tr::kPVSteps][4];
-            float alpha[2];  // the factor of the last softmax step (O = 0 before the first)
             {
                 float s[Tr::kSAcc];
                 wait_k(kv);
@@ -438,6 +436,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 wgmma_fence_operand(s);
                 release(empty_k(kv % S));
                 if (n_tiles == 1) release(q_empty);
+                float alpha[2];
                 softmax(s, alpha, w.n_block_min);
                 wg_pack_p<T, BLOCK_N>(s, p_cur);
             }
@@ -445,18 +444,6 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             if (wg == kWGs - 1) pass_turn();
 
             // ---- main loop: step i consumes V_i (P_i V_i) and K_{i+1} (S_{i+1}) ----
-            // O is rescaled by the factor of P_i's softmax either after P_{i-1} V_{i-1} has
-            // completed (the end of step i - 1) or, kRescaleFirst, between issuing Q K_{i+1}^T
-            // and P_i V_i, under the Q K^T GEMM (FA3's order at hd256, where O is 128 registers).
-            auto rescale_o = [&](const float (&alpha)[2]) {
-#pragma unroll
-                for (int d = 0; d < Tr::kDTiles; ++d) {
-                    o[4 * d + 0] *= alpha[0];
-                    o[4 * d + 1] *= alpha[0];
-                    o[4 * d + 2] *= alpha[1];
-                    o[4 * d + 3] *= alpha[1];
-                }
-            };
             for (int i = 0; i + 1 < n_tiles; ++i) {
                 const int it = kv + i;
                 wait_k(it + 1);
@@ -468,13 +455,9 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 wgmma_fence_operand(p_cur);
                 wgmma_fence();
                 issue_qk(s, it + 1);
-                if constexpr (kRescaleFirst) {
-                    rescale_o(alpha);
-                    wgmma_fence_operand(o);
-                    wgmma_fence();
-                }
                 issue_pv(o, p_cur, it);
                 pass_turn();
+                float alpha[2];
                 wgmma_wait<1>();                   // S_{i+1} is done; P_i V_i may still run
                 wgmma_fence_operand(s);
                 release(empty_k((it + 1) % S));
@@ -484,7 +467,13 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 wgmma_fence_operand(p_cur);
                 wgmma_fence_operand(o);
                 release(empty_v(it % S));
-                if constexpr (!kRescaleFirst) rescale_o(alpha);
+#pragma unroll
+                for (int d = 0; d < Tr::kDTiles; ++d) {
+                    o[4 * d + 0] *= alpha[0];
+                    o[4 * d + 1] *= alpha[0];
+                    o[4 * d + 2] *= alpha[1];
+                    o[4 * d + 3] *= alpha[1];
+                }
                 wg_pack_p<T, BLOCK_N>(s, p_cur);
             }
             // ---- last step: P V of the last key tile ----
@@ -492,7 +481,6 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 const int it = kv + n_tiles - 1;
                 wait_v(it);
                 my_turn();
-                if constexpr (kRescaleFirst) rescale_o(alpha);
                 wgmma_fence_operand(o);
                 wgmma_fence_operand(p_cur);
                 wgmma_fence();
