@@ -169,12 +169,13 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
 
     # Rule 3b (after rule 3, which may have stepped down from 192 rows already): the TMA
     # kernel's 192-row tile (hd64, three consumer warpgroups), causal, keys up to 1024: its
-    # 128-row tile. Measured (bench_tiles --isa tma, H200, bf16, 16k tokens, hidden
-    # 2048, session 18, experiments/results/session18/tiles_v62.jsonl): causal S = 1024 280
-    # TFLOP/s (128 x 128) against 247 (192 x 128); from S = 4096 192 x 128 wins, causal 411 / 495
-    # against 390 / 421 (S 4k / 16k), non-causal at every length (373 / 478 / 517 against 358 /
-    # 417 / 432 at S 1k / 4k / 16k). A causal 192-row tile computes more masked scores on the
-    # diagonal, a large share of a short sequence's tiles.
+    # 128-row tile. Measured (bench_tiles --isa tma, H200, bf16, 16k tokens, hidden 2048,
+    # session 18, experiments/results/session18/tiles_v62.jsonl, tiles_hd64_rule3b.jsonl):
+    # causal S = 512 / 1024 200 / 280 TFLOP/s (128 x 128) against 180 / 247 (192 x 128); from
+    # S = 2048 192 x 128 wins, causal 357 / 411 / 495 against 346 / 390 / 421 (S 2k / 4k /
+    # 16k), non-causal at every length (313 / 373 / 451 / 478 / 517 against 304 / 358 / 395 /
+    # 417 / 432 at S 512 / 1k / 2k / 4k / 16k). A causal 192-row tile computes more masked
+    # scores on the diagonal, a large share of a short sequence's tiles.
     if tile[3] == "tma" and tile[0] == 192 and causal and seqlen_k <= 1024 and 128 in block_ms:
         tile = _first_with_block_m(tiles, 128)
 
