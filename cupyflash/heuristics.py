@@ -80,11 +80,13 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
        block_m)``) than ``num_sms``, step down to the next smaller compiled ``block_m``.
        3b. The TMA kernel's 192-row tile (hd64), causal, ``seqlen_k`` up to 1024: its 128-row
        tile.
+       3c. Padding: a tile of the same kernel with fewer rows that makes no more m-blocks (the
+       TMA kernel's 128 rows instead of 192 for ``seqlen_q`` up to 128, or 193-256).
     4. Short keys: ``seqlen_k`` no longer than a smaller compiled ``block_n`` of the chosen
        ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` and ``isa`` if compiled).
 
-    ``causal`` changes the choice at head dims up to 32 (rule 1b) and at hd64 on the TMA kernel
-    (rule 3b), both measured: elsewhere causal launches skip whole tiles above the diagonal with
+    ``causal`` changes the choice at head dims up to 32 (rule 1b) and at head dims 40-64 on the
+    TMA kernel (padded onto its hd64 rows: rule 3b), both measured: elsewhere causal launches skip whole tiles above the diagonal with
     any tile shape.
 
     Parameters
@@ -161,11 +163,21 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     else:
         # Rule 3. Provisional: to be measured by experiments/bench_tiles.py (batch * nheads * m-
         # blocks below, at and above num_sms). Expected: with fewer CTAs than SMs the idle SMs
-        # cost more than the extra K/V traffic of halving block_m (FlashAttention-2 Sec. 3.2
-        # parallelises over the sequence for exactly this reason).
+        # cost more than the extra K/V traffic of a smaller block_m (FlashAttention-2 Sec. 3.2
+        # parallelises over the sequence for exactly this reason). One step down: 128 -> 64
+        # rows, or 192 -> 128 on the TMA kernel at hd64 (not measured for under-filled grids).
         smaller = [m for m in block_ms if m < tile[0]]
         if smaller and batch_nheads * -(-seqlen_q // tile[0]) < num_sms:
             tile = _first_with_block_m(tiles, smaller[-1])
+        # Rule 3c. Reasoned, not measured: a shorter tile of the same kernel that makes no more
+        # m-blocks does the same CTAs with fewer padding rows (the TMA kernel at hd64: 128 rows
+        # instead of 192 for seqlen_q in 65..128 and 193..256, where a 192-row tile's third
+        # warpgroup, or 128 of its 384 rows, would compute rows past the sequence).
+        m_blocks = -(-seqlen_q // tile[0])
+        shorter = [t for t in tiles if t[3] == tile[3] and t[0] < tile[0]
+                   and -(-seqlen_q // t[0]) <= m_blocks]
+        if shorter:
+            tile = _first_with_block_m(shorter, min(t[0] for t in shorter))
 
     # Rule 3b (after rule 3, which may have stepped down from 192 rows already): the TMA
     # kernel's 192-row tile (hd64, three consumer warpgroups), causal, keys up to 1024: its
@@ -181,6 +193,9 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
 
     # Rule 4. Provisional: to be measured by experiments/bench_tiles.py (seqlen_k <= 64).
     # Expected: when every key fits in a narrower tile, the wider one computes masked columns.
+    # The narrower tile may be another kernel's (the TMA rows have one key tile each: hd64 /
+    # hd128 with up to 64 keys and hd256 with up to 64 take mma.sync's 128-row tiles); neither
+    # side of that has been measured at such short keys.
     narrower = [t for t in tiles if t[0] == tile[0] and t[1] < tile[1] and seqlen_k <= t[1]]
     if narrower:
         same_warps = [t for t in narrower if t[2:] == tile[2:]]

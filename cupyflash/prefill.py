@@ -7,8 +7,9 @@ partitioning of Sec. 3.2-3.3: one CTA per (``block_m`` query rows, head, batch),
 
 * ``"tma"``: ``kernels_cu/flash_fwd_hopper.cu``, FlashAttention-3 (Shah et al., arXiv
   2407.08608) on Hopper (sm_90a only): TMA loads by a producer warpgroup, two or three consumer
-  warpgroups with ``setmaxnreg``, warpgroup MMA with the intra-warpgroup overlap and ping-pong, a
-  persistent grid (dynamic tile order when causal); float16/bfloat16, head dims 64, 128, 256
+  warpgroups with ``setmaxnreg``, warpgroup MMA with the intra-warpgroup overlap and turns
+  between the consumers (FA3's ping-pong; round-robin with three), a persistent grid (dynamic
+  tile order when causal); float16/bfloat16, head dims 64, 128, 256
   (every multiple of 8 padded onto them), dense and varlen problems. The default on sm_90a;
   its launch passes four tensor maps (q, k, v and, dense, o: :mod:`cupyflash.tma`);
 * ``"mma"``: ``kernels_cu/flash_fwd.cu``, mma.sync m16n8k16 (sm_80+), float16/bfloat16, every head dim;
@@ -186,8 +187,9 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 # Listed first: the default on sm_90a. FlashAttention-3's tiles (bf16, its tile_size_fwd) except
 # hd128 non-causal, where its 128 x 176 ran at 0.85-0.96x of 128 x 128 here (no shared memory left
 # for the O buffers). Measured (bench_tiles --isa tma, H200, bf16, session 18, NOTES v63-v65,
-# experiments/results/session18/tiles_v62.jsonl): hd64 192 x 128 1.04-1.20x 128 x 128 except
-# causal S 1k (0.88x: heuristics rule 3b); hd256 128 x 80 1.01-1.07x 128 x 64 at S 1k-16k.
+# experiments/results/session18/tiles_v62.jsonl, tiles_hd64_rule3b.jsonl): hd64 192 x 128
+# 1.03-1.20x 128 x 128 except causal S 512 / 1k (0.90x / 0.88x: heuristics rule 3b); hd256
+# 128 x 80 1.01-1.07x 128 x 64 at S 1k-16k.
 _TMA_TILES = {64: ((192, 128, 2), (128, 128, 2)), 128: ((128, 128, 2),), 256: ((128, 80, 2),)}
 #: The TMA kernel's compiled head dims; every multiple of 8 up to 256 runs padded onto the next.
 TMA_HEADDIMS = tuple(sorted(_TMA_TILES))

@@ -14,9 +14,10 @@
 //     cores, runs the softmax of S_{i+1} in place (fp32 probabilities over S) while P_i V_i runs
 //     (FA3 Sec. 3.2, intra-warpgroup overlap), then, P_i V_i done, rescales O and packs the
 //     probabilities into P's registers (one P buffer, FA3's form); the warpgroups take turns
-//     issuing their GEMMs (named barriers: ping-pong, FA3 Sec. 3.1); the output is normalised
-//     once and, for dense problems at hd64 / hd128, written through a shared O buffer per
-//     warpgroup by TMA stores (FA3's epilogue), else from registers.
+//     issuing their GEMMs, round-robin (named barriers: FA3 Sec. 3.1's ping-pong with two
+//     warpgroups, 0, 1, 2, 0, ... with three); the output is normalised once and, for dense
+//     problems at hd64 / hd128, written through a shared O buffer per warpgroup by TMA stores
+//     (FA3's epilogue), else from registers.
 // The O buffer protocol (per consumer warpgroup, named barrier 6 + wg, 128 threads; its thread
 // 0, the "leader", issues the stores): [leader: cp.async.bulk.wait_group.read 0 -- its previous
 // tile's stores have read the buffer] bar.sync; every thread writes its O fragment (swizzled),

@@ -87,6 +87,17 @@ def test_tensor_core_specs_do_not_spill(reports, arch):
     assert not spilled, "tensor-core specialisations spill:\n" + "\n".join(spilled)
 
 
+def test_tma_kernels_get_exactly_the_registers_setmaxnreg_moves(reports):
+    """flash_fwd_hopper.cu's setmaxnreg split assumes the launch gives each thread the register
+    file over the CTA's threads in steps of 8 (168 at 384 threads, 128 at 512): with fewer, the
+    consumers' setmaxnreg.inc waits forever (an H200 hang, session 15)."""
+    tma = [s for s in prefill.all_specs() if s.name.startswith("fwdtma_")]
+    assert {prefill.config_of(s)[0].threads for s in tma} == {384, 512}
+    for s in tma:
+        threads = prefill.config_of(s)[0].threads
+        assert reports["sm_90a"][s.name].ptxas.registers == 65536 // threads // 8 * 8, s.name
+
+
 def test_table_is_consistent():
     specs = prefill.all_specs()
     names = [s.name for s in specs]

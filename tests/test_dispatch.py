@@ -683,3 +683,15 @@ def test_prefill_plan_says_when_it_assumed_an_h200():
     assert other.num_sms == 78 and other.reasons == []
     with pytest.raises(ValueError, match="num_sms: expected an int >= 1"):
         api.explain(q, q, q, num_sms=0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rule_3c_no_192_row_tile_where_128_rows_make_as_few_m_blocks(dtype):
+    """hd64 on the TMA kernel: 192 x 128 by default, but 128 x 128 where it makes no more
+    m-blocks (seqlen_q 65-128 and 193-256: the same CTAs with fewer padding rows)."""
+    for sq in (65, 100, 128, 193, 256):
+        assert heuristics.choose_prefill_tile(dtype, 64, sq, 4096, False,
+                                              batch_nheads=512)[:2] == (128, 128), sq
+    for sq in (129, 192, 257, 384, 4096):
+        assert heuristics.choose_prefill_tile(dtype, 64, sq, 4096, False,
+                                              batch_nheads=512)[:2] == (192, 128), sq

@@ -27,7 +27,7 @@ __device__ __forceinline__ void wg_softmax_step(float (&s)[BLOCK_N / 2],
     // wgmma pipeline (C7515; NOTES v55, v62).
     // The row max and row sum use kAcc independent partial results each (and both rows are
     // interleaved), so that they are not one chain of BLOCK_N / 4 dependent instructions:
-    // with 2 warps per scheduler nothing else would hide that latency.
+    // with 2-3 consumer warps per scheduler nothing else would hide that latency.
     constexpr int kAcc = 2;
     int lo[2] = {0, 0}, hi[2] = {0, 0};  // visible: lo <= 8i + e < hi (MASK only)
     if constexpr (MASK) {
