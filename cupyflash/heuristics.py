@@ -81,7 +81,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
        3b. The TMA kernel's 192-row tile (hd64), causal, ``seqlen_k`` up to 1024: its 128-row
        tile.
        3c. Padding: a tile of the same kernel with fewer rows that makes no more m-blocks (the
-       TMA kernel's 128 rows instead of 192 for ``seqlen_q`` up to 128, or 193-256).
+       TMA kernel's 128 rows instead of 192 for ``seqlen_q`` up to 128, or 193-256; measured).
     4. Short keys: ``seqlen_k`` no longer than a smaller compiled ``block_n`` of the chosen
        ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` and ``isa`` if compiled).
 
@@ -169,10 +169,14 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         smaller = [m for m in block_ms if m < tile[0]]
         if smaller and batch_nheads * -(-seqlen_q // tile[0]) < num_sms:
             tile = _first_with_block_m(tiles, smaller[-1])
-        # Rule 3c. Reasoned, not measured: a shorter tile of the same kernel that makes no more
-        # m-blocks does the same CTAs with fewer padding rows (the TMA kernel at hd64: 128 rows
-        # instead of 192 for seqlen_q in 65..128 and 193..256, where a 192-row tile's third
-        # warpgroup, or 128 of its 384 rows, would compute rows past the sequence).
+        # Rule 3c: a shorter tile of the same kernel that makes no more m-blocks does the same
+        # CTAs with fewer padding rows (the TMA kernel at hd64: 128 rows instead of 192 for
+        # seqlen_q in 65..128 and 193..256, where a 192-row tile's third warpgroup, or 128 of
+        # its 384 rows, computes rows past the sequence). Measured (bench_tiles --isa tma, H200,
+        # bf16, 16k tokens, session 18, experiments/results/session18/tiles_rule3c.jsonl):
+        # S = 128 168 / 73 TFLOP/s (non-causal / causal) against 136 / 61 for 192 x 128,
+        # S = 256 230 / 129 against 187 / 85; at S = 320 (3 m-blocks of 128, 2 of 192) 192 x 128
+        # wins non-causal, 216 against 187.
         m_blocks = -(-seqlen_q // tile[0])
         shorter = [t for t in tiles if t[3] == tile[3] and t[0] < tile[0]
                    and -(-seqlen_q // t[0]) <= m_blocks]
