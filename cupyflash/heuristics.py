@@ -86,8 +86,8 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
        ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` and ``isa`` if compiled).
 
     ``causal`` changes the choice at head dims up to 32 (rule 1b) and at head dims 40-64 on the
-    TMA kernel (padded onto its hd64 rows: rule 3b), both measured: elsewhere causal launches skip whole tiles above the diagonal with
-    any tile shape.
+    TMA kernel (padded onto its hd64 rows: rule 3b), both measured: elsewhere causal launches
+    skip whole tiles above the diagonal with any tile shape.
 
     Parameters
     ----------
@@ -181,7 +181,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         shorter = [t for t in tiles if t[3] == tile[3] and t[0] < tile[0]
                    and -(-seqlen_q // t[0]) <= m_blocks]
         if shorter:
-            tile = _first_with_block_m(shorter, min(t[0] for t in shorter))
+            tile = min(shorter, key=lambda t: t[0])  # (the table's first of the fewest rows)
 
     # Rule 3b (after rule 3, which may have stepped down from 192 rows already): the TMA
     # kernel's 192-row tile (hd64, three consumer warpgroups), causal, keys up to 1024: its
@@ -192,13 +192,13 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # 16k), non-causal at every length (313 / 373 / 451 / 478 / 517 against 304 / 358 / 395 /
     # 417 / 432 at S 512 / 1k / 2k / 4k / 16k). A causal 192-row tile computes more masked
     # scores on the diagonal, a large share of a short sequence's tiles.
-    if tile[3] == "tma" and tile[0] == 192 and causal and seqlen_k <= 1024 and 128 in block_ms:
-        tile = _first_with_block_m(tiles, 128)
+    if tile[3] == "tma" and tile[0] == 192 and causal and seqlen_k <= 1024:
+        tile = next((t for t in tiles if t[3] == "tma" and t[0] == 128), tile)
 
     # Rule 4. Provisional: to be measured by experiments/bench_tiles.py (seqlen_k <= 64).
     # Expected: when every key fits in a narrower tile, the wider one computes masked columns.
-    # The narrower tile may be another kernel's (the TMA rows have one key tile each: hd64 /
-    # hd128 with up to 64 keys and hd256 with up to 64 take mma.sync's 128-row tiles); neither
+    # The narrower tile may be another kernel's: the TMA rows have one key tile per head dim,
+    # so short keys at a 128-row TMA tile take an mma.sync 128-row tile with fewer keys. Neither
     # side of that has been measured at such short keys.
     narrower = [t for t in tiles if t[0] == tile[0] and t[1] < tile[1] and seqlen_k <= t[1]]
     if narrower:
