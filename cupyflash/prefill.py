@@ -38,7 +38,8 @@ from . import checks, jit
 __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
     "TMA_HEADDIMS", "TMA_FIRST_ABOVE", "padded_headdim", "configs_for", "smem_bytes",
-    "tma_o_bytes", "kernel_spec", "all_specs", "spec_of", "config_of", "launch_config",
+    "tma_o_bytes", "tma_o_in_v", "kernel_spec", "all_specs", "spec_of", "config_of",
+    "launch_config",
     "kernel_args", "args_template", "check_pointers", "launch", "prepared_launch",
 ]
 
@@ -103,11 +104,14 @@ class PrefillConfig:
 
     @property
     def o_store(self) -> bool:
-        """TMA rows whose kernel can write O through shared memory and TMA stores (it has the
-        O buffers: :func:`tma_o_bytes`); dense problems only, and only when the launch passes
-        an O map (:func:`cupyflash.tma.o_map_layout`)."""
-        return self.isa == "tma" and tma_o_bytes(self.headdim, self.block_m, self.block_n,
-                                                 self.stages) > 0
+        """TMA rows whose kernel can write O through shared memory and TMA stores (in its O
+        buffers, :func:`tma_o_bytes`, or through its V ring, :func:`tma_o_in_v`); dense
+        problems only, and only when the launch passes an O map
+        (:func:`cupyflash.tma.o_map_layout`)."""
+        if self.isa != "tma":
+            return False
+        dims = (self.headdim, self.block_m, self.block_n, self.stages)
+        return tma_o_bytes(*dims) > 0 or tma_o_in_v(*dims)
 
     @property
     def arch(self) -> str:
@@ -120,10 +124,19 @@ def tma_o_bytes(headdim: int, block_m: int, block_n: int, stages: int = 2) -> in
     """Shared memory of the TMA kernel's O buffers, bytes (``HopperFwdTraits::kOBytes``): one
     64 x ``headdim`` 16-bit tile per consumer warpgroup (``block_m / 64``) where they fit beside
     Q, the K/V ring and the barriers in :data:`MAX_SMEM_BYTES` (hd64, hd128), else 0 (hd256:
-    that kernel writes O from registers and has no O map)."""
+    :func:`tma_o_in_v`)."""
     base = (block_m + 2 * stages * block_n) * headdim * 2 + 8 * (4 * stages + 4) + 1024
     o = (block_m // 64) * 64 * headdim * 2
     return o if base + o <= MAX_SMEM_BYTES else 0
+
+
+def tma_o_in_v(headdim: int, block_m: int, block_n: int, stages: int = 2) -> bool:
+    """Whether the TMA kernel writes its O tiles through its V ring (``HopperFwdTraits::kOInV``,
+    FA3's epilogue at hd256): no room for O buffers (:func:`tma_o_bytes` is 0), and the
+    consumer warpgroups' O tiles fit in the ``stages`` V tiles. Such a kernel has one more
+    mbarrier (8 bytes: :func:`smem_bytes`)."""
+    return (tma_o_bytes(headdim, block_m, block_n, stages) == 0
+            and (block_m // 64) * 64 * headdim <= stages * block_n * headdim)
 
 
 def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int = 2,
@@ -132,14 +145,16 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
 
     tma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), the
     mbarriers, the handed-over tile index, 1024 bytes to align the base and the O buffers of
-    :func:`tma_o_bytes` (``HopperFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K
+    :func:`tma_o_bytes`, or the V ring's o_free mbarrier (:func:`tma_o_in_v`)
+    (``HopperFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K
     and V tiles, rows padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles
     and the P tile, rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
     """
     isz = _ITEMSIZE[dtype]
     if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index, O
         return ((block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 4) + 1024
-                + tma_o_bytes(headdim, block_m, block_n, stages))
+                + tma_o_bytes(headdim, block_m, block_n, stages)
+                + (8 if tma_o_in_v(headdim, block_m, block_n, stages) else 0))
     pad = 16 // isz
     row = headdim + pad
     if dtype in TC_DTYPES:

@@ -16,13 +16,16 @@
 //     probabilities into P's registers (one P buffer, FA3's form); the warpgroups take turns
 //     issuing their GEMMs, round-robin (named barriers: FA3 Sec. 3.1's ping-pong with two
 //     warpgroups, 0, 1, 2, 0, ... with three); the output is normalised once and, for dense
-//     problems at hd64 / hd128, written through a shared O buffer per warpgroup by TMA stores
-//     (FA3's epilogue), else from registers.
+//     problems, written through shared memory by TMA stores (FA3's epilogue): an O buffer per
+//     warpgroup at hd64 / hd128, the V ring at hd256 (kOInV); else from registers.
 // The O buffer protocol (per consumer warpgroup, named barrier 6 + wg, 128 threads; its thread
 // 0, the "leader", issues the stores): [leader: cp.async.bulk.wait_group.read 0 -- its previous
 // tile's stores have read the buffer] bar.sync; every thread writes its O fragment (swizzled),
 // fence.proxy.async.shared::cta; bar.sync; leader: one TMA store per 64-column tile, commit.
-// Before the leader exits: cp.async.bulk.wait_group 0. The LSE stays a plain store.
+// Before the leader exits: cp.async.bulk.wait_group 0. The LSE stays a plain store. kOInV (the
+// O tiles over the V ring): first a bar.sync of every consumer (all last P V GEMMs have read
+// V), and after the commit the leader waits for the stores' reads and arrives on o_free; the
+// producer loads a work tile's first V once o_free has completed for every earlier tile.
 // The producer hands each tile's index to the consumers (shared memory, between two named
 // barriers), so both roles walk the same tiles and the same ring positions.
 // Varlen (packed sequences, cu_seqlens): the tensor maps see the packed tensors as one batch
@@ -64,7 +67,11 @@ struct HopperFwdTraits {
     static constexpr int kOWGBytes = 64 * HEADDIM * 2;        // one warpgroup's O tile
     static constexpr bool kOStore = kSmemBase + kConsumerWGs * kOWGBytes <= 227 * 1024;
     static constexpr int kOBytes = kOStore ? kConsumerWGs * kOWGBytes : 0;
-    static constexpr int kSmemBytes = kSmemBase + kOBytes;
+    // Without room for O buffers (hd256), the O tiles go through the V ring instead (FA3's
+    // epilogue there) when they fit in it: the producer then loads a work tile's first V only
+    // once the previous tiles' stores have read O (one more mbarrier, o_free, after the index).
+    static constexpr bool kOInV = !kOStore && kConsumerWGs * kOWGBytes <= STAGES * kKVBytes;
+    static constexpr int kSmemBytes = kSmemBase + kOBytes + (kOInV ? 8 : 0);
     // setmaxnreg: the registers the launch gives each thread (the register file's 64K over the
     // CTA's threads, in steps of 8: 168 at 384 threads, 128 at 512) move from the producer
     // warpgroup to the consumers, FA3's split: 24 / 240 with two consumer warpgroups (O, S and
@@ -197,6 +204,9 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     const uint32_t q_full = bars + 8u * (uint32_t)(4 * S), q_empty = q_full + 8u;
     // a varlen sequence's last V tile lands here first (the producer cleans it, then fills full_v)
     const uint32_t v_landed = q_empty + 8u;
+    // kOInV: completes once per epilogue (one arrival per consumer warpgroup, once its stores
+    // have read the O tile out of the V ring); after the 8-byte tile index
+    const uint32_t o_free = bars + 8u * (uint32_t)Tr::kBarriers + 8u;
     // The producer hands each work tile's index to the consumers through shared memory, between
     // two named barriers (FA3's tile scheduler does the same): it writes the index, then arrives
     // on kTileFull; the consumers sync on kTileFull, read it and arrive on kTileEmpty, on which
@@ -222,9 +232,18 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         mbarrier_init(q_full, 1);
         mbarrier_init(q_empty, Tr::kConsumerWarps);
         mbarrier_init(v_landed, 1);
+        if (Tr::kOInV) mbarrier_init(o_free, Tr::kConsumerWGs);
         fence_proxy_async();  // the initialised barriers, before TMA completes bytes on them
     }
     __syncthreads();
+
+    // The epilogue writes O through shared memory and TMA stores (FA3) when the kernel has room
+    // for the O tiles (kOStore: their own buffers; kOInV: the V ring), the host encoded the O
+    // map (o_map_ok: dense, and out's strides and base are ones a tensor map accepts) and the
+    // problem is dense (a varlen tile's box would run past its sequence into the next one's
+    // rows); else from registers. Both roles need it: with kOInV the producer waits for o_free.
+    const bool o_store = (Tr::kOStore || Tr::kOInV) && o_map_ok != 0 && p.cu_seqlens_q == nullptr;
+    const bool o_in_v = Tr::kOInV && o_store;
 
     // ============================== producer ==============================
     if (wg == Tr::kConsumerWGs) {
@@ -262,6 +281,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         const bool varlen = p.cu_seqlens_k != nullptr;
         int kv = 0;       // K/V tiles loaded so far (ring position and phase)
         int v_tails = 0;  // V tiles that landed on v_landed so far (its phase)
+        int epilogues = 0;  // non-empty work tiles handed out so far (o_free's completions)
         for (int t = blockIdx.x, qn = 0;; t = next_tile(t), ++qn) {
             // the tile's index, once the consumers have read the previous one and their last
             // Q K^T of it has completed; t >= num_tiles tells them to stop
@@ -278,6 +298,13 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             }
             named_barrier_arrive(kTileFull, kTileThreads);
             const Work w(p, sched.get(t));
+            // o_in_v: the first V of this tile waits until the stores of every earlier tile have
+            // read O out of the V ring (the o_wait-th completion of o_free). A parity wait is
+            // enough: here the consumers have finished every earlier epilogue but the latest
+            // (they read the previous index after the one before it), and cannot finish this
+            // tile's before its first V.
+            const int o_wait = epilogues;
+            if (!w.empty()) ++epilogues;
             if (w.n_tiles <= 0) {  // no key: the consumers write 0 and -inf without Q
                 if (leader) mbarrier_arrive(q_full);
                 continue;
@@ -308,6 +335,8 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 // its one arrival (no bytes). Dense maps end at seqlen_k: TMA zero-fills there.
                 const bool v_tail = varlen && n0 + BLOCK_N > w.seq.seqlen_k;
                 const uint32_t v_bar = v_tail ? v_landed : full_v(st);
+                if (o_in_v && j == 0 && o_wait > 0)
+                    mbarrier_wait(o_free, (uint32_t)((o_wait - 1) & 1));
                 if (kv >= S) mbarrier_wait(empty_v(st), release);
                 if (leader) {
                     mbarrier_arrive_expect_tx(v_bar, Tr::kKVBytes);
@@ -336,14 +365,12 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     const int lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int g = lane >> 2, t4 = lane & 3;
     const float scale_log2 = p.scale_log2;
-    // The epilogue writes O through this warpgroup's shared O buffer and TMA stores (FA3) when
-    // the kernel has the buffers (kOStore), the host encoded the O map (o_map_ok: dense, and
-    // out's strides and base are ones a tensor map accepts) and the problem is dense (a varlen
-    // tile's box would run past its sequence into the next one's rows); else from registers.
-    const bool o_store = Tr::kOStore && o_map_ok != 0 && p.cu_seqlens_q == nullptr;
     const bool o_leader = (tid & 127) == 0;  // issues, commits and waits for its stores
-    const uint32_t sO_wg = sO + (uint32_t)(wg * Tr::kOWGBytes);
-    constexpr int kOBar = 6;  // + wg: the warpgroup's epilogue barrier (1-5 taken above)
+    // this warpgroup's O tile: its buffer, or (kOInV) its part of the V ring
+    const uint32_t sO_wg = (Tr::kOInV ? sV : sO) + (uint32_t)(wg * Tr::kOWGBytes);
+    // + wg: the warpgroup's epilogue barrier (1-5 taken above); + kWGs (kOInV): every consumer,
+    // before O goes over the V ring
+    constexpr int kOBar = 6;
     if (o_store && o_leader) tma_prefetch_desc(&to);
     // A warp releases a slot (or Q) once its wgmma that read it has completed: wgmma_wait is
     // warp-synchronous, so one lane arrives for the warp.
@@ -518,6 +545,9 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             // The leader's previous stores have read the buffer (wait_group.read), then the
             // barrier lets the warpgroup overwrite it.
             if (o_leader) bulk_wait_group_read<0>();
+            // kOInV: every warpgroup's last P V has read the V ring before any O is written
+            // over it (the warpgroups' O tiles straddle both ring slots)
+            if (Tr::kOInV) named_barrier_sync(kOBar + kWGs, Tr::kConsumerThreads);
             named_barrier_sync(kOBar + wg, 128);
             unsigned char* o_sm = smem_raw + (sO_wg - smem_u32addr(smem_raw));
 #pragma unroll
@@ -540,6 +570,10 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                         tma_store_4d(&to, sO_wg + (uint32_t)(c * 64 * 128), c * 64, w.h, r0, w.b);
                 }
                 bulk_commit_group();
+                if (o_in_v) {  // the V ring is the producer's again once the stores read it
+                    bulk_wait_group_read<0>();
+                    mbarrier_arrive(o_free);
+                }
             }
         } else {
 #pragma unroll

@@ -173,7 +173,8 @@ def test_tma_rows_lead_on_sm90a():
 def test_smem_formula_matches_kernel_traits():
     # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 3 mbarriers, the 8-byte
     # tile index, 1024 bytes of alignment, and the consumer warpgroups' O buffers (64 rows
-    # each, block_m / 64 of them) where they fit in 227 KB: hd64 and hd128, not hd256
+    # each, block_m / 64 of them) where they fit in 227 KB: hd64 and hd128; hd256 writes O
+    # through its V ring and has one more mbarrier (o_free, 8 bytes) instead
     assert prefill.smem_bytes("bfloat16", 128, 128, 128, 2, isa="tma") == \
         (128 + 4 * 128) * 128 * 2 + 8 * 11 + 8 + 1024 + 2 * 64 * 128 * 2
     assert prefill.smem_bytes("float16", 64, 128, 128, 2, isa="tma") == \
@@ -181,11 +182,13 @@ def test_smem_formula_matches_kernel_traits():
     assert prefill.smem_bytes("float16", 64, 192, 128, 2, isa="tma") == \
         (192 + 4 * 128) * 64 * 2 + 8 * 11 + 8 + 1024 + 3 * 64 * 64 * 2
     assert prefill.smem_bytes("bfloat16", 256, 128, 80, 2, isa="tma") == \
-        (128 + 4 * 80) * 256 * 2 + 8 * 11 + 8 + 1024
+        (128 + 4 * 80) * 256 * 2 + 8 * 11 + 8 + 1024 + 8
     assert prefill.tma_o_bytes(256, 128, 80) == 0
+    assert prefill.tma_o_in_v(256, 128, 80)  # two 64 x 256 O tiles (64 KB) in 2 x 80 V rows
+    assert not prefill.tma_o_in_v(256, 128, 32) and not prefill.tma_o_in_v(128, 128, 128)
     assert [(c.headdim, c.block_m, c.o_store) for c in prefill.SUPPORTED
             if c.isa == "tma" and c.dtype == "float16"] == [(64, 192, True), (64, 128, True),
-                                                             (128, 128, True), (256, 128, False)]
+                                                             (128, 128, True), (256, 128, True)]
     assert not any(c.o_store for c in prefill.SUPPORTED if c.isa != "tma")
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
@@ -426,12 +429,13 @@ def test_tma_o_map_of_dense_problems_and_its_fallbacks():
 
 
 @pytest.mark.parametrize("hd,varlen,reversed_out,want", [
-    (128, False, False, True), (64, False, False, True), (256, False, False, False),
+    (128, False, False, True), (64, False, False, True), (256, False, False, True),
     (128, True, False, False), (128, False, True, False)])
 def test_tma_prepared_launch_passes_an_o_map_where_the_kernel_may_use_it(
         monkeypatch, hd, varlen, reversed_out, want):
-    """prefill.prepared_launch gives TmaLaunch an O map for dense problems of the rows with O
-    buffers (hd64, hd128) whose out strides a map accepts; else none (o_map_ok = 0)."""
+    """prefill.prepared_launch gives TmaLaunch an O map for dense problems (every TMA row: O
+    buffers at hd64 / hd128, the V ring at hd256) whose out strides a map accepts; else none
+    (o_map_ok = 0)."""
     from cupyflash import tma
     got = {}
 
@@ -472,9 +476,11 @@ def test_tma_traits_match_the_host_smem_and_o_store():
         t = (f"cf::HopperFwdTraits<{prefill._CTYPE[c.dtype]}, {c.headdim}, {c.block_m}, "
              f"{c.block_n}, {c.stages}>")
         checks_.append(f'static_assert({t}::kSmemBytes == {c.smem_bytes}, "smem {c.headdim}");')
-        checks_.append(f'static_assert({t}::kOStore == {str(c.o_store).lower()}, '
-                       f'"o_store {c.headdim}");')
-    assert len(checks_) == 16  # 2 dtypes x 4 rows (hd64 192 and 128 rows, hd128, hd256)
+        checks_.append(f'static_assert(({t}::kOStore || {t}::kOInV) == '
+                       f'{str(c.o_store).lower()}, "o_store {c.headdim}");')
+        in_v = prefill.tma_o_in_v(c.headdim, c.block_m, c.block_n, c.stages)
+        checks_.append(f'static_assert({t}::kOInV == {str(in_v).lower()}, "o_in_v {c.headdim}");')
+    assert len(checks_) == 24  # 2 dtypes x 4 rows (hd64 192 and 128 rows, hd128, hd256) x 3
     code = (jit.preprocess(prefill.TMA_SOURCE) + "\n" + "\n".join(checks_)
             + "\n__global__ void cf_traits_probe() {}\n")
     jit._compile_report_cached(code, "cf_traits_probe", "sm_90a", ())

@@ -674,15 +674,49 @@ def test_varlen_call_on_the_tma_kernel(causal, d):
         assert int(arr.get()[0]) == 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tma_o_through_the_v_ring_between_tiles_without_keys(dtype):
+    """hd256 writes O through its V ring (kOInV): every work tile's epilogue, with keys or
+    without, must finish reading O before the producer loads the next keyed tile's V over it.
+    Causal with 300 more queries than keys (rows 0-299 see no key: 0 and -inf): each head's
+    first two 128-row tiles have no key at all and run between keyed tiles of other heads on
+    the persistent CTAs; 576 work tiles, so every CTA takes several. Out and lse NaN-poisoned;
+    checked against the reference, and repeated calls are bitwise equal."""
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the TMA kernel runs on sm_90a only")
+    rng = np.random.default_rng(300)
+    B, H, d, sk = 3, 24, 256, 700
+    sq = sk + 300
+    qh, kh, vh = host_inputs(rng, B, sq, sk, H, H, d, dtype)
+    q, k, v = to_dev(qh), to_dev(kh), to_dev(vh)
+    problem = check_attention(q, k, v, causal=True)
+    cfg = next(c for c in prefill.SUPPORTED if c.isa == "tma" and c.dtype == dtype
+               and c.headdim == 256)
+    assert cfg.o_store and prefill.tma_o_in_v(256, cfg.block_m, cfg.block_n, cfg.stages)
+    spec = prefill.spec_of(cfg, True)
+    runs = []
+    for _ in range(2):
+        out = nan_buffer((B, sq, H, d), dtype)
+        lse = cupy.full((B, H, sq), np.nan, dtype=np.float32)
+        prefill.launch(spec, q, k, v, out, lse, problem=problem)
+        runs.append((to_host(out), to_host(lse)))
+    assert_matches_reference(*runs[0], qh, kh, vh, dtype=dtype, causal=True,
+                             block_n=cfg.block_n, what=f"{spec.name} keyless tiles")
+    assert bits(runs[1][0]).tobytes() == bits(runs[0][0]).tobytes()
+    assert runs[1][1].tobytes() == runs[0][1].tobytes()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq", [1000, 1])
-@pytest.mark.parametrize("d", [64, 72, 128])
+@pytest.mark.parametrize("d", [64, 72, 128, 200, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_tma_o_store_epilogue_and_its_register_fallback(dtype, d, sq, causal):
-    """The TMA kernel's epilogue (issue 23, item 1): dense hd64 / hd128 problems write O through
-    a shared O buffer per consumer warpgroup and TMA stores (the O map: rows past seqlen_q and
-    columns past the head dim clipped); outs whose strides a tensor map refuses (reversed rows)
-    and calls whose out base the map refuses (8-byte aligned) are written from registers.
+    """The TMA kernel's epilogue (issue 23, item 1): dense problems write O through shared
+    memory and TMA stores, a buffer per consumer warpgroup at hd64 / hd128 and the V ring at
+    hd256 (the producer loads a tile's first V after the stores read O); the O map clips rows
+    past seqlen_q and columns past the head dim; outs whose strides a tensor map refuses
+    (reversed rows) and calls whose out base the map refuses (8-byte aligned) are written from
+    registers.
     Shapes whose last m-block is partial (1000 rows: 7 full blocks and 104 rows; 1 row: the
     second warpgroup's box entirely past the end). Every out is NaN before the call; every
     result matches the reference and the TMA-store results are bitwise equal to the register
