@@ -546,7 +546,7 @@ def prepared_launch(spec: jit.KernelSpec, kern, grid, block, smem: int, problem,
     :class:`cupyflash.launch.PreparedLaunch` (a plain launch: the prefill kernels do not wait for
     the previous kernel), or for TMA rows a :class:`cupyflash.tma.TmaLaunch` (the q, k, v and o
     tensor maps, the causal scheduler's counter and the O-map flag first; an O map for dense
-    problems of rows with the O buffers, :attr:`PrefillConfig.o_store`, whose ``out`` strides a
+    problems of rows that store O by TMA, :attr:`PrefillConfig.o_store`, whose ``out`` strides a
     map accepts), on device ``device_id`` (the current one)."""
     from . import launch
     n = len(strides)

@@ -17,13 +17,14 @@ packed tokens, batch = 1); box 64 x 1 x rows x 1 (64 elements = the 128-byte swi
 head dim of 128 or 256 is 2 or 4 boxes); elements outside the tensor are zero-filled on loads (rows
 past a dense sequence or past the packed tensor, columns past the actual head dim).
 
-The output of a dense problem is written the same way where the kernel has room for it (hd64,
-hd128: :func:`cupyflash.prefill.tma_o_bytes`): each consumer warpgroup stores its 64 x headdim
-tile into shared memory and one thread writes it with TMA stores through the O map
-(:func:`o_map_layout`: box 64 x 1 x 64 x 1; elements outside the tensor, rows past seqlen_q and
-columns past the head dim, are not written). A varlen problem (a box would run into the next
-sequence's rows), an ``out`` whose strides or base a tensor map refuses, or a kernel without the
-buffers (hd256) is written from registers: the launch passes the flag ``o_map_ok = 0``.
+The output of a dense problem is written the same way: each consumer warpgroup stores its
+64 x headdim tile into shared memory (its O buffer at hd64 / hd128,
+:func:`cupyflash.prefill.tma_o_bytes`; the V ring at hd256, :func:`cupyflash.prefill.tma_o_in_v`)
+and one thread writes it with TMA stores through the O map (:func:`o_map_layout`: box
+64 x 1 x 64 x 1; elements outside the tensor, rows past seqlen_q and columns past the head dim,
+are not written). A varlen problem (a box would run into the next sequence's rows) or an
+``out`` whose strides or base a tensor map refuses is written from registers: the launch passes
+the flag ``o_map_ok = 0``.
 """
 from __future__ import annotations
 
@@ -309,7 +310,7 @@ class TmaLaunch:
     arguments; each map is encoded on the first call and its address replaced when its pointer
     changes.
 
-    The O map (``o_map``) is optional: without one (varlen, hd256, strides a map refuses) the
+    The O map (``o_map``) is optional: without one (varlen, strides a map refuses) the
     fourth map is zeros and ``o_map_ok`` 0, and the kernel writes O from registers. With one,
     a call whose ``out`` pointer (the fourth pointer) the driver refuses (not 16-byte aligned)
     launches with ``o_map_ok`` 0 too, never with a stale map: that call's O is written from

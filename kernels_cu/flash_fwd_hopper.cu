@@ -562,12 +562,15 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             fence_proxy_async();                  // the generic writes, before TMA's reads
             named_barrier_sync(kOBar + wg, 128);  // every thread's writes and fence
             if (o_leader) {
-                // rows past seqlen_q and columns past headdim are outside the map: not written
+                // rows past seqlen_q and columns past headdim are outside the map: not written;
+                // at hd256 a column tile can lie wholly past the head dim (hd136-192): skipped
                 const int r0 = w.m0 + wg * 64;
                 if (r0 < w.seq.seqlen_q) {
 #pragma unroll
                     for (int c = 0; c < Tr::kColTiles; ++c)
-                        tma_store_4d(&to, sO_wg + (uint32_t)(c * 64 * 128), c * 64, w.h, r0, w.b);
+                        if (Tr::kColTiles <= 2 || c * 64 < p.headdim)
+                            tma_store_4d(&to, sO_wg + (uint32_t)(c * 64 * 128), c * 64, w.h,
+                                         r0, w.b);
                 }
                 bulk_commit_group();
                 if (o_in_v) {  // the V ring is the producer's again once the stores read it

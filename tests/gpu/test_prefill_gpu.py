@@ -674,41 +674,43 @@ def test_varlen_call_on_the_tma_kernel(causal, d):
         assert int(arr.get()[0]) == 0
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_tma_o_through_the_v_ring_between_tiles_without_keys(dtype):
+def test_tma_o_through_the_v_ring_across_many_tiles(dtype, causal):
     """hd256 writes O through its V ring (kOInV): every work tile's epilogue, with keys or
-    without, must finish reading O before the producer loads the next keyed tile's V over it.
-    Causal with 300 more queries than keys (rows 0-299 see no key: 0 and -inf): each head's
-    first two 128-row tiles have no key at all and run between keyed tiles of other heads on
-    the persistent CTAs; 576 work tiles, so every CTA takes several. Out and lse NaN-poisoned;
-    checked against the reference, and repeated calls are bitwise equal."""
+    without, must finish reading O before the producer loads the next keyed tile's V over it
+    (the producer's o_free wait). More work tiles than SMs, so every persistent CTA takes
+    several. Causal (the counter's order): 300 more queries than keys (rows 0-299 see no key:
+    0 and -inf), so each head's first two 128-row tiles have no key at all and run between
+    keyed tiles of other heads; 576 tiles. Non-causal (the static order): keyed tiles back to
+    back, 288 of them. Out and lse NaN-poisoned; checked against the reference; a second call
+    is bitwise equal. A broken hand-over hangs rather than fails: run under a timeout."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the TMA kernel runs on sm_90a only")
-    rng = np.random.default_rng(300)
-    B, H, d, sk = 3, 24, 256, 700
-    sq = sk + 300
+    rng = np.random.default_rng([300, int(causal)])
+    B, H, d, sk, sq = (3, 24, 256, 700, 1000) if causal else (2, 16, 256, 1100, 1100)
     qh, kh, vh = host_inputs(rng, B, sq, sk, H, H, d, dtype)
     q, k, v = to_dev(qh), to_dev(kh), to_dev(vh)
-    problem = check_attention(q, k, v, causal=True)
+    problem = check_attention(q, k, v, causal=causal)
     cfg = next(c for c in prefill.SUPPORTED if c.isa == "tma" and c.dtype == dtype
                and c.headdim == 256)
     assert cfg.o_store and prefill.tma_o_in_v(256, cfg.block_m, cfg.block_n, cfg.stages)
-    spec = prefill.spec_of(cfg, True)
+    spec = prefill.spec_of(cfg, causal)
     runs = []
     for _ in range(2):
         out = nan_buffer((B, sq, H, d), dtype)
         lse = cupy.full((B, H, sq), np.nan, dtype=np.float32)
         prefill.launch(spec, q, k, v, out, lse, problem=problem)
         runs.append((to_host(out), to_host(lse)))
-    assert_matches_reference(*runs[0], qh, kh, vh, dtype=dtype, causal=True,
-                             block_n=cfg.block_n, what=f"{spec.name} keyless tiles")
+    assert_matches_reference(*runs[0], qh, kh, vh, dtype=dtype, causal=causal,
+                             block_n=cfg.block_n, what=f"{spec.name} many tiles")
     assert bits(runs[1][0]).tobytes() == bits(runs[0][0]).tobytes()
     assert runs[1][1].tobytes() == runs[0][1].tobytes()
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq", [1000, 1])
-@pytest.mark.parametrize("d", [64, 72, 128, 200, 256])
+@pytest.mark.parametrize("d", [64, 72, 128, 136, 200, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_tma_o_store_epilogue_and_its_register_fallback(dtype, d, sq, causal):
     """The TMA kernel's epilogue (issue 23, item 1): dense problems write O through shared
