@@ -66,7 +66,7 @@ __device__ __forceinline__ void wg_softmax_step(float (&s)[BLOCK_N / 2],
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // hold one row
         alpha[hh] = row[hh].update_fused(mx, scale_log2);
         ref[hh] = row[hh].ref();
-        x[hh] = ref[hh] * scale_log2;
+        x[hh] = row[hh].x_ref(scale_log2);
     }
     // P = exp2(S c - x), one FFMA per score, when every row of the warp is fused (any real
     // model's scores); otherwise each row's own form (online_softmax.cuh).
