@@ -20,16 +20,6 @@
 // score changes no probability. Cost: one FADD and one FMUL per score where the fused form has
 // one FFMA.
 //
-// The fused form, for kernels with 16-bit P and O (the Hopper prefill kernel): p = exp2(fma(s, c,
-// -x)), one FFMA per score (FlashAttention-3's arithmetic), with x = round(m c) the row's reference
-// point in scaled units. x misses m c by e = m c - x, the same for every key of the row, so the
-// row's probabilities, l and acc all carry one factor exp2(-e), which cancels in acc / l, and the
-// LSE is taken from x: the result is the exact form's. The row uses it only while |x| < 2^11
-// (kFusedLimit): then |e| <= 2^-14, the max key's p = exp2(e) is 1 to within 2^-14, which 16-bit
-// P and O round away (one visible key still returns its V row exactly). Beyond, the row keeps e =
-// 0 and the exact form; a step whose rows are not all fused computes every p as exp2(fma(s - m,
-// c, e)), the same probabilities in either mode. The state carries e (0 in the exact form).
-//
 // An empty row keeps m = -inf, l = 0: output 0, LSE = -inf (never NaN). -inf is replaced by 0 as
 // the reference point of the exponentials, so that (-inf) - (-inf) = NaN never appears.
 #pragma once
@@ -63,17 +53,13 @@ __device__ __forceinline__ T softmax_ref(T m) { return m == neg_inf<T>() ? T(0) 
 template <typename T>
 __device__ __forceinline__ T softmax_weight(T x, T ref, T c) { return exp2_<T>((x - ref) * c); }
 
-// |x| below which a row may use the fused form (see the top of this file).
-constexpr float kFusedLimit = 2048.f;
-
-// Per-row state (m, l, e). l may be one thread's share of the row (the threads of a row add their
-// shares once, at the end: the kernel's shuffles); m and e are the same in every thread of the row.
+// Per-row state (m, l). l may be one thread's share of the row (the threads of a row add their
+// shares once, at the end: the kernel's shuffles); m is the same in every thread of the row.
 template <typename T>
 struct SoftmaxRow {
     T m, l;
-    T e;  // m c minus the reference point of the exponentials, scaled units: 0 in the exact form
 
-    __device__ __forceinline__ void init() { m = neg_inf<T>(); l = T(0); e = T(0); }
+    __device__ __forceinline__ void init() { m = neg_inf<T>(); l = T(0); }
 
     // Step 1 of a tile: fold in the tile's row max mx (raw; -inf when the tile shows the row no
     // key). Returns the factor alpha by which the caller multiplies its accumulator; l is
@@ -90,33 +76,8 @@ struct SoftmaxRow {
     // caller out of its loop over scores); the caller adds p V to acc and the row sum of p to l.
     static __device__ __forceinline__ T prob(T s, T ref, T c) { return softmax_weight<T>(s, ref, c); }
 
-    // The same two steps with the fused form allowed (16-bit kernels only). update_fused folds
-    // in mx like update and sets e: the row is fused when its reference point x = round(m c) has
-    // |x| < kFusedLimit. The factor is exp2(x_old - x_new), taken as (m_old - m_new) c + e_new -
-    // e_old in one FMA (exact when the maxima are close); m_old = -inf gives 0.
-    __device__ __forceinline__ T update_fused(T mx, T c) {
-        const T m_new = max_<T>(m, mx);
-        const T r = softmax_ref(m_new);
-        const T x = r * c;
-        const T e_new = fabs(x) < T(kFusedLimit) ? fma_<T>(r, c, -x) : T(0);
-        const T alpha = exp2_<T>(fma_<T>(m - r, c, e_new - e));
-        m = m_new;
-        e = e_new;
-        l *= alpha;
-        return alpha;
-    }
-    // The reference point in scaled units, m c - e (round(m c) for a fused row), and whether the
-    // row is fused: then every p of the step may be prob_fused(s, x, c) = exp2(fma(s, c, -x)).
-    __device__ __forceinline__ T x_ref(T c) const { return fma_<T>(ref(), c, -e); }
-    static __device__ __forceinline__ bool fused(T x) { return fabs(x) < T(kFusedLimit); }
-    static __device__ __forceinline__ T prob_fused(T s, T x, T c) { return exp2_<T>(fma_<T>(s, c, -x)); }
-    // Either mode: exp2(fma(s - m, c, e)) (the exact form when e = 0).
-    static __device__ __forceinline__ T prob_any(T s, T ref, T c, T e) {
-        return exp2_<T>(fma_<T>(s - ref, c, e));
-    }
-
     // Merge another share (m_o, l_o) of the same row, over other keys, into this one (the
-    // accumulators, if any, are scaled by merge_factor(m_x, m, c) of each side). Exact form.
+    // accumulators, if any, are scaled by merge_factor(m_x, m, c) of each side).
     __device__ __forceinline__ void merge(T m_o, T l_o, T c) {
         const T m_new = max_<T>(m, m_o);
         const T ref = softmax_ref(m_new);
@@ -125,12 +86,11 @@ struct SoftmaxRow {
     }
 
     // Finalisation, with l the whole row's sum: 1 / l (0 for an empty row, so the output is 0),
-    // and the natural-log LSE (m c - e) ln 2 + ln l, i.e. m * softmax_scale + ln l in the exact
-    // form (-inf for an empty row).
+    // and the natural-log LSE m * softmax_scale + ln l (-inf for an empty row).
     static __device__ __forceinline__ T inv_l(T l_row) { return l_row == T(0) ? T(0) : T(1) / l_row; }
     __device__ __forceinline__ T lse(T l_row, T c) const {
         const T ln2 = T(0.693147180559945309417232121458176568);
-        return l_row == T(0) ? neg_inf<T>() : fma_<T>(fma_<T>(m, c, -e), ln2, log_<T>(l_row));
+        return l_row == T(0) ? neg_inf<T>() : fma_<T>(m * c, ln2, log_<T>(l_row));
     }
 };
 

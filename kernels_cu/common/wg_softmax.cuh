@@ -11,8 +11,8 @@
 namespace cf {
 
 // The online-softmax step of one S tile for this thread's two rows (row0, row0 + 8): mask (on
-// boundary tiles), row max over the quad, the state update, P written over S in place (fp32;
-// the fused form exp2(S c - round(m c)) while the warp's rows allow it), and the factor alpha that rescales the old O (the arithmetic:
+// boundary tiles), row max over the quad, the state update, P = exp2((S - m) c) written over S
+// in place (fp32), and the factor alpha that rescales the old O (the arithmetic:
 // common/online_softmax.cuh, SoftmaxRow). wg_pack_p below packs P to 16 bits once the previous
 // P V has completed (flash_fwd_hopper.cu: one P buffer, FA3's form).
 template <int BLOCK_N, int NT, bool MASK>
@@ -58,43 +58,33 @@ __device__ __forceinline__ void wg_softmax_step(float (&s)[BLOCK_N / 2],
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
             mp[hh][i % kAcc] = fmaxf(mp[hh][i % kAcc], fmaxf(score(i, hh, 0), score(i, hh, 1)));
-    float ref[2], x[2];
+    float ref[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         float mx = fmaxf(mp[hh][0], mp[hh][1]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a quad
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // hold one row
-        alpha[hh] = row[hh].update_fused(mx, scale_log2);
+        alpha[hh] = row[hh].update(mx, scale_log2);
         ref[hh] = row[hh].ref();
-        x[hh] = row[hh].x_ref(scale_log2);
     }
-    // P = exp2(S c - x), one FFMA per score, when every row of the warp is fused (any real
-    // model's scores); otherwise each row's own form (online_softmax.cuh).
-    auto probs = [&](auto prob) {
-        float sp[2][kAcc];
+    float sp[2][kAcc];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
+    for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-            for (int a = 0; a < kAcc; ++a) sp[hh][a] = 0.f;
+        for (int a = 0; a < kAcc; ++a) sp[hh][a] = 0.f;
 #pragma unroll
-        for (int i = 0; i < NT; ++i)
+    for (int i = 0; i < NT; ++i)
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const float p0 = prob(score(i, hh, 0), hh);
-                const float p1 = prob(score(i, hh, 1), hh);
-                sp[hh][i % kAcc] += p0 + p1;
-                s[4 * i + 2 * hh] = p0;
-                s[4 * i + 2 * hh + 1] = p1;
-            }
+        for (int hh = 0; hh < 2; ++hh) {
+            const float p0 = SoftmaxRow<float>::prob(score(i, hh, 0), ref[hh], scale_log2);
+            const float p1 = SoftmaxRow<float>::prob(score(i, hh, 1), ref[hh], scale_log2);
+            sp[hh][i % kAcc] += p0 + p1;
+            s[4 * i + 2 * hh] = p0;
+            s[4 * i + 2 * hh + 1] = p1;
+        }
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-            row[hh].l += sp[hh][0] + sp[hh][1];
-    };
-    using Row = SoftmaxRow<float>;
-    if (__all_sync(0xffffffffu, Row::fused(x[0]) && Row::fused(x[1])))
-        probs([&](float sc, int hh) { return Row::prob_fused(sc, x[hh], scale_log2); });
-    else
-        probs([&](float sc, int hh) { return Row::prob_any(sc, ref[hh], scale_log2, row[hh].e); });
+    for (int hh = 0; hh < 2; ++hh)
+        row[hh].l += sp[hh][0] + sp[hh][1];
 }
 
 // P (probabilities in the S accumulator's layout) packed to 16 bits as the A fragments of P V:
