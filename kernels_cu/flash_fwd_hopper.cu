@@ -208,12 +208,15 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     // have read the O tile out of the V ring); after the 8-byte tile index
     const uint32_t o_free = bars + 8u * (uint32_t)Tr::kBarriers + 8u;
     // The producer hands each work tile's index to the consumers through shared memory, between
-    // two named barriers (FA3's tile scheduler does the same): it writes the index, then arrives
-    // on kTileFull; the consumers sync on kTileFull, read it and arrive on kTileEmpty, on which
-    // the producer syncs before it writes the next one. (Handed over with q_full / q_empty, the
-    // same order held, but compute-sanitizer's racecheck does not follow mbarriers: 11 hazards.)
-    constexpr int kTileFull = 4, kTileEmpty = 5;  // 1 .. 3: the consumers' turns (below)
+    // named barriers (FA3's tile scheduler does the same): it writes the index, then arrives on
+    // each consumer warpgroup's kTileFull + wg; a warpgroup syncs on its own, reads the index and
+    // arrives on kTileEmpty, on which the producer syncs (every consumer) before it writes the
+    // next one. One kTileFull per warpgroup, so that a warpgroup starts its next tile without
+    // waiting for the others' epilogues. (Handed over with q_full / q_empty, the same order held,
+    // but compute-sanitizer's racecheck does not follow mbarriers: 11 hazards.)
+    constexpr int kTileEmpty = 4, kTileFull = 9;  // 1 .. 3: the turns; 6 .. 8: the epilogue (below)
     constexpr int kTileThreads = Tr::kConsumerThreads + 32;  // the consumers and the producer warp
+    constexpr int kTileFullThreads = 128 + 32;               // a warpgroup and the producer warp
     int& s_tile = *reinterpret_cast<int*>(smem_raw + (bars + 8u * Tr::kBarriers - smem_u32addr(smem_raw)));
 
     const int tid = threadIdx.x;
@@ -290,13 +293,17 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 named_barrier_sync(kTileEmpty, kTileThreads);
             }
             if (leader) s_tile = t;
-            // (one arrival in each branch: with one before the test, ptxas spilled 40 bytes of
+            // (the arrivals in each branch: with them before the test, ptxas spilled 40 bytes of
             // the 24-register producer)
             if (t >= sched.num_tiles) {
-                named_barrier_arrive(kTileFull, kTileThreads);
+#pragma unroll
+                for (int c = 0; c < Tr::kConsumerWGs; ++c)
+                    named_barrier_arrive(kTileFull + c, kTileFullThreads);
                 break;
             }
-            named_barrier_arrive(kTileFull, kTileThreads);
+#pragma unroll
+            for (int c = 0; c < Tr::kConsumerWGs; ++c)
+                named_barrier_arrive(kTileFull + c, kTileFullThreads);
             const Work w(p, sched.get(t));
             // o_in_v: the first V of this tile waits until the stores of every earlier tile have
             // read O out of the V ring (the o_wait-th completion of o_free). A parity wait is
@@ -368,9 +375,11 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     const bool o_leader = (tid & 127) == 0;  // issues, commits and waits for its stores
     // this warpgroup's O tile: its buffer, or (kOInV) its part of the V ring
     const uint32_t sO_wg = (Tr::kOInV ? sV : sO) + (uint32_t)(wg * Tr::kOWGBytes);
-    // + wg: the warpgroup's epilogue barrier (1-5 taken above); + kWGs (kOInV): every consumer,
-    // before O goes over the V ring
+    // + wg: the warpgroup's epilogue barrier (1-4 and 9-11 taken above); + kWGs (kOInV): every
+    // consumer, before O goes over the V ring
     constexpr int kOBar = 6;
+    static_assert(kOBar + Tr::kConsumerWGs + (Tr::kOInV ? 1 : 0) <= kTileFull,
+                  "named barrier ids: the epilogue's run into the tile index's");
     if (o_store && o_leader) tma_prefetch_desc(&to);
     // A warp releases a slot (or Q) once its wgmma that read it has completed: wgmma_wait is
     // warp-synchronous, so one lane arrives for the warp.
@@ -412,14 +421,19 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
 
     // Turns (FA3's warp scheduler barriers): the consumer warpgroups issue their GEMMs one after
     // the other, 0, 1, (2,) 0, ...: warpgroup wg waits on barrier 1 + wg, issues, and hands the
-    // turn to the next one on its barrier (128 threads arrive, 128 sync: 256 per phase).
+    // turn to the next one on its barrier (128 threads arrive, 128 sync: 256 per phase). The
+    // order runs on across work tiles (every warpgroup takes n_tiles + 1 turns in a tile), so
+    // that one warpgroup's first Q K^T of a tile runs while the next finishes its epilogue: the
+    // last warpgroup hands warpgroup 0 the kernel's first turn, and warpgroup 0 takes the one
+    // left over after the last tile.
     constexpr int kWGs = Tr::kConsumerWGs;
     const int next_wg = wg + 1 < kWGs ? wg + 1 : 0;
     auto my_turn = [&]() { named_barrier_sync(1 + wg, 256); };
     auto pass_turn = [&]() { named_barrier_arrive(1 + next_wg, 256); };
+    if (wg == kWGs - 1) pass_turn();
     int kv = 0;  // ring position, in step with the producer
     for (int qn = 0;; ++qn) {
-        named_barrier_sync(kTileFull, kTileThreads);  // the next tile's index
+        named_barrier_sync(kTileFull + wg, kTileFullThreads);  // the next tile's index
         const int tile = s_tile;
         if (tile >= sched.num_tiles) break;
         named_barrier_arrive(kTileEmpty, kTileThreads);
@@ -458,8 +472,10 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             {
                 float s[Tr::kSAcc];
                 wait_k(kv);
+                my_turn();
                 wgmma_fence();
                 issue_qk(s, kv);
+                pass_turn();
                 wgmma_wait<0>();
                 wgmma_fence_operand(s);
                 release(empty_k(kv % S));
@@ -468,8 +484,6 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 softmax(s, alpha, w.n_block_min);
                 wg_pack_p<T, BLOCK_N>(s, p_cur);
             }
-            // The last warpgroup hands the first turn to warpgroup 0.
-            if (wg == kWGs - 1) pass_turn();
 
             // ---- main loop: step i consumes V_i (P_i V_i) and K_{i+1} (S_{i+1}) ----
             for (int i = 0; i + 1 < n_tiles; ++i) {
@@ -518,8 +532,6 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 wgmma_fence_operand(o);
                 release(empty_v(it % S));
             }
-            // Warpgroup 0 was handed one more turn than it takes in the loop.
-            if (wg == 0) my_turn();
             kv += n_tiles;
         }
 
@@ -595,6 +607,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             }
         }
     }
+    if (wg == 0) my_turn();  // the last turn passed (or the first, if the CTA had no keyed tile)
     // The shared memory of the CTA outlives no thread: the stores complete before their leader
     // exits (their reads of the O buffers above all).
     if (o_store && o_leader) bulk_wait_group<0>();
