@@ -11,6 +11,7 @@ builds, their medians, and ``ratio = after / before`` (below 1: the change is fa
 
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before            # full set
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --only decode --rounds 3
+    PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --prefill-seqlens 16384 --headdims 128
 
 Writes ``experiments/results/bench_ab.jsonl`` (one line per shape, with both commits and the GPU).
 """
@@ -39,7 +40,13 @@ DECODE = [("decode", "bfloat16", 128, b, 1, s, 32, 8, False, ps)
                            (64, 1024, 0), (64, 4096, 0), (16, 4096, 16), (64, 1024, 16))]
 
 
-def _worker(ops, out_path):
+def _prefill_shapes(seqlens, headdims):
+    """bf16 prefill at 16k tokens per batch, hidden 2048, causal and not, per (S, head dim)."""
+    return [("prefill", "bfloat16", hd, 16384 // s, s, s, 2048 // hd, 2048 // hd, c, 0)
+            for s in seqlens for hd in headdims for c in (False, True)]
+
+
+def _worker(ops, out_path, prefill=None):
     """Time every shape with whichever cupyflash is first on the path (imported before
     ``common``, which would put this checkout's first); write {key: median ms}."""
     import cupyflash  # noqa: F401  (the build under test: PYTHONPATH decides)
@@ -48,7 +55,8 @@ def _worker(ops, out_path):
     import numpy as np
     import common
     res = {"cupyflash": os.path.dirname(cupyflash.__file__)}
-    for op, dt, hd, b, sq, sk, h, hk, causal, ps in [s for s in PREFILL + DECODE if s[0] in ops]:
+    shapes = (PREFILL if prefill is None else [tuple(x) for x in prefill]) + DECODE
+    for op, dt, hd, b, sq, sk, h, hk, causal, ps in [s for s in shapes if s[0] in ops]:
         key = json.dumps([op, dt, hd, b, sq, sk, h, hk, causal, ps])
         q, k, v = common.random_qkv(b, sq, sk, h, hk, hd, dt, seed=1)
         if op == "prefill":
@@ -96,11 +104,23 @@ def main(argv=None) -> int:
     ap.add_argument("--before-commit", default=None, help="commit of --before (default: its git "
                     "HEAD, or 'unknown')")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_ab.jsonl")
-    ap.add_argument("--worker", nargs=2, metavar=("OPS", "PATH"), help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-seqlens", type=int, nargs="+", metavar="S",
+                    help="prefill shapes: bf16 at these S (16k tokens per batch, hidden 2048, "
+                    "causal and not) instead of the default set")
+    ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256],
+                    help="head dims of --prefill-seqlens")
+    ap.add_argument("--worker", nargs=3, metavar=("OPS", "PATH", "PREFILL"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        _worker(args.worker[0].split(","), args.worker[1])
+        _worker(args.worker[0].split(","), args.worker[1], json.loads(args.worker[2]))
         return 0
+    for s in args.prefill_seqlens or ():
+        if s < 1 or 16384 % s:
+            ap.error(f"--prefill-seqlens: {s} does not divide 16384 (16k tokens per batch)")
+    for hd in args.headdims:
+        if hd not in (64, 128, 256):
+            ap.error(f"--headdims: {hd} is not one of 64, 128, 256")
+    prefill = _prefill_shapes(args.prefill_seqlens, args.headdims) if args.prefill_seqlens else None
     if args.before is None:
         ap.error("--before: the root of the build to compare against is required")
     if not (args.before / "cupyflash").is_dir():
@@ -117,8 +137,8 @@ def main(argv=None) -> int:
             path = tmp / f"bench_ab_{side}_{r}.json"
             env = dict(os.environ, PYTHONPATH=str(sides[side]))
             print(f"round {r}: {side} ({sides[side]})", flush=True)
-            subprocess.run([sys.executable, __file__, "--worker", ",".join(ops), str(path)],
-                           env=env, check=True)
+            subprocess.run([sys.executable, __file__, "--worker", ",".join(ops), str(path),
+                            json.dumps(prefill)], env=env, check=True)
             runs[side].append(json.loads(path.read_text()))
     for side in sides:  # each side really imported its own build
         got = {Path(x["cupyflash"]).resolve().parent for x in runs[side]}
