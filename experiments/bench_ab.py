@@ -28,22 +28,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 # (op, dtype, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, paged page size or 0)
-PREFILL = [("prefill", dt, hd, 16384 // s, s, s, 2048 // hd, 2048 // hd, c, 0)
-           for dt, hd, s in (("bfloat16", 128, 4096), ("bfloat16", 64, 4096),
-                             ("bfloat16", 256, 4096), ("float16", 128, 4096),
-                             ("bfloat16", 128, 1024))
-           for c in (False, True)] + \
-          [("prefill", "float32", 64, 2, 1024, 1024, 8, 8, False, 0)]
+def _prefill_shapes(dtype_hd_s, causal=(False, True)):
+    """Prefill shapes at 16k tokens per batch and hidden 2048, one per (dtype, head dim, S) and
+    causal flag."""
+    return [("prefill", dt, hd, 16384 // s, s, s, 2048 // hd, 2048 // hd, c, 0)
+            for dt, hd, s in dtype_hd_s for c in causal]
+
+
+PREFILL = _prefill_shapes((("bfloat16", 128, 4096), ("bfloat16", 64, 4096),
+                           ("bfloat16", 256, 4096), ("float16", 128, 4096),
+                           ("bfloat16", 128, 1024))) + \
+    [("prefill", "float32", 64, 2, 1024, 1024, 8, 8, False, 0)]
 # Llama-3-8B decode heads (32 query, 8 KV, hd128), one new token, full caches
 DECODE = [("decode", "bfloat16", 128, b, 1, s, 32, 8, False, ps)
           for b, s, ps in ((1, 16384, 0), (1, 131072, 0), (16, 1024, 0), (16, 16384, 0),
                            (64, 1024, 0), (64, 4096, 0), (16, 4096, 16), (64, 1024, 16))]
-
-
-def _prefill_shapes(seqlens, headdims):
-    """bf16 prefill at 16k tokens per batch, hidden 2048, causal and not, per (S, head dim)."""
-    return [("prefill", "bfloat16", hd, 16384 // s, s, s, 2048 // hd, 2048 // hd, c, 0)
-            for s in seqlens for hd in headdims for c in (False, True)]
 
 
 def _worker(ops, out_path, prefill=None):
@@ -120,7 +119,10 @@ def main(argv=None) -> int:
     for hd in args.headdims:
         if hd not in (64, 128, 256):
             ap.error(f"--headdims: {hd} is not one of 64, 128, 256")
-    prefill = _prefill_shapes(args.prefill_seqlens, args.headdims) if args.prefill_seqlens else None
+    prefill = None
+    if args.prefill_seqlens:  # bf16 at each (S, head dim)
+        prefill = _prefill_shapes([("bfloat16", hd, s) for s in args.prefill_seqlens
+                                   for hd in args.headdims])
     if args.before is None:
         ap.error("--before: the root of the build to compare against is required")
     if not (args.before / "cupyflash").is_dir():
