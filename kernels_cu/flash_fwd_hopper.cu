@@ -489,7 +489,6 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
             for (int i = 0; i + 1 < n_tiles; ++i) {
                 const int it = kv + i;
                 wait_k(it + 1);
-                wait_v(it);
                 my_turn();
                 float s[Tr::kSAcc];
                 // O and P_i were last written by ordinary instructions (rescale, pack)
@@ -497,6 +496,9 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 wgmma_fence_operand(p_cur);
                 wgmma_fence();
                 issue_qk(s, it + 1);
+                // V_i only now: the Q K^T runs while a late V copy lands (the first V of a tile
+                // at hd256, whose ring held the previous tile's O until its stores read it)
+                wait_v(it);
                 issue_pv(o, p_cur, it);
                 pass_turn();
                 float alpha[2];
