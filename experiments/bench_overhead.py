@@ -6,6 +6,11 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   divided by the number of calls (``us_per_call``; the median of ``--repeats`` loops, each loop
   in ``us_all``). Where the GPU is the bottleneck this is the GPU time per call, elsewhere the
   host's.
+* host time: the same calls in bursts of ``--burst`` right after a synchronisation, timed
+  without synchronising (``host_us``, the median over ``--bursts`` bursts; ``host_us_min``):
+  what the host spends to enqueue one call while the launch queue is far from full, whatever
+  the GPU time. Where ``us_per_call`` is above both this and the GPU time, the host ran slower
+  in the loop than in the bursts (each call's bursts are timed right after its loops).
 * GPU time: the same cupyflash call (``validate=False``, ``out=`` and ``workspace=`` given)
   captured once in a torch CUDA graph and replayed ``--calls`` times (``variant:
   "cuda_graph"``): what the kernels take without any host work, the floor of the eager loops.
@@ -108,6 +113,29 @@ def eager_us(fn, calls: int, repeats: int, sync) -> list:
     return out
 
 
+def host_us(fn, burst: int, bursts: int, sync) -> list:
+    """Host microseconds per call of ``burst`` back-to-back calls started on an idle GPU (one
+    synchronisation before each burst, none inside the timing), per burst: the enqueue cost."""
+    fn()
+    out = []
+    for _ in range(bursts):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        out.append(1e6 * (time.perf_counter() - t0) / burst)
+    sync()
+    return out
+
+
+def _timed(fn, calls: int, repeats: int, sync, burst: int, bursts: int) -> dict:
+    """``us_per_call`` (eager loops) and ``host_us`` (bursts) of one call, with every sample."""
+    us = eager_us(fn, calls, repeats, sync)
+    hs = host_us(fn, burst, bursts, sync)
+    return dict(us_per_call=round(statistics.median(us), 2), us_all=[round(x, 2) for x in us],
+                host_us=round(statistics.median(hs), 2), host_us_min=round(min(hs), 2))
+
+
 def graph_us(torch, fn, calls: int, repeats: int) -> list:
     """Microseconds per replay of ``fn`` captured once in a torch CUDA graph."""
     side = torch.cuda.Stream()
@@ -122,7 +150,8 @@ def graph_us(torch, fn, calls: int, repeats: int) -> list:
     return eager_us(g.replay, calls, repeats, torch.cuda.synchronize)
 
 
-def measure_shape(shape, calls: int, repeats: int, prov: dict) -> list:
+def measure_shape(shape, calls: int, repeats: int, prov: dict, burst: int = 32,
+                  bursts: int = 40) -> list:
     import cupy
     import torch
 
@@ -169,10 +198,8 @@ def measure_shape(shape, calls: int, repeats: int, prov: dict) -> list:
         graph_fn = lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, out=out)  # noqa: E731
     records = []
     for impl, caller, variant, fn, sync in runs:
-        us = eager_us(fn, calls, repeats, sync)
         records.append(dict(base, impl=impl, caller=caller, variant=variant,
-                            us_per_call=round(statistics.median(us), 2),
-                            us_all=[round(x, 2) for x in us]))
+                            **_timed(fn, calls, repeats, sync, burst, bursts)))
     us = graph_us(torch, graph_fn, calls, repeats)
     records.append(dict(base, impl="cupyflash", caller="torch", variant="cuda_graph",
                         us_per_call=round(statistics.median(us), 2),
@@ -184,14 +211,13 @@ def measure_shape(shape, calls: int, repeats: int, prov: dict) -> list:
                                    select_per_call=False)
             layout = fn.layout
             with common.sdpa_backend(backend):
-                us = eager_us(fn, calls, repeats, tsync)
+                timed = _timed(fn, calls, repeats, tsync, burst, bursts)
         except Exception as e:  # noqa: BLE001 - a backend that rejects the shape: say why
             records.append(dict(base, impl=impl, caller="torch", variant="defaults",
                                 error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
         records.append(dict(base, impl=impl, caller="torch", variant="defaults",
-                            torch_layout=layout, us_per_call=round(statistics.median(us), 2),
-                            us_all=[round(x, 2) for x in us]))
+                            torch_layout=layout, **timed))
     return records
 
 
@@ -231,32 +257,47 @@ def _python_ref():
 def host_reference(calls: int, repeats: int, prov: dict) -> list:
     """How fast this host is, for comparing per-call numbers across machines and runs (the
     same GPU work took 12-25 us per call on three H200 hosts): microseconds per call of
-    :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device, and of an empty
-    CuPy kernel's launch (eager loops as above; the last one host-bound: the kernel is ~2 us)."""
+    :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device (no GPU work:
+    ``host_us`` is the loop's time), of an empty CuPy kernel's launch, and of the library's driver
+    launch (:class:`cupyflash.launch.PreparedLaunch`) of an empty kernel, plain and
+    programmatic-dependent (eager loops as above, and ``host_us`` from bursts: the enqueue)."""
     import cupy
+    import numpy as np
     import torch
+
+    from cupyflash import launch
     q = torch.empty((1, 1, 32, 128), dtype=torch.bfloat16, device="cuda")
     k = cupy.RawKernel('extern "C" __global__ void cf_empty() {}', "cf_empty")
     k((1,), (1,), ())
     cupy.cuda.Device().synchronize()
     n = 50 * calls
+    csync = cupy.cuda.Device().synchronize
+    stream = cupy.cuda.get_current_stream().ptr
     cases = [("python", "warm_path_like", _python_ref, lambda: None, n),
              ("torch", "empty_like", lambda: torch.empty_like(q), torch.cuda.synchronize, n),
-             ("cupy", "empty_kernel_launch", lambda: k((1,), (1,), ()),
-              cupy.cuda.Device().synchronize, calls)]
+             ("cupy", "empty_kernel_launch", lambda: k((1,), (1,), ()), csync, calls)]
+    k1 = cupy.RawKernel('extern "C" __global__ void cf_empty1(const void* p) {}', "cf_empty1")
+    k1((1,), (1,), (np.uint64(0),))
+    for pdl in (False, True):  # the library's driver launch of an empty kernel (one pointer)
+        run = launch.PreparedLaunch(k1, (1, 1, 1), (1, 1, 1), (np.uint64(0),), (0,), pdl=pdl)
+        cases.append(("driver", f"prepared_launch_pdl={pdl}",
+                      lambda run=run: run((0,), stream), csync, calls))
     recs = []
     for caller, variant, fn, sync, m in cases:
         us = eager_us(fn, m, repeats, sync)
+        hs = host_us(fn, 32, 40, sync) if caller in ("cupy", "driver") else us
         recs.append(dict(op="host", impl="reference", caller=caller, variant=variant, batch=0,
                          seqlen_q=0, seqlen_k=0, us_per_call=round(statistics.median(us), 3),
-                         us_all=[round(x, 3) for x in us], calls=m, **prov))
+                         us_all=[round(x, 3) for x in us], calls=m,
+                         host_us=round(statistics.median(hs), 3), **prov))
     return recs
 
 
 def table(records: list) -> str:
-    """Rows: shape x (impl, caller, variant); columns: before (the issue) and now (us/call)."""
-    lines = [f"{'shape':24s} {'impl':10s} {'caller':6s} {'variant':15s} {'before':>7s} "
-             f"{'now':>8s}"]
+    """Rows: shape x (impl, caller, variant); columns: before (the issue) and now (us/call of
+    the eager loop), and the host's enqueue time per call (``host_us``) where measured."""
+    lines = [f"{'shape':24s} {'impl':10s} {'caller':6s} {'variant':26s} {'before':>7s} "
+             f"{'now':>8s} {'host':>8s}"]
     for r in records:
         if r.get("variant") in ("cold_compile", "disk_cache"):
             continue
@@ -265,8 +306,9 @@ def table(records: list) -> str:
                           r["variant"]))
         now = (f"{r['us_per_call']:8.{3 if r['op'] == 'host' else 1}f}" if "us_per_call" in r
                else "   error")
-        lines.append(f"{shape:24s} {r['impl']:10s} {r['caller']:6s} {r['variant']:15s} "
-                     f"{old if old is not None else '':>7} {now}")
+        host = f"{r['host_us']:8.2f}" if "host_us" in r else ""
+        lines.append(f"{shape:24s} {r['impl']:10s} {r['caller']:6s} {r['variant']:26s} "
+                     f"{old if old is not None else '':>7} {now} {host}".rstrip())
     return "\n".join(lines)
 
 
@@ -275,6 +317,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
     ap.add_argument("--repeats", type=int, default=5, help="timed loops per measurement")
+    ap.add_argument("--burst", type=int, default=32,
+                    help="calls per burst of the host-time measurement (host_us)")
+    ap.add_argument("--bursts", type=int, default=40, help="bursts per host-time measurement")
     ap.add_argument("--quick", action="store_true", help="100 calls, 3 loops, no cold compile")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-compile processes")
     ap.add_argument("--out", default=str(RESULTS))
@@ -301,7 +346,7 @@ def main(argv=None) -> int:
               f"({cold['kernel']}); with CuPy's disk cache {warm['first_call_s']:.2f} s")
     recs += host_reference(args.calls, args.repeats, prov)
     for shape in SHAPES:
-        recs += measure_shape(shape, args.calls, args.repeats, prov)
+        recs += measure_shape(shape, args.calls, args.repeats, prov, args.burst, args.bursts)
     n = common.append_jsonl(args.out, recs)
     print(f"bench_overhead: wrote {n} records to {args.out} (commit {prov.get('commit')}, "
           f"{prov.get('gpu')})")

@@ -266,3 +266,17 @@ def test_bench_overhead_python_reference_and_its_table_row():
            "batch": 0, "seqlen_k": 0, "us_per_call": 0.8125}
     row = bench_overhead.table([rec]).splitlines()[1]
     assert row.split()[:5] == ["host", "b0", "x", "0", "reference"] and row.endswith("0.812")
+    row = bench_overhead.table([dict(rec, op="decode", batch=1, seqlen_k=4096, impl="cupyflash",
+                                     caller="torch", variant="defaults", us_per_call=17.94,
+                                     host_us=12.345)]).splitlines()[1]
+    assert row.split() == ["decode", "b1", "x", "4096", "cupyflash", "torch", "defaults", "261",
+                           "17.9", "12.35"]
+
+
+def test_bench_overhead_host_us_syncs_before_each_burst_only():
+    import bench_overhead
+    events = []
+    us = bench_overhead.host_us(lambda: events.append("call"), 3, 2, lambda: events.append("sync"))
+    # one warm-up call, then per burst a synchronisation and 3 calls, one synchronisation last
+    assert events == ["call"] + (["sync"] + ["call"] * 3) * 2 + ["sync"]
+    assert len(us) == 2 and all(x > 0 for x in us)
