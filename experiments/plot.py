@@ -90,16 +90,35 @@ def _log2_xticks(ax, xs):
     ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 else str(x) for x in xs])
 
 
+def _date(r) -> str:
+    return str(r.get("date") or (r.get("provenance") or {}).get("date") or "")
+
+
+def provenance_text(recs) -> str:
+    """``"<gpu>, commit <c>"`` when every plotted record comes from one commit; else every
+    commit with its number of records, newest first (by the records' dates): ``"<gpu>, commits
+    <c1> (n1), <c2> (n2)"`` (a figure that mixes runs says so)."""
+    newest = max(recs, key=_date)
+    gpu = newest.get("gpu") or (newest.get("provenance") or {}).get("gpu") or "CPU"
+    counts, when = {}, {}
+    for r in recs:
+        c = str(r.get("commit", ""))[:7]
+        counts[c] = counts.get(c, 0) + 1
+        when[c] = max(when.get(c, ""), _date(r))
+    if len(counts) == 1:
+        return f"{gpu}, commit {next(iter(counts))}"
+    order = sorted(counts, key=lambda c: when[c], reverse=True)
+    return f"{gpu}, commits " + ", ".join(f"{c} ({counts[c]})" for c in order)
+
+
 def _provenance_note(fig, recs):
-    r = recs[-1]
-    gpu = r.get("gpu") or (r.get("provenance") or {}).get("gpu") or "CPU"
-    commit = str(r.get("commit", ""))[:10]
-    fig.text(0.99, 0.005, f"{gpu}, commit {commit}", ha="right", va="bottom", fontsize=7, color="0.4")
+    fig.text(0.99, 0.005, provenance_text(recs), ha="right", va="bottom", fontsize=7,
+             color="0.4")
 
 
 def _save(fig, path: Path, recs=None) -> Path:
     """Write ``fig`` to ``path`` (PNG, 120 dpi) and close it; with ``recs``, first note the GPU
-    and commit of the newest record in the corner."""
+    and the commits of the plotted records in the corner (:func:`provenance_text`)."""
     if recs is not None:
         _provenance_note(fig, recs)
     fig.tight_layout()

@@ -328,3 +328,14 @@ def test_flush_modes_and_read_flush_kernel_compiles():
     prog = nvrtc.createProgram(common._READ_FLUSH_SRC, "read_flush.cu", [], [])
     nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90"])
     assert "cupyflash_read_flush" in nvrtc.getPTX(prog).decode()
+
+
+def test_provenance_text_names_every_commit_newest_first():
+    one = [dict(PROV, date="2026-12-01T00:00:00"), dict(PROV, date="2026-12-02T00:00:00")]
+    assert plot.provenance_text(one) == "NVIDIA H200, commit 0123456"
+    mixed = one + [{"gpu": "NVIDIA H200", "commit": "fedcba9876", "date": "2026-12-03T00:00:00"}]
+    assert plot.provenance_text(mixed) == "NVIDIA H200, commits fedcba9 (1), 0123456 (2)"
+    # the date may sit inside the record's provenance (exp_hbm, bench_tiles)
+    nested = [{"gpu": "G", "commit": "aaaaaaa1", "provenance": {"date": "2026-12-05"}},
+              {"gpu": "G", "commit": "bbbbbbb2", "provenance": {"date": "2026-12-04"}}]
+    assert plot.provenance_text(nested) == "G, commits aaaaaaa (1), bbbbbbb (1)"
