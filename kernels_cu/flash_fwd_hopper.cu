@@ -110,6 +110,11 @@ struct HopperFwdTraits {
 // (static). Causal tiles do not: the next tile goes to the CTA that asks first, from a global
 // counter (dynamic; FA3's scheduler for causal masks): a static stride puts tiles of nearly the
 // same length on the same CTA round after round when it is close to the number of m-blocks.
+// Causal, the last group is the tail group: at least 2 gridDim.x / num_m_blocks heads (the
+// groups before it keep their size), so that the work left after its longest tiles are handed
+// out is about one longest tile per CTA or more. With one small last group its longest tiles go
+// out when the other CTAs have only its short tiles left, and those CTAs then wait for them
+// (hd256, S 2k-8k: SMs active ~89% of the kernel's time against FA3's ~98%, NOTES v73).
 template <int BLOCK_M, bool CAUSAL>
 struct FwdTileScheduler {
     // 8 MB of the H100/H200's 50/60 MB: with 24 MB, DRAM reads were twice io_model's at S 4k-16k
@@ -117,6 +122,7 @@ struct FwdTileScheduler {
     // next. 8 MB is about one round's worth of tiles (132 CTAs) at S >= 2k.
     static constexpr long long kL2Bytes = 8ll << 20;
     int num_m_blocks, num_bh, nheads, group, num_tiles;
+    int tail_bh;  // first (batch, head) pair of the tail group (num_bh: none, non-causal)
 
     __device__ __forceinline__ FwdTileScheduler(const FwdParams& p, int headdim) {
         num_m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
@@ -126,6 +132,9 @@ struct FwdTileScheduler {
         // K and V of one query head (16-bit), shared by h_per_kv query heads
         const long long kv_bytes = max(1ll, (long long)p.seqlen_k * headdim * 4 / p.h_per_kv);
         group = (int)max(1ll, min((long long)num_bh, kL2Bytes / kv_bytes));
+        // a head's tiles add up to about num_m_blocks / 2 longest tiles
+        const int tail_min = (2 * (int)gridDim.x + num_m_blocks - 1) / max(num_m_blocks, 1);
+        tail_bh = CAUSAL ? num_bh - min(num_bh, max(group, tail_min)) : num_bh;
     }
 
     struct Work { int m_block, h, b; };
@@ -144,12 +153,21 @@ struct FwdTileScheduler {
 
 
     __device__ __forceinline__ Work get(int t) const {
-        const int span = group * num_m_blocks;
-        const int grp = t / span;
-        const int size = min(group, num_bh - grp * group);
-        const int r = t - grp * span;
+        const int head_tiles = tail_bh * num_m_blocks;  // the tiles before the tail group
+        int first, size, r;
+        if (t < head_tiles) {
+            const int span = group * num_m_blocks;
+            const int grp = t / span;
+            first = grp * group;
+            size = min(group, tail_bh - first);
+            r = t - grp * span;
+        } else {
+            first = tail_bh;
+            size = num_bh - tail_bh;
+            r = t - head_tiles;
+        }
         const int mi = r / size;
-        const int bh = grp * group + (r - mi * size);
+        const int bh = first + (r - mi * size);
         return Work{CAUSAL ? num_m_blocks - 1 - mi : mi, bh % nheads, bh / nheads};
     }
 };
