@@ -110,17 +110,21 @@ struct HopperFwdTraits {
 // (static). Causal tiles do not: the next tile goes to the CTA that asks first, from a global
 // counter (dynamic; FA3's scheduler for causal masks): a static stride puts tiles of nearly the
 // same length on the same CTA round after round when it is close to the number of m-blocks.
-// Causal, the last group is the tail group: at least 2 gridDim.x / num_m_blocks heads (the
-// groups before it keep their size), so that the work left after its longest tiles are handed
-// out is about one longest tile per CTA or more. With one small last group its longest tiles go
-// out when the other CTAs have only its short tiles left, and those CTAs then wait for them
-// (hd256, S 2k-8k: SMs active ~89% of the kernel's time against FA3's ~98%, NOTES v73).
+// Causal with fewer than kTailTilesPerCta tiles per CTA, the last group is the tail group: at
+// least 2 gridDim.x / num_m_blocks heads (the groups before it keep their size), so that the
+// work left after its longest tiles are handed out is about one longest tile per CTA or more.
+// With one small last group its longest tiles go out when the other CTAs have only its short
+// tiles left, and those CTAs then wait for them (hd256, S 2k-8k, ~8 tiles per CTA: SMs active
+// ~89% of the kernel's time against FA3's ~98%; the tail group: 6-8% faster). With more tiles
+// per CTA a longest tile is a smaller part of a CTA's work and the counter evens the end out
+// (hd128 / hd64, 15-21 tiles per CTA: the tail group 3% slower / 0-3% faster; NOTES v73).
 template <int BLOCK_M, bool CAUSAL>
 struct FwdTileScheduler {
     // 8 MB of the H100/H200's 50/60 MB: with 24 MB, DRAM reads were twice io_model's at S 4k-16k
     // (exp_hbm, NOTES v57): a group's K and V did not stay in L2 from one round of CTAs to the
     // next. 8 MB is about one round's worth of tiles (132 CTAs) at S >= 2k.
     static constexpr long long kL2Bytes = 8ll << 20;
+    static constexpr int kTailTilesPerCta = 12;
     int num_m_blocks, num_bh, nheads, group, num_tiles;
     int tail_bh;  // first (batch, head) pair of the tail group (num_bh: none, non-causal)
 
@@ -134,7 +138,8 @@ struct FwdTileScheduler {
         group = (int)max(1ll, min((long long)num_bh, kL2Bytes / kv_bytes));
         // a head's tiles add up to about num_m_blocks / 2 longest tiles
         const int tail_min = (2 * (int)gridDim.x + num_m_blocks - 1) / max(num_m_blocks, 1);
-        tail_bh = CAUSAL ? num_bh - min(num_bh, max(group, tail_min)) : num_bh;
+        const bool tail = CAUSAL && num_tiles < kTailTilesPerCta * (int)gridDim.x;
+        tail_bh = tail ? num_bh - min(num_bh, max(group, tail_min)) : num_bh;
     }
 
     struct Work { int m_block, h, b; };
