@@ -244,7 +244,7 @@ def test_plot_skips_missing_results(tmp_path, capsys):
 @pytest.mark.parametrize("script", ["bench_prefill", "bench_decode", "exp_memory", "exp_hbm",
                                     "bench_tiles", "bench_ceilings", "exp_numerics", "plot",
                                     "bench_overhead", "gpu_suite", "real_model", "bench_ab",
-                                    "ncu_prefill"])
+                                    "ncu_prefill", "sim_schedule"])
 def test_scripts_have_help(script):
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{script}.py"), "--help"],
                        capture_output=True, text=True, timeout=60)
