@@ -22,8 +22,9 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   reuses that cache (``--no-cold`` skips it).
 * host reference (``op: "host"``): how fast this machine's host is, so that runs on different
   machines can be compared (the same calls took 12-25 us on three H200 hosts in session 17):
-  a fixed piece of pure Python like the warm path's, ``torch.empty_like`` on the device, and an
-  empty CuPy kernel's launch, per call.
+  a fixed piece of pure Python like the warm path's, ``torch.empty_like`` on the device, an
+  empty CuPy kernel's launch, and the library's own driver launch of an empty kernel
+  (``PreparedLaunch``, plain and programmatic-dependent), per call.
 
 One JSON line per measurement (``op``, ``impl``, ``caller``, ``variant``, ``batch``,
 ``seqlen_q``, ``seqlen_k``, ``us_per_call``, ... and the provenance: ``commit``, ``gpu``, ...).
