@@ -9,7 +9,8 @@ issue's shapes; plus the cold JIT compile of one specialisation.
 * host time: the same calls in bursts of ``--burst`` right after a synchronisation, timed
   without synchronising (``host_us``, the median over ``--bursts`` bursts; ``host_us_min``):
   what the host spends to enqueue one call while the launch queue is far from full, whatever
-  the GPU time. Where ``us_per_call`` is above both this and the GPU time, the host ran slower
+  the GPU time; ``host_us_busy``: the same bursts queued behind a ~2 ms sleep kernel, so that
+  every launch finds the stream busy (does the driver's launch cost depend on it?). Where ``us_per_call`` is above both this and the GPU time, the host ran slower
   in the loop than in the bursts (each call's bursts are timed right after its loops).
 * GPU time: the same cupyflash call (``validate=False``, ``out=`` and ``workspace=`` given)
   captured once in a torch CUDA graph and replayed ``--calls`` times (``variant:
@@ -114,13 +115,17 @@ def eager_us(fn, calls: int, repeats: int, sync) -> list:
     return out
 
 
-def host_us(fn, burst: int, bursts: int, sync) -> list:
+def host_us(fn, burst: int, bursts: int, sync, busy=None) -> list:
     """Host microseconds per call of ``burst`` back-to-back calls started on an idle GPU (one
-    synchronisation before each burst, none inside the timing), per burst: the enqueue cost."""
+    synchronisation before each burst, none inside the timing), per burst: the enqueue cost.
+    With ``busy`` (a call that queues a long kernel on the same stream), each burst is enqueued
+    behind that kernel instead, so every launch finds the stream busy."""
     fn()
     out = []
     for _ in range(bursts):
         sync()
+        if busy is not None:
+            busy()
         t0 = time.perf_counter()
         for _ in range(burst):
             fn()
@@ -129,12 +134,23 @@ def host_us(fn, burst: int, bursts: int, sync) -> list:
     return out
 
 
-def _timed(fn, calls: int, repeats: int, sync, burst: int, bursts: int) -> dict:
-    """``us_per_call`` (eager loops) and ``host_us`` (bursts) of one call, with every sample."""
+def _timed(fn, calls: int, repeats: int, sync, burst: int, bursts: int, busy=None) -> dict:
+    """``us_per_call`` (eager loops) and ``host_us`` (bursts on an idle GPU) of one call, with
+    every sample; with ``busy``, also ``host_us_busy`` (bursts behind a long kernel)."""
     us = eager_us(fn, calls, repeats, sync)
     hs = host_us(fn, burst, bursts, sync)
-    return dict(us_per_call=round(statistics.median(us), 2), us_all=[round(x, 2) for x in us],
-                host_us=round(statistics.median(hs), 2), host_us_min=round(min(hs), 2))
+    rec = dict(us_per_call=round(statistics.median(us), 2), us_all=[round(x, 2) for x in us],
+               host_us=round(statistics.median(hs), 2), host_us_min=round(min(hs), 2))
+    if busy is not None:
+        rec["host_us_busy"] = round(statistics.median(host_us(fn, burst, bursts, sync, busy)), 2)
+    return rec
+
+
+def sleep_kernel(torch, us: float = 2000.0):
+    """A call that queues ``torch.cuda._sleep`` for about ``us`` microseconds (at 2 GHz) on
+    torch's current stream (the legacy default stream, CuPy's too, unless either was set)."""
+    cycles = int(us * 2000)
+    return lambda: torch.cuda._sleep(cycles)
 
 
 def graph_us(torch, fn, calls: int, repeats: int) -> list:
@@ -198,9 +214,10 @@ def measure_shape(shape, calls: int, repeats: int, prov: dict, burst: int = 32,
         out = torch.empty_like(q)
         graph_fn = lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, out=out)  # noqa: E731
     records = []
+    busy = sleep_kernel(torch)
     for impl, caller, variant, fn, sync in runs:
         records.append(dict(base, impl=impl, caller=caller, variant=variant,
-                            **_timed(fn, calls, repeats, sync, burst, bursts)))
+                            **_timed(fn, calls, repeats, sync, burst, bursts, busy)))
     us = graph_us(torch, graph_fn, calls, repeats)
     records.append(dict(base, impl="cupyflash", caller="torch", variant="cuda_graph",
                         us_per_call=round(statistics.median(us), 2),
@@ -212,7 +229,7 @@ def measure_shape(shape, calls: int, repeats: int, prov: dict, burst: int = 32,
                                    select_per_call=False)
             layout = fn.layout
             with common.sdpa_backend(backend):
-                timed = _timed(fn, calls, repeats, tsync, burst, bursts)
+                timed = _timed(fn, calls, repeats, tsync, burst, bursts, busy)
         except Exception as e:  # noqa: BLE001 - a backend that rejects the shape: say why
             records.append(dict(base, impl=impl, caller="torch", variant="defaults",
                                 error=f"{type(e).__name__}: {str(e)[:300]}"))
@@ -284,13 +301,18 @@ def host_reference(calls: int, repeats: int, prov: dict) -> list:
         cases.append(("driver", f"prepared_launch_pdl={pdl}",
                       lambda run=run: run((0,), stream), csync, calls))
     recs = []
+    busy = sleep_kernel(torch)
     for caller, variant, fn, sync, m in cases:
         us = eager_us(fn, m, repeats, sync)
-        hs = host_us(fn, 32, 40, sync) if caller in ("cupy", "driver") else us
+        extra = {}
+        if caller in ("cupy", "driver"):  # launches: the enqueue on an idle and a busy stream
+            extra = dict(host_us=round(statistics.median(host_us(fn, 32, 40, sync)), 3),
+                         host_us_busy=round(statistics.median(
+                             host_us(fn, 32, 40, sync, busy)), 3))
         recs.append(dict(op="host", impl="reference", caller=caller, variant=variant, batch=0,
                          seqlen_q=0, seqlen_k=0, us_per_call=round(statistics.median(us), 3),
                          us_all=[round(x, 3) for x in us], calls=m,
-                         host_us=round(statistics.median(hs), 3), **prov))
+                         **(extra or dict(host_us=round(statistics.median(us), 3))), **prov))
     return recs
 
 
@@ -298,7 +320,7 @@ def table(records: list) -> str:
     """Rows: shape x (impl, caller, variant); columns: before (the issue) and now (us/call of
     the eager loop), and the host's enqueue time per call (``host_us``) where measured."""
     lines = [f"{'shape':24s} {'impl':10s} {'caller':6s} {'variant':26s} {'before':>7s} "
-             f"{'now':>8s} {'host':>8s}"]
+             f"{'now':>8s} {'host':>8s} {'busy':>8s}"]
     for r in records:
         if r.get("variant") in ("cold_compile", "disk_cache"):
             continue
@@ -308,6 +330,8 @@ def table(records: list) -> str:
         now = (f"{r['us_per_call']:8.{3 if r['op'] == 'host' else 1}f}" if "us_per_call" in r
                else "   error")
         host = f"{r['host_us']:8.2f}" if "host_us" in r else ""
+        if "host_us_busy" in r:
+            host += f" {r['host_us_busy']:8.2f}"
         lines.append(f"{shape:24s} {r['impl']:10s} {r['caller']:6s} {r['variant']:26s} "
                      f"{old if old is not None else '':>7} {now} {host}".rstrip())
     return "\n".join(lines)

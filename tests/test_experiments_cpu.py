@@ -280,6 +280,10 @@ def test_bench_overhead_host_us_syncs_before_each_burst_only():
     # one warm-up call, then per burst a synchronisation and 3 calls, one synchronisation last
     assert events == ["call"] + (["sync"] + ["call"] * 3) * 2 + ["sync"]
     assert len(us) == 2 and all(x > 0 for x in us)
+    events.clear()  # busy: the long kernel queued after each synchronisation, before the burst
+    bench_overhead.host_us(lambda: events.append("call"), 2, 2, lambda: events.append("sync"),
+                           lambda: events.append("sleep"))
+    assert events == ["call"] + (["sync", "sleep"] + ["call"] * 2) * 2 + ["sync"]
 
 
 def test_sim_schedule_twin_is_a_permutation_and_matches_the_kernels_constants():
