@@ -6,7 +6,8 @@ tail group below ``TAIL_TILES_PER_CTA`` tiles per CTA). ``makespan`` hands the t
 order to ``grid`` CTAs, each tile to the CTA that becomes free first (the causal kernel's global
 counter), a tile costing its key blocks plus ``overhead`` blocks (prologue and epilogue), and
 returns the last CTA's finish over the ideal (total work / grid). A model of the schedule's
-balance only: no L2, no tensor-core or memory timing.
+balance only: no L2, no tensor-core or memory timing. Tiles: the dispatcher's own choice
+(:func:`cupyflash.heuristics.choose_prefill_tile`).
 
     python experiments/sim_schedule.py                  # the bench's causal shapes, bf16
     python experiments/sim_schedule.py --overhead 2 --grid 132
@@ -18,12 +19,22 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cupyflash
+from cupyflash.heuristics import choose_prefill_tile  # noqa: E402
 
 #: FwdTileScheduler::kL2Bytes and kTailTilesPerCta
 L2_BYTES = 8 << 20
 TAIL_TILES_PER_CTA = 12
-#: the TMA kernel's (BLOCK_M, BLOCK_N) per head dim (cupyflash.explain at S >= 1k, bf16)
-TILES = {64: (192, 128), 128: (128, 128), 256: (128, 80)}
+
+
+def tile(batch: int, nheads: int, seqlen: int, headdim: int, causal: bool, grid: int) -> tuple:
+    """``(block_m, block_n)`` the dispatcher picks for this bf16 self-attention shape."""
+    bm, bn, _, _ = choose_prefill_tile("bfloat16", headdim, seqlen, seqlen, causal, grid,
+                                       batch_nheads=batch * nheads)
+    return bm, bn
 
 
 def tile_order(batch: int, nheads: int, seqlen: int, headdim: int, block_m: int, causal: bool,
@@ -79,9 +90,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(f"{'hd':>3} {'S':>6} {'tiles/CTA':>9}  {'makespan / ideal: no tail':>26} "
           f"{'tail group':>10} {'kernel':>7}")
-    for hd, (bm, bn) in TILES.items():
+    for hd in (64, 128, 256):
         for s in (1024, 2048, 4096, 8192, 16384, 32768):
             b, h = max(1, args.tokens // s), args.hidden // hd
+            bm, bn = tile(b, h, s, hd, True, args.grid)
             spans = []
             for tail in (False, True, None):
                 order = tile_order(b, h, s, hd, bm, True, args.grid, tail=tail)

@@ -294,10 +294,10 @@ def test_sim_schedule_twin_is_a_permutation_and_matches_the_kernels_constants():
     import sim_schedule as sim
     for batch, nheads, seqlen, hd in ((1, 3, 1000, 64), (2, 8, 8192, 256), (5, 7, 777, 128),
                                       (16, 8, 1024, 256), (1, 1, 64, 128)):
-        bm = sim.TILES[hd][0]
-        n = -(-seqlen // bm) * batch * nheads
         for causal, tail in ((False, None), (True, None), (True, True), (True, False)):
             for grid in (1, 7, 132):
+                bm = sim.tile(batch, nheads, seqlen, hd, causal, grid)[0]
+                n = -(-seqlen // bm) * batch * nheads
                 order = sim.tile_order(batch, nheads, seqlen, hd, bm, causal, grid, tail=tail)
                 assert sorted(order) == sorted((m, bh) for m in range(-(-seqlen // bm))
                                                for bh in range(batch * nheads))
@@ -313,10 +313,11 @@ def test_sim_schedule_tail_group_evens_out_hd256_causal():
     CTA finishes >= 10% after the ideal with one small last group, within 3% with the tail
     group, and the kernel's rule takes the tail group there but not at hd128 (15.5 per CTA)."""
     import sim_schedule as sim
-    bm, bn = sim.TILES[256]
+    bm, bn = sim.tile(2, 8, 8192, 256, True, 132)
+    assert (bm, bn) == (128, 80)
     spans = {t: sim.makespan(sim.tile_order(2, 8, 8192, 256, bm, True, 132, tail=t),
                              8192, bm, bn, True, 132) for t in (False, True, None)}
     assert spans[False] > 1.10 and spans[True] < 1.03 and spans[None] == spans[True]
-    bm, bn = sim.TILES[128]
+    bm = sim.tile(2, 16, 8192, 128, True, 132)[0]
     assert sim.tile_order(2, 16, 8192, 128, bm, True, 132) == \
         sim.tile_order(2, 16, 8192, 128, bm, True, 132, tail=False)
