@@ -134,15 +134,18 @@ def host_us(fn, burst: int, bursts: int, sync, busy=None) -> list:
     return out
 
 
-def _timed(fn, calls: int, repeats: int, sync, burst: int, bursts: int, busy=None) -> dict:
+def _timed(fn, calls: int, repeats: int, sync, burst: int, bursts: int, busy=None,
+           digits: int = 2) -> dict:
     """``us_per_call`` (eager loops) and ``host_us`` (bursts on an idle GPU) of one call, with
     every sample; with ``busy``, also ``host_us_busy`` (bursts behind a long kernel)."""
     us = eager_us(fn, calls, repeats, sync)
     hs = host_us(fn, burst, bursts, sync)
-    rec = dict(us_per_call=round(statistics.median(us), 2), us_all=[round(x, 2) for x in us],
-               host_us=round(statistics.median(hs), 2), host_us_min=round(min(hs), 2))
+    rec = dict(us_per_call=round(statistics.median(us), digits),
+               us_all=[round(x, digits) for x in us],
+               host_us=round(statistics.median(hs), digits), host_us_min=round(min(hs), digits))
     if busy is not None:
-        rec["host_us_busy"] = round(statistics.median(host_us(fn, burst, bursts, sync, busy)), 2)
+        rec["host_us_busy"] = round(statistics.median(host_us(fn, burst, bursts, sync, busy)),
+                                    digits)
     return rec
 
 
@@ -275,8 +278,8 @@ def _python_ref():
 def host_reference(calls: int, repeats: int, prov: dict) -> list:
     """How fast this host is, for comparing per-call numbers across machines and runs (the
     same GPU work took 12-25 us per call on three H200 hosts): microseconds per call of
-    :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device (no GPU work:
-    ``host_us`` is the loop's time), of an empty CuPy kernel's launch, and of the library's driver
+    :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device, of an empty
+    CuPy kernel's launch, and of the library's driver
     launch (:class:`cupyflash.launch.PreparedLaunch`) of an empty kernel, plain and
     programmatic-dependent (eager loops as above, and ``host_us`` from bursts: the enqueue)."""
     import cupy
@@ -303,16 +306,11 @@ def host_reference(calls: int, repeats: int, prov: dict) -> list:
     recs = []
     busy = sleep_kernel(torch)
     for caller, variant, fn, sync, m in cases:
-        us = eager_us(fn, m, repeats, sync)
-        extra = {}
-        if caller in ("cupy", "driver"):  # launches: the enqueue on an idle and a busy stream
-            extra = dict(host_us=round(statistics.median(host_us(fn, 32, 40, sync)), 3),
-                         host_us_busy=round(statistics.median(
-                             host_us(fn, 32, 40, sync, busy)), 3))
+        # launches: the enqueue on an idle and on a busy stream as well
+        timed = _timed(fn, m, repeats, sync, 32, 40,
+                       busy if caller in ("cupy", "driver") else None, digits=3)
         recs.append(dict(op="host", impl="reference", caller=caller, variant=variant, batch=0,
-                         seqlen_q=0, seqlen_k=0, us_per_call=round(statistics.median(us), 3),
-                         us_all=[round(x, 3) for x in us], calls=m,
-                         **(extra or dict(host_us=round(statistics.median(us), 3))), **prov))
+                         seqlen_q=0, seqlen_k=0, calls=m, **timed, **prov))
     return recs
 
 

@@ -126,7 +126,7 @@ struct FwdTileScheduler {
     static constexpr long long kL2Bytes = 8ll << 20;
     static constexpr int kTailTilesPerCta = 12;
     int num_m_blocks, num_bh, nheads, group, num_tiles;
-    int tail_bh;  // first (batch, head) pair of the tail group (num_bh: none, non-causal)
+    int tail_bh;  // first (batch, head) pair of the tail group (num_bh: no tail group)
 
     __device__ __forceinline__ FwdTileScheduler(const FwdParams& p, int headdim) {
         num_m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
