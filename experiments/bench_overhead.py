@@ -11,7 +11,14 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   what the host spends to enqueue one call while the launch queue is far from full, whatever
   the GPU time; ``host_us_busy``: the same bursts queued behind a ~2 ms sleep kernel, so that
   every launch finds the stream busy (does the driver's launch cost depend on it?). Where ``us_per_call`` is above both this and the GPU time, the host ran slower
-  in the loop than in the bursts (each call's bursts are timed right after its loops).
+  in the loop than in the bursts (a shape's bursts are timed right after its loops).
+* interleaved rounds: the variants of one shape (and the host references among themselves) are
+  timed together, round r running loop r of every variant in turn, then burst b of every
+  variant in turn, then busy burst b likewise, so that a few seconds of interference on a
+  shared host spread over all the variants instead of landing on one (a run had CuPy
+  ``validate=False`` 5-7 us slower than CuPy defaults, one flag apart, when each variant was
+  timed in one stretch). Each variant keeps its warm-up, right before its first loop, its first
+  burst and its first busy burst.
 * GPU time: the same cupyflash call (``validate=False``, ``out=`` and ``workspace=`` given)
   captured once in a torch CUDA graph and replayed ``--calls`` times (``variant:
   "cuda_graph"``): what the kernels take without any host work, the floor of the eager loops.
@@ -36,6 +43,7 @@ The table printed last puts each number beside the issue's (measured before this
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -99,10 +107,11 @@ def cold_compile(cache_dir: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def eager_us(fn, calls: int, repeats: int, sync) -> list:
+def eager_us(fn, calls: int, repeats: int, sync, warmup: int | None = None) -> list:
     """Wall microseconds per call of ``calls`` back-to-back calls, one synchronisation, per
-    repeat (after a warm-up of ``calls // 10 + 3`` calls)."""
-    for _ in range(calls // 10 + 3):
+    repeat (after a warm-up of ``warmup`` calls, by default ``calls // 10 + 3``, and a
+    synchronisation)."""
+    for _ in range(calls // 10 + 3 if warmup is None else warmup):
         fn()
     sync()
     out = []
@@ -115,12 +124,14 @@ def eager_us(fn, calls: int, repeats: int, sync) -> list:
     return out
 
 
-def host_us(fn, burst: int, bursts: int, sync, busy=None) -> list:
+def host_us(fn, burst: int, bursts: int, sync, busy=None, warmup: int = 1) -> list:
     """Host microseconds per call of ``burst`` back-to-back calls started on an idle GPU (one
-    synchronisation before each burst, none inside the timing), per burst: the enqueue cost.
-    With ``busy`` (a call that queues a long kernel on the same stream), each burst is enqueued
-    behind that kernel instead, so every launch finds the stream busy."""
-    fn()
+    synchronisation before each burst, none inside the timing), per burst, after ``warmup``
+    calls: the enqueue cost. With ``busy`` (a call that queues a long kernel on the same
+    stream), each burst is enqueued behind that kernel instead, so every launch finds the
+    stream busy."""
+    for _ in range(warmup):
+        fn()
     out = []
     for _ in range(bursts):
         sync()
@@ -134,19 +145,40 @@ def host_us(fn, burst: int, bursts: int, sync, busy=None) -> list:
     return out
 
 
-def _timed(fn, calls: int, repeats: int, sync, burst: int, bursts: int, busy=None,
-           digits: int = 2) -> dict:
-    """``us_per_call`` (eager loops) and ``host_us`` (bursts on an idle GPU) of one call, with
-    every sample; with ``busy``, also ``host_us_busy`` (bursts behind a long kernel)."""
-    us = eager_us(fn, calls, repeats, sync)
-    hs = host_us(fn, burst, bursts, sync)
-    rec = dict(us_per_call=round(statistics.median(us), digits),
-               us_all=[round(x, digits) for x in us],
-               host_us=round(statistics.median(hs), digits), host_us_min=round(min(hs), digits))
-    if busy is not None:
-        rec["host_us_busy"] = round(statistics.median(host_us(fn, burst, bursts, sync, busy)),
-                                    digits)
-    return rec
+def _timed_interleaved(cases: list, repeats: int, burst: int, bursts: int,
+                       digits: int = 2) -> list:
+    """``us_per_call`` (median of ``repeats`` eager loops, each in ``us_all``), ``host_us`` and
+    ``host_us_min`` (bursts on an idle GPU) and, where the case has ``busy``, ``host_us_busy``
+    (bursts behind a long kernel): one dict per case. A case is ``(fn, sync, context, calls,
+    busy)``: ``context`` makes the context manager entered around each of the case's loops and
+    bursts (None: none), ``calls`` the calls per loop, ``busy`` None for no busy bursts.
+
+    The cases are interleaved: round r runs loop r of every case in turn; then round b runs
+    burst b of every case in turn, and then likewise the busy bursts. Each case's warm-ups
+    (:func:`eager_us`'s and :func:`host_us`'s) come right before its first loop, its first
+    burst and its first busy burst, as when the case was timed on its own."""
+    def within(context, f, *args):
+        with context() if context is not None else contextlib.nullcontext():
+            return f(*args)
+    us, hs, busy_hs = ([[] for _ in cases] for _ in range(3))
+    for r in range(repeats):
+        for (fn, sync, context, calls, _), out in zip(cases, us):
+            out += within(context, eager_us, fn, calls, 1, sync, None if r == 0 else 0)
+    for samples, with_busy in ((hs, False), (busy_hs, True)):  # idle bursts, then busy ones
+        for b in range(bursts):
+            for (fn, sync, context, _, busy), out in zip(cases, samples):
+                if not with_busy or busy is not None:
+                    out += within(context, host_us, fn, burst, 1, sync,
+                                  busy if with_busy else None, int(b == 0))
+    recs = []
+    for u, h, hb in zip(us, hs, busy_hs):
+        rec = dict(us_per_call=round(statistics.median(u), digits),
+                   us_all=[round(x, digits) for x in u],
+                   host_us=round(statistics.median(h), digits), host_us_min=round(min(h), digits))
+        if hb:
+            rec["host_us_busy"] = round(statistics.median(hb), digits)
+        recs.append(rec)
+    return recs
 
 
 def sleep_kernel(torch, us: float = 2000.0):
@@ -190,18 +222,22 @@ def measure_shape(shape, calls: int, repeats: int, prov: dict, burst: int = 32,
 
     def csync():
         cupy.cuda.Device().synchronize()
-    runs = []  # (impl, caller, variant, fn, sync)
+    records, runs = [], []  # runs: (record, fn, sync, context), timed together below
+
+    def add(impl, caller, variant, fn, sync, context=None, **extra):
+        records.append(dict(base, impl=impl, caller=caller, variant=variant, **extra))
+        runs.append((records[-1], fn, sync, context))
     if op == "decode":
         lens = torch.full((B,), SK, dtype=torch.int32, device=dev)
         qc, kc, vc, lc = (to_cupy(x) for x in (q, k, v, lens))
         for caller, (qq, kk, vv, ll), sync in (("torch", (q, k, v, lens), tsync),
                                                ("cupy", (qc, kc, vc, lc), csync)):
-            runs.append(("cupyflash", caller, "defaults",
-                         lambda qq=qq, kk=kk, vv=vv, ll=ll: cupyflash.flash_attn_with_kvcache(
-                             qq, kk, vv, cache_seqlens=ll), sync))
-            runs.append(("cupyflash", caller, "validate=False",
-                         lambda qq=qq, kk=kk, vv=vv, ll=ll: cupyflash.flash_attn_with_kvcache(
-                             qq, kk, vv, cache_seqlens=ll, validate=False), sync))
+            add("cupyflash", caller, "defaults",
+                lambda qq=qq, kk=kk, vv=vv, ll=ll: cupyflash.flash_attn_with_kvcache(
+                    qq, kk, vv, cache_seqlens=ll), sync)
+            add("cupyflash", caller, "validate=False",
+                lambda qq=qq, kk=kk, vv=vv, ll=ll: cupyflash.flash_attn_with_kvcache(
+                    qq, kk, vv, cache_seqlens=ll, validate=False), sync)
         ws = torch.zeros(max(decode.workspace_size(q, k, v, cache_seqlens=lens), 1),
                          dtype=torch.float32, device=dev)
         out = torch.empty_like(q)
@@ -211,34 +247,34 @@ def measure_shape(shape, calls: int, repeats: int, prov: dict, burst: int = 32,
         qc, kc, vc = (to_cupy(x) for x in (q, k, v))
         for caller, (qq, kk, vv), sync in (("torch", (q, k, v), tsync),
                                            ("cupy", (qc, kc, vc), csync)):
-            runs.append(("cupyflash", caller, "defaults",
-                         lambda qq=qq, kk=kk, vv=vv: cupyflash.flash_attn_func(
-                             qq, kk, vv, causal=causal), sync))
+            add("cupyflash", caller, "defaults",
+                lambda qq=qq, kk=kk, vv=vv: cupyflash.flash_attn_func(
+                    qq, kk, vv, causal=causal), sync)
         out = torch.empty_like(q)
         graph_fn = lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, out=out)  # noqa: E731
-    records = []
-    busy = sleep_kernel(torch)
-    for impl, caller, variant, fn, sync in runs:
-        records.append(dict(base, impl=impl, caller=caller, variant=variant,
-                            **_timed(fn, calls, repeats, sync, burst, bursts, busy)))
-    us = graph_us(torch, graph_fn, calls, repeats)
-    records.append(dict(base, impl="cupyflash", caller="torch", variant="cuda_graph",
-                        us_per_call=round(statistics.median(us), 2),
-                        us_all=[round(x, 2) for x in us]))
+    graph = dict(base, impl="cupyflash", caller="torch", variant="cuda_graph")
+    records.append(graph)
     for backend in ("cudnn", "flash", "efficient"):
         impl = f"sdpa_{backend}"
-        try:  # the backend selected once around the loop, not per call
+        # the backend selected around each loop and burst, not per call
+        context = lambda backend=backend: common.sdpa_backend(backend)  # noqa: E731
+        try:  # a backend that rejects the shape raises here, before the timed rounds
             fn = common.torch_sdpa(q, k, v, backend, causal=causal, enable_gqa=H != HK,
                                    select_per_call=False)
-            layout = fn.layout
-            with common.sdpa_backend(backend):
-                timed = _timed(fn, calls, repeats, tsync, burst, bursts, busy)
-        except Exception as e:  # noqa: BLE001 - a backend that rejects the shape: say why
+            with context():
+                fn()
+            tsync()
+        except Exception as e:  # noqa: BLE001 - say why
             records.append(dict(base, impl=impl, caller="torch", variant="defaults",
                                 error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
-        records.append(dict(base, impl=impl, caller="torch", variant="defaults",
-                            torch_layout=layout, **timed))
+        add(impl, "torch", "defaults", fn, tsync, context, torch_layout=fn.layout)
+    busy = sleep_kernel(torch)
+    cases = [(fn, sync, context, calls, busy) for _, fn, sync, context in runs]
+    for (rec, *_), timed in zip(runs, _timed_interleaved(cases, repeats, burst, bursts)):
+        rec.update(timed)
+    us = graph_us(torch, graph_fn, calls, repeats)
+    graph.update(us_per_call=round(statistics.median(us), 2), us_all=[round(x, 2) for x in us])
     return records
 
 
@@ -303,15 +339,13 @@ def host_reference(calls: int, repeats: int, prov: dict) -> list:
         run = launch.PreparedLaunch(k1, (1, 1, 1), (1, 1, 1), (np.uint64(0),), (0,), pdl=pdl)
         cases.append(("driver", f"prepared_launch_pdl={pdl}",
                       lambda run=run: run((0,), stream), csync, calls))
-    recs = []
-    busy = sleep_kernel(torch)
-    for caller, variant, fn, sync, m in cases:
-        # launches: the enqueue on an idle and on a busy stream as well
-        timed = _timed(fn, m, repeats, sync, 32, 40,
-                       busy if caller in ("cupy", "driver") else None, digits=3)
-        recs.append(dict(op="host", impl="reference", caller=caller, variant=variant, batch=0,
-                         seqlen_q=0, seqlen_k=0, calls=m, **timed, **prov))
-    return recs
+    busy = sleep_kernel(torch)  # launches: the enqueue on an idle and on a busy stream as well
+    timed = _timed_interleaved(
+        [(fn, sync, None, m, busy if caller in ("cupy", "driver") else None)
+         for caller, variant, fn, sync, m in cases], repeats, 32, 40, digits=3)
+    return [dict(op="host", impl="reference", caller=caller, variant=variant, batch=0,
+                 seqlen_q=0, seqlen_k=0, calls=m, **t, **prov)
+            for (caller, variant, fn, sync, m), t in zip(cases, timed)]
 
 
 def table(records: list) -> str:
