@@ -405,8 +405,7 @@ def _plan_prefill(problem, arch, report, predict, num_sms, max_smem_bytes, lengt
         feasible, rejected = _feasible_and_rejected(p, pad, causal, arch, max_smem_bytes)
     tiles = tuple((c.block_m, c.block_n, c.nwarps, c.isa) for c in feasible)
     tile = heuristics.choose_prefill_tile(p.dtype, p.headdim, p.seqlen_q, p.seqlen_k, causal,
-                                          num_sms, batch_nheads=p.batch * p.nheads, tiles=tiles,
-                                          windowed=tuple(p.window_size) != (-1, -1))
+                                          num_sms, batch_nheads=p.batch * p.nheads, tiles=tiles)
     chosen = feasible[tiles.index(tile)]
     if reasons:
         for cfg in feasible:

@@ -66,7 +66,7 @@ def _first_with_block_m(tiles, block_m):
 
 def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, causal: bool,
                         num_sms: int = H200_SMS, *, batch_nheads: int = 1,
-                        tiles: tuple | None = None, windowed: bool = False) -> tuple:
+                        tiles: tuple | None = None) -> tuple:
     """Tile ``(block_m, block_n, nwarps, isa)`` of the prefill kernel for one problem.
 
     Rules, in order (each one's evidence is in the comment beside it in the code):
@@ -82,8 +82,6 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
        tile.
        3c. Padding: a tile of the same kernel with fewer rows that makes no more m-blocks (the
        TMA kernel's 128 rows instead of 192 for ``seqlen_q`` up to 128, or 193-256; measured).
-       3d. The TMA kernel's 192 x 128 tile (hd64), neither causal nor windowed: its 192 x 192
-       tile (FlashAttention-3's hd64 non-causal tile, P V reading P from shared memory).
     4. Short keys: ``seqlen_k`` no longer than a smaller compiled ``block_n`` of the chosen
        ``block_m`` -> the smallest such ``block_n`` (same ``nwarps`` and ``isa`` if compiled).
 
@@ -105,8 +103,6 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         Streaming multiprocessors of the device (132 on an H100/H200 SXM).
     batch_nheads : int
         ``batch * nheads``: the CTAs per m-block row of the grid.
-    windowed : bool
-        A sliding window (``window_size`` other than ``(-1, -1)``): rule 3d does not apply.
     tiles : tuple of (int, int, int, str), optional
         The candidates ``(block_m, block_n, nwarps, isa)``, default first; default
         :func:`prefill_tiles` ``(dtype, headdim)`` (sm_90a). The dispatcher passes the subset
@@ -198,14 +194,6 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # scores on the diagonal, a large share of a short sequence's tiles.
     if tile[3] == "tma" and tile[0] == 192 and causal and seqlen_k <= 1024:
         tile = next((t for t in tiles if t[3] == "tma" and t[0] == 128), tile)
-
-    # Rule 3d: hd64 on the TMA kernel at 192 rows, neither causal nor windowed: 192 keys per step
-    # (FlashAttention-3's tile there; it keeps 192 x 128 when causal or local, where wider key
-    # tiles compute more masked scores). The kernel then runs P V from shared memory (its S, P
-    # and O do not fit 160 registers together): per step 1.5x the keys for the same descriptor,
-    # barrier and row-statistics work. Provisional until measured (bench_tiles --isa tma).
-    if (tile[3] == "tma" and tile[:2] == (192, 128) and not causal and not windowed):
-        tile = next((t for t in tiles if t[3] == "tma" and t[:2] == (192, 192)), tile)
 
     # Rule 4. Provisional: to be measured by experiments/bench_tiles.py (seqlen_k <= 64).
     # Expected: when every key fits in a narrower tile, the wider one computes masked columns.

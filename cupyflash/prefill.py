@@ -120,20 +120,12 @@ class PrefillConfig:
         return WG_ARCH if self.isa in HOPPER_ISAS else ""
 
 
-def tma_p_bytes(block_m: int, block_n: int) -> int:
-    """Shared memory of the TMA kernel's P tiles, bytes (``HopperFwdTraits::kPSmem``): one
-    64 x ``block_n`` 16-bit tile per consumer warpgroup when ``block_n`` is above 128 (hd64's
-    192-key tile, whose P V reads P from shared memory), else 0 (P in registers)."""
-    return (block_m // 64) * 64 * block_n * 2 if block_n > 128 else 0
-
-
 def tma_o_bytes(headdim: int, block_m: int, block_n: int, stages: int = 2) -> int:
     """Shared memory of the TMA kernel's O buffers, bytes (``HopperFwdTraits::kOBytes``): one
     64 x ``headdim`` 16-bit tile per consumer warpgroup (``block_m / 64``) where they fit beside
-    Q, the K/V ring, the P tiles and the barriers in :data:`MAX_SMEM_BYTES` (hd64, hd128), else
-    0 (hd256: :func:`tma_o_in_v`)."""
-    base = ((block_m + 2 * stages * block_n) * headdim * 2 + tma_p_bytes(block_m, block_n)
-            + 8 * (4 * stages + 4) + 1024)
+    Q, the K/V ring and the barriers in :data:`MAX_SMEM_BYTES` (hd64, hd128), else 0 (hd256:
+    :func:`tma_o_in_v`)."""
+    base = (block_m + 2 * stages * block_n) * headdim * 2 + 8 * (4 * stages + 4) + 1024
     o = (block_m // 64) * 64 * headdim * 2
     return o if base + o <= MAX_SMEM_BYTES else 0
 
@@ -151,8 +143,8 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
                isa: str = "mma") -> int:
     """Dynamic shared memory of a configuration, bytes.
 
-    tma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), the P
-    tiles of :func:`tma_p_bytes`, the mbarriers, the handed-over tile index, 1024 bytes to align the base and the O buffers of
+    tma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), the
+    mbarriers, the handed-over tile index, 1024 bytes to align the base and the O buffers of
     :func:`tma_o_bytes`, or the V ring's o_free mbarrier (:func:`tma_o_in_v`)
     (``HopperFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K
     and V tiles, rows padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles
@@ -160,8 +152,8 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
     """
     isz = _ITEMSIZE[dtype]
     if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index, O
-        return ((block_m + 2 * stages * block_n) * headdim * isz + tma_p_bytes(block_m, block_n)
-                + 8 * (4 * stages + 4) + 1024 + tma_o_bytes(headdim, block_m, block_n, stages)
+        return ((block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 4) + 1024
+                + tma_o_bytes(headdim, block_m, block_n, stages)
                 + (8 if tma_o_in_v(headdim, block_m, block_n, stages) else 0))
     pad = 16 // isz
     row = headdim + pad
@@ -213,7 +205,7 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 # experiments/results/session18/tiles_v62.jsonl, tiles_hd64_rule3b.jsonl): hd64 192 x 128
 # 1.03-1.20x 128 x 128 except causal S 512 / 1k (0.90x / 0.88x: heuristics rule 3b); hd256
 # 128 x 80 1.01-1.07x 128 x 64 at S 1k-16k.
-_TMA_TILES = {64: ((192, 128, 2), (128, 128, 2), (192, 192, 2)), 128: ((128, 128, 2),), 256: ((128, 80, 2),)}
+_TMA_TILES = {64: ((192, 128, 2), (128, 128, 2)), 128: ((128, 128, 2),), 256: ((128, 80, 2),)}
 #: The TMA kernel's compiled head dims; every multiple of 8 up to 256 runs padded onto the next.
 TMA_HEADDIMS = tuple(sorted(_TMA_TILES))
 #: Head dims up to this one default to the mma.sync kernel's hd32 rows on sm_90a: the TMA

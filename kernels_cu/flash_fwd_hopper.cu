@@ -13,9 +13,7 @@
 //     rows): in step i a warpgroup issues S_{i+1} = Q K_{i+1}^T and O += P_i V_i on the tensor
 //     cores, runs the softmax of S_{i+1} in place (fp32 probabilities over S) while P_i V_i runs
 //     (FA3 Sec. 3.2, intra-warpgroup overlap), then, P_i V_i done, rescales O and packs the
-//     probabilities into P's registers (one P buffer, FA3's form; hd64's 192-key tile stores
-//     them to the warpgroup's P tile in shared memory instead, read by an ss P V, as FA3's
-//     hd64 non-causal kernel does: S, P and O do not fit the registers); the warpgroups take turns
+//     probabilities into P's registers (one P buffer, FA3's form); the warpgroups take turns
 //     issuing their GEMMs, round-robin (named barriers: FA3 Sec. 3.1's ping-pong with two
 //     warpgroups, 0, 1, 2, 0, ... with three); the output is normalised once and, for dense
 //     problems, written through shared memory by TMA stores (FA3's epilogue): an O buffer per
@@ -61,17 +59,11 @@ struct HopperFwdTraits {
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;
     // full_k, full_v, empty_k, empty_v per ring slot; q_full, q_empty, v_landed
     static constexpr int kBarriers = 4 * STAGES + 3;
-    // Q, the K and V rings, the P tiles (kPSmem, below), the barriers, the tile index (8 bytes), and 1024 bytes to align the
+    // Q, the K and V rings, the barriers, the tile index (8 bytes), and 1024 bytes to align the
     // base to the swizzle repeat; then, where they fit in sm_90's 227 KB (hd64, hd128; not
     // hd256), one O buffer per consumer warpgroup (64 x HEADDIM, 128-byte swizzled as the TMA
     // store reads it: the epilogue below). cupyflash/prefill.py computes the same numbers.
-    // P V with P through shared memory (an ss wgmma; FA3's hd64 non-causal tile, 192 x 192): a
-    // consumer thread's S (96 floats), P (48 registers) and O do not fit its 160 registers
-    // together. Each consumer warpgroup stores its 64 x BLOCK_N P tile, 128-byte swizzled.
-    static constexpr bool kPSmem = BLOCK_N > 128;
-    static constexpr int kPWGBytes = kPSmem ? 64 * BLOCK_N * 2 : 0;
-    static constexpr int kSmemBase = kQBytes + 2 * STAGES * kKVBytes + kConsumerWGs * kPWGBytes +
-                                     8 * kBarriers + 8 + 1024;
+    static constexpr int kSmemBase = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 8 + 1024;
     static constexpr int kOWGBytes = 64 * HEADDIM * 2;        // one warpgroup's O tile
     static constexpr bool kOStore = kSmemBase + kConsumerWGs * kOWGBytes <= 227 * 1024;
     static constexpr int kOBytes = kOStore ? kConsumerWGs * kOWGBytes : 0;
@@ -93,7 +85,6 @@ struct HopperFwdTraits {
     static constexpr int kOAcc = HEADDIM / 2;                 // O floats per thread (64 x HEADDIM)
     static constexpr int kQKSteps = HEADDIM / 16;             // k16 steps of Q K^T
     static constexpr int kPVSteps = BLOCK_N / 16;             // k16 steps of P V
-    static constexpr int kPRegSteps = kPSmem ? 1 : kPVSteps;   // P's registers (1: unused)
     static constexpr int kNTiles = BLOCK_N / 8;               // 8-key column groups of S
     static constexpr int kDTiles = HEADDIM / 8;               // 8-column groups of O
     static constexpr int kON = HEADDIM < 128 ? HEADDIM : 128; // N of one P V wgmma
@@ -102,8 +93,7 @@ struct HopperFwdTraits {
     static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
     static_assert(HEADDIM == 64 || HEADDIM == 128 || HEADDIM == 256, "compiled head dims: 64, 128, 256");
     static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
-    static_assert(BLOCK_N == 80 || BLOCK_N == 128 || BLOCK_N == 192, "BLOCK_N: an N of common/wgmma.cuh");
-    static_assert(!kPSmem || HEADDIM == 64, "P through shared memory: the ss_tn of N = 64 only");
+    static_assert(BLOCK_N == 80 || BLOCK_N == 128, "BLOCK_N: an N of common/wgmma.cuh");
     static_assert(STAGES >= 2 && STAGES <= 3, "K/V ring of 2 or 3 tiles");
     static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads == kLaunchRegs * kThreads,
                   "setmaxnreg: the counts add up to the launch's registers");
@@ -229,8 +219,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     const uint32_t sK = sQ + Tr::kQBytes;                            // K ring: S tiles
     const uint32_t sV = sK + S * Tr::kKVBytes;                       // V ring: S tiles
     const uint32_t sO = sV + S * Tr::kKVBytes;                       // O buffers (kOStore)
-    const uint32_t sP = sO + Tr::kOBytes;                            // P tiles (kPSmem)
-    const uint32_t bars = sP + Tr::kConsumerWGs * Tr::kPWGBytes;     // mbarriers, 8 bytes each
+    const uint32_t bars = sO + Tr::kOBytes;                          // mbarriers, 8 bytes each
     auto full_k = [&](int st) { return bars + 8u * (uint32_t)st; };
     auto full_v = [&](int st) { return bars + 8u * (uint32_t)(S + st); };
     auto empty_k = [&](int st) { return bars + 8u * (uint32_t)(2 * S + st); };
@@ -441,38 +430,16 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
     };
     // O += P V of ring tile it (issued, committed, not waited for); head dims above 128 as
     // kOChunks wgmmas of N = 128 (column tiles 2c, 2c + 1 of V, registers 64c .. of O).
-    // kPSmem: P from the warpgroup's P tile (K-major, as Q: k-step kk is column tile kk / 4,
-    // 32 bytes per k-step inside the row), pf unused.
-    const uint32_t sP_wg = sP + (uint32_t)(wg * Tr::kPWGBytes);
-    auto issue_pv = [&](float (&o)[Tr::kOAcc], uint32_t (&pf)[Tr::kPRegSteps][4], int it) {
+    auto issue_pv = [&](float (&o)[Tr::kOAcc], uint32_t (&pf)[Tr::kPVSteps][4], int it) {
         const uint64_t dv = opaque(wgmma_desc_sw128(sV + (uint32_t)(it % S) * Tr::kKVBytes,
                                                     (uint32_t)(BLOCK_N * 128), 1024));
-        if constexpr (Tr::kPSmem) {
-            const uint64_t dp = opaque(wgmma_desc_sw128(sP_wg, 16, 1024));
 #pragma unroll
-            for (int kk = 0; kk < Tr::kPVSteps; ++kk)
-                MmaO::ss_tn(o, dp + (uint64_t)(((kk >> 2) * 64 * 128 + (kk & 3) * 32) >> 4),
-                            dv + (uint64_t)((kk * 16 * 128) >> 4), 1);
-        } else {
+        for (int kk = 0; kk < Tr::kPVSteps; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
 #pragma unroll
-            for (int kk = 0; kk < Tr::kPVSteps; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
-#pragma unroll
-                for (int c = 0; c < Tr::kOChunks; ++c)
-                    MmaO::rs_tn(*reinterpret_cast<float (*)[Tr::kON / 2]>(o + c * (Tr::kON / 2)), pf[kk],
-                                dv + (uint64_t)((kk * 16 * 128 + c * 2 * BLOCK_N * 128) >> 4), 1);
-        }
+            for (int c = 0; c < Tr::kOChunks; ++c)
+                MmaO::rs_tn(*reinterpret_cast<float (*)[Tr::kON / 2]>(o + c * (Tr::kON / 2)), pf[kk],
+                            dv + (uint64_t)((kk * 16 * 128 + c * 2 * BLOCK_N * 128) >> 4), 1);
         wgmma_commit();
-    };
-    // P_i for its P V: packed into P's registers, or (kPSmem) stored to the P tile, then fenced
-    // for the async proxy; the next my_turn (a bar.sync of the whole warpgroup) orders every
-    // warp's stores before the wgmma that reads them.
-    auto put_p = [&](const float (&s)[Tr::kSAcc], uint32_t (&pf)[Tr::kPRegSteps][4]) {
-        if constexpr (Tr::kPSmem) {
-            wg_store_p<T, BLOCK_N>(s, sP_wg, warp_in_wg, lane);
-            fence_proxy_async();
-        } else {
-            wg_pack_p<T, BLOCK_N>(s, pf);
-        }
     };
 
     // Turns (FA3's warp scheduler barriers): the consumer warpgroups issue their GEMMs one after
@@ -524,7 +491,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
         const int n_tiles = w.n_tiles;
         if (n_tiles > 0) {
             // ---- prologue: S_0 and its softmax ----
-            uint32_t p_cur[Tr::kPRegSteps][4];
+            uint32_t p_cur[Tr::kPVSteps][4];
             {
                 float s[Tr::kSAcc];
                 wait_k(kv);
@@ -538,7 +505,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                 if (n_tiles == 1) release(q_empty);
                 float alpha[2];
                 softmax(s, alpha, w.n_block_min);
-                put_p(s, p_cur);
+                wg_pack_p<T, BLOCK_N>(s, p_cur);
             }
 
             // ---- main loop: step i consumes V_i (P_i V_i) and K_{i+1} (S_{i+1}) ----
@@ -574,7 +541,7 @@ __device__ __forceinline__ void flash_fwd_hopper_block(const FwdParams& p, const
                     o[4 * d + 2] *= alpha[1];
                     o[4 * d + 3] *= alpha[1];
                 }
-                put_p(s, p_cur);
+                wg_pack_p<T, BLOCK_N>(s, p_cur);
             }
             // ---- last step: P V of the last key tile ----
             {

@@ -162,10 +162,8 @@ def test_tma_rows_lead_on_sm90a():
         for dtype in ("bfloat16", "float16"):
             assert heuristics.prefill_tiles(dtype, hd)[0] == tile
             for causal in (False, True):
-                # rule 3d: hd64 non-causal takes the 192 x 192 tile
-                want = (192, 192, 16, "tma") if hd == 64 and not causal else tile
                 assert heuristics.choose_prefill_tile(dtype, hd, 4096, 4096, causal,
-                                                      batch_nheads=64) == want
+                                                      batch_nheads=64) == tile
     # rule 3b: hd64 causal with keys up to 1024 takes the 128-row tile; non-causal keeps 192
     for sk, causal, rows in ((1024, True, 128), (1025, True, 192), (1024, False, 192)):
         assert heuristics.choose_prefill_tile("bfloat16", 64, 4096, sk, causal,
@@ -183,10 +181,6 @@ def test_smem_formula_matches_kernel_traits():
         (128 + 4 * 128) * 64 * 2 + 8 * 11 + 8 + 1024 + 2 * 64 * 64 * 2
     assert prefill.smem_bytes("float16", 64, 192, 128, 2, isa="tma") == \
         (192 + 4 * 128) * 64 * 2 + 8 * 11 + 8 + 1024 + 3 * 64 * 64 * 2
-    # hd64's 192-key tile adds a 64 x 192 P tile per consumer warpgroup (P V from shared memory)
-    assert prefill.smem_bytes("bfloat16", 64, 192, 192, 2, isa="tma") == \
-        (192 + 4 * 192) * 64 * 2 + 3 * 64 * 192 * 2 + 8 * 11 + 8 + 1024 + 3 * 64 * 64 * 2
-    assert prefill.tma_p_bytes(192, 128) == 0 and prefill.tma_p_bytes(128, 80) == 0
     assert prefill.smem_bytes("bfloat16", 256, 128, 80, 2, isa="tma") == \
         (128 + 4 * 80) * 256 * 2 + 8 * 11 + 8 + 1024 + 8
     assert prefill.tma_o_bytes(256, 128, 80) == 0
@@ -194,8 +188,7 @@ def test_smem_formula_matches_kernel_traits():
     assert not prefill.tma_o_in_v(256, 128, 32) and not prefill.tma_o_in_v(128, 128, 128)
     assert [(c.headdim, c.block_m, c.o_store) for c in prefill.SUPPORTED
             if c.isa == "tma" and c.dtype == "float16"] == [(64, 192, True), (64, 128, True),
-                                                             (64, 192, True), (128, 128, True),
-                                                             (256, 128, True)]
+                                                             (128, 128, True), (256, 128, True)]
     assert not any(c.o_store for c in prefill.SUPPORTED if c.isa != "tma")
     # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
@@ -277,7 +270,7 @@ def test_padded_headdim_rejects(d):
                                           (24, "fwd_bf16_hd32_", None)])
 def test_configs_for_names_the_kernels_that_run_a_head_dim(d, first, rest):
     """Spelled out: hd72 runs TMA hd128 then mma.sync hd96; hd200 TMA hd256 then mma.sync hd224;
-    hd24 mma.sync hd32 first (TMA hd64's three tiles after them, in the table's order)."""
+    hd24 mma.sync hd32 first (TMA hd64's two tiles after them, 192 rows first)."""
     names = [prefill.spec_of(c, False).name for c in prefill.configs_for("bfloat16", d)]
     tma = [n for n in names if n.startswith("fwdtma")]
     if rest is not None:
@@ -285,9 +278,8 @@ def test_configs_for_names_the_kernels_that_run_a_head_dim(d, first, rest):
         assert all(n.startswith(rest) for n in names[1:]), names
     else:
         assert names[0].startswith(first)
-        assert tma == names[-3:] == ["fwdtma_bf16_hd64_m192_n128_s2", "fwdtma_bf16_hd64_m128_n128_s2",
-                                     "fwdtma_bf16_hd64_m192_n192_s2"]
-        assert all(n.startswith(first) for n in names[:-3]), names
+        assert tma == names[-2:] == ["fwdtma_bf16_hd64_m192_n128_s2", "fwdtma_bf16_hd64_m128_n128_s2"]
+        assert all(n.startswith(first) for n in names[:-2]), names
 
 
 def test_padded_headdim_rejects_an_unknown_isa():
@@ -488,7 +480,7 @@ def test_tma_traits_match_the_host_smem_and_o_store():
                        f'{str(c.o_store).lower()}, "o_store {c.headdim}");')
         in_v = prefill.tma_o_in_v(c.headdim, c.block_m, c.block_n, c.stages)
         checks_.append(f'static_assert({t}::kOInV == {str(in_v).lower()}, "o_in_v {c.headdim}");')
-    assert len(checks_) == 30  # 2 dtypes x 5 rows (hd64 192 x 128 / 128 x 128 / 192 x 192, hd128, hd256) x 3
+    assert len(checks_) == 24  # 2 dtypes x 4 rows (hd64 192 and 128 rows, hd128, hd256) x 3
     code = (jit.preprocess(prefill.TMA_SOURCE) + "\n" + "\n".join(checks_)
             + "\n__global__ void cf_traits_probe() {}\n")
     jit._compile_report_cached(code, "cf_traits_probe", "sm_90a", ())

@@ -35,11 +35,8 @@ def test_chosen_tile_is_always_a_compiled_row():
                         # causal changes the choice only by rule 1b (hd <= 32, 256 < sk <= 1024)
                         # and rule 3b (TMA hd64's 192-row tile -> its 128-row one, sk <= 1024;
                         # rule 4 may then narrow it for keys <= 64)
-                        # and rule 3d (TMA hd64 non-causal: 192 x 192 where causal has 192 x 128)
                         rule_1b = (d <= 32 and dtype in ("float16", "bfloat16")
                                    and 256 < sk <= 1024)
-                        if t == (192, 192, 16, "tma"):  # rule 3d
-                            t = (192, 128, 16, "tma")
                         rule_3b = t == (192, 128, 16, "tma") and sk <= 1024
                         assert tc == t or (rule_1b and tc == (64, 64, 4, "mma")) or \
                             (rule_3b and tc[0] == 128 and tc in tiles), (dtype, d, sq, sk)
@@ -119,29 +116,6 @@ def test_rules():
         assert t[1] == min(x[1] for x in narrower)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_rule_3d_hd64_non_causal_takes_192_keys(dtype):
-    """hd64 on the TMA kernel (and head dims padded onto it): 192 x 192 when neither causal nor
-    windowed, on a full GPU with keys beyond 128; else 192 x 128 (causal, windowed, keys up to
-    128: rule 4) or the 128-row tile (under-filled grid: rule 3), as before rule 3d."""
-    wide, narrow = (192, 192, 16, "tma"), (192, 128, 16, "tma")
-    for d in (40, 64):
-        choose = lambda sk, causal=False, windowed=False, bh=64: (  # noqa: E731
-            heuristics.choose_prefill_tile(dtype, d, 4096, sk, causal, batch_nheads=bh,
-                                           windowed=windowed))
-        assert choose(4096) == wide and choose(129) == wide
-        assert choose(4096, causal=True) == narrow
-        assert choose(4096, windowed=True) == narrow
-        assert choose(128) == narrow  # rule 4: every key fits 128
-        assert choose(4096, bh=4)[0] == 128  # 4 x 22 CTAs < 132 SMs: rule 3
-    # the dispatcher says whether the problem has a window
-    for window, want in (((-1, -1), wide), ((30, 7), narrow)):
-        p = _problem(dtype, b=4, sq=4096, sk=4096, h=16, hk=16, d=64, window=window)
-        t = dispatch.plan_prefill(p, report=False, arch="sm_90a", num_sms=132,
-                                  max_smem_bytes=227 * 1024).kernel.template
-        assert (t["block_m"], t["block_n"], t["nwarps"], t["isa"]) == want, window
-
-
 def test_tiles_argument_restricts_the_choice():
     tiles = heuristics.prefill_tiles("float16", 64)
     only = (tiles[-1],)
@@ -179,8 +153,7 @@ def test_plan_fields(dtype, causal, window):
                                  max_smem_bytes=227 * 1024)
     t = plan.kernel.template
     tile = heuristics.choose_prefill_tile(dtype, p.headdim, p.seqlen_q, p.seqlen_k, p.causal,
-                                          132, batch_nheads=p.batch * p.nheads,
-                                          windowed=window != (-1, -1))
+                                          132, batch_nheads=p.batch * p.nheads)
     assert (t["block_m"], t["block_n"], t["nwarps"], t["isa"]) == tile
     assert t == {"dtype": dtype, "headdim": prefill.padded_headdim(120, tile[3]),
                  "block_m": tile[0],
@@ -714,13 +687,11 @@ def test_prefill_plan_says_when_it_assumed_an_h200():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_rule_3c_no_192_row_tile_where_128_rows_make_as_few_m_blocks(dtype):
-    """hd64 on the TMA kernel: 192 rows by default (192 x 128 causal, 192 x 192 not: rule 3d),
-    but 128 x 128 where it makes no more m-blocks (seqlen_q 65-128 and 193-256: the same CTAs
-    with fewer padding rows)."""
-    for causal, tile192 in ((False, (192, 192)), (True, (192, 128))):
-        for sq in (65, 100, 128, 193, 256):
-            assert heuristics.choose_prefill_tile(dtype, 64, sq, 4096, causal,
-                                                  batch_nheads=512)[:2] == (128, 128), sq
-        for sq in (129, 192, 257, 384, 4096):
-            assert heuristics.choose_prefill_tile(dtype, 64, sq, 4096, causal,
-                                                  batch_nheads=512)[:2] == tile192, sq
+    """hd64 on the TMA kernel: 192 x 128 by default, but 128 x 128 where it makes no more
+    m-blocks (seqlen_q 65-128 and 193-256: the same CTAs with fewer padding rows)."""
+    for sq in (65, 100, 128, 193, 256):
+        assert heuristics.choose_prefill_tile(dtype, 64, sq, 4096, False,
+                                              batch_nheads=512)[:2] == (128, 128), sq
+    for sq in (129, 192, 257, 384, 4096):
+        assert heuristics.choose_prefill_tile(dtype, 64, sq, 4096, False,
+                                              batch_nheads=512)[:2] == (192, 128), sq

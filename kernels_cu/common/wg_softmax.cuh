@@ -7,7 +7,6 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
-#include "wgmma.cuh"
 
 namespace cf {
 
@@ -97,30 +96,6 @@ __device__ __forceinline__ void wg_pack_p(const float (&s)[BLOCK_N / 2], uint32_
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
             pf[i >> 1][(i & 1) * 2 + hh] = pack2<T>(s[4 * i + 2 * hh], s[4 * i + 2 * hh + 1]);
-}
-
-// P stored to shared memory instead (the 192-key tile, whose S, P and O do not fit a consumer
-// thread's registers together): the warpgroup's 64 x BLOCK_N tile of P as the K-major A operand
-// of an ss P V reads it (common/wgmma.cuh: 128-byte swizzled column tiles of 64 keys, [BLOCK_N /
-// 64][64 rows][64], at sP_wg). One stmatrix.x4 stores four 8 x 8 matrices of 16-bit elements, in
-// which lane l holds row l / 4, elements 2 (l % 4), +1 of each (the accumulator's layout:
-// g, 2 t): matrices (key group i, rows g), (i, g + 8), (i + 1, g), (i + 1, g + 8), and lane l
-// gives the address of row l % 8 of matrix l / 8. A row's 16 bytes of key group j are chunk
-// j % 8 of its 128-byte row in column tile j / 8, which sits at chunk (j % 8) ^ (row % 8).
-// The caller fences (fence.proxy.async) and syncs the warpgroup before P V reads the tile.
-template <typename T, int BLOCK_N>
-__device__ __forceinline__ void wg_store_p(const float (&s)[BLOCK_N / 2], uint32_t sP_wg,
-                                           int warp_in_wg, int lane) {
-    const int m = lane >> 3, r8 = lane & 7;
-    const uint32_t row = sP_wg + (uint32_t)((warp_in_wg * 16 + 8 * (m & 1) + r8) * 128);
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 8; i += 2) {
-        // key group i + m / 2: i is even, so it stays in i's column tile
-        const uint32_t addr = row + (uint32_t)((i >> 3) * 64 * 128) +
-                              (uint32_t)((((i & 7) + (m >> 1)) ^ r8) << 4);
-        stmatrix_x4(addr, pack2<T>(s[4 * i + 0], s[4 * i + 1]), pack2<T>(s[4 * i + 2], s[4 * i + 3]),
-                    pack2<T>(s[4 * i + 4], s[4 * i + 5]), pack2<T>(s[4 * i + 6], s[4 * i + 7]));
-    }
 }
 
 }  // namespace cf

@@ -72,15 +72,6 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
-// ---- stmatrix (sm_90): four 8 x 8 matrices of 16-bit elements to shared memory ---------------
-// Lane l holds row l / 4, elements 2 (l % 4), +1 of matrix j in register j (the layout of the
-// mma and wgmma accumulators) and gives the 16-byte-aligned address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1,
-                                            uint32_t r2, uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 :: "r"(smem_addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
-}
-
 // Keeps the compiler from moving reads / writes of an accumulator register across a wgmma
 // issue or wait (the asm statements that use it asynchronously are opaque to it).
 template <int N>
@@ -100,13 +91,11 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&r)[N][4]) {
 // wgmma.mma_async m64nNk16 with f32 accumulators for one 16-bit input type T and one N:
 //   ss:    D(64xN) (+)= A(64x16, smem, K-major) * B(16xN, smem, K-major); scale_d = 0: D = A*B;
 //   rs_tn: D(64xN) (+)= A(64x16, registers, mma.m16n8k16 A-fragment order per warp) *
-//          B(16xN, smem, MN-major: imm-trans-b = 1); scale_d as above;
-//   ss_tn: D(64xN) (+)= A(64x16, smem, K-major) * B(16xN, smem, MN-major); scale_d as above.
+//          B(16xN, smem, MN-major: imm-trans-b = 1); scale_d as above.
 template <typename T, int N> struct Wgmma;
 
 // One macro per N (the register lists differ), instantiated for both 16-bit input types; each
-// N has the forms the TMA kernel uses. N = 64: O += P V at hd64, rs_tn (P in
-// registers) and ss_tn (P in shared memory: the 192-key tile).
+// N has the forms the TMA kernel uses. N = 64: O += P V at hd64 (rs_tn only).
 #define CF_WGMMA_M64N64K16(T, PTX_T) \
 template <> struct Wgmma<T, 64> { \
     static constexpr int kAcc = 32; \
@@ -121,18 +110,6 @@ template <> struct Wgmma<T, 64> { \
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)); \
-    } \
-    static __device__ __forceinline__ void ss_tn(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-            "%32, %33, p, 1, 1, 0, 1;\n}\n" \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
     } \
 };
 
@@ -193,43 +170,14 @@ template <> struct Wgmma<T, 80> { \
     } \
 };
 
-// N = 192: S = Q K^T of hd64's 192-key tiles (FA3's hd64 non-causal tile; ss only).
-#define CF_WGMMA_M64N192K16(T, PTX_T) \
-template <> struct Wgmma<T, 192> { \
-    static constexpr int kAcc = 96; \
-    static __device__ __forceinline__ void ss(float (&d)[96], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n192k16.f32." PTX_T "." PTX_T " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, " \
-            "%96, %97, p, 1, 1, 0, 0;\n}\n" \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-              "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-              "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-              "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-              "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]) \
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
-    } \
-};
-
 CF_WGMMA_M64N64K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N64K16(__half, "f16")
 CF_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N128K16(__half, "f16")
 CF_WGMMA_M64N80K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N80K16(__half, "f16")
-CF_WGMMA_M64N192K16(__nv_bfloat16, "bf16")
-CF_WGMMA_M64N192K16(__half, "f16")
 #undef CF_WGMMA_M64N64K16
 #undef CF_WGMMA_M64N128K16
 #undef CF_WGMMA_M64N80K16
-#undef CF_WGMMA_M64N192K16
 
 }  // namespace cf
