@@ -17,6 +17,11 @@ the output's relative difference to torch's flash backend. Impls: ``fa3`` (Flash
 when ``fa3_fwd_interface`` imports: ../shared/peers/README.md; bf16 only; the run says why when
 it is skipped), ``torch_cudnn``, ``torch_flash`` (FlashAttention-2 in torch), ``baseline``
 (materialising).
+
+``--rounds R`` times the impls of a shape in R interleaved rounds (round r times every impl once,
+in turn) and keeps, per impl, the round with the median time (its ``ms``, spread and
+``host_ms``; every round's ``ms`` in ``ms_rounds``): a ratio between two impls then rests on
+R side-by-side timings, not on one each (single sweeps move by a few percent from run to run).
 """
 from __future__ import annotations
 
@@ -67,6 +72,34 @@ def rel_diff_vs(out_cupy, ref_torch_bhsd) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def time_interleaved(fns: dict, rounds: int, **bench) -> dict:
+    """Per impl of ``fns`` (name -> callable), the :func:`common.benchmark` record of the round
+    with the median ``ms`` over ``rounds`` interleaved rounds (round r times every impl once, in
+    the order given), with every round's ``ms`` in ``ms_rounds`` and ``rounds``; or the
+    exception an impl raised (it is then left out of the later rounds)."""
+    runs = {impl: [] for impl in fns}
+    out = {}
+    for _ in range(rounds):
+        for impl, fn in fns.items():
+            if impl in out:  # raised in an earlier round
+                continue
+            try:
+                runs[impl].append(common.benchmark(fn, **bench))
+            except Exception as e:  # noqa: BLE001 - the caller records it
+                out[impl] = e
+    for impl, ts in runs.items():
+        if impl not in out:
+            mid = sorted(ts, key=lambda t: t["ms"])[(len(ts) - 1) // 2]
+            out[impl] = dict(mid, ms_rounds=[t["ms"] for t in ts], rounds=len(ts))
+    return out
+
+
+def _failed(rec: dict, e: Exception, dtype, d, S, causal) -> None:
+    """Record why ``rec``'s impl failed, and say so."""
+    rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    print(f"bench_prefill: {rec['impl']} {dtype} hd{d} S={S} causal={causal}: {rec['error']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="reduced sweep (bf16, S in 1k/4k/16k)")
@@ -81,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-warmup", type=int, default=3)
     ap.add_argument("--n-repeat", type=int, default=None)
     ap.add_argument("--no-memory", action="store_true", help="skip cupyflash's peak-memory measurement")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved timing rounds per shape (module docstring)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_prefill.jsonl")
     args = ap.parse_args(argv)
     dtypes = args.dtypes or (["bfloat16"] if args.quick else ["bfloat16", "float16"])
@@ -88,6 +123,8 @@ def main(argv=None) -> int:
                                else [512, 1024, 2048, 4096, 8192, 16384, 32768])
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     n_repeat = args.n_repeat or (10 if args.quick else 20)
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected an int >= 1, got {args.rounds}")
 
     if not common.have_gpu():
         print("bench_prefill: no CUDA GPU here; nothing to measure")
@@ -114,14 +151,25 @@ def main(argv=None) -> int:
                 "nheads_k": H, "seqlen": S, "causal": causal, "flops": flops,
                 "gpu": prov.get("gpu"), "commit": prov["commit"]}
         torch_ref = None
-        records = []
+        records, fns = [], {}
         for impl in impls:
             if impl == "baseline" and S > args.baseline_max_seqlen:
                 continue
-            rec = dict(base, impl=impl)
+            records.append(dict(base, impl=impl, provenance=prov))
             try:
-                fn = make_fn(impl, q, k, v, causal)
-                t = common.benchmark(fn, n_warmup=args.n_warmup, n_repeat=n_repeat)
+                fns[impl] = make_fn(impl, q, k, v, causal)
+            except Exception as e:  # record why, keep going
+                _failed(records[-1], e, dtype, d, S, causal)
+        timed = time_interleaved(fns, args.rounds, n_warmup=args.n_warmup, n_repeat=n_repeat)
+        for rec in records:
+            impl = rec["impl"]
+            if "error" in rec:
+                continue
+            if isinstance(timed[impl], Exception):
+                _failed(rec, timed[impl], dtype, d, S, causal)
+                continue
+            fn, t = fns[impl], timed[impl]
+            try:
                 rec.update(t, tflops=flops / (t["ms"] * 1e-3) / 1e12)
                 if impl.startswith("torch_"):
                     rec["torch_layout"] = getattr(fn, "layout", None)
@@ -136,10 +184,7 @@ def main(argv=None) -> int:
                         rec.update(common.peak_extra_memory_cupy(fn))
                         rec["model_extra_bytes"] = io_model.prefill_extra_memory(B, H, S)
             except Exception as e:  # record why, keep going
-                rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                print(f"bench_prefill: {impl} {dtype} hd{d} S={S} causal={causal}: {rec['error']}")
-            rec["provenance"] = prov
-            records.append(rec)
+                _failed(rec, e, dtype, d, S, causal)
         # correctness beside speed: each output against torch's flash backend on the same inputs
         if torch_ref is not None:
             for rec in records:

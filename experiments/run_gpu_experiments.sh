@@ -14,7 +14,8 @@
 # Named only (not in the default set; issue 23, Hopper prefill against FlashAttention-3):
 #   bench_prefill_fa3   bench_prefill.py, bf16 (figure 1's dtype) at hd 64/128/256, causal and
 #                       not, FA3 beside cupyflash, cuDNN, FA2 and the baseline; quick: S 1k/4k/16k
-#                       (the targets' lengths), full: S 512 .. 32k
+#                       (the targets' lengths), full: S 512 .. 32k in three interleaved rounds
+#                       (bench_prefill.py --rounds 3)
 #   ncu_prefill         Nsight Compute, one call of cupyflash and of FA3 per shape (B 2, S 8k,
 #                       hd 64/128/256 causal and not; quick: hd 64/128 not causal)
 #   experiments/run_gpu_experiments.sh quick bench_prefill_fa3 ncu_prefill   # limits 200 + 120 s
@@ -52,7 +53,7 @@ declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp
                  [bench_prefill_fa3]=300 [ncu_prefill]=235)
 # entries that run another script with arguments of their own (after $FLAG)
 declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill)
-declare -A ARGS_FULL=([bench_prefill_fa3]="--dtypes bfloat16")
+declare -A ARGS_FULL=([bench_prefill_fa3]="--dtypes bfloat16 --rounds 3")
 ORDER=(bench_ceilings bench_prefill bench_decode exp_memory bench_tiles exp_hbm bench_overhead)
 [ $# -gt 0 ] && ORDER=("$@")
 for s in "${ORDER[@]}"; do

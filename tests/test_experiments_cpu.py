@@ -321,3 +321,30 @@ def test_sim_schedule_tail_group_evens_out_hd256_causal():
     bm = sim.tile(2, 16, 8192, 128, True, 132)[0]
     assert sim.tile_order(2, 16, 8192, 128, bm, True, 132) == \
         sim.tile_order(2, 16, 8192, 128, bm, True, 132, tail=False)
+
+
+def test_bench_prefill_rounds_interleave_and_keep_the_median_round(monkeypatch):
+    """bench_prefill --rounds: round r times every impl once, in turn; each impl keeps the
+    round with its median time (with every round's ms), and an impl that raises is recorded
+    once and left out of the later rounds."""
+    import bench_prefill
+    calls = []
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
+
+    def fake_benchmark(fn, **kw):
+        name = fn()
+        calls.append(name)
+        if name == "c":
+            raise RuntimeError("c fails")
+        return {"ms": next(times[name]), "ms_min": 0.5, "n_repeat": kw["n_repeat"]}
+    monkeypatch.setattr(bench_prefill.common, "benchmark", fake_benchmark)
+    fns = {n: (lambda n=n: n) for n in ("a", "c", "b")}
+    out = bench_prefill.time_interleaved(fns, 3, n_warmup=1, n_repeat=7)
+    assert calls == ["a", "c", "b", "a", "b", "a", "b"]
+    assert out["a"] == {"ms": 2.0, "ms_min": 0.5, "n_repeat": 7, "ms_rounds": [3.0, 1.0, 2.0],
+                        "rounds": 3}
+    assert out["b"]["ms"] == 5.0 and out["b"]["ms_rounds"] == [5.0, 6.0, 4.0]
+    assert isinstance(out["c"], RuntimeError)
+    # one round: the one timing, as before --rounds
+    times["a"] = iter([9.0])
+    assert bench_prefill.time_interleaved({"a": lambda: "a"}, 1, n_repeat=3)["a"]["ms"] == 9.0
