@@ -190,8 +190,8 @@ def main(argv=None) -> int:
             for rec in records:
                 if rec["impl"] in ("cupyflash", "baseline", "fa3") and "error" not in rec:
                     try:
-                        rec["rel_diff_vs_torch_flash"] = rel_diff_vs(
-                            make_fn(rec["impl"], q, k, v, causal)(), torch_ref)
+                        rec["rel_diff_vs_torch_flash"] = rel_diff_vs(fns[rec["impl"]](),
+                                                                     torch_ref)
                     except Exception as e:
                         rec["rel_diff_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         n_written += common.append_jsonl(args.out, records)
