@@ -50,7 +50,7 @@ declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [ex
                   [bench_prefill_fa3]=200 [ncu_prefill]=120)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
                  [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90
-                 [bench_prefill_fa3]=300 [ncu_prefill]=235)
+                 [bench_prefill_fa3]=540 [ncu_prefill]=235)
 # entries that run another script with arguments of their own (after $FLAG)
 declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill)
 declare -A ARGS_FULL=([bench_prefill_fa3]="--dtypes bfloat16 --rounds 3")
