@@ -75,8 +75,9 @@ def provenance() -> dict:
     the package or kernels were modified, date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
     info = {"commit": os.environ.get("CUPYFLASH_COMMIT") or _git("rev-parse", "--verify", "-q", "HEAD")
             or "unknown",
-            "dirty": bool(_git("status", "--porcelain", "--", "kernels_cu", "cupyflash",
-                               "experiments")),
+            # content only: a copy of the tree that loses the executable bit is not modified
+            "dirty": bool(_git("-c", "core.fileMode=false", "status", "--porcelain", "--",
+                               "kernels_cu", "cupyflash", "experiments")),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host_python": sys.version.split()[0]}
     try:

@@ -18,6 +18,9 @@
 #                       (bench_prefill.py --rounds 3)
 #   ncu_prefill         Nsight Compute, one call of cupyflash and of FA3 per shape (B 2, S 8k,
 #                       hd 64/128/256 causal and not; quick: hd 64/128 not causal)
+#   bench_power         bench_power.py: each impl back to back for 2 s while nvidia-smi samples the
+#                       SM clock, power and throttle reasons (quick: hd128 S 16k; full: hd 64/128/256,
+#                       S 4k and 16k, causal and not, three rounds)
 #   experiments/run_gpu_experiments.sh quick bench_prefill_fa3 ncu_prefill   # limits 200 + 120 s
 #   experiments/run_gpu_experiments.sh full ncu_prefill                      # limit 235 s
 #
@@ -47,10 +50,10 @@ STAMP=$(mktemp); touch "$STAMP"
 # script and its time limit (seconds) in quick / full mode; quick limits add up to 8.5 minutes
 declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [exp_memory]=50
                   [bench_tiles]=80 [exp_hbm]=100 [bench_overhead]=90
-                  [bench_prefill_fa3]=200 [ncu_prefill]=120)
+                  [bench_prefill_fa3]=200 [ncu_prefill]=120 [bench_power]=60)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
                  [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90
-                 [bench_prefill_fa3]=540 [ncu_prefill]=235)
+                 [bench_prefill_fa3]=540 [ncu_prefill]=235 [bench_power]=400)
 # entries that run another script with arguments of their own (after $FLAG)
 declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill)
 declare -A ARGS_FULL=([bench_prefill_fa3]="--dtypes bfloat16 --rounds 3")

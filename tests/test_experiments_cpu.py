@@ -348,3 +348,59 @@ def test_bench_prefill_rounds_interleave_and_keep_the_median_round(monkeypatch):
     # one round: the one timing, as before --rounds
     times["a"] = iter([9.0])
     assert bench_prefill.time_interleaved({"a": lambda: "a"}, 1, n_repeat=3)["a"]["ms"] == 9.0
+
+
+def test_bench_power_parses_nvidia_smi_samples_and_throttle_reasons():
+    """bench_power: one nvidia-smi CSV line -> (time, MHz, W, throttle mask, deg C); lines that
+    are not samples (a header, an error) are dropped; the throttle mask's bits are named."""
+    import datetime
+    import bench_power
+    line = "2026/12/02 04:41:07.250, 1650, 689.61, 0x0000000000000004, 47, 00000000:19:00.0"
+    when = datetime.datetime(2026, 12, 2, 4, 41, 7, 250000).timestamp()
+    assert bench_power.parse_sample(line) == (when, 1650.0, 689.61, 4, 47.0)
+    assert bench_power.parse_sample(line, "0000:19:00.0") == (when, 1650.0, 689.61, 4, 47.0)
+    assert bench_power.parse_sample(line, "0000:1A:00.0") is None  # another GPU's line
+    assert bench_power.parse_sample("timestamp, clocks.current.sm [MHz], power.draw [W]") is None
+    assert bench_power.parse_sample("2026/12/02 04:41:07.250, [N/A], 689.61, 0x4, 47, 0:19:00.0") \
+        is None
+    assert bench_power.throttle_names(0x4) == ["sw_power_cap"]
+    assert bench_power.throttle_names(0x0) == []
+    assert bench_power.throttle_names(0x1 | 0x40 | 0x400) == ["gpu_idle", "hw_thermal_slowdown",
+                                                               "0x400"]
+
+
+def test_bench_power_summarises_a_burst_and_its_window():
+    import bench_power
+    samples = [(10.0, 1980.0, 300.0, 0x0, 40.0), (10.2, 1700.0, 690.0, 0x4, 45.0),
+               (10.4, 1650.0, 695.0, 0x4, 46.0), (10.6, 1600.0, 700.0, 0x4, 47.0)]
+    sm = bench_power.Sampler.__new__(bench_power.Sampler)
+    sm.samples, sm.proc, sm.gpu = samples, None, None
+    win = sm.window(10.1, 10.6)
+    assert win == samples[1:]
+    rec = bench_power.summarise(win)
+    assert rec == {"n_samples": 3, "sm_clock_mhz": 1650.0, "sm_clock_mhz_min": 1600.0,
+                   "sm_clock_mhz_max": 1700.0, "power_w": 695.0, "temperature_c": 47.0,
+                   "throttle": ["sw_power_cap"]}
+    assert bench_power.summarise([])["sm_clock_mhz"] is None
+
+
+def test_bench_power_runs_a_burst_for_its_seconds_and_syncs_per_chunk():
+    import bench_power
+    calls, syncs = [], []
+    n, wall, t0, t1 = bench_power.sustained(lambda: calls.append(1), 0.05,
+                                            lambda: syncs.append(len(calls)), chunk=4)
+    assert n == len(calls) and n % 4 == 0 and n >= 4
+    assert syncs[0] == 0 and syncs[1:] == list(range(4, n + 1, 4))
+    assert wall >= 0.05 and t1 >= t0 + 0.05
+
+
+def test_bench_power_no_gpu_and_bad_arguments(tmp_path):
+    out = tmp_path / "p.jsonl"
+    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_power.py"), "--quick",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU" in r.stdout and not out.exists()
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_power.py"),
+                        "--seconds", "0.2"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "--seconds: expected more than --settle" in r.stderr
