@@ -71,15 +71,21 @@ def _git(*args) -> str:
 
 @functools.lru_cache(maxsize=None)
 def provenance() -> dict:
-    """Where a result came from: commit (``$CUPYFLASH_COMMIT`` when the tree has no .git), whether
-    the package or kernels were modified, date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
-    info = {"commit": os.environ.get("CUPYFLASH_COMMIT") or _git("rev-parse", "--verify", "-q", "HEAD")
-            or "unknown",
-            # content only: a copy of the tree that loses the executable bit is not modified
-            "dirty": bool(_git("-c", "core.fileMode=false", "status", "--porcelain", "--",
-                               "kernels_cu", "cupyflash", "experiments")),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_python": sys.version.split()[0]}
+    """Where a result came from: commit (``$CUPYFLASH_COMMIT`` when set, else the tree's HEAD),
+    whether the package, kernels or experiments differ from it (``dirty``; None when the tree's
+    .git is at another commit than ``$CUPYFLASH_COMMIT``: the device machine's copy of the tree was
+    found with a .git one commit behind its files, so its status listed the commit's own changes;
+    that HEAD is kept as ``git_head``), date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
+    head = _git("rev-parse", "--verify", "-q", "HEAD")
+    given = os.environ.get("CUPYFLASH_COMMIT")
+    info = {"commit": given or head or "unknown"}
+    if given and head and given != head:
+        info.update(dirty=None, git_head=head)
+    else:
+        info["dirty"] = bool(_git("status", "--porcelain", "--", "kernels_cu", "cupyflash",
+                                  "experiments"))
+    info.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                host_python=sys.version.split()[0])
     try:
         import cupy
         info["cupy"] = cupy.__version__

@@ -286,6 +286,26 @@ def test_common_jsonl_roundtrip(tmp_path):
     assert {"commit", "date", "gpu"} <= set(prov)
 
 
+def test_provenance_dirty_is_unknown_when_the_commit_given_is_not_the_trees_head(monkeypatch):
+    """$CUPYFLASH_COMMIT names the code that ran; when the tree's .git is at another commit its
+    status says nothing about that code: ``dirty`` is None and the tree's HEAD is kept."""
+    import common
+    head = common._git("rev-parse", "--verify", "-q", "HEAD")
+    if not head:
+        pytest.skip("no git checkout here")
+    try:
+        monkeypatch.setenv("CUPYFLASH_COMMIT", "0" * 40)
+        common.provenance.cache_clear()
+        prov = common.provenance()
+        assert prov["commit"] == "0" * 40 and prov["dirty"] is None and prov["git_head"] == head
+        monkeypatch.setenv("CUPYFLASH_COMMIT", head)
+        common.provenance.cache_clear()
+        prov = common.provenance()
+        assert prov["commit"] == head and isinstance(prov["dirty"], bool) and "git_head" not in prov
+    finally:
+        common.provenance.cache_clear()
+
+
 NCU_CSV = '''==PROF== Connected to process 4242 (/usr/bin/python3.12)
 ==PROF== Profiling "flash_fwd_kernel": 0%....50%....100% - 1 pass
 ==PROF== Disconnected from process 4242
