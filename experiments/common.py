@@ -73,9 +73,9 @@ def _git(*args) -> str:
 def provenance() -> dict:
     """Where a result came from: commit (``$CUPYFLASH_COMMIT`` when set, else the tree's HEAD),
     whether the package, kernels or experiments differ from it (``dirty``; None when the tree's
-    .git is at another commit than ``$CUPYFLASH_COMMIT``: the device machine's copy of the tree was
-    found with a .git one commit behind its files, so its status listed the commit's own changes;
-    that HEAD is kept as ``git_head``), date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
+    .git is at another commit than ``$CUPYFLASH_COMMIT``: the device machine's copy of the tree
+    carries a .git that stays at an older commit than its files (session 22: the session's first
+    HEAD), so its status lists the later commits' changes; that HEAD is kept as ``git_head``), date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
     head = _git("rev-parse", "--verify", "-q", "HEAD")
     given = os.environ.get("CUPYFLASH_COMMIT")
     info = {"commit": given or head or "unknown"}
