@@ -158,13 +158,7 @@ def main(argv=None) -> int:
     import cupy
 
     from cupyflash import io_model
-    impls = []
-    for impl in args.impls:
-        ok, why = common.impl_available(impl)
-        if ok:
-            impls.append(impl)
-        else:
-            print(f"bench_power: skipping {impl}: {why}")
+    impls = common.available_impls(args.impls, "bench_power")
     prov = common.provenance()
     sampler = Sampler(cupy.cuda.Device().pci_bus_id)
     if sampler.proc is None:

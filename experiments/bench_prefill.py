@@ -130,13 +130,7 @@ def main(argv=None) -> int:
         print("bench_prefill: no CUDA GPU here; nothing to measure")
         return 0
     from cupyflash import io_model
-    impls = []
-    for impl in args.impls:
-        ok, why = common.impl_available(impl)
-        if ok:
-            impls.append(impl)
-        else:
-            print(f"bench_prefill: skipping {impl}: {why}")
+    impls = common.available_impls(args.impls, "bench_prefill")
     prov = common.provenance()
     print(f"bench_prefill: {prov.get('gpu')} commit {prov['commit'][:10]} -> {args.out}")
 

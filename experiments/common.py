@@ -53,7 +53,7 @@ __all__ = [
     "ROOT", "RESULTS", "FIGURES", "provenance", "append_jsonl", "read_jsonl", "jsonable",
     "progress", "have_gpu", "have_torch", "benchmark", "random_normal", "random_qkv",
     "cupy_to_torch", "torch_sdpa", "sdpa_backend", "peak_extra_memory_cupy", "peak_extra_memory_torch",
-    "explain_record", "free_memory", "impl_available", "find_ncu", "run_profiled", "ncu_csv_rows",
+    "explain_record", "free_memory", "impl_available", "available_impls", "find_ncu", "run_profiled", "ncu_csv_rows",
     "ncu_failure",
 ]
 
@@ -205,6 +205,19 @@ def impl_available(name: str) -> tuple[bool, str]:
             return False, "torch sees no CUDA device"
         return True, ""
     return True, ""
+
+
+def available_impls(names, who: str) -> list:
+    """The names of ``names`` that :func:`impl_available` says can run here, in order; says
+    ``"<who>: skipping <name>: <why>"`` for each of the others."""
+    out = []
+    for name in names:
+        ok, why = impl_available(name)
+        if ok:
+            out.append(name)
+        else:
+            print(f"{who}: skipping {name}: {why}")
+    return out
 
 
 @contextlib.contextmanager

@@ -43,10 +43,7 @@ def main(argv=None) -> int:
     from cupyflash import io_model
     prov = common.provenance()
     B, H, d, dt = args.batch, args.nheads, args.headdim, args.dtype
-    impls = []
-    for impl in ("cupyflash", "baseline", "torch_flash"):
-        ok, why = common.impl_available(impl)
-        (impls.append(impl) if ok else print(f"exp_memory: skipping {impl}: {why}"))
+    impls = common.available_impls(("cupyflash", "baseline", "torch_flash"), "exp_memory")
     n = 0
     for S in common.progress(args.seqlens, desc="memory"):
         common.free_memory()

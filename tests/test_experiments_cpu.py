@@ -404,3 +404,11 @@ def test_bench_power_no_gpu_and_bad_arguments(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_power.py"),
                         "--seconds", "0.2"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "--seconds: expected more than --settle" in r.stderr
+
+
+def test_available_impls_keeps_the_order_and_says_why_it_skips(monkeypatch, capsys):
+    monkeypatch.setattr(common, "impl_available",
+                        lambda name: (False, "no wheel") if name == "fa3" else (True, ""))
+    assert common.available_impls(["cupyflash", "fa3", "torch_cudnn"], "bench_x") == \
+        ["cupyflash", "torch_cudnn"]
+    assert capsys.readouterr().out == "bench_x: skipping fa3: no wheel\n"
