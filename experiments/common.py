@@ -53,8 +53,8 @@ __all__ = [
     "ROOT", "RESULTS", "FIGURES", "provenance", "append_jsonl", "read_jsonl", "jsonable",
     "progress", "have_gpu", "have_torch", "benchmark", "random_normal", "random_qkv",
     "cupy_to_torch", "torch_sdpa", "sdpa_backend", "peak_extra_memory_cupy", "peak_extra_memory_torch",
-    "explain_record", "free_memory", "impl_available", "available_impls", "find_ncu", "run_profiled", "ncu_csv_rows",
-    "ncu_failure",
+    "explain_record", "free_memory", "impl_available", "available_impls", "find_ncu",
+    "run_profiled", "ncu_csv_rows", "ncu_failure",
 ]
 
 
@@ -71,11 +71,11 @@ def _git(*args) -> str:
 
 @functools.lru_cache(maxsize=None)
 def provenance() -> dict:
-    """Where a result came from: commit (``$CUPYFLASH_COMMIT`` when set, else the tree's HEAD),
-    whether the package, kernels or experiments differ from it (``dirty``; None when the tree's
-    .git is at another commit than ``$CUPYFLASH_COMMIT``: the device machine's copy of the tree
-    carries a .git that stays at an older commit than its files (session 22: the session's first
-    HEAD), so its status lists the later commits' changes; that HEAD is kept as ``git_head``), date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
+    """Where a result came from: ``commit`` (``$CUPYFLASH_COMMIT`` when set, else the tree's
+    HEAD); ``dirty``, whether kernels_cu/, cupyflash/ or experiments/ differ from it (None when
+    ``$CUPYFLASH_COMMIT`` is not the tree's HEAD, which is then kept as ``git_head``: the device
+    machine's copy keeps a .git at an older commit than its files, so git status there lists the
+    later commits' changes); date (UTC), GPU, SMs, L2, CuPy / CUDA / driver, torch."""
     head = _git("rev-parse", "--verify", "-q", "HEAD")
     given = os.environ.get("CUPYFLASH_COMMIT")
     info = {"commit": given or head or "unknown"}
