@@ -11,8 +11,8 @@ first 0.3 s of the burst, and the throttle reasons seen (``sw_power_cap`` is the
 limit: the driver lowers the clock until the power fits). ``cycles_per_call`` = time x median clock
 compares two kernels per clock cycle when they run at different clocks.
 
-    python experiments/bench_power.py --quick           # hd128 S 16k, ~15 s on an H200
-    python experiments/bench_power.py                   # hd 64/128/256, S 4k and 16k, causal and not
+    python experiments/bench_power.py --quick  # hd128 S 16k, ~15 s on an H200
+    python experiments/bench_power.py          # hd 64/128/256, S 4k and 16k, causal and not
 
 Shapes follow bench_prefill: bf16, batch = 16k tokens / S, heads = 2048 / head dim. Appends to
 ``experiments/results/bench_power.jsonl``; without nvidia-smi the clock fields are None.
@@ -81,8 +81,8 @@ class Sampler:
         self.samples, self.proc, self.gpu = [], None, gpu
         exe = shutil.which("nvidia-smi")
         if exe:
-            self.proc = subprocess.Popen([exe, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                                          "-lms", str(period_ms)],
+            self.proc = subprocess.Popen([exe, f"--query-gpu={QUERY}",
+                                          "--format=csv,noheader,nounits", "-lms", str(period_ms)],
                                          stdout=subprocess.PIPE, text=True)
             threading.Thread(target=self._read, daemon=True).start()
 
@@ -179,7 +179,8 @@ def main(argv=None) -> int:
                     fns[impl] = bench_prefill.make_fn(impl, q, k, v, causal)
                     fns[impl]()  # compile / first call outside the bursts
                 except Exception as e:  # noqa: BLE001 - recorded, the others go on
-                    print(f"bench_power: {impl} hd{d} S={S} causal={causal}: {type(e).__name__}: {e}")
+                    print(f"bench_power: {impl} hd{d} S={S} causal={causal}: "
+                          f"{type(e).__name__}: {e}")
             records = []
             for r in range(args.rounds):
                 for impl, fn in fns.items():
