@@ -12,7 +12,7 @@ limit: the driver lowers the clock until the power fits). ``cycles_per_call`` = 
 compares two kernels per clock cycle when they run at different clocks.
 
     python experiments/bench_power.py --quick  # hd128 S 16k, ~15 s on an H200
-    python experiments/bench_power.py          # hd 64/128/256, S 4k and 16k, causal and not
+    python experiments/bench_power.py          # hd 64/128/256, S 4k/16k, causal and not: ~4 min
 
 Shapes follow bench_prefill: bf16, batch = 16k tokens / S, heads = 2048 / head dim. Appends to
 ``experiments/results/bench_power.jsonl``; without nvidia-smi the clock fields are None.
