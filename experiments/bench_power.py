@@ -11,7 +11,7 @@ first 0.3 s of the burst, and the throttle reasons seen (``sw_power_cap`` is the
 limit: the driver lowers the clock until the power fits). ``cycles_per_call`` = time x median clock
 compares two kernels per clock cycle when they run at different clocks.
 
-    python experiments/bench_power.py --quick  # hd128 S 16k, ~15 s on an H200
+    python experiments/bench_power.py --quick  # hd128 S 16k, ~20 s on an H200
     python experiments/bench_power.py          # hd 64/128/256, S 4k/16k, causal and not: ~4 min
 
 Shapes follow bench_prefill: bf16, batch = 16k tokens / S, heads = 2048 / head dim. Appends to
@@ -38,7 +38,9 @@ THROTTLE_BITS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_p
                  0x8: "hw_slowdown", 0x10: "sync_boost", 0x20: "sw_thermal_slowdown",
                  0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
                  0x100: "display_clock_setting"}
-QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active,temperature.gpu,pci.bus_id"
+QUERY = ("timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active,temperature.gpu,"
+         "power.limit,"
+         "pci.bus_id")
 
 
 def throttle_names(mask: int) -> list:
@@ -57,16 +59,17 @@ def bus_id(pci: str) -> str:
 
 def parse_sample(line: str, gpu: str | None = None):
     """One ``nvidia-smi --query-gpu=QUERY --format=csv,noheader,nounits`` line -> (unix time,
-    SM MHz, watts, throttle mask, deg C), or None when the line is not one, or is another GPU's
-    than PCI bus id ``gpu``."""
+    SM MHz, watts, throttle mask, deg C, power limit in watts), or None when the line is not one,
+    or is another GPU's than PCI bus id ``gpu``."""
     parts = [p.strip() for p in line.split(",")]
-    if len(parts) != 6:
+    if len(parts) != 7:
         return None
     try:
-        if gpu is not None and bus_id(parts[5]) != bus_id(gpu):
+        if gpu is not None and bus_id(parts[6]) != bus_id(gpu):
             return None
         t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-        return t, float(parts[1]), float(parts[2]), int(parts[3], 16), float(parts[4])
+        return (t, float(parts[1]), float(parts[2]), int(parts[3], 16), float(parts[4]),
+                float(parts[5]))
     except ValueError:
         return None
 
@@ -101,7 +104,8 @@ class Sampler:
 
 
 def summarise(samples: list) -> dict:
-    """Medians and extremes of a burst's samples (None fields when there are none)."""
+    """Medians and extremes of a burst's samples (None fields when there are none); ``throttle``
+    names every reason seen in any of them."""
     if not samples:
         return {"n_samples": 0, "sm_clock_mhz": None, "power_w": None, "throttle": None}
     clk = [s[1] for s in samples]
@@ -111,7 +115,9 @@ def summarise(samples: list) -> dict:
     return {"n_samples": len(samples), "sm_clock_mhz": statistics.median(clk),
             "sm_clock_mhz_min": min(clk), "sm_clock_mhz_max": max(clk),
             "power_w": statistics.median(s[2] for s in samples),
-            "temperature_c": max(s[4] for s in samples), "throttle": throttle_names(mask)}
+            "temperature_c": max(s[4] for s in samples),
+            "power_limit_w": statistics.median(s[5] for s in samples),
+            "throttle": throttle_names(mask)}
 
 
 def sustained(fn, seconds: float, sync, chunk: int = 10) -> tuple:

@@ -355,14 +355,14 @@ def test_bench_power_parses_nvidia_smi_samples_and_throttle_reasons():
     are not samples (a header, an error) are dropped; the throttle mask's bits are named."""
     import datetime
     import bench_power
-    line = "2026/12/02 04:41:07.250, 1650, 689.61, 0x0000000000000004, 47, 00000000:19:00.0"
+    line = "2026/12/02 04:41:07.250, 1650, 689.61, 0x0000000000000004, 47, 700.00, 00000000:19:00.0"
     when = datetime.datetime(2026, 12, 2, 4, 41, 7, 250000).timestamp()
-    assert bench_power.parse_sample(line) == (when, 1650.0, 689.61, 4, 47.0)
-    assert bench_power.parse_sample(line, "0000:19:00.0") == (when, 1650.0, 689.61, 4, 47.0)
+    assert bench_power.parse_sample(line) == (when, 1650.0, 689.61, 4, 47.0, 700.0)
+    assert bench_power.parse_sample(line, "0000:19:00.0") == (when, 1650.0, 689.61, 4, 47.0, 700.0)
     assert bench_power.parse_sample(line, "0000:1A:00.0") is None  # another GPU's line
     assert bench_power.parse_sample("timestamp, clocks.current.sm [MHz], power.draw [W]") is None
-    assert bench_power.parse_sample("2026/12/02 04:41:07.250, [N/A], 689.61, 0x4, 47, 0:19:00.0") \
-        is None
+    assert bench_power.parse_sample(
+        "2026/12/02 04:41:07.250, [N/A], 689.61, 0x4, 47, 700.00, 0:19:00.0") is None
     assert bench_power.throttle_names(0x4) == ["sw_power_cap"]
     assert bench_power.throttle_names(0x0) == []
     assert bench_power.throttle_names(0x1 | 0x40 | 0x400) == ["gpu_idle", "hw_thermal_slowdown",
@@ -371,8 +371,8 @@ def test_bench_power_parses_nvidia_smi_samples_and_throttle_reasons():
 
 def test_bench_power_summarises_a_burst_and_its_window():
     import bench_power
-    samples = [(10.0, 1980.0, 300.0, 0x0, 40.0), (10.2, 1700.0, 690.0, 0x4, 45.0),
-               (10.4, 1650.0, 695.0, 0x4, 46.0), (10.6, 1600.0, 700.0, 0x4, 47.0)]
+    samples = [(10.0, 1980.0, 300.0, 0x0, 40.0, 700.0), (10.2, 1700.0, 690.0, 0x4, 45.0, 700.0),
+               (10.4, 1650.0, 695.0, 0x4, 46.0, 700.0), (10.6, 1600.0, 700.0, 0x20, 47.0, 700.0)]
     sm = bench_power.Sampler.__new__(bench_power.Sampler)
     sm.samples, sm.proc, sm.gpu = samples, None, None
     win = sm.window(10.1, 10.6)
@@ -380,7 +380,7 @@ def test_bench_power_summarises_a_burst_and_its_window():
     rec = bench_power.summarise(win)
     assert rec == {"n_samples": 3, "sm_clock_mhz": 1650.0, "sm_clock_mhz_min": 1600.0,
                    "sm_clock_mhz_max": 1700.0, "power_w": 695.0, "temperature_c": 47.0,
-                   "throttle": ["sw_power_cap"]}
+                   "power_limit_w": 700.0, "throttle": ["sw_power_cap", "sw_thermal_slowdown"]}
     assert bench_power.summarise([])["sm_clock_mhz"] is None
 
 
