@@ -39,8 +39,7 @@ THROTTLE_BITS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_p
                  0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
                  0x100: "display_clock_setting"}
 QUERY = ("timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active,temperature.gpu,"
-         "power.limit,"
-         "pci.bus_id")
+         "power.limit,pci.bus_id")
 
 
 def throttle_names(mask: int) -> list:
