@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_prefill  # noqa: E402
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="hd128 S 16k non-causal only")
-    ap.add_argument("--impls", nargs="+", default=["cupyflash", "fa3", "torch_cudnn"])
+    ap.add_argument("--impls", nargs="+", default=["cupyflash", "fa3", "torch_cudnn"],
+                    choices=bench_prefill.IMPLS)
     ap.add_argument("--headdims", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
@@ -159,7 +161,6 @@ def main(argv=None) -> int:
     if not common.have_gpu():
         print("bench_power: no CUDA GPU here; nothing to measure")
         return 0
-    import bench_prefill
     import cupy
 
     from cupyflash import io_model
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
                 try:
                     fns[impl] = bench_prefill.make_fn(impl, q, k, v, causal)
                     fns[impl]()  # compile / first call outside the bursts
-                except Exception as e:  # noqa: BLE001 - recorded, the others go on
+                except Exception as e:  # noqa: BLE001 - said; the others go on
                     print(f"bench_power: {impl} hd{d} S={S} causal={causal}: "
                           f"{type(e).__name__}: {e}")
             records = []
