@@ -10,8 +10,9 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   without synchronising (``host_us``, the median over ``--bursts`` bursts; ``host_us_min``):
   what the host spends to enqueue one call while the launch queue is far from full, whatever
   the GPU time; ``host_us_busy``: the same bursts queued behind a ~2 ms sleep kernel, so that
-  every launch finds the stream busy (does the driver's launch cost depend on it?). Where ``us_per_call`` is above both this and the GPU time, the host ran slower
-  in the loop than in the bursts (a shape's bursts are timed right after its loops).
+  every launch finds the stream busy (on the H200 in session 21 it was not cheaper on an idle
+  stream). Where ``us_per_call`` is above both this and the GPU time, the host ran slower in
+  the loop than in the bursts (a shape's bursts are timed right after its loops).
 * interleaved rounds: the variants of one shape (and the host references among themselves) are
   timed together, round r running loop r of every variant in turn, then burst b of every
   variant in turn, then busy burst b likewise, so that a few seconds of interference on a
@@ -311,7 +312,8 @@ def _python_ref():
     return hit, (ptrs[0] | ptrs[1] | ptrs[2]) % 16
 
 
-def host_reference(calls: int, repeats: int, prov: dict) -> list:
+def host_reference(calls: int, repeats: int, prov: dict, burst: int = 32,
+                   bursts: int = 40) -> list:
     """How fast this host is, for comparing per-call numbers across machines and runs (the
     same GPU work took 12-25 us per call on three H200 hosts): microseconds per call of
     :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device, of an empty
@@ -342,7 +344,7 @@ def host_reference(calls: int, repeats: int, prov: dict) -> list:
     busy = sleep_kernel(torch)  # launches: the enqueue on an idle and on a busy stream as well
     timed = _timed_interleaved(
         [(fn, sync, None, m, busy if caller in ("cupy", "driver") else None)
-         for caller, variant, fn, sync, m in cases], repeats, 32, 40, digits=3)
+         for caller, variant, fn, sync, m in cases], repeats, burst, bursts, digits=3)
     return [dict(op="host", impl="reference", caller=caller, variant=variant, batch=0,
                  seqlen_q=0, seqlen_k=0, calls=m, **t, **prov)
             for (caller, variant, fn, sync, m), t in zip(cases, timed)]
@@ -401,7 +403,7 @@ def main(argv=None) -> int:
                          us_per_call=round(1e6 * warm["first_call_s"], 1)))
         print(f"  cold first call (NVRTC + load + launch) {cold['first_call_s']:.2f} s "
               f"({cold['kernel']}); with CuPy's disk cache {warm['first_call_s']:.2f} s")
-    recs += host_reference(args.calls, args.repeats, prov)
+    recs += host_reference(args.calls, args.repeats, prov, args.burst, args.bursts)
     for shape in SHAPES:
         recs += measure_shape(shape, args.calls, args.repeats, prov, args.burst, args.bursts)
     n = common.append_jsonl(args.out, recs)

@@ -204,8 +204,7 @@ def main(argv=None) -> int:
                     records.append(rec)
             n_written += common.append_jsonl(args.out, records)
             for impl in fns:
-                rs = [x for x in records if x["impl"] == impl]
-                med = sorted(rs, key=lambda x: x["ms"])[(len(rs) - 1) // 2]
+                med = common.median_round([x for x in records if x["impl"] == impl])
                 print(f"  hd{d} B={B} H={H} S={S} causal={causal} {impl}: {med['tflops']:.0f} "
                       f"TFLOP/s, {med['sm_clock_mhz']} MHz, {med['power_w']} W, {med['throttle']}",
                       flush=True)

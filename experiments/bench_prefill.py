@@ -89,8 +89,8 @@ def time_interleaved(fns: dict, rounds: int, **bench) -> dict:
                 out[impl] = e
     for impl, ts in runs.items():
         if impl not in out:
-            mid = sorted(ts, key=lambda t: t["ms"])[(len(ts) - 1) // 2]
-            out[impl] = dict(mid, ms_rounds=[t["ms"] for t in ts], rounds=len(ts))
+            out[impl] = dict(common.median_round(ts), ms_rounds=[t["ms"] for t in ts],
+                             rounds=len(ts))
     return out
 
 

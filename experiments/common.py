@@ -53,7 +53,7 @@ __all__ = [
     "ROOT", "RESULTS", "FIGURES", "provenance", "append_jsonl", "read_jsonl", "jsonable",
     "progress", "have_gpu", "have_torch", "benchmark", "random_normal", "random_qkv",
     "cupy_to_torch", "torch_sdpa", "sdpa_backend", "peak_extra_memory_cupy", "peak_extra_memory_torch",
-    "explain_record", "free_memory", "impl_available", "available_impls", "find_ncu",
+    "explain_record", "free_memory", "impl_available", "available_impls", "median_round", "find_ncu",
     "run_profiled", "ncu_csv_rows", "ncu_failure",
 ]
 
@@ -205,6 +205,12 @@ def impl_available(name: str) -> tuple[bool, str]:
             return False, "torch sees no CUDA device"
         return True, ""
     return True, ""
+
+
+def median_round(rounds: list, key: str = "ms"):
+    """The round (a dict) with the median ``key`` of ``rounds``: the lower middle one of an even
+    number, so that it is always one of the rounds measured."""
+    return sorted(rounds, key=lambda r: r[key])[(len(rounds) - 1) // 2]
 
 
 def available_impls(names, who: str) -> list:

@@ -15,12 +15,12 @@
 #   bench_prefill_fa3   bench_prefill.py, bf16 (figure 1's dtype) at hd 64/128/256, causal and
 #                       not, FA3 beside cupyflash, cuDNN, FA2 and the baseline; quick: S 1k/4k/16k
 #                       (the targets' lengths), full: S 512 .. 32k in three interleaved rounds
-#                       (bench_prefill.py --rounds 3)
+#                       (bench_prefill.py --rounds 3; 73 s on an H200)
 #   ncu_prefill         Nsight Compute, one call of cupyflash and of FA3 per shape (B 2, S 8k,
 #                       hd 64/128/256 causal and not; quick: hd 64/128 not causal)
-#   bench_power         bench_power.py: each impl back to back for 2 s while nvidia-smi samples the
-#                       SM clock, power and throttle reasons (quick: hd128 S 16k; full: hd 64/128/256,
-#                       S 4k and 16k, causal and not, three rounds)
+#   bench_power         bench_power.py: each impl back to back for 2 s while nvidia-smi samples
+#                       the SM clock, power and throttle reasons (quick: hd128 S 16k; full:
+#                       hd 64/128/256, S 4k and 16k, causal and not, three rounds; ~250 s)
 #   experiments/run_gpu_experiments.sh quick bench_prefill_fa3 ncu_prefill   # limits 200 + 120 s
 #   experiments/run_gpu_experiments.sh full ncu_prefill                      # limit 235 s
 #
@@ -53,7 +53,7 @@ declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [ex
                   [bench_prefill_fa3]=200 [ncu_prefill]=120 [bench_power]=60)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
                  [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90
-                 [bench_prefill_fa3]=540 [ncu_prefill]=235 [bench_power]=400)
+                 [bench_prefill_fa3]=240 [ncu_prefill]=235 [bench_power]=400)
 # entries that run another script with arguments of their own (after $FLAG)
 declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill)
 declare -A ARGS_FULL=([bench_prefill_fa3]="--dtypes bfloat16 --rounds 3")

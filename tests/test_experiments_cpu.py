@@ -412,3 +412,10 @@ def test_available_impls_keeps_the_order_and_says_why_it_skips(monkeypatch, caps
     assert common.available_impls(["cupyflash", "fa3", "torch_cudnn"], "bench_x") == \
         ["cupyflash", "torch_cudnn"]
     assert capsys.readouterr().out == "bench_x: skipping fa3: no wheel\n"
+
+
+def test_median_round_is_one_of_the_rounds():
+    rounds = [{"ms": 3.0, "i": 0}, {"ms": 1.0, "i": 1}, {"ms": 2.0, "i": 2}, {"ms": 4.0, "i": 3}]
+    assert common.median_round(rounds[:3]) == {"ms": 2.0, "i": 2}
+    assert common.median_round(rounds) == {"ms": 2.0, "i": 2}  # even count: the lower middle
+    assert common.median_round([{"t": 5, "ms": 9}], key="t") == {"t": 5, "ms": 9}
