@@ -9,14 +9,17 @@ explain, explain_varlen, explain_kvcache : the dispatch plan of a call, as data 
 attention_baseline                      : the materialising baseline (S x S scores in memory)
 reference                               : NumPy float64 / online-softmax reference (no GPU needed)
 testing                                 : Hypothesis strategies for fuzzing kernels against it
-decode                                  : decode planning and workspaces (workspace_size,
-                                          alloc_workspace, launch_config, plan_decode), from
-                                          decode_plan and decode_kernels (specialisations)
+                                          (needs hypothesis: the ``test`` extra)
+io_model                                : HBM bytes and FLOPs of each path (pure)
+
+Packages: ``forward`` (the prefill path: kernel table, heuristics, planner), ``decode`` (the
+split-KV path: public calls, kernels, planner, heuristics), ``core`` (checks, interop, JIT,
+launches, tensor maps, plans, the launch cache). A backward path will be ``backward``.
 
 torch_ops                               : the calls as torch.library custom ops (torch.compile,
                                           CUDA graphs); imports torch
 hf                                      : register() makes "cupyfa" an attention implementation
-                                          of Hugging Face transformers
+                                          of Hugging Face transformers; imports transformers
 
 CuPy is imported lazily: ``import cupyflash`` and the reference work on a machine without a GPU.
 """
@@ -27,10 +30,9 @@ import importlib
 _LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "api",
          "explain_varlen": "api",
          "flash_attn_with_kvcache": "decode", "merge_states": "decode", "explain_kvcache": "decode",
-         "attention_baseline": "baseline", "check_errors": "guard",
-         "reference": None, "checks": None, "testing": None, "dispatch": None, "heuristics": None, "prefill": None,
-         "decode": None, "decode_plan": None, "decode_kernels": None, "baseline": None,
-         "io_model": None, "jit": None, "guard": None, "interop": None,
+         "attention_baseline": "baseline", "check_errors": "core.guard",
+         "reference": None, "testing": None, "io_model": None, "baseline": None, "api": None,
+         "core": None, "forward": None, "decode": None,
          "torch_ops": None, "hf": None}
 
 
@@ -45,8 +47,8 @@ def __getattr__(name):  # PEP 562: submodules load on first use
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_states",
            "explain", "explain_varlen", "explain_kvcache", "check_errors", "attention_baseline",
-           "reference", "checks", "testing", "__version__"]
+           "reference", "io_model", "core", "forward", "decode", "__version__"]
 
 
-def __dir__():  # tab completion sees the lazy names too
-    return sorted(set(globals()) | set(_LAZY) | set(__all__))
+def __dir__():  # tab completion and pydoc: every name that imports without torch
+    return sorted(set(globals()) | set(__all__))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks, interop, jit
+from .core import checks, interop, jit
 
 __all__ = ["attention_baseline", "softmax_spec", "all_specs", "score_dtype", "gemm_plans"]
 
@@ -140,7 +140,7 @@ def attention_baseline(q, k, v, softmax_scale=None, causal=False, window_size=(-
     Raises
     ------
     TypeError, ValueError
-        From :func:`cupyflash.checks.check_attention`.
+        From :func:`cupyflash.core.checks.check_attention`.
 
     Notes
     -----

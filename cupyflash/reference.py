@@ -19,7 +19,7 @@ Semantics (README, "Semantics"): causal masking and windows are aligned bottom-r
 seqlen_q + right``; ``causal`` means ``right = 0``); a row with no visible key gives output 0 and
 LSE -inf; LSE is the natural log of the softmax denominator of the scaled scores; GQA query head
 ``h`` reads KV head ``h // (nheads // nheads_k)``. Every function validates its inputs through
-:mod:`cupyflash.checks` (the same checks the kernels use) before any work.
+:mod:`cupyflash.core.checks` (the same checks the kernels use) before any work.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import checks
+from .core import checks
 
 __all__ = [
     "visible", "attention_mask", "attention_reference", "online_softmax_update",
@@ -86,7 +86,7 @@ def attention_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1)) ->
     Raises
     ------
     TypeError, ValueError
-        Bad ``window_size`` (see :func:`cupyflash.checks.check_window_size`).
+        Bad ``window_size`` (see :func:`cupyflash.core.checks.check_window_size`).
     """
     window = checks.check_window_size(window_size, checks._check_bool(causal, "causal"))
     vis = visible(np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :],
@@ -269,7 +269,7 @@ def attention_reference(q, k, v, *, softmax_scale=None, causal=False, window_siz
     Raises
     ------
     TypeError, ValueError
-        From :func:`cupyflash.checks.check_attention`.
+        From :func:`cupyflash.core.checks.check_attention`.
     """
     q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -308,7 +308,7 @@ def online_softmax_attention(q, k, v, *, softmax_scale=None, causal=False, windo
     Raises
     ------
     TypeError, ValueError
-        From :func:`cupyflash.checks.check_attention`; bad ``block_size_k`` or ``dtype``.
+        From :func:`cupyflash.core.checks.check_attention`; bad ``block_size_k`` or ``dtype``.
 
     Notes
     -----
@@ -390,7 +390,7 @@ def split_kv_partials(q, k, v, num_splits, *, softmax_scale=None, causal=False,
     Raises
     ------
     TypeError, ValueError
-        From :func:`cupyflash.checks.check_attention`; bad ``num_splits``/``block_size_k``.
+        From :func:`cupyflash.core.checks.check_attention`; bad ``num_splits``/``block_size_k``.
     """
     q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -434,7 +434,7 @@ def merge_states(o_parts, lse_parts, *, dtype=np.float64):
     Raises
     ------
     TypeError, ValueError
-        From :func:`cupyflash.checks.check_merge`.
+        From :func:`cupyflash.core.checks.check_merge`.
     """
     o_parts = checks.host_array(o_parts, "o_parts")
     lse_parts = checks.host_array(lse_parts, "lse_parts")
@@ -482,7 +482,7 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     Raises
     ------
     TypeError, ValueError
-        From :func:`cupyflash.checks.check_varlen` (``validate=True``).
+        From :func:`cupyflash.core.checks.check_varlen` (``validate=True``).
     """
     q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     cq_arr = checks.host_array(cu_seqlens_q, "cu_seqlens_q")
@@ -566,7 +566,7 @@ def kvcache_attention_reference(q, k_cache, v_cache, k=None, v=None, cache_seqle
     Raises
     ------
     TypeError, ValueError
-        From :func:`cupyflash.checks.check_kvcache` (``validate=True``).
+        From :func:`cupyflash.core.checks.check_kvcache` (``validate=True``).
     """
     q, k_cache, v_cache = (checks.host_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"),
                                                                  (v_cache, "v_cache")))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from hypothesis import strategies as st
 
-from .interop import np_dtype  # the one name -> NumPy dtype map ('bfloat16': ml_dtypes'), re-exported
+from .core.interop import np_dtype  # the one name -> NumPy dtype map ('bfloat16': ml_dtypes'), re-exported
 
 __all__ = [
     "DTYPES", "BLOCK_SIZES", "np_dtype", "rel_error", "streaming_error_bound",
@@ -48,7 +48,7 @@ BLOCK_SIZES = (16, 32, 64, 128)
 # Error measures
 # ----------------------------------------------------------------------------------------------
 def _host64(x) -> np.ndarray:
-    from .checks import to_host
+    from .core.checks import to_host
     return to_host(x).astype(np.float64)
 
 
@@ -146,7 +146,8 @@ def streaming_error_bound(q, k, v, *, softmax_scale=None, causal=False, window_s
     FlashAttention arXiv 2205.14135 Sec. 3.1 (online softmax); Higham, *Accuracy and Stability of
     Numerical Algorithms*, Sec. 3.1 (the ``gamma_n`` bounds used for the sums).
     """
-    from . import checks, reference
+    from . import reference
+    from .core import checks
     q, k, v = (checks.to_host(x) for x in (q, k, v))
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size)
@@ -478,7 +479,7 @@ def paged_to_contiguous(cache, block_table) -> np.ndarray:
     -------
     numpy.ndarray, shape (batch, max_pages_per_seq * page_size, nheads_k, headdim)
     """
-    from .checks import to_host
+    from .core.checks import to_host
     cache, bt = to_host(cache), to_host(block_table).astype(np.int64)
     g = cache[bt]                                       # (batch, max_pages, page_size, hk, d)
     return g.reshape(bt.shape[0], -1, *cache.shape[2:])

@@ -29,7 +29,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import api, decode
+from . import decode
+from .forward import run
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
@@ -37,8 +38,7 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 @torch.library.custom_op("cupyflash::flash_attn", mutates_args=())
 def _flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool,
                 window_left: int, window_right: int) -> Tuple[Tensor, Tensor]:
-    return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                               window_size=(window_left, window_right), return_lse=True)
+    return run.flash_attn(q, k, v, softmax_scale, causal, (window_left, window_right), True, None)
 
 
 @_flash_attn.register_fake
@@ -53,10 +53,9 @@ def _flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                        cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                        softmax_scale: Optional[float], causal: bool, window_left: int,
                        window_right: int, validate: bool) -> Tuple[Tensor, Tensor]:
-    return api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                                      window_size=(window_left, window_right), return_lse=True,
-                                      validate=validate)
+    return run.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 softmax_scale, causal, (window_left, window_right), True, None,
+                                 validate)
 
 
 @_flash_attn_varlen.register_fake

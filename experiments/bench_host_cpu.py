@@ -1,10 +1,10 @@
 """Host cost of warm calls measured on the CPU, without a GPU (issue 22, item 2): what the
 library's own Python costs per call, every device operation replaced by a no-op.
 
-* ``launch``: :class:`cupyflash.launch.PreparedLaunch.__call__` with 10 pointer arguments (the
+* ``launch``: :class:`cupyflash.core.launch.PreparedLaunch.__call__` with 10 pointer arguments (the
   decode split kernel's), the driver's ``cuLaunchKernelEx`` a compiled C function that returns
   0 (built with ``cc`` at start), called through ctypes as the library calls the driver.
-* ``TmaLaunch``: :class:`cupyflash.tma.TmaLaunch.__call__` of the TMA prefill kernel with
+* ``TmaLaunch``: :class:`cupyflash.core.tma.TmaLaunch.__call__` of the TMA prefill kernel with
   new q/k/v pointers on every call (two sets in turn), the tensor-map calls
   (``cuTensorMapEncodeTiled``, ``cuTensorMapReplaceAddress``) no-op C functions too.
 * ``prefill`` / ``decode``: warm calls on the issue's shapes (prefill 24 x 256 tokens, 12 heads
@@ -40,8 +40,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cupyflash
-from cupyflash import (api, checks, decode, decode_plan, dispatch, guard, interop,  # noqa: E402
-                       jit, launch)
+from cupyflash import api, decode  # noqa: E402
+from cupyflash.forward import run  # noqa: E402
+from cupyflash.core import jit  # noqa: E402
+from cupyflash.core import checks, guard, interop, launch
+from cupyflash.decode import plan as decode_plan
+from cupyflash.forward import dispatch
+from cupyflash.core import planning
 
 STREAM = 0x5EA
 
@@ -106,7 +111,7 @@ _NOOP_SO = None
 
 class _NoopDriver:
     """Stands in for libcuda: ``cuLaunchKernelEx`` is a compiled C function of four pointer
-    arguments returning 0 (cc is needed), as are the tensor-map calls of :mod:`cupyflash.tma`;
+    arguments returning 0 (cc is needed), as are the tensor-map calls of :mod:`cupyflash.core.tma`;
     reached as the library reaches the real one: ``lib.cuLaunchKernelEx`` with the argument types that ``launch._driver`` declares,
     ``lib["cuLaunchKernelEx"]`` a new function object without them."""
 
@@ -128,7 +133,7 @@ class _NoopDriver:
                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         f.restype = ctypes.c_int
         self.cuLaunchKernelEx = f
-        # the tensor-map calls of cupyflash.tma (which declares their argument types)
+        # the tensor-map calls of cupyflash.core.tma (which declares their argument types)
         self.cuTensorMapEncodeTiled = self._lib.cuTensorMapEncodeTiled
         self.cuTensorMapReplaceAddress = self._lib.cuTensorMapReplaceAddress
 
@@ -145,7 +150,7 @@ def install_fakes():
 
     def is_dev(x):
         return isinstance(x, (torch.Tensor, FakeCupy)) or orig(x)
-    for mod, name in ((api, "is_device_array"), (checks, "_is_device"),
+    for mod, name in ((run, "is_device_array"), (checks, "_is_device"),
                       (checks, "is_device_array"), (decode, "is_device_array")):
         setattr(mod, name, is_dev)
     interop._torch()
@@ -169,11 +174,11 @@ def install_fakes():
     cc.stream = staticmethod(lambda dev: STREAM)
     interop._CUPY_NDARRAY = FakeCupy
     ident = lambda x, *a, **k: x  # noqa: E731
-    api.as_cupy = decode.as_cupy = ident
+    run.as_cupy = decode.as_cupy = ident
     interop.current_device = lambda: 0
     if hasattr(api, "_current_device"):  # (before 7f659c5)
         api._current_device = lambda: 0
-    dispatch._device_info = lambda dev: ("sm_90a", 132, 227 * 1024)
+    planning._device_info = lambda dev: ("sm_90a", 132, 227 * 1024)
     dispatch.launch_plan = lambda p: dispatch._launch_plan_cached(p, 0)
     jit.get_kernel = lambda spec, *a: spec
     launch._function_ptr = lambda kernel: 0x1234
@@ -256,7 +261,7 @@ def main():
              per_call_us(lambda: pl(ptrs, STREAM), args.calls, args.repeats))]
     # the TMA prefill launch (non-causal: no counter) with new q/k/v pointers on every call,
     # as in a model (each call's tensors are new): the three tensor maps get the new addresses
-    from cupyflash import tma
+    from cupyflash.core import tma
     maps = tuple(((64, 12, 256, 24), (64, 64 * 12, 64 * 12 * 256), (64, 1, 128, 1))
                  for _ in range(3))
     tl = tma.TmaLaunch(fake_kernel, (132, 1, 1), (384, 1, 1),

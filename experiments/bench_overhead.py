@@ -285,7 +285,7 @@ def to_cupy(x):
     import cupy
     import torch
 
-    from cupyflash.interop import np_dtype
+    from cupyflash.core.interop import np_dtype
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     if x.dtype in names:
         return cupy.from_dlpack(x.view(torch.int16)).view(np_dtype(names[x.dtype]))
@@ -318,13 +318,13 @@ def host_reference(calls: int, repeats: int, prov: dict, burst: int = 32,
     same GPU work took 12-25 us per call on three H200 hosts): microseconds per call of
     :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device, of an empty
     CuPy kernel's launch, and of the library's driver
-    launch (:class:`cupyflash.launch.PreparedLaunch`) of an empty kernel, plain and
+    launch (:class:`cupyflash.core.launch.PreparedLaunch`) of an empty kernel, plain and
     programmatic-dependent (eager loops as above, and ``host_us`` from bursts: the enqueue)."""
     import cupy
     import numpy as np
     import torch
 
-    from cupyflash import launch
+    from cupyflash.core import launch
     q = torch.empty((1, 1, 32, 128), dtype=torch.bfloat16, device="cuda")
     k = cupy.RawKernel('extern "C" __global__ void cf_empty() {}', "cf_empty")
     k((1,), (1,), ())

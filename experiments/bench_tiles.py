@@ -1,5 +1,5 @@
 """Tile-size sweep of the prefill kernels: every (BLOCK_M, BLOCK_N, warps) specialisation in
-``cupyflash.prefill``'s table (mma.sync and, on sm_90a, the Hopper TMA kernel), launched
+``cupyflash.forward.kernels``'s table (mma.sync and, on sm_90a, the Hopper TMA kernel), launched
 directly (bypassing the dispatcher), TFLOP/s (figure 7).
 
 bf16, head dims 64 and 128 (any multiple of 8: each kernel at its padded head dim, TFLOP/s
@@ -34,7 +34,7 @@ NAME_RE = re.compile(r"^(?P<family>fwd|fwdtma)_(?P<dt>[a-z0-9]+)_hd(?P<hd>\d+)_m
 
 def table_specs():
     """(KernelSpec, parsed name fields) for every tensor-core prefill specialisation."""
-    from cupyflash import prefill
+    from cupyflash.forward import kernels as prefill
     out = []
     for item in prefill.all_specs():
         spec = getattr(item, "spec", item)
@@ -83,10 +83,11 @@ def main(argv=None) -> int:
         return 0
     try:
         specs = table_specs()
-        from cupyflash import checks, prefill
-        from cupyflash.interop import current_stream
+        from cupyflash.core import checks
+        from cupyflash.forward import kernels as prefill
+        from cupyflash.core.interop import current_stream
     except Exception as e:
-        print(f"bench_tiles: cupyflash.prefill unavailable ({type(e).__name__}: {e}); skipping")
+        print(f"bench_tiles: cupyflash.forward.kernels unavailable ({type(e).__name__}: {e}); skipping")
         return 0
     import cupy
     from cupyflash import io_model

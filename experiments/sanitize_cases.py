@@ -35,8 +35,10 @@ def main():
     # launched directly here (ragged tails, GQA, causal and window masks, a padded head
     # dim, varlen); then the TMA kernel through the call with more work tiles than SMs, so that
     # its persistent CTAs take several tiles each (from the counter when causal)
-    from cupyflash import checks, dispatch, prefill
-    if dispatch.default_arch() == prefill.WG_ARCH:
+    from cupyflash.core import checks
+    from cupyflash.forward import kernels as prefill
+    from cupyflash.core import planning
+    if planning.default_arch() == prefill.WG_ARCH:
         q, k, v = rand((1, 1100, 16, 64), bf16), rand((1, 1100, 4, 64), bf16), rand((1, 1100, 4, 64), bf16)
         for causal in (False, True):
             cf.flash_attn_func(q, k, v, causal=causal)

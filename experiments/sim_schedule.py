@@ -1,13 +1,13 @@
 """The TMA prefill kernel's persistent tile order, simulated on the CPU (NOTES v73).
 
-``tile_order`` is a Python twin of ``FwdTileScheduler`` in ``kernels_cu/flash_fwd_hopper.cu``
+``tile_order`` is a Python twin of ``FwdTileScheduler`` in ``kernels_cu/forward/hopper.cu``
 (the same integer arithmetic: L2 groups of heads, m-blocks longest first when causal, the causal
 tail group below ``TAIL_TILES_PER_CTA`` tiles per CTA). ``makespan`` hands the tiles in that
 order to ``grid`` CTAs, each tile to the CTA that becomes free first (the causal kernel's global
 counter), a tile costing its key blocks plus ``overhead`` blocks (prologue and epilogue), and
 returns the last CTA's finish over the ideal (total work / grid). A model of the schedule's
 balance only: no L2, no tensor-core or memory timing. Tiles: the dispatcher's own choice
-(:func:`cupyflash.heuristics.choose_prefill_tile`).
+(:func:`cupyflash.forward.heuristics.choose_prefill_tile`).
 
     python experiments/sim_schedule.py                  # the bench's causal shapes, bf16
     python experiments/sim_schedule.py --overhead 2 --grid 132
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cupyflash
-from cupyflash.heuristics import choose_prefill_tile  # noqa: E402
+from cupyflash.forward.heuristics import choose_prefill_tile  # noqa: E402
 
 #: FwdTileScheduler::kL2Bytes and kTailTilesPerCta
 L2_BYTES = 8 << 20

@@ -5,7 +5,8 @@ reference."""
 import numpy as np
 import pytest
 
-from cupyflash import baseline, io_model, jit
+from cupyflash import baseline, io_model
+from cupyflash.core import jit
 from cupyflash.reference import attention_reference
 
 

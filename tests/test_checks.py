@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from cupyflash import checks, reference
+from cupyflash import reference
+from cupyflash.core import checks
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -356,7 +357,7 @@ def test_to_host_numpy_and_lists():
 def test_checks_does_not_import_cupy():
     import subprocess
     import sys
-    code = ("import sys, cupyflash.checks, cupyflash.reference; "
+    code = ("import sys, cupyflash.core.checks, cupyflash.reference; "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -396,7 +397,7 @@ def test_device_array_without_a_gpu_gets_a_clear_error():
     """Fresh-user trial (session 10): on a machine without a CUDA driver, a device array passed
     to the GPU path raised CuPy's "CUDA driver version is insufficient"; now the argument is
     named and the NumPy references are pointed to."""
-    from cupyflash import interop
+    from cupyflash.core import interop
     pytest.importorskip("cupy")
     if interop._no_gpu_reason() is None:
         pytest.skip("a CUDA GPU is present")

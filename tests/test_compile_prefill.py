@@ -19,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from cupyflash import heuristics, jit, prefill
+from cupyflash.core import jit
+from cupyflash.forward import kernels as prefill
+from cupyflash.forward import heuristics
 
 
 def _compile_all(specs, arch):
@@ -64,7 +66,7 @@ def test_wgmma_pipeline_is_not_serialised(reports):
 
 # Spills accepted, each with its bound (stores, loads in bytes) and why: none. (The TMA kernel at
 # hd128 causal spilled 16/28 bytes until its masked softmax step derived the rows' key bounds
-# from an opaque row0 instead of keeping them hoisted across the key loop: flash_fwd_hopper.cu.)
+# from an opaque row0 instead of keeping them hoisted across the key loop: forward/hopper.cu.)
 KNOWN_SPILLS: dict = {}
 
 
@@ -88,7 +90,7 @@ def test_tensor_core_specs_do_not_spill(reports, arch):
 
 
 def test_tma_kernels_get_exactly_the_registers_setmaxnreg_moves(reports):
-    """flash_fwd_hopper.cu's setmaxnreg split assumes the launch gives each thread the register
+    """forward/hopper.cu's setmaxnreg split assumes the launch gives each thread the register
     file over the CTA's threads in steps of 8 (168 at 384 threads, 128 at 512): with fewer, the
     consumers' setmaxnreg.inc waits forever (an H200 hang, session 15)."""
     tma = [s for s in prefill.all_specs() if s.name.startswith("fwdtma_")]
@@ -145,7 +147,7 @@ def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
     # v1 H200 sweep (experiments/NOTES.md): hd128 128x64x4 315-321 TFLOP/s vs 295-299 for
     # 128x32x4; hd96 128x64x4 297-304 vs 234-242 for 128x64x8
     # (the mma.sync rows; on sm_90a the TMA rows come first, see test_tma_rows_lead_on_sm90a)
-    from cupyflash import heuristics
+    from cupyflash.forward import heuristics
     for hd in (96, 128):
         for dtype in ("bfloat16", "float16"):
             tiles = heuristics.prefill_tiles(dtype, hd, "sm_80")
@@ -156,7 +158,7 @@ def test_hd96_hd128_default_is_the_measured_fastest_v1_tile():
 
 
 def test_tma_rows_lead_on_sm90a():
-    from cupyflash import heuristics
+    from cupyflash.forward import heuristics
     for hd, tile in ((128, (128, 128, 12, "tma")), (64, (192, 128, 16, "tma")),
                      (256, (128, 80, 12, "tma"))):
         for dtype in ("bfloat16", "float16"):
@@ -171,7 +173,7 @@ def test_tma_rows_lead_on_sm90a():
 
 
 def test_smem_formula_matches_kernel_traits():
-    # flash_fwd_hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 3 mbarriers, the 8-byte
+    # forward/hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 3 mbarriers, the 8-byte
     # tile index, 1024 bytes of alignment, and the consumer warpgroups' O buffers (64 rows
     # each, block_m / 64 of them) where they fit in 227 KB: hd64 and hd128; hd256 writes O
     # through its V ring and has one more mbarrier (o_free, 8 bytes) instead
@@ -190,9 +192,9 @@ def test_smem_formula_matches_kernel_traits():
             if c.isa == "tma" and c.dtype == "float16"] == [(64, 192, True), (64, 128, True),
                                                              (128, 128, True), (256, 128, True)]
     assert not any(c.o_store for c in prefill.SUPPORTED if c.isa != "tma")
-    # flash_fwd.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
+    # forward/mma.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
     assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
-    # flash_fwd_simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)
+    # forward/simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)
     assert prefill.smem_bytes("float64", 64, 32, 32) == ((32 + 64) * 66 + 32 * 34) * 8
     assert prefill.smem_bytes("float32", 64, 32, 32) == ((32 + 64) * 68 + 32 * 36) * 4
 
@@ -309,7 +311,7 @@ class _Fake:
 
 
 def _problem(**kw):
-    from cupyflash.checks import AttnProblem
+    from cupyflash.core.checks import AttnProblem
     base = dict(batch=2, seqlen_q=100, seqlen_k=300, nheads=8, nheads_k=2, headdim=120,
                 dtype="float16", softmax_scale=0.125, causal=True, window_size=(16, 0))
     base.update(kw)
@@ -367,12 +369,12 @@ def test_kernel_args_varlen_and_checks():
 
 
 def test_tma_maps_of_dense_and_varlen_problems():
-    """The TMA kernel's q, k, v tensor maps (cupyflash.tma.qkv_maps_layout from args_template's
+    """The TMA kernel's q, k, v tensor maps (cupyflash.core.tma.qkv_maps_layout from args_template's
     strides): dense, 4-D (headdim, heads, seqlen, batch) in bytes; varlen, the packed tokens as
     one batch entry (rows = total_q / total_k; the kernel's row coordinates start at
     cu_seqlens), whose batch stride (0 in the kernel's arguments) is replaced by one TMA
     accepts. Boxes: 64 columns x 1 head x block_m (q) or block_n (k, v) rows."""
-    from cupyflash import tma
+    from cupyflash.core import tma
     spec = prefill.kernel_spec("float16", 128, 128, 128, 12, False, isa="tma")
     p = _problem(causal=False, window_size=(-1, -1))  # batch 2, sq 100, sk 300, heads 8 / 2, d 120
     arrays = [_Fake((2, n, h, 120), np.float16) for n, h in ((100, 8), (300, 2), (300, 2), (100, 8))]
@@ -393,11 +395,11 @@ def test_tma_maps_of_dense_and_varlen_problems():
 
 
 def test_tma_o_map_of_dense_problems_and_its_fallbacks():
-    """The O map of the TMA epilogue (cupyflash.tma.o_map_layout): encoded like q's, with
+    """The O map of the TMA epilogue (cupyflash.core.tma.o_map_layout): encoded like q's, with
     out's strides and a box of 64 columns x 1 head x 64 rows (one consumer warpgroup) x 1;
     None, i.e. O written from registers, for varlen problems and for out strides a tensor map
     refuses (negative, zero, not multiples of 16 bytes), never a map that would write elsewhere."""
-    from cupyflash import tma
+    from cupyflash.core import tma
     spec = prefill.kernel_spec("float16", 128, 128, 128, 12, False, isa="tma")
     p = _problem(causal=False, window_size=(-1, -1))  # batch 2, sq 100, sk 300, heads 8 / 2, d 120
     qkv = [_Fake((2, n, h, 120), np.float16) for n, h in ((100, 8), (300, 2), (300, 2))]
@@ -436,7 +438,7 @@ def test_tma_prepared_launch_passes_an_o_map_where_the_kernel_may_use_it(
     """prefill.prepared_launch gives TmaLaunch an O map for dense problems (every TMA row: O
     buffers at hd64 / hd128, the V ring at hd256) whose out strides a map accepts; else none
     (o_map_ok = 0)."""
-    from cupyflash import tma
+    from cupyflash.core import tma
     got = {}
 
     class _Launch:
@@ -466,7 +468,7 @@ def test_tma_prepared_launch_passes_an_o_map_where_the_kernel_may_use_it(
 
 
 def test_tma_traits_match_the_host_smem_and_o_store():
-    """HopperFwdTraits (kernels_cu/flash_fwd_hopper.cu) agree with the host on every TMA row:
+    """HopperFwdTraits (kernels_cu/forward/hopper.cu) agree with the host on every TMA row:
     kSmemBytes == PrefillConfig.smem_bytes and kOStore == PrefillConfig.o_store (a probe of
     static_asserts compiled with NVRTC, no GPU)."""
     checks_ = []

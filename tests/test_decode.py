@@ -17,7 +17,9 @@ from hypothesis import given, settings, strategies as st
 
 import ml_dtypes
 
-from cupyflash import checks, decode, decode_plan, jit, reference, testing
+from cupyflash import decode, reference, testing
+from cupyflash.core import checks, jit
+from cupyflash.decode import plan as decode_plan
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -82,8 +84,8 @@ def test_split_stages_rule(stages, hd, paged, waves, one_block, seqlen, splits, 
     """Two stages only on contiguous hd128 caches, for the several-waves tile from
     TWO_STAGES_MIN_KEYS_SEVERAL_WAVES keys or for the one-block tile from
     TWO_STAGES_MIN_KEYS_PER_SPLIT keys per split; never deeper than given; monotone in length."""
-    from cupyflash import heuristics as H
-    f = lambda **kw: H.choose_split_stages(  # noqa: E731
+    from cupyflash.decode import heuristics as decode_heuristics
+    f = lambda **kw: decode_heuristics.choose_split_stages(  # noqa: E731
         kw.get("stages", stages), headdim=hd, paged=paged, several_waves=waves,
         one_block=one_block, seqlen_k=kw.get("seqlen", seqlen),
         num_splits=kw.get("splits", splits), block_n=block_n, split_tiles=split_tiles)
@@ -94,21 +96,21 @@ def test_split_stages_rule(stages, hd, paged, waves, one_block, seqlen, splits, 
     per_split = (split_tiles or -(-(-(-seqlen // block_n)) // splits)) * block_n
     if not paged and hd == 128:
         if waves:
-            assert r == (2 if seqlen >= H.TWO_STAGES_MIN_KEYS_SEVERAL_WAVES else stages)
+            assert r == (2 if seqlen >= decode_heuristics.TWO_STAGES_MIN_KEYS_SEVERAL_WAVES else stages)
         elif one_block:
-            assert r == (2 if per_split >= H.TWO_STAGES_MIN_KEYS_PER_SPLIT else stages)
+            assert r == (2 if per_split >= decode_heuristics.TWO_STAGES_MIN_KEYS_PER_SPLIT else stages)
     assert f(seqlen=2 * seqlen + block_n) <= r  # longer caches: never deeper
     assert f(splits=splits + 1) >= r            # more splits (shorter ones): never shallower
 
 
 def test_split_stages_rule_rejects_bad_input():
-    from cupyflash import heuristics as H
+    from cupyflash.decode import heuristics as decode_heuristics
     kw = dict(headdim=128, paged=False, several_waves=False, one_block=True, seqlen_k=8192,
               num_splits=1, block_n=128)
     for bad in (dict(stages=1), dict(num_splits=0), dict(seqlen_k=-1), dict(block_n=0),
                 dict(stages=2.0), dict(split_tiles=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            H.choose_split_stages(**{**dict(stages=3), **kw, **bad})
+            decode_heuristics.choose_split_stages(**{**dict(stages=3), **kw, **bad})
 
 
 def test_heuristic_rejects_bad_arguments():
@@ -167,9 +169,9 @@ def test_spec_names_and_table():
     assert decode.split_kernel_spec("float16", 64, False).name == \
         "decode_split_fp16_hd64_n128_w4_g16_s3"
     assert decode.combine_kernel_spec("float32").name == "decode_combine_fp32"
-    assert decode.combine_kernel_spec("float32").source == "decode_combine.cu"
+    assert decode.combine_kernel_spec("float32").source == "decode/combine.cu"
     assert decode.append_kernel_spec(True).name == "decode_append_b16_paged"
-    assert decode.append_kernel_spec(True).source == "decode_append.cu"
+    assert decode.append_kernel_spec(True).source == "decode/append.cu"
     specs = decode.all_specs()
     names = [x.name for x in specs]
     # (2 dtypes x (hd64, hd128: contiguous, paged copy pointers, paged per-row ids; hd256:
@@ -766,9 +768,9 @@ def test_plan_says_when_it_assumed_an_h200():
 
 
 def test_plan_decode_is_a_dispatch_plan_with_ptxas_report():
-    from cupyflash import dispatch
+    from cupyflash.core import planning
     p = decode.plan_decode(_problem(seqlen_new=2), arch="sm_90a")
-    assert isinstance(p, dispatch.Plan) and p.num_splits == 16 and p.num_sms == 132
+    assert isinstance(p, planning.Plan) and p.num_splits == 16 and p.num_sms == 132
     assert p.spill_bytes == 0 and 0 < p.registers <= 255 and p.kernel.arch == "sm_90a"
     assert [e.name for e in p.extra_kernels] == ["decode_append_b16"]
     assert p.hbm_bytes > 2 * 131072 * 8 * 128 * 2 and p.flops > 0
@@ -975,7 +977,7 @@ def test_plan_spec_matches_the_launch_geometry_on_small_smem_devices():
 
 
 # ----------------------------------------------------------------------------------------------
-# Speculative page ids (v13): the split kernel's two partitions, restated (flash_decode.cu,
+# Speculative page ids (v13): the split kernel's two partitions, restated (decode/split.cu,
 # decode_split: the guess for len = capacity, then the real one)
 # ----------------------------------------------------------------------------------------------
 def _split_tiles(length, block_n, num_splits, split_tiles, split):
@@ -1014,7 +1016,7 @@ def test_speculative_page_ids_cover_the_prologue_when_the_guess_is_right(
 
 
 def _kernel_block_coords(block_idx, grid_order):
-    """Mirror of decode_split's (split, b, hz) from blockIdx (flash_decode.cu, DecodeSplitExtra)."""
+    """Mirror of decode_split's (split, b, hz) from blockIdx (decode/split.cu, DecodeSplitExtra)."""
     x, y, z = block_idx
     return (x, y, z) if grid_order == 0 else (y, z, x)
 

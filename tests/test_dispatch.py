@@ -10,7 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from cupyflash import api, checks, dispatch, heuristics, interop, io_model, jit, launch, prefill
+from cupyflash import api, io_model
+from cupyflash.forward import run
+from cupyflash.core import checks, interop, jit, launch
+from cupyflash.forward import kernels as prefill
+from cupyflash.forward import dispatch
+from cupyflash.core import cache
+from cupyflash.core import planning
+from cupyflash.forward import heuristics
 from cupyflash.testing import np_dtype
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -198,7 +205,7 @@ def test_tma_plan_counts_kv_once_per_head_and_predicts_the_roofline():
     args = (2, 16, 16, 8192, 8192, 128, "bfloat16", False, (-1, -1), 128, plan.template["block_n"])
     assert plan.hbm_bytes == io_model.prefill_hbm_bytes(*args, kv_reuse=True)
     assert plan.hbm_bytes < io_model.prefill_hbm_bytes(*args) / 10
-    assert plan.roofline_ms == pytest.approx(1e3 * plan.flops / (dispatch.H200_MATMUL_TFLOPS * 1e12))
+    assert plan.roofline_ms == pytest.approx(1e3 * plan.flops / (planning.H200_MATMUL_TFLOPS * 1e12))
     plan80 = dispatch.plan_prefill(p, report=False, arch="sm_80", num_sms=108)
     t = plan80.template
     assert t["isa"] == "mma" and plan80.hbm_bytes == io_model.prefill_hbm_bytes(
@@ -272,9 +279,9 @@ def test_plan_prefill_wants_an_attn_problem():
 
 
 def test_max_smem_by_arch():
-    assert dispatch.max_smem_bytes_for_arch("sm_90a") == 227 * 1024
-    assert dispatch.max_smem_bytes_for_arch("sm_80") == 163 * 1024
-    assert dispatch.max_smem_bytes_for_arch("sm_89") == 99 * 1024
+    assert planning.max_smem_bytes_for_arch("sm_90a") == 227 * 1024
+    assert planning.max_smem_bytes_for_arch("sm_80") == 163 * 1024
+    assert planning.max_smem_bytes_for_arch("sm_89") == 99 * 1024
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +292,7 @@ def test_explain_numpy_arrays_without_gpu():
     q = np.zeros((2, 1000, 16, 128), bf16)
     k = np.zeros((2, 1500, 4, 128), bf16)
     plan = api.explain(q, k, k, causal=True, arch="sm_90a")
-    assert isinstance(plan, dispatch.Plan)
+    assert isinstance(plan, planning.Plan)
     # Hopper: the TMA kernel; an sm_80 target gets the mma.sync one and says why not TMA
     assert plan.name.startswith("fwdtma_bf16_hd128_") and plan.name.endswith("_causal")
     assert plan.template["isa"] == "tma" and plan.kernel.spec.arch == "sm_90a"
@@ -403,7 +410,7 @@ def no_launch(monkeypatch):
 
     monkeypatch.setattr(prefill, "launch", forbidden)
     monkeypatch.setattr(jit, "get_kernel", forbidden)
-    monkeypatch.setattr(api, "_run", forbidden)
+    monkeypatch.setattr(run, "_run", forbidden)
     return calls
 
 
@@ -494,7 +501,7 @@ def test_bad_varlen_input_raises_before_launch(no_launch, args, kwargs, exc, sta
 def test_valid_input_reaches_plan_then_launch_in_that_order(monkeypatch):
     """Validation passes -> _run gets the problem; a plan failure stops before any launch."""
     seen = []
-    monkeypatch.setattr(api, "_run", lambda problem, *a, **k: seen.append(problem) or (1, 2))
+    monkeypatch.setattr(run, "_run", lambda problem, *a, **k: seen.append(problem) or (1, 2))
     assert api.flash_attn_func(F(Q), F(K), F(K), causal=True, return_lse=True) == (1, 2)
     assert api.flash_attn_func(F(Q), F(K), F(K)) == 1
     assert seen[0].causal and seen[0].nheads == 8 and seen[0].nheads_k == 2
@@ -507,7 +514,7 @@ def test_valid_input_reaches_plan_then_launch_in_that_order(monkeypatch):
         raise ValueError("problem: no prefill kernel (test)")
 
     monkeypatch.setattr(dispatch, "launch_plan", no_plan)
-    monkeypatch.setattr(api, "as_cupy", lambda a, name, dtype=None: a)  # no device memory on a CPU
+    monkeypatch.setattr(run, "as_cupy", lambda a, name, dtype=None: a)  # no device memory on a CPU
     pytest.importorskip("cupy")
     with pytest.raises(ValueError, match="no prefill kernel"):
         api.flash_attn_func(F(Q), F(K), F(K))
@@ -515,14 +522,14 @@ def test_valid_input_reaches_plan_then_launch_in_that_order(monkeypatch):
 
 
 def test_import_does_not_need_cupy():
-    code = ("import sys; import cupyflash.api, cupyflash.dispatch, cupyflash.heuristics; "
+    code = ("import sys; import cupyflash.api, cupyflash.forward.dispatch, cupyflash.forward.heuristics; "
             "import numpy as np; q = np.zeros((1, 4, 2, 32), np.float32); "
             "cupyflash.api.explain(q, q, q, arch='sm_80'); "
             "print('cupy' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     # explain() asks whether a device exists (imports cupy lazily); importing alone must not
-    code2 = ("import sys; import cupyflash.api, cupyflash.dispatch, cupyflash.heuristics; "
+    code2 = ("import sys; import cupyflash.api, cupyflash.forward.dispatch, cupyflash.forward.heuristics; "
              "print('cupy' in sys.modules)")
     r2 = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True,
                         timeout=120)
@@ -530,7 +537,7 @@ def test_import_does_not_need_cupy():
 
 
 # ----------------------------------------------------------------------------------------------
-# The launch cache (dispatch.LAUNCH_CACHE): same plan as a fresh one; any key field misses
+# The launch cache (cache.LAUNCH_CACHE): same plan as a fresh one; any key field misses
 # ----------------------------------------------------------------------------------------------
 class FakeDevArray(FakeCuda):
     """FakeCuda with a (16-byte aligned) pointer and a device, as the warm path reads them."""
@@ -542,19 +549,19 @@ class FakeDevArray(FakeCuda):
 
 @pytest.fixture
 def fresh_cache(monkeypatch):
-    monkeypatch.setattr(dispatch, "LAUNCH_CACHE", {})
-    monkeypatch.setattr(dispatch, "_device_info", lambda dev: ("sm_90a", 132, 227 * 1024))
+    monkeypatch.setattr(cache, "LAUNCH_CACHE", {})
+    monkeypatch.setattr(planning, "_device_info", lambda dev: ("sm_90a", 132, 227 * 1024))
     monkeypatch.setattr(dispatch, "launch_plan", lambda p: dispatch._launch_plan_cached(p, 0))
     dispatch._launch_plan_cached.cache_clear()
-    yield dispatch.LAUNCH_CACHE
+    yield cache.LAUNCH_CACHE
     dispatch._launch_plan_cached.cache_clear()
 
 
 def _entry(q, k, v, out=None, softmax_scale=None, causal=False, window_size=(-1, -1)):
-    opts = ("dense",) + api._plain_options(softmax_scale, causal, window_size)
+    opts = ("dense",) + run._plain_options(softmax_scale, causal, window_size)
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, out=out)
-    key = dispatch.launch_key("dense", 0, opts[1:], (q, k, v, out, None, None))
+    key = cache.launch_key("dense", 0, opts[1:], (q, k, v, out, None, None))
     return key, dispatch.prefill_launch(p, key, 0, q, k, v, out), p
 
 
@@ -607,11 +614,11 @@ def test_launch_cache_misses_on_any_key_field(fresh_cache, change):
 def test_launch_cache_takes_only_plain_options():
     """Values equal to plain ones but of other types (1 == True, -1.0 == -1) must not share an
     entry: the checks treat them differently."""
-    assert api._plain_options(None, True, (-1, 0)) == (None, True, (-1, 0))
+    assert run._plain_options(None, True, (-1, 0)) == (None, True, (-1, 0))
     for bad in ((None, 1, (-1, -1)), (None, np.bool_(True), (-1, -1)), (1, False, (-1, -1)),
                 (None, False, [-1, -1]), (None, False, (-1.0, -1)), (None, False, (True, -1)),
                 (np.float32(0.1), False, (-1, -1))):
-        assert api._plain_options(*bad) is None, bad
+        assert run._plain_options(*bad) is None, bad
 
 
 def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
@@ -621,7 +628,7 @@ def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
     launched = []
     monkeypatch.setattr(interop, "_CUPY_NDARRAY", FakeDevArray)  # the fakes play cupy.ndarray
     monkeypatch.setattr(interop, "current_device", lambda: 0)
-    monkeypatch.setattr(api, "as_cupy", lambda a, name, dtype=None: a)
+    monkeypatch.setattr(run, "as_cupy", lambda a, name, dtype=None: a)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: FakeDevArray(shape, "float32"))
     monkeypatch.setattr(jit, "get_kernel", lambda spec: spec)
     monkeypatch.setattr(launch, "PreparedLaunch",  # records (spec, pointers, stream) per launch
@@ -671,7 +678,7 @@ def test_prefill_options_are_keyword_only():
 def test_prefill_plan_says_when_it_assumed_an_h200():
     """Without a visible GPU a prefill plan is made for an H200's 132 SMs and says so, unless
     num_sms is given (then used by the tile heuristic)."""
-    from cupyflash import decode_plan
+    from cupyflash.decode import plan as decode_plan
     if not decode_plan._planning_limits().get("assumed"):
         pytest.skip("a GPU is visible: its limits are used")
     q = np.zeros((1, 300, 8, 128), np.float16)

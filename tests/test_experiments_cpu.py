@@ -302,7 +302,7 @@ def test_sim_schedule_twin_is_a_permutation_and_matches_the_kernels_constants():
                 assert sorted(order) == sorted((m, bh) for m in range(-(-seqlen // bm))
                                                for bh in range(batch * nheads))
                 assert len(order) == n
-    src = (ROOT / "kernels_cu" / "flash_fwd_hopper.cu").read_text()
+    src = (ROOT / "kernels_cu" / "forward/hopper.cu").read_text()
     assert re.search(r"kL2Bytes = 8ll << 20;", src) and sim.L2_BYTES == 8 << 20
     m = re.search(r"kTailTilesPerCta = (\d+);", src)
     assert m and int(m.group(1)) == sim.TAIL_TILES_PER_CTA

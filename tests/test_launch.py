@@ -1,4 +1,4 @@
-"""cupyflash.launch on the CPU: the ctypes mirrors of cuda.h's launch structures, argument
+"""cupyflash.core.launch on the CPU: the ctypes mirrors of cuda.h's launch structures, argument
 conversion, and the checks that run before the driver is touched."""
 import ctypes
 from pathlib import Path
@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from cupyflash import launch
+from cupyflash.core import launch
 
 
 def test_structures_match_cuda_h_layout():
@@ -128,14 +128,14 @@ def test_kernel_arguments_convert_numpy_scalars():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal):
-    """cupyflash.tma.TmaLaunch: the kernel's first three arguments are the q/k/v tensor maps
+    """cupyflash.core.tma.TmaLaunch: the kernel's first three arguments are the q/k/v tensor maps
     (encoded on the first call; afterwards only a changed pointer's address is replaced), the
     fourth the o map (zeros without one), the fifth the causal counter of the call's stream
     (NULL when non-causal), the sixth o_map_ok (0 without an o map), then the prefill
     arguments with this call's pointers; the function handle reaches the driver as a ctypes
     pointer (a bare int would be cut to 32 bits). A refused address raises and the map is
     encoded again on the next call."""
-    from cupyflash import tma
+    from cupyflash.core import tma
     encoded, replaced = [], []
 
     def encode(holder, dtype, rank, ptr, dims, strides, box, elem, il, sw, l2, oob):
@@ -202,7 +202,7 @@ def test_tma_launch_o_map_and_its_flag(monkeypatch):
     16-byte aligned, not even asked) launches with o_map_ok = 0 (the kernel then writes O from
     registers), never with the previous call's map: no error, no stale address; the next
     aligned out is encoded again and the flag is 1 again."""
-    from cupyflash import tma
+    from cupyflash.core import tma
     encoded, replaced = [], []
 
     def encode(holder, dtype, rank, ptr, dims, strides, box, elem, il, sw, l2, oob):
@@ -250,7 +250,7 @@ def test_tma_launch_o_map_and_its_flag(monkeypatch):
 
 
 def test_tma_map_layout_and_stride_checks():
-    from cupyflash import tma
+    from cupyflash.core import tma
     with pytest.raises(ValueError, match="multiples of 16 bytes"):
         tma._MapEncoder((64, 2, 100, 1), (128, 250, 25600), (64, 1, 128, 1))
     with pytest.raises(ValueError, match="rank"):
@@ -258,11 +258,11 @@ def test_tma_map_layout_and_stride_checks():
 
 
 def test_tma_tile_counters_one_per_stream_and_per_thread_on_the_per_thread_stream(monkeypatch):
-    """The causal scheduler's counters (cupyflash.tma.tile_counter): one per (device, stream),
+    """The causal scheduler's counters (cupyflash.core.tma.tile_counter): one per (device, stream),
     made once; on CuPy's per-thread default stream (one handle, a CUDA stream per host thread)
     one per host thread, so that two threads never share one."""
     import threading as th
-    from cupyflash import tma
+    from cupyflash.core import tma
     made = []
 
     class _Arr:
@@ -291,7 +291,7 @@ def test_tma_tile_counters_one_per_stream_and_per_thread_on_the_per_thread_strea
 
 
 class _FakeCupy:
-    """Just enough of CuPy for cupyflash.tma's counter pool: zeros (int32 arrays whose slices
+    """Just enough of CuPy for cupyflash.core.tma's counter pool: zeros (int32 arrays whose slices
     know their device address), streamIsCapturing (the streams in ``capturing``) and
     Device.synchronize."""
 
@@ -332,12 +332,12 @@ class _FakeCupy:
 
 
 def test_tma_counter_pool_slots_and_captures(monkeypatch):
-    """cupyflash.tma's counter pool with a stand-in CuPy: every slot is handed out once; a
+    """cupyflash.core.tma's counter pool with a stand-in CuPy: every slot is handed out once; a
     captured call gets a slot of its own, not kept for its stream; a capture that finds no pool
     raises; and a pool that captured calls used up is made again by the next causal call outside
     a capture, on any stream (what the error message asks for), not only on a new stream."""
     import sys
-    from cupyflash import tma
+    from cupyflash.core import tma
     fake = _FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     for name, value in (("_COUNTERS", {}), ("_POOLS", {}), ("_CAPTURED", []), ("_REFILL", set())):

@@ -2,7 +2,7 @@
 
 Builds a wheel from this checkout into a temporary folder, installs it with ``pip install
 --target`` and, in a subprocess whose working directory is outside the repository and whose
-``PYTHONPATH`` is the target only, asks the installed ``cupyflash.jit.kernels_dir()`` where the
+``PYTHONPATH`` is the target only, asks the installed ``cupyflash.core.jit.kernels_dir()`` where the
 sources are. Also checks the source-checkout path.
 """
 import importlib.util
@@ -51,7 +51,7 @@ def wheel(tmp_path_factory):
 def test_wheel_contains_kernel_sources(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "cupyflash/kernels_cu/common/params.cuh" in names
-    assert "cupyflash/jit.py" in names
+    assert {"cupyflash/core/jit.py", "cupyflash/forward/kernels.py", "cupyflash/decode/plan.py"} <= names
     src = {p.relative_to(REPO).as_posix() for p in (REPO / "kernels_cu").rglob("*.cu*")}
     shipped = {n.replace("cupyflash/", "", 1) for n in names
                if n.startswith("cupyflash/kernels_cu/")}
@@ -65,7 +65,7 @@ def test_installed_wheel_finds_kernel_sources(wheel, tmp_path):
                     "--target", str(target), str(wheel)], check=True, cwd=tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUPYFLASH_KERNELS_DIR")}
     env["PYTHONPATH"] = str(target)
-    code = ("import cupyflash, cupyflash.jit as j; d = j.kernels_dir(); "
+    code = ("import cupyflash, cupyflash.core.jit as j; d = j.kernels_dir(); "
             "print(cupyflash.__file__); print(d); print((d / 'common' / 'params.cuh').is_file())")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True,
                          capture_output=True, text=True)
@@ -78,7 +78,7 @@ def test_installed_wheel_finds_kernel_sources(wheel, tmp_path):
 def test_source_checkout_finds_kernel_sources():
     env = {k: v for k, v in os.environ.items() if k != "CUPYFLASH_KERNELS_DIR"}
     env["PYTHONPATH"] = str(REPO)
-    code = "import cupyflash.jit as j; print(j.kernels_dir())"
+    code = "import cupyflash.core.jit as j; print(j.kernels_dir())"
     run = subprocess.run([sys.executable, "-c", code],
                          cwd=REPO, env=env, check=True, capture_output=True, text=True)
     kdir = Path(run.stdout.strip())
@@ -95,7 +95,7 @@ def test_installed_cupyflash_finds_kernel_sources(tmp_path):
                            capture_output=True)
     if probe.returncode != 0:
         pytest.skip("cupyflash is not installed in this environment (source checkout only)")
-    code = ("import cupyflash, cupyflash.jit as j; d = j.kernels_dir(); "
+    code = ("import cupyflash, cupyflash.core.jit as j; d = j.kernels_dir(); "
             "print(cupyflash.__file__); print(d); print((d / 'common' / 'params.cuh').is_file())")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True,
                          capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""CPU emulation of the tensor-core prefill kernel's index math (kernels_cu/flash_fwd.cu).
+"""CPU emulation of the tensor-core prefill kernel's index math (kernels_cu/forward/mma.cu).
 
 No GPU here, so the risky part of the kernel -- which thread copies which 16-byte chunk, the
 padded shared-memory layout, the per-lane ``ldmatrix`` row addresses, the mma.m16n8k16
@@ -25,7 +25,7 @@ import math
 import numpy as np
 import pytest
 
-from cupyflash import prefill
+from cupyflash.forward import kernels as prefill
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -95,7 +95,7 @@ class Global:
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernel, transliterated (names and order follow flash_fwd.cu)
+# The kernel, transliterated (names and order follow forward/mma.cu)
 # ----------------------------------------------------------------------------------------------
 class Traits:
     def __init__(self, hd, bm, bn, nw, prefetch=False):
@@ -598,7 +598,7 @@ def test_causal_diagonal_skips_tiles():
 
 def test_c_fragment_is_a_fragment():
     """P's C fragments of key tiles 2kc, 2kc+1 packed as (nt & 1) * 2 + hh are the A fragment of
-    the 16x16 block: the identity flash_fwd.cu relies on, checked through the mma emulator."""
+    the 16x16 block: the identity forward/mma.cu relies on, checked through the mma emulator."""
     rng = np.random.default_rng(0)
     S = rng.standard_normal((16, 16)).astype(np.float32)
     Vm = rng.standard_normal((16, 8)).astype(np.float32)
@@ -627,7 +627,7 @@ def test_smem_pitch_is_bank_conflict_free():
 
 
 # ----------------------------------------------------------------------------------------------
-# The CUDA-core kernel (flash_fwd_simt.cu), transliterated over its 128 threads at once
+# The CUDA-core kernel (forward/simt.cu), transliterated over its 128 threads at once
 # ----------------------------------------------------------------------------------------------
 def run_simt_cta(hd, bm, bn, isz, causal, P, gmem, lse, m_block, h, b):
     TR, TC = 16, 8

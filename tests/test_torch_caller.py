@@ -16,8 +16,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cupyflash import (api, checks, decode, decode_plan, dispatch, guard, interop,  # noqa: E402
-                       jit, launch)
+from cupyflash import api, decode  # noqa: E402
+from cupyflash.forward import run  # noqa: E402
+from cupyflash.core import jit  # noqa: E402
+from cupyflash.core import checks, guard, interop, launch
+from cupyflash.decode import plan as decode_plan
+from cupyflash.forward import dispatch
+from cupyflash.core import planning
+from cupyflash.core import cache
 
 STREAM = 0x5EA  # the fake torch stream handle every launch must get
 CLAIM, RECORD = 0xC1A1, 0xEC0D  # the fake device addresses of the check's claim word and record
@@ -51,7 +57,7 @@ def fake_cuda(monkeypatch):
 
     def is_dev(x):
         return isinstance(x, torch.Tensor) or orig(x)
-    for mod, name in ((api, "is_device_array"), (checks, "_is_device"),
+    for mod, name in ((run, "is_device_array"), (checks, "_is_device"),
                       (checks, "is_device_array"), (decode, "is_device_array")):
         monkeypatch.setattr(mod, name, is_dev)
     interop._torch()  # the dtype tables
@@ -64,8 +70,8 @@ def fake_cuda(monkeypatch):
         lambda values, dt, dev: torch.from_numpy(np.array(values, interop.np_dtype(dt)))))
     monkeypatch.setattr(tc, "stream", staticmethod(lambda dev: STREAM))
     monkeypatch.setattr(interop, "current_device", lambda: 0)
-    monkeypatch.setattr(dispatch, "LAUNCH_CACHE", {})
-    monkeypatch.setattr(dispatch, "_device_info", lambda dev: ("sm_90a", 132, 227 * 1024))
+    monkeypatch.setattr(cache, "LAUNCH_CACHE", {})
+    monkeypatch.setattr(planning, "_device_info", lambda dev: ("sm_90a", 132, 227 * 1024))
     monkeypatch.setattr(dispatch, "launch_plan", lambda p: dispatch._launch_plan_cached(p, 0))
     dispatch._launch_plan_cached.cache_clear()
     monkeypatch.setattr(jit, "get_kernel", lambda spec, *a: spec)
@@ -119,10 +125,10 @@ def test_caller_kind_and_device_test():
     assert interop.caller_of(a, np.zeros(2)) is interop.CupyCaller  # mixed kinds: CuPy's
     assert interop.caller_of(np.zeros(2), a) is interop.CupyCaller
     assert not interop.is_device_array(a)  # a CPU tensor (answered without the interface)
-    assert dispatch.torch_key(("dense:torch",), (a, None, b), torch.Tensor) == (
+    assert cache.torch_key(("dense:torch",), (a, None, b), torch.Tensor) == (
         "dense:torch", a.shape, a.stride(), a.dtype, torch.device("cpu"), None, b.shape,
         b.stride(), b.dtype, b.device)
-    assert dispatch.torch_key(("dense:torch",), (a, np.zeros(2)), torch.Tensor) is None
+    assert cache.torch_key(("dense:torch",), (a, np.zeros(2)), torch.Tensor) is None
 
 
 def test_host_tensors_still_go_to_the_reference_paths():
@@ -152,7 +158,7 @@ def test_prefill_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch):
                         lse.data_ptr(), 0, 0)
         assert stream == STREAM and pdl is False and name.endswith("_causal")
     assert spy.n == 1 and len(fake_cuda) == 3
-    (key,) = dispatch.LAUNCH_CACHE
+    (key,) = cache.LAUNCH_CACHE
     assert key[0] == "dense:torch"
     o2 = torch.empty_like(q)
     assert api.flash_attn_func(q, k, v, causal=True, out=o2) is o2  # out= is returned itself
@@ -239,7 +245,7 @@ def test_prefill_varlen_torch(fake_cuda, monkeypatch):
         assert type(out) is torch.Tensor and out.shape == q.shape and lse.shape == (4, 40)
         assert fake_cuda[-1][2] == (q.data_ptr(), k.data_ptr(), k.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), cq.data_ptr(), ck.data_ptr())
-    assert len(dispatch.LAUNCH_CACHE) == 1 and spy.n == 1
+    assert len(cache.LAUNCH_CACHE) == 1 and spy.n == 1
 
 
 def test_prefill_torch_errors_are_the_checks(fake_cuda):
@@ -617,7 +623,7 @@ def test_merge_states_torch_launch_arguments_match_the_cupy_launch(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# The device-side check's record (cupyflash.guard), surfaced without a synchronisation
+# The device-side check's record (cupyflash.core.guard), surfaced without a synchronisation
 # ----------------------------------------------------------------------------------------------
 def _record(monkeypatch, *fields):
     rec = (ctypes.c_int32 * guard._RECORD_INTS)()
@@ -679,7 +685,7 @@ def test_device_check_record_layout_matches_the_host_decoder():
         assert f"r[kCheck{n}] = " in src
     assert src.rindex("__threadfence_system") > src.index("r[kCheckCode] = code") > \
         src.index("__threadfence_system")
-    for cu in ("flash_decode.cu", "decode_append.cu"):
+    for cu in ("decode/split.cu", "decode/append.cu"):
         text = (jit.kernels_dir() / cu).read_text()
         assert '#include "common/kvcache_check.cuh"' in text and "check_kvcache_sequence(" in text
 
@@ -795,14 +801,13 @@ def test_compiled_plain_call_gives_the_eager_result(monkeypatch):
     import cupyflash
     from cupyflash import reference, torch_ops
 
-    def standin(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                return_lse=False, out=None):
+    def standin(q, k, v, softmax_scale, causal, window_size, return_lse, out):
         assert return_lse is True and out is None  # as the operator calls it
         o, lse = reference.attention_reference(*(x.double().numpy() for x in (q, k, v)),
                                                softmax_scale=softmax_scale, causal=causal,
                                                window_size=window_size)
         return torch.from_numpy(o).to(q.dtype), torch.from_numpy(lse).float()
-    monkeypatch.setattr(torch_ops, "api", types.SimpleNamespace(flash_attn_func=standin))
+    monkeypatch.setattr(torch_ops, "run", types.SimpleNamespace(flash_attn=standin))
     torch._dynamo.reset()
     q, k = _t((2, 16, 4, 64), torch.float16, 1), _t((2, 24, 2, 64), torch.float16, 2)
     out = torch.empty_like(q)
@@ -813,7 +818,7 @@ def test_compiled_plain_call_gives_the_eager_result(monkeypatch):
         o2 = cupyflash.flash_attn_func(q, k, k, softmax_scale=0.2, out=out)
         return o, lse, o2
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k)
-    want = standin(q, k, k, causal=True, window_size=(8, 0), return_lse=True)
-    want2 = standin(q, k, k, softmax_scale=0.2, return_lse=True)[0]
+    want = standin(q, k, k, None, True, (8, 0), True, None)
+    want2 = standin(q, k, k, 0.2, False, (-1, -1), True, None)[0]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got[2], want2) and torch.equal(out, want2)

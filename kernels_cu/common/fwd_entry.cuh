@@ -1,7 +1,7 @@
 // The one kernel entry of the prefill forward family. Its plain scalar / pointer arguments are the
-// host-device ABI: cupyflash/prefill.py (kernel_args / args_template) passes them in this order.
+// host-device ABI: cupyflash/forward/kernels.py (kernel_args / args_template) passes them in this order.
 // They are packed into FwdParams here, once, and handed to Block::run, the tiled algorithm of one
-// CTA: the tensor-core block (flash_fwd.cu) or the CUDA-core block (flash_fwd_simt.cu).
+// CTA: the tensor-core block (forward/mma.cu) or the CUDA-core block (forward/simt.cu).
 #pragma once
 #include "params.cuh"
 #include "mask.cuh"
@@ -38,7 +38,7 @@ struct FwdCta {
 };
 
 // The entry's argument list (the host-device ABI, in order) and its packing into FwdParams,
-// shared by flash_fwd_entry below and the TMA entry of flash_fwd_hopper.cu (which takes three
+// shared by flash_fwd_entry below and the TMA entry of forward/hopper.cu (which takes three
 // tensor maps before them).
 #define CF_FWD_ENTRY_PARAMS(T)                                                                    \
     const T* q, const T* k, const T* v, T* o, float* lse,                                         \

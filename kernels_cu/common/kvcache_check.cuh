@@ -1,6 +1,6 @@
-// The device-side check of decode metadata (cupyflash/guard.py), run by one warp of the first
-// kernel a flash_attn_with_kvcache call launches: the append kernel (decode_append.cu) when there
-// are new tokens, else the split kernel (flash_decode.cu). One warp per sequence checks what the
+// The device-side check of decode metadata (cupyflash/core/guard.py), run by one warp of the first
+// kernel a flash_attn_with_kvcache call launches: the append kernel (decode/append.cu) when there
+// are new tokens, else the split kernel (decode/split.cu). One warp per sequence checks what the
 // host check (cupyflash.checks.check_kvcache_values) checks:
 //   0 <= cache_seqlens[b],  cache_seqlens[b] + seqlen_new <= capacity,
 //   and (paged) the ids of the pages the sequence uses, block_table[b, j] for

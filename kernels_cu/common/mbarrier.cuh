@@ -1,5 +1,5 @@
 // mbarriers and the async-proxy fence (sm_90; PTX ISA 8.0, "mbarrier", "fence.proxy.async") of
-// the Hopper prefill kernel's Q tile and K/V rings (flash_fwd_hopper.cu). CTA scope
+// the Hopper prefill kernel's Q tile and K/V rings (forward/hopper.cu). CTA scope
 // throughout. Before sm_90 the sm_90-only instructions compile to traps.
 #pragma once
 

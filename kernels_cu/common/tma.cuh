@@ -2,7 +2,7 @@
 // Programming Guide, "Asynchronous Data Copies using the Tensor Memory Accelerator").
 //
 // A tensor map (CUtensorMap, 128 bytes, built on the host by cuTensorMapEncodeTiled:
-// cupyflash/tma.py) describes a strided tensor in global memory and the box one copy moves. One
+// cupyflash/core/tma.py) describes a strided tensor in global memory and the box one copy moves. One
 // thread issues the copy of a whole box into shared memory; the TMA unit walks the rows,
 // zero-fills the elements outside the tensor's bounds and, with the 128-byte swizzle, stores the
 // 16-byte chunk c of the box's 128-byte row r at chunk c ^ (r % 8) of that row (the layout the

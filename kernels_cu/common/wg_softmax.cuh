@@ -1,5 +1,5 @@
 // The online-softmax step of one S tile held in wgmma accumulator registers (the m64nN f32
-// D fragment, common/wgmma.cuh), of the Hopper prefill kernel's consumers (flash_fwd_hopper.cu).
+// D fragment, common/wgmma.cuh), of the Hopper prefill kernel's consumers (forward/hopper.cu).
 // The arithmetic is common/online_softmax.cuh's SoftmaxRow.
 #pragma once
 #include "dtype.cuh"
@@ -14,7 +14,7 @@ namespace cf {
 // boundary tiles), row max over the quad, the state update, P = exp2((S - m) c) written over S
 // in place (fp32), and the factor alpha that rescales the old O (the arithmetic:
 // common/online_softmax.cuh, SoftmaxRow). wg_pack_p below packs P to 16 bits once the previous
-// P V has completed (flash_fwd_hopper.cu: one P buffer, FA3's form).
+// P V has completed (forward/hopper.cu: one P buffer, FA3's form).
 template <int BLOCK_N, int NT, bool MASK>
 __device__ __forceinline__ void wg_softmax_step(float (&s)[BLOCK_N / 2],
                                                 SoftmaxRow<float> (&row)[2], float (&alpha)[2],

@@ -54,7 +54,8 @@ def precompiled(gpu):
         return {}
     from concurrent.futures import ThreadPoolExecutor
 
-    from cupyflash import jit, prefill
+    from cupyflash.core import jit
+    from cupyflash.forward import kernels as prefill
     specs = list(prefill.all_specs())
     t0 = time.perf_counter()
     dev = gpu.id

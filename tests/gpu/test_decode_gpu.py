@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 import ml_dtypes  # noqa: E402
 
 import cupyflash  # noqa: E402
-from cupyflash import checks, decode, reference, testing  # noqa: E402
+from cupyflash import decode, reference, testing  # noqa: E402
+from cupyflash.core import checks
 from cupyflash.decode import flash_attn_with_kvcache, merge_states  # noqa: E402
 from gpu_arrays import to_device as _dev, to_host as _host  # noqa: E402 (tests/gpu/gpu_arrays.py)
 
@@ -684,7 +685,8 @@ def test_two_stage_pipeline_is_bitwise_the_three_stage_one(which, monkeypatch):
     several-waves tile from 4k keys), its output and LSE are bitwise those of the same call
     with the two-stage rule off (three stages, the same tile and split count; ragged,
     NaN-tailed caches)."""
-    from cupyflash import decode_plan, dispatch
+    from cupyflash.core import cache
+    from cupyflash.decode import plan as decode_plan
     dtype, d = "bfloat16", 128
     if which == "one_block":
         b, hk, h, cap, ns, tile = 2, 2, 8, 8192, 1, (128, 8)
@@ -706,7 +708,7 @@ def test_two_stage_pipeline_is_bitwise_the_three_stage_one(which, monkeypatch):
     two = _call_bits(case, dtype, q, kc, vc, csd, None, ns, check=which != "several_waves")
     # the same call planned with the two-stage rule off (plans and launches not cached across)
     monkeypatch.setattr(decode_plan, "choose_split_stages", lambda stages, **kw: stages)
-    monkeypatch.setattr(dispatch, "LAUNCH_CACHE", {})
+    monkeypatch.setattr(cache, "LAUNCH_CACHE", {})
     decode_plan._plan_cached.cache_clear()
     try:
         plan3 = decode.explain_kvcache(q, kc, vc, cache_seqlens=csd, num_splits=ns, report=False)
@@ -854,7 +856,7 @@ def test_pdl_launch_waits_for_the_previous_kernel(page, ns):
     passed in: no memset and no host work between the two). Control: a dependent kernel that
     does not wait reads the poison (the launches do overlap here). The output matches the
     reference of the real inputs and equals bitwise the same call launched plainly."""
-    from cupyflash import launch
+    from cupyflash.core import launch
     _skip_unless_pdl()
     dtype = "bfloat16"
     case = _nan_tailed_case(31 + page + ns, np.array([700, 1024, 1], np.int32), 1024, 2, 8, 128,

@@ -27,7 +27,9 @@ from hypothesis import given, strategies as st
 cupy = pytest.importorskip("cupy")  # tests/gpu/conftest.py skips these without a device
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("precompiled")]
 
-from cupyflash import baseline, checks, prefill, reference, testing  # noqa: E402
+from cupyflash import baseline, reference, testing  # noqa: E402
+from cupyflash.core import checks
+from cupyflash.forward import kernels as prefill
 from cupyflash import flash_attn_func, flash_attn_with_kvcache, merge_states  # noqa: E402
 from gpu_arrays import to_device as _dev, to_host as _host  # noqa: E402 (tests/gpu/gpu_arrays.py)
 

@@ -34,9 +34,11 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")  # tests/gpu/conftest.py skips these without a device
 
-from cupyflash import dispatch, io_model, prefill, reference, testing  # noqa: E402
+from cupyflash import io_model, reference, testing  # noqa: E402
+from cupyflash.forward import kernels as prefill
+from cupyflash.forward import dispatch
 from cupyflash.api import flash_attn_func, flash_attn_varlen_func  # noqa: E402
-from cupyflash.checks import check_attention  # noqa: E402
+from cupyflash.core.checks import check_attention  # noqa: E402
 from cupyflash.testing import np_dtype  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -270,7 +272,7 @@ def test_dense_allocates_and_returns_cupy():
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (17, 5)),
                                            (True, (40, -1))])
 def test_every_element_written_lse_too(dtype, causal, window):
-    from cupyflash.interop import current_stream
+    from cupyflash.core.interop import current_stream
     rng = np.random.default_rng(2)
     b, sq, sk, h, hk, d = 2, 131, 67, 4, 2, 72
     q, k, v = host_inputs(rng, b, sq, sk, h, hk, d, dtype)
@@ -294,7 +296,7 @@ def test_every_specialisation(spec):
     tiles), a head dim 8 below the compiled one (column padding), GQA; NaN-poisoned out and lse.
     Causal: seqlen_q = seqlen_k + 11, so the first 11 rows see no key (0 and -inf)."""
     import zlib
-    from cupyflash.interop import current_stream
+    from cupyflash.core.interop import current_stream
     cfg, causal = prefill.config_of(spec)
     b, h, hk, d = 2, 4, 2, cfg.headdim - 8
     sq, sk = cfg.block_m + 19, 2 * cfg.block_n + 7
@@ -591,10 +593,10 @@ def test_int_max_window_means_unbounded(dtype_name, window):
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_persistent_scheduler_on_two_streams(causal):
     """The TMA kernel's persistent grid: more work tiles than SMs (every CTA takes several), the
-    causal one from its per-stream counter (kernels_cu/flash_fwd_hopper.cu FwdTileScheduler).
+    causal one from its per-stream counter (kernels_cu/forward/hopper.cu FwdTileScheduler).
     Launches alternate between two CuPy streams; every result matches the reference, repeats are
     bitwise equal, and every counter is back at 0 afterwards (the next launch's start)."""
-    from cupyflash import tma
+    from cupyflash.core import tma
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the TMA kernel runs on sm_90a only")
     rng = np.random.default_rng(41)
@@ -635,7 +637,8 @@ def test_varlen_call_on_the_tma_kernel(causal, d):
     tiles each (causal: from the counter, left 0), the warm call (validate=False, cached
     entry) is bitwise equal, and NaN rows after cu_seqlens_k[-1] (k, v are views of larger
     buffers) change nothing."""
-    from cupyflash import api, tma
+    from cupyflash import api
+    from cupyflash.core import tma
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the TMA kernel runs on sm_90a only")
     rng = np.random.default_rng(43)
@@ -724,7 +727,7 @@ def test_tma_o_store_epilogue_and_its_register_fallback(dtype, d, sq, causal):
     result matches the reference and the TMA-store results are bitwise equal to the register
     ones (both round the same O / l); padding around strided views stays NaN; the warm launch
     (one prepared launch, new out pointers: the O map's address replaced) keeps all of it."""
-    from cupyflash import jit, tma
+    from cupyflash.core import jit, tma
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the TMA kernel runs on sm_90a only")
     rng = np.random.default_rng([d, sq, int(causal)])

@@ -1,4 +1,4 @@
-"""Kernel-level GPU tests of the tiled prefill forward (``cupyflash.prefill.launch`` directly, no
+"""Kernel-level GPU tests of the tiled prefill forward (``cupyflash.forward.kernels.launch`` directly, no
 dispatch): every tile configuration in ``prefill.SUPPORTED`` against the float64 reference.
 
 Run: ``pytest -m gpu tests/gpu/test_prefill_kernels_gpu.py`` (skips without a CUDA device).
@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("precompiled")]
 
 cupy = pytest.importorskip("cupy")  # tests/gpu/conftest.py skips these without a device
 
-from cupyflash import checks, prefill, reference, testing  # noqa: E402
+from cupyflash import reference, testing  # noqa: E402
+from cupyflash.core import checks
+from cupyflash.forward import kernels as prefill
 
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
 EPS32 = EPS["float32"]

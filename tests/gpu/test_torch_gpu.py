@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 import ml_dtypes  # noqa: E402
 
 import cupyflash  # noqa: E402
-from cupyflash import decode, guard, reference  # noqa: E402
+from cupyflash import decode, reference  # noqa: E402
+from cupyflash.core import guard
 
 if not torch.cuda.is_available():  # CuPy may see a GPU that this torch build cannot use
     pytest.skip("torch without CUDA", allow_module_level=True)
@@ -146,9 +147,9 @@ def test_prefill_runs_on_torch_stream_and_returns_tensors(dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_maps_follow_new_tensors(causal):
     """Warm calls of the TMA kernel with new q/k/v tensors of one layout (each map encoded on
-    the first call, then only its address replaced: cupyflash.tma) equal, bitwise, the same
+    the first call, then only its address replaced: cupyflash.core.tma) equal, bitwise, the same
     calls each made with a new launch-cache entry (every map encoded anew)."""
-    from cupyflash import dispatch
+    from cupyflash.core import cache
     dtype = torch.bfloat16
     if torch.cuda.get_device_capability(_dev()) != (9, 0):
         pytest.skip("the TMA kernel runs on sm_90a")
@@ -158,9 +159,9 @@ def test_tma_maps_follow_new_tensors(causal):
     assert cupyflash.explain(*sets[0], causal=causal).name.startswith("fwdtma")
     fresh = []
     for qkv in sets:
-        dispatch.LAUNCH_CACHE.clear()
+        cache.LAUNCH_CACHE.clear()
         fresh.append(cupyflash.flash_attn_func(*qkv, causal=causal, return_lse=True))
-    dispatch.LAUNCH_CACHE.clear()
+    cache.LAUNCH_CACHE.clear()
     warm = [cupyflash.flash_attn_func(*qkv, causal=causal, return_lse=True) for qkv in sets]
     warm.append(cupyflash.flash_attn_func(*sets[0], causal=causal, return_lse=True))
     fresh.append(fresh[0])
@@ -618,11 +619,11 @@ def test_decode_step_captured_in_a_torch_cuda_graph(paged, via):
 @pytest.mark.parametrize("warm_stream", ["other", "capturing"])
 def test_causal_tma_prefill_captured_in_a_torch_cuda_graph(warm_stream):
     """A causal prefill on the Hopper TMA kernel (its scheduler needs a zeroed counter per
-    stream: cupyflash.tma.tile_counter) captured by torch.cuda.graph, warmed up on another
+    stream: cupyflash.core.tma.tile_counter) captured by torch.cuda.graph, warmed up on another
     stream (the capture then gets a counter of its own) or on the capturing stream itself
     (it uses that stream's); replayed with new q/k/v contents, each replay equals, bitwise, the
     eager call on the same inputs, and every counter is left 0."""
-    from cupyflash import tma
+    from cupyflash.core import tma
     dtype = torch.bfloat16
     if torch.cuda.get_device_capability(_dev()) != (9, 0):
         pytest.skip("the TMA kernel runs on sm_90a")

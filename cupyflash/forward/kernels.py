@@ -5,15 +5,15 @@ The kernels implement FlashAttention-2 (Dao, arXiv 2307.08691), Algorithm 1 with
 partitioning of Sec. 3.2-3.3: one CTA per (``block_m`` query rows, head, batch), K/V tiles of
 ``block_n`` keys streamed through shared memory. Three kernels (``PrefillConfig.isa``):
 
-* ``"tma"``: ``kernels_cu/flash_fwd_hopper.cu``, FlashAttention-3 (Shah et al., arXiv
+* ``"tma"``: ``kernels_cu/forward/hopper.cu``, FlashAttention-3 (Shah et al., arXiv
   2407.08608) on Hopper (sm_90a only): TMA loads by a producer warpgroup, two or three consumer
   warpgroups with ``setmaxnreg``, warpgroup MMA with the intra-warpgroup overlap and turns
   between the consumers (FA3's ping-pong; round-robin with three), a persistent grid (dynamic
   tile order when causal); float16/bfloat16, head dims 64, 128, 256
   (every multiple of 8 padded onto them), dense and varlen problems. The default on sm_90a;
-  its launch passes four tensor maps (q, k, v and, dense, o: :mod:`cupyflash.tma`);
-* ``"mma"``: ``kernels_cu/flash_fwd.cu``, mma.sync m16n8k16 (sm_80+), float16/bfloat16, every head dim;
-* ``"simt"``: ``kernels_cu/flash_fwd_simt.cu``, CUDA cores, float32/float64.
+  its launch passes four tensor maps (q, k, v and, dense, o: :mod:`cupyflash.core.tma`);
+* ``"mma"``: ``kernels_cu/forward/mma.cu``, mma.sync m16n8k16 (sm_80+), float16/bfloat16, every head dim;
+* ``"simt"``: ``kernels_cu/forward/simt.cu``, CUDA cores, float32/float64.
 
 Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU):
 
@@ -24,7 +24,7 @@ Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU
   of a kernel (``isa``); :func:`configs_for` lists the rows that run it, default first.
 * :func:`kernel_spec` names a specialisation (``fwdtma_bf16_hd128_m128_n128_s2_causal``,
   ``fwd_bf16_hd128_m128_n64_w8_causal``, ``fwd_bf16_hd128_m128_n64_w4_pf``,
-  ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.jit.KernelSpec`.
+  ``fwdsimt_f64_hd64_m32_n32``) and returns its :class:`cupyflash.core.jit.KernelSpec`.
 * :func:`launch_config` gives (grid, block, dynamic shared memory) for a spec and a problem.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import dataclasses
 
 import numpy as np
 
-from . import checks, jit
+from ..core import checks, jit
 
 __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
@@ -52,9 +52,9 @@ SIMT_DTYPES = ("float32", "float64")
 #: (A100 allows 163 KiB, sm_86/89 99 KiB: dispatch must compare with the device's limit.)
 MAX_SMEM_BYTES = 227 * 1024
 
-TC_SOURCE = "flash_fwd.cu"
-SIMT_SOURCE = "flash_fwd_simt.cu"
-TMA_SOURCE = "flash_fwd_hopper.cu"
+TC_SOURCE = "forward/mma.cu"
+SIMT_SOURCE = "forward/simt.cu"
+TMA_SOURCE = "forward/hopper.cu"
 #: The architecture the TMA kernel (wgmma, setmaxnreg) is compiled for, the only one that runs it.
 WG_ARCH = "sm_90a"
 #: Instruction sets of the prefill kernels (``PrefillConfig.isa``).
@@ -107,7 +107,7 @@ class PrefillConfig:
         """TMA rows whose kernel can write O through shared memory and TMA stores (in its O
         buffers, :func:`tma_o_bytes`, or through its V ring, :func:`tma_o_in_v`); dense
         problems only, and only when the launch passes an O map
-        (:func:`cupyflash.tma.o_map_layout`)."""
+        (:func:`cupyflash.core.tma.o_map_layout`)."""
         if self.isa != "tma":
             return False
         dims = (self.headdim, self.block_m, self.block_n, self.stages)
@@ -196,7 +196,7 @@ _SIMT_TILES["float64"][256] = ((16, 32), (16, 16))  # 32x32 needs > 255 register
 # moved (0-1%, noise), 3 K/V stages and 32-key register working sets (v1).
 _TC_PREFETCH = {(128, 128, 64, 4)}
 
-# Hopper TMA rows (kernels_cu/flash_fwd_hopper.cu, sm_90a only, dense and varlen problems):
+# Hopper TMA rows (kernels_cu/forward/hopper.cu, sm_90a only, dense and varlen problems):
 # headdim -> (block_m, block_n, stages); a producer warpgroup plus block_m / 64 consumer
 # warpgroups, nwarps = 4 * (block_m / 64 + 1); a persistent grid (launch_config).
 # Listed first: the default on sm_90a. FlashAttention-3's tiles (bf16, its tile_size_fwd) except
@@ -317,7 +317,7 @@ del _c, _causal
 
 def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: int,
                 causal: bool, *, isa: str | None = None) -> jit.KernelSpec:
-    """The :class:`~cupyflash.jit.KernelSpec` of the :data:`SUPPORTED` row with this tile.
+    """The :class:`~cupyflash.core.jit.KernelSpec` of the :data:`SUPPORTED` row with this tile.
 
     ``isa``: ``"tma"``, ``"mma"`` or ``"simt"``; default ``"simt"`` for float32/float64 and
     ``"mma"`` for float16/bfloat16 (a TMA row must be asked for by name, or through
@@ -342,7 +342,7 @@ def kernel_spec(dtype: str, hd_padded: int, block_m: int, block_n: int, nwarps: 
 
 
 def spec_of(cfg: PrefillConfig, causal: bool) -> jit.KernelSpec:
-    """The :class:`~cupyflash.jit.KernelSpec` of a :data:`SUPPORTED` row."""
+    """The :class:`~cupyflash.core.jit.KernelSpec` of a :data:`SUPPORTED` row."""
     return jit.KernelSpec(name=_name(cfg, bool(causal)), source=cfg.source,
                           entry=_entry(cfg, bool(causal)), smem_bytes=cfg.smem_bytes,
                           arch=cfg.arch)
@@ -373,13 +373,13 @@ def launch_config(spec: jit.KernelSpec, problem, num_sms: int | None = None) -> 
 
     Parameters
     ----------
-    spec : cupyflash.jit.KernelSpec from :func:`kernel_spec`.
-    problem : cupyflash.checks.AttnProblem (uses batch, seqlen_q, nheads).
+    spec : cupyflash.core.jit.KernelSpec from :func:`kernel_spec`.
+    problem : cupyflash.core.checks.AttnProblem (uses batch, seqlen_q, nheads).
     """
     cfg, _ = config_of(spec)
     m_blocks = max(0, -(-problem.seqlen_q // cfg.block_m))
     if cfg.isa == "tma":
-        from .heuristics import H200_SMS
+        from ..core.planning import H200_SMS
         tiles = m_blocks * problem.nheads * problem.batch
         return (min(tiles, int(num_sms or H200_SMS)), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes
     grid = (m_blocks, problem.nheads, problem.batch)
@@ -408,7 +408,7 @@ def kernel_args(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_
 
     The tuple is ``(q, k, v, out, lse) + strides + (cu_seqlens_q, cu_seqlens_k) + sizes`` with
     ``strides, sizes = args_template(...)`` (which depend on shapes, strides and the problem
-    only, so the launch cache of :mod:`cupyflash.dispatch` keeps them), then
+    only, so the launch cache of :mod:`cupyflash.forward.dispatch` keeps them), then
     :func:`check_pointers` (the per-call part).
     """
     varlen = cu_seqlens_q is not None
@@ -491,7 +491,7 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
     """Launch one prefill specialisation (FlashAttention-2 forward, arXiv 2307.08691 Alg. 1).
 
     Writes ``out`` (same layout and dtype as q) and ``lse`` (float32, natural log; -inf for a
-    row that sees no key, whose output is 0). Inputs are validated by cupyflash.checks before
+    row that sees no key, whose output is 0). Inputs are validated by cupyflash.core.checks before
     this is called; here only what the kernel itself relies on is checked (layouts, alignment,
     spec/problem agreement).
 
@@ -499,7 +499,7 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
     ----------
     spec : KernelSpec from :func:`kernel_spec` (its causal flag must equal ``problem.causal``).
     q, k, v, out, lse : cupy.ndarray; see :func:`kernel_args` for the layouts.
-    problem : cupyflash.checks.AttnProblem.
+    problem : cupyflash.core.checks.AttnProblem.
     cu_seqlens_q, cu_seqlens_k : int32 cupy.ndarray (batch + 1,) for varlen, else None.
     stream : cupy.cuda.Stream or None (the current stream).
 
@@ -543,18 +543,18 @@ def prepared_launch(spec: jit.KernelSpec, kern, grid, block, smem: int, problem,
     """The launch of ``spec`` with its constant arguments (:func:`args_template`'s ``strides``
     and ``sizes``) converted once; a call passes the 7 pointers (q, k, v, out, lse,
     cu_seqlens_q, cu_seqlens_k; 0 for NULL) and a stream handle. A
-    :class:`cupyflash.launch.PreparedLaunch` (a plain launch: the prefill kernels do not wait for
-    the previous kernel), or for TMA rows a :class:`cupyflash.tma.TmaLaunch` (the q, k, v and o
+    :class:`cupyflash.core.launch.PreparedLaunch` (a plain launch: the prefill kernels do not wait for
+    the previous kernel), or for TMA rows a :class:`cupyflash.core.tma.TmaLaunch` (the q, k, v and o
     tensor maps, the causal scheduler's counter and the O-map flag first; an O map for dense
     problems of rows that store O by TMA, :attr:`PrefillConfig.o_store`, whose ``out`` strides a
     map accepts), on device ``device_id`` (the current one)."""
-    from . import launch
+    from ..core import launch
     n = len(strides)
     args = (_NULL2[0],) * 5 + tuple(strides) + _NULL2 + tuple(sizes)
     slots = (0, 1, 2, 3, 4, 5 + n, 6 + n)
     cfg, causal = config_of(spec)
     if cfg.isa == "tma":
-        from . import tma
+        from ..core import tma
         maps = tma.qkv_maps_layout(problem, strides, cfg.block_m, cfg.block_n)
         o_map = tma.o_map_layout(problem, strides) if cfg.o_store else None
         return tma.TmaLaunch(kern, grid, block, args, slots, maps, shared_mem=smem,

@@ -92,7 +92,7 @@ def kernels_dir() -> Path:
     KernelSourceError
         If none exists, listing every path tried.
     """
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the cupyflash package
     tried = []
     env = os.environ.get("CUPYFLASH_KERNELS_DIR")
     candidates = ([Path(env)] if env else []) + [here / "kernels_cu", here.parent / "kernels_cu"]

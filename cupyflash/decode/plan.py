@@ -1,12 +1,12 @@
 """Planning of a decode call (pure unless asked to compile): the split count, tile and pipeline
 depth, the launch geometry and workspace, the reasons for each choice, and ``explain_kvcache``.
 
-:func:`launch_config` turns a validated :class:`cupyflash.checks.DecodeProblem` into a
+:func:`launch_config` turns a validated :class:`cupyflash.core.checks.DecodeProblem` into a
 :class:`DecodeLaunch` (what the call path of :mod:`cupyflash.decode` launches);
-:func:`plan_decode` wraps it in a :class:`cupyflash.dispatch.Plan` with the ptxas report, and
+:func:`plan_decode` wraps it in a :class:`cupyflash.core.planning.Plan` with the ptxas report, and
 :func:`explain_kvcache` applies the call's checks to the call's arguments first. The algorithm
 (Flash-Decoding, Dao et al. 2023) and the measurements behind each choice:
-:mod:`cupyflash.decode`, :mod:`cupyflash.decode_kernels`, :mod:`cupyflash.heuristics` and
+:mod:`cupyflash.decode`, :mod:`cupyflash.decode.kernels`, :mod:`cupyflash.forward.heuristics` and
 experiments/NOTES.md (the vN in the reasons).
 """
 from __future__ import annotations
@@ -16,11 +16,12 @@ import functools
 
 import numpy as np
 
-from . import checks, jit
-from .decode_kernels import (_SHORT, DTYPES, GROUP, HEADDIMS, ONE_BLOCK_SPLIT_CONFIGS,
+from ..core import checks, jit, planning
+from .kernels import (_SHORT, DTYPES, GROUP, HEADDIMS, ONE_BLOCK_SPLIT_CONFIGS,
                              SPLIT_CONFIGS, append_kernel_spec, kv_path, padded_headdim,
                              split_config, split_kernel_spec, split_smem_bytes)
-from .heuristics import (H200_SMS, TWO_STAGES_MIN_KEYS_PER_SPLIT,
+from ..core.planning import H200_SMS
+from .heuristics import (TWO_STAGES_MIN_KEYS_PER_SPLIT,
                          TWO_STAGES_MIN_KEYS_SEVERAL_WAVES, choose_num_splits,
                          choose_split_stages)
 
@@ -62,11 +63,11 @@ def split_layout(seqlen: int, num_splits: int, block_n: int, split_tiles: int = 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
     """How a :func:`cupyflash.decode.flash_attn_with_kvcache` call launches (the fields the
-    launch code needs; :func:`plan_decode` turns it into a :class:`cupyflash.dispatch.Plan` for
+    launch code needs; :func:`plan_decode` turns it into a :class:`cupyflash.core.planning.Plan` for
     ``explain``).
 
     kernel, template : split-kernel specialisation name and its template values.
-    spec : the split kernel's :class:`cupyflash.jit.KernelSpec`.
+    spec : the split kernel's :class:`cupyflash.core.jit.KernelSpec`.
     grid, block, smem_bytes : launch shape of the split kernel (dynamic shared memory, bytes);
         grid ``(nheads_k * row_chunks, num_splits, batch)`` for contiguous caches (the kernel's
         grid_order 1), ``(num_splits, batch, nheads_k * row_chunks)`` for paged ones.
@@ -127,7 +128,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     Parameters
     ----------
     problem : checks.DecodeProblem
-        From :func:`cupyflash.checks.check_kvcache`.
+        From :func:`cupyflash.core.checks.check_kvcache`.
     split_size : int or None
         Fixed keys per split (rounded up to a multiple of the tile's ``block_n``); overrides
         ``problem.num_splits``.
@@ -286,7 +287,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
     else:
         why("num_splits", "one split: the split kernel writes the output directly (no combine)")
     append = append_kernel_spec(p.paged).name if p.seqlen_new > 0 else None
-    from . import io_model
+    from .. import io_model
     hbm = io_model.decode_hbm_bytes(p.batch, p.nheads, p.nheads_k, p.seqlen_cache, p.headdim,
                                     p.dtype, num_splits, p.seqlen_q, p.page_size)
     flops = io_model.decode_flops(p.batch, p.nheads, p.seqlen_cache, p.headdim, p.seqlen_q,
@@ -326,7 +327,7 @@ def launch_config(problem: checks.DecodeProblem, *, split_size: int | None = Non
 
 
 def _kv_page_size(p) -> int | None:
-    """The ``page_size`` that :func:`cupyflash.decode_kernels.kv_path` sees for problem ``p``:
+    """The ``page_size`` that :func:`cupyflash.decode.kernels.kv_path` sees for problem ``p``:
     None (no copy pointers) for contiguous caches and for pools whose page offsets need more than
     32 bits."""
     return p.page_size if p.paged and p.page_offsets_fit_i32 else None
@@ -366,7 +367,7 @@ def _split_grid(paged: bool, num_splits: int, batch: int, head_blocks: int) -> t
 def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
                 arch: str | None = None, report: bool = True, num_sms: int | None = None,
                 smem_per_sm: int | None = None, max_smem_per_block: int | None = None):
-    """The :class:`cupyflash.dispatch.Plan` of a decode problem (what ``explain`` returns).
+    """The :class:`cupyflash.core.planning.Plan` of a decode problem (what ``explain`` returns).
 
     ``kernel`` is the split kernel (it also merges the splits: fused combine);
     ``extra_kernels`` the append (if new tokens); ``reasons`` holds the ``(topic, why)`` pairs
@@ -381,27 +382,26 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
         As in :func:`cupyflash.decode.flash_attn_with_kvcache`.
     arch : str or None
         Architecture of the ptxas report; default the current device's, else ``"sm_90a"``.
-        ``sm_80`` or newer (:func:`cupyflash.dispatch.check_arch`: TypeError / ValueError).
+        ``sm_80`` or newer (:func:`cupyflash.core.planning.check_arch`: TypeError / ValueError).
     report : bool
         Compile with NVRTC (no GPU needed) and fill registers / spills.
     num_sms, smem_per_sm, max_smem_per_block : int or None
         Device limits; default the current device's, else the H200's (132 SMs), with the shared
         memory of ``arch`` when one other than sm_90/sm_90a is named.
     """
-    from . import dispatch
     if not isinstance(problem, checks.DecodeProblem):
-        raise TypeError(f"problem: expected cupyflash.checks.DecodeProblem, got "
+        raise TypeError(f"problem: expected cupyflash.core.checks.DecodeProblem, got "
                         f"{type(problem).__name__}")
-    dispatch.check_arch(arch)
+    planning.check_arch(arch)
     lim = _planning_limits(arch)
-    dispatch.check_device_limits(num_sms=num_sms, smem_per_sm=smem_per_sm,
+    planning.check_device_limits(num_sms=num_sms, smem_per_sm=smem_per_sm,
                                  max_smem_per_block=max_smem_per_block)
     h200_assumed = lim.get("assumed", False) and num_sms is None  # said in the plan's notes
     num_sms = lim["num_sms"] if num_sms is None else num_sms
     smem_per_sm = lim["smem_per_sm"] if smem_per_sm is None else smem_per_sm
     max_smem_per_block = lim["max_smem_per_block"] if max_smem_per_block is None \
         else max_smem_per_block
-    arch = dispatch.default_arch() if arch is None else arch
+    arch = planning.default_arch() if arch is None else arch
     la = launch_config(problem, split_size=split_size, num_sms=num_sms, smem_per_sm=smem_per_sm,
                        max_smem_per_block=max_smem_per_block)
     p = problem
@@ -412,7 +412,7 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
         if report:
             rep = jit.compile_report(spec, arch).ptxas
             regs, spill = rep.registers, rep.spill_bytes
-        return dispatch.KernelChoice(name=spec.name, entry=spec.entry, template=tmpl(spec),
+        return planning.KernelChoice(name=spec.name, entry=spec.entry, template=tmpl(spec),
                                      grid=grid, block=block, smem_bytes=smem, registers=regs,
                                      spill_bytes=spill, arch=arch if report else None, spec=spec)
 
@@ -445,8 +445,8 @@ def plan_decode(problem: checks.DecodeProblem, *, split_size: int | None = None,
     rejected.sort(key=lambda r: (not r[0].startswith(f"decode_split_{_SHORT[p.dtype]}"), r[0]))
     notes = list(zip(la.reason_topics, la.reasons))
     if h200_assumed:
-        notes.append(dispatch.h200_assumed_note(num_sms))
-    return dispatch.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
+        notes.append(planning.h200_assumed_note(num_sms))
+    return planning.Plan(problem=p, kernel=main, num_splits=la.num_splits, flops=la.flops,
                          hbm_bytes=la.hbm_bytes, rejected=rejected, reasons=notes,
                          extra_kernels=tuple(extra), num_sms=num_sms,
                          workspace_elems=la.workspace_elems)
@@ -456,7 +456,7 @@ def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
                     softmax_scale=None, causal=True, num_splits=0, return_lse=False, out=None,
                     split_size=None, validate=False, workspace=None, *, arch=None, report=True,
                     num_sms=None):
-    """The :class:`cupyflash.dispatch.Plan` of a :func:`cupyflash.decode.flash_attn_with_kvcache`
+    """The :class:`cupyflash.core.planning.Plan` of a :func:`cupyflash.decode.flash_attn_with_kvcache`
     call, without running it (accepts NumPy or CUDA arrays): the call's arguments, in the call's
     order, then keyword-only ``arch``, ``report`` and ``num_sms``.
 
@@ -464,7 +464,7 @@ def explain_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
     contiguous, cache row strides that are not 16-byte multiples; a host array's pointer is not
     checked), options, ``return_lse`` and a ``workspace`` of the wrong dtype, size or layout.
     The values of ``cache_seqlens`` and ``block_table`` (negative lengths, lengths over the
-    capacity, page ids outside the pool: :func:`cupyflash.checks.check_kvcache_values`) are
+    capacity, page ids outside the pool: :func:`cupyflash.core.checks.check_kvcache_values`) are
     checked as the call checks them when they are host arrays (NumPy; reading them costs no
     synchronisation); CUDA arrays only with ``validate=True`` (the call's default, here
     ``False``). ``arch`` and ``num_sms``: see :func:`plan_decode` (without a GPU: an H200's 132
@@ -538,7 +538,7 @@ def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, bloc
     Raises
     ------
     TypeError, ValueError
-        The shape, dtype and option errors of :func:`cupyflash.checks.check_kvcache`, a bad
+        The shape, dtype and option errors of :func:`cupyflash.core.checks.check_kvcache`, a bad
         ``split_size``.
     """
     cache_seqlens = checks.lengths_from_host(cache_seqlens, q)
@@ -569,8 +569,7 @@ def _planning_limits(arch: str | None = None, use_device: bool = True) -> dict:
     lim = dict(num_sms=H200_SMS, smem_per_sm=H200_SMEM_PER_SM,
                max_smem_per_block=H200_SMEM_PER_BLOCK_OPTIN, assumed=True)
     if arch is not None and arch not in ("sm_90", "sm_90a"):
-        from . import dispatch
-        lim["max_smem_per_block"] = dispatch.max_smem_bytes_for_arch(arch)
+        lim["max_smem_per_block"] = planning.max_smem_bytes_for_arch(arch)
         lim["smem_per_sm"] = lim["max_smem_per_block"] + _SMEM_RESERVED_PER_BLOCK
     return lim
 

@@ -1,7 +1,7 @@
 // Exact merge of partial attention states (the combine step of Flash-Decoding: Dao, Haziza,
 // Massa, Sizov, "Flash-Decoding for long-context inference", 2023; also cascade and distributed
-// attention): the kernel of the public merge_states (cupyflash/decode.py). The split kernel
-// (flash_decode.cu) merges its own splits (fused combine) and does not launch this one.
+// attention): the kernel of the public merge_states (cupyflash/decode/__init__.py). The split kernel
+// (decode/split.cu) merges its own splits (fused combine) and does not launch this one.
 //
 // out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s), LSE = max + log(sum w)
 // (natural log; merge(x, (0, -inf)) = x: empty parts get weight 0 and their o, which may hold

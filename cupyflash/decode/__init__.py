@@ -15,8 +15,8 @@ Supported: float16 and bfloat16 (tensor cores; float32/float64 caches are reject
 TypeError); head dims that are multiples of 8 up to 256, run by the kernel compiled for 64, 128
 or 256 (the padding columns are zero-filled in shared memory, never read from memory).
 
-Kernels, tiles, K/V paths and page sizes: :mod:`cupyflash.decode_kernels`; the split count,
-tile and pipeline depth of a call: :mod:`cupyflash.decode_plan`.
+Kernels, tiles, K/V paths and page sizes: :mod:`cupyflash.decode.kernels`; the split count,
+tile and pipeline depth of a call: :mod:`cupyflash.decode.plan`.
 
 CUDA graphs
 -----------
@@ -47,7 +47,7 @@ stream has completed); such a call cannot be captured in a CUDA graph (ValueErro
 Programmatic dependent launch
 -----------------------------
 On sm_90+ the append and split kernels are launched with programmatic stream serialization
-(:class:`cupyflash.launch.PreparedLaunch`; CUDA Programming Guide, "Programmatic Dependent
+(:class:`cupyflash.core.launch.PreparedLaunch`; CUDA Programming Guide, "Programmatic Dependent
 Launch and Synchronization"): each may be scheduled while the previous kernel of the stream
 finishes, and waits (``griddepcontrol.wait``, ``kernels_cu/common/pdl.cuh``) for that kernel's
 completion and memory before its first global load, so the result is the same; what overlaps is
@@ -62,21 +62,21 @@ instead (the same driver call without the attribute); measured in experiments/NO
 Callers, streams and checks
 ---------------------------
 torch tensors in give torch tensors out, launched on torch's current stream of their device;
-CuPy arrays keep CuPy's conventions (:mod:`cupyflash.interop`). A warm call (same layouts and
+CuPy arrays keep CuPy's conventions (:mod:`cupyflash.core.interop`). A warm call (same layouts and
 options as an earlier one) reads pointers and layouts from the arrays' attributes and launches
-through prepared driver launches (:class:`cupyflash.launch.PreparedLaunch`). With
+through prepared driver launches (:class:`cupyflash.core.launch.PreparedLaunch`). With
 ``validate=True`` (the default) nothing is read back to the host: host ``cache_seqlens`` /
 ``block_table`` (an int, a list, NumPy) are checked on the host before the launch and copied to
 the device asynchronously; device ones are checked on the device by the call's first kernel (the
 append kernel, else the split kernel: no extra launch), whose findings are raised by the next
-call or by :func:`cupyflash.check_errors` (:mod:`cupyflash.guard`).
+call or by :func:`cupyflash.check_errors` (:mod:`cupyflash.core.guard`).
 
 Modules
 -------
 This module is the call path (:func:`flash_attn_with_kvcache`, :func:`merge_states`, workspaces,
-the launch cache and the launches); :mod:`cupyflash.decode_plan` plans a call and explains it
+the launch cache and the launches); :mod:`cupyflash.decode.plan` plans a call and explains it
 (:func:`explain_kvcache`, :func:`launch_config`, :func:`plan_decode`);
-:mod:`cupyflash.decode_kernels` names the kernels' specialisations. Their public names are
+:mod:`cupyflash.decode.kernels` names the kernels' specialisations. Their public names are
 re-exported here.
 """
 from __future__ import annotations
@@ -90,17 +90,17 @@ import weakref
 
 import numpy as np
 
-from . import checks, dispatch, guard, interop, jit, launch
-from .decode_kernels import (COMBINE_DTYPES, DTYPES, GROUP, HEADDIMS, KV_PATHS,
+from ..core import cache, checks, guard, interop, jit, launch
+from .kernels import (COMBINE_DTYPES, DTYPES, GROUP, HEADDIMS, KV_PATHS,
                              ONE_BLOCK_SPLIT_CONFIGS, SPLIT_CONFIGS, SplitConfig, all_specs,
                              append_kernel_spec, combine_kernel_spec, kv_path, padded_headdim,
                              split_config, split_kernel_spec, split_smem_bytes)
-from .decode_plan import (H200_SMEM_PER_BLOCK_OPTIN, H200_SMEM_PER_SM, REASON_TOPICS,
+from .plan import (H200_SMEM_PER_BLOCK_OPTIN, H200_SMEM_PER_SM, REASON_TOPICS,
                           DecodeLaunch, _check_row_strides, _check_workspace, _grid_order,
                           _resolve_plan, explain_kvcache, launch_config, plan_decode,
                           split_layout, workspace_elems, workspace_size)
 from .heuristics import MAX_SPLITS, MIN_TILES_PER_SPLIT, choose_num_splits
-from .interop import (CupyCaller, TorchCaller, _cupy, as_cupy, caller_of, cupy_ndarray_type,
+from ..core.interop import (CupyCaller, TorchCaller, _cupy, as_cupy, caller_of, cupy_ndarray_type,
                       describe_torch, is_device_array)
 
 __all__ = [
@@ -197,7 +197,7 @@ def _append_grid(prob) -> tuple:
 
 
 def _combine_launch(o_part, lse_part, out, lse_out) -> tuple:
-    """``(kernel, grid, block, scalars)`` of the combine kernel (decode_combine.cu) over
+    """``(kernel, grid, block, scalars)`` of the combine kernel (decode/combine.cu) over
     ``o_part`` (num_parts, batch, seqlen, nheads, headdim) and ``lse_part`` (num_parts, batch,
     nheads, seqlen), float32, any strides with the head dim contiguous, into ``out`` (batch,
     seqlen, nheads, headdim) and the float32 ``lse_out`` (batch, nheads, seqlen): one warp per
@@ -221,10 +221,10 @@ def _launch_combine(o_part, lse_part, out, lse_out) -> None:
 
 
 def _launch_combine_torch(o_part, lse_part, out, lse_out, stream_ptr: int) -> None:
-    """The combine kernel over :class:`cupyflash.interop.ArrayDesc` of torch tensors (the same
+    """The combine kernel over :class:`cupyflash.core.interop.ArrayDesc` of torch tensors (the same
     arguments, layouts and grid as :func:`_launch_combine`), launched plainly (no PDL) on the
     stream handle ``stream_ptr`` (torch's current stream) through
-    :class:`cupyflash.launch.PreparedLaunch`, on the current device."""
+    :class:`cupyflash.core.launch.PreparedLaunch`, on the current device."""
     kern, grid, block, scalars = _combine_launch(o_part, lse_part, out, lse_out)
     run = launch.PreparedLaunch(kern, grid, block, (_NULL,) * 4 + scalars, (0, 1, 2, 3),
                                 pdl=False)
@@ -295,8 +295,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         Check ``cache_seqlens`` and ``block_table``: negative lengths, lengths above the
         capacity, page ids outside ``[0, num_pages)``, without a synchronisation. Host data
         raises ValueError before the launch. Device arrays are checked on the device by the
-        call's first kernel (:mod:`cupyflash.guard`): a violation is raised as
-        :class:`cupyflash.guard.DeviceCheckError` (a ValueError, the same message) by the next
+        call's first kernel (:mod:`cupyflash.core.guard`): a violation is raised as
+        :class:`cupyflash.core.guard.DeviceCheckError` (a ValueError, the same message) by the next
         ``flash_attn_with_kvcache`` call once the check has run, or by
         :func:`cupyflash.check_errors` (which synchronises first). With False nothing is
         checked. Either way the kernels never access memory outside the cache (bad lengths are
@@ -326,9 +326,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     TypeError
         Host arrays (use :func:`cupyflash.reference.kvcache_attention_reference`), float32 or
         float64 (no tensor-core decode path), other errors of
-        :func:`cupyflash.checks.check_kvcache`, a workspace that is not float32.
+        :func:`cupyflash.core.checks.check_kvcache`, a workspace that is not float32.
     ValueError
-        From :func:`cupyflash.checks.check_kvcache` (shapes, lengths, page ids with
+        From :func:`cupyflash.core.checks.check_kvcache` (shapes, lengths, page ids with
         ``validate``); unaligned cache rows; bad ``split_size``; a workspace too small or not
         16-byte aligned; no ``workspace`` while the stream captures a CUDA graph (with more
         than one split); a grid dimension over its limit (see
@@ -343,7 +343,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             and (softmax_scale is None or type(softmax_scale) is float)
             and (split_size is None or type(split_size) is int)):
         # the warm path of torch tensors (the options of _plain_options, checked inline)
-        entry = dispatch.LAUNCH_CACHE.get(dispatch.torch_key(
+        entry = cache.LAUNCH_CACHE.get(cache.torch_key(
             ("kvcache:torch", softmax_scale, causal, num_splits, split_size, return_lse),
             (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace), tensor))
         if entry is not None:
@@ -428,14 +428,14 @@ _ARRAY_NAMES = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_tab
 
 def _cached_call(opts, validate, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out,
                  workspace):
-    """A warm call from a :data:`cupyflash.dispatch.LAUNCH_CACHE` hit (the CuPy caller's; torch
+    """A warm call from a :data:`cupyflash.core.cache.LAUNCH_CACHE` hit (the CuPy caller's; torch
     tensors take the inline path of :func:`flash_attn_with_kvcache`), or None when the arrays
     are not all exactly ``cupy.ndarray``, not cached yet, on
     different devices or with unaligned cache pointers (the full path then validates: it raises
     or caches). With ``validate`` the first kernel also checks ``cache_seqlens`` /
-    ``block_table`` on the device (:mod:`cupyflash.guard`)."""
+    ``block_table`` on the device (:mod:`cupyflash.core.guard`)."""
     arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, workspace)
-    hit = dispatch.warm_entry(opts[0], opts[1:], arrays)
+    hit = cache.warm_entry(opts[0], opts[1:], arrays)
     if hit is None:
         return None
     caller, dev, entry = hit
@@ -452,7 +452,7 @@ def _execute_kvcache_on(entry, caller, dev, check, *arrays):
 
 
 def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts, check):
-    """Plan (cached in :data:`cupyflash.dispatch.LAUNCH_CACHE` when ``opts`` are plain), then
+    """Plan (cached in :data:`cupyflash.core.cache.LAUNCH_CACHE` when ``opts`` are plain), then
     allocate what the caller did not pass and launch append / split (checking) on the current
     device ``dev``. ``arrays``: the call's arrays by name (torch tensors, or CuPy arrays and
     views), validated; ``descs``: what the planning reads of them (ArrayDesc or CuPy arrays)."""
@@ -470,13 +470,13 @@ def _run_kvcache(prob, caller, dev, arrays, descs, return_lse, split_size, opts,
     values = tuple(arrays[n] for n in _ARRAY_NAMES)
     key = None
     if opts is not None:
-        key = dispatch.caller_key(caller, opts[0], dev, opts[1:], values)
-    entry = dispatch.LAUNCH_CACHE.get(key) if key is not None else None
+        key = cache.caller_key(caller, opts[0], dev, opts[1:], values)
+    entry = cache.LAUNCH_CACHE.get(key) if key is not None else None
     if entry is None or entry.prob != prob:  # (a q of the same layout, on another alignment)
         entry = _KVCacheLaunch(prob, plan, dev, *(descs[n] for n in _ARRAY_NAMES[:8]),
                                return_lse, descs["workspace"] if plan.workspace_elems else None)
         if key is not None:
-            dispatch.cache_put(key, entry)
+            cache.cache_put(key, entry)
     r = _execute_kvcache(entry, caller, dev, check, *values)
     if r is None:  # the alignments were checked above: never return None to a caller
         raise RuntimeError("flash_attn_with_kvcache: internal error, a validated call was "
@@ -490,12 +490,12 @@ def _compute_capability() -> int:
 
 
 class _KVCacheLaunch:
-    """One :data:`cupyflash.dispatch.LAUNCH_CACHE` entry of :func:`flash_attn_with_kvcache`:
+    """One :data:`cupyflash.core.cache.LAUNCH_CACHE` entry of :func:`flash_attn_with_kvcache`:
     the plan, the kernels' prepared launches with their constant arguments (from the layouts),
     built once per key after the checks on the current device ``device``;
     :func:`_execute_kvcache` adds the pointers and the stream per call. Arrays: CuPy arrays or
-    :class:`cupyflash.interop.ArrayDesc` (layouts only). ``out_like_q``: as in
-    :class:`cupyflash.dispatch.PrefillLaunch` (``out`` by ``torch.empty_like(q)``)."""
+    :class:`cupyflash.core.interop.ArrayDesc` (layouts only). ``out_like_q``: as in
+    :class:`cupyflash.forward.dispatch.PrefillLaunch` (``out`` by ``torch.empty_like(q)``)."""
     __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
                  "o_part_bytes", "counters_bytes", "counters_nbytes", "append_kernel",
                  "append_grid", "append_tail", "split_kernel", "split_tail", "split_end",
@@ -503,10 +503,10 @@ class _KVCacheLaunch:
 
     def __init__(self, prob, plan, dev, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                  out, return_lse, workspace):
-        from .dispatch import _ContiguousLayout
+        from ..core.cache import ContiguousLayout
         self.prob, self.plan, self.return_lse = prob, plan, return_lse
         self.device = dev
-        self.out_like_q = out is None and dispatch.out_like(q)
+        self.out_like_q = out is None and cache.out_like(q)
         ns = plan.num_splits
         self.copy_seqlens = cache_seqlens is not None and cache_seqlens.strides[0] != 4
         self.bt_stride = _estrides(block_table)[0] if block_table is not None else 0
@@ -531,7 +531,7 @@ class _KVCacheLaunch:
         if b == 0 or sq == 0:  # no query rows: an empty grid is not launchable
             return
         if out is None:
-            out = _ContiguousLayout(q.shape, q.dtype)
+            out = ContiguousLayout(q.shape, q.dtype)
         self.split_kernel = jit.get_kernel(plan.spec)
         qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
         lse_bs, lse_hs = (h * sq, sq) if return_lse else (0, 0)  # contiguous (b, h, sq)
@@ -558,7 +558,7 @@ class _KVCacheLaunch:
         """``(append, split)``: the prepared launches of the append kernel (None when the call
         has no new tokens) and the split kernel (None without query rows), programmatic
         dependent (``pdl``, sm_90+) or plain; with ``check``, the first of them also checks
-        ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.guard`: the claim
+        ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.core.guard`: the claim
         and record pointers of device ``dev`` as its last arguments; NULL without). Built once
         per entry (on its device)."""
         runs = self.launches.get((pdl, check))
@@ -680,8 +680,8 @@ def _execute_kvcache(e, caller, dev, check, q, k_cache, v_cache, k, v, cache_seq
                      block_table, out, workspace):
     """Allocate what the caller did not pass and launch append and split for the
     :class:`_KVCacheLaunch` ``e`` on the current device ``dev`` (that of every array), on the
-    caller's current stream (:mod:`cupyflash.interop`); with ``check`` the first of them also
-    checks ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.guard`).
+    caller's current stream (:mod:`cupyflash.core.interop`); with ``check`` the first of them also
+    checks ``cache_seqlens`` / ``block_table`` on the device (:mod:`cupyflash.core.guard`).
 
     Returns None, having done nothing, when the caches or the workspace the plan uses do not
     start on a 16-byte boundary, or ``q`` does not while the entry copies Q by 16 bytes: what a
@@ -769,9 +769,9 @@ def merge_states(o_parts, lse_parts):
     ------
     TypeError
         Host arrays (use :func:`cupyflash.reference.merge_states`), float64 ``o_parts``, and the
-        errors of :func:`cupyflash.checks.check_merge`.
+        errors of :func:`cupyflash.core.checks.check_merge`.
     ValueError
-        From :func:`cupyflash.checks.check_merge`; ``lse_parts`` on another GPU than
+        From :func:`cupyflash.core.checks.check_merge`; ``lse_parts`` on another GPU than
         ``o_parts``.
     """
     num_parts, batch, seqlen, nheads, headdim = checks.check_merge(o_parts, lse_parts)

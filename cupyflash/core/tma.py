@@ -1,11 +1,11 @@
-"""Tensor maps and the launch of the TMA prefill kernel (``kernels_cu/flash_fwd_hopper.cu``).
+"""Tensor maps and the launch of the TMA prefill kernel (``kernels_cu/forward/hopper.cu``).
 
 The Hopper kernel loads Q, K and V with the tensor memory accelerator. Each copy is described
 by a ``CUtensorMap`` (CUDA Driver API, "Tensor Map Object Management"): 128 bytes built on the
 host by ``cuTensorMapEncodeTiled`` from the base pointer, the dims and strides of the tensor and
 the box one copy moves, and passed by value as a ``const __grid_constant__`` kernel parameter.
 CuPy cannot pass a 128-byte structure by value, so these launches go through ``cuLaunchKernelEx``
-(``ctypes``, as :mod:`cupyflash.launch`) on the function handle CuPy compiled and loaded.
+(``ctypes``, as :mod:`cupyflash.core.launch`) on the function handle CuPy compiled and loaded.
 
 A map depends on the base pointer. A launch encodes each map once, on its first use; when a
 tensor's pointer differs from the previous launch's (in a model: every call) it only replaces
@@ -19,7 +19,7 @@ past a dense sequence or past the packed tensor, columns past the actual head di
 
 The output of a dense problem is written the same way: each consumer warpgroup stores its
 64 x headdim tile into shared memory (its O buffer at hd64 / hd128,
-:func:`cupyflash.prefill.tma_o_bytes`; the V ring at hd256, :func:`cupyflash.prefill.tma_o_in_v`)
+:func:`cupyflash.forward.kernels.tma_o_bytes`; the V ring at hd256, :func:`cupyflash.forward.kernels.tma_o_in_v`)
 and one thread writes it with TMA stores through the O map (:func:`o_map_layout`: box
 64 x 1 x 64 x 1; elements outside the tensor, rows past seqlen_q and columns past the head dim,
 are not written). A varlen problem (a box would run into the next sequence's rows) or an
@@ -115,7 +115,7 @@ class _MapEncoder:
 
         Raises
         ------
-        cupyflash.launch.LaunchError
+        cupyflash.core.launch.LaunchError
             The driver refused the map or the address (e.g. not 16-byte aligned); the map is
             then encoded again on the next call."""
         if ptr == self.ptr:
@@ -140,7 +140,7 @@ def encode_tensor_map(ptr: int, dims, strides_bytes, box) -> TensorMap:
     ------
     ValueError
         Ranks that disagree, strides that are not positive multiples of 16 bytes.
-    cupyflash.launch.LaunchError
+    cupyflash.core.launch.LaunchError
         The driver refused the description (the message names the CUresult)."""
     enc = _MapEncoder(dims, strides_bytes, box)
     enc.encode(int(ptr))
@@ -150,7 +150,7 @@ def encode_tensor_map(ptr: int, dims, strides_bytes, box) -> TensorMap:
 def qkv_maps_layout(problem, strides: tuple, block_m: int, block_n: int) -> tuple:
     """``(dims, strides_bytes, box)`` of the q, k and v maps of a prefill problem.
 
-    ``strides``: the 12 q/k/v/o element strides of :func:`cupyflash.prefill.args_template`
+    ``strides``: the 12 q/k/v/o element strides of :func:`cupyflash.forward.kernels.args_template`
     (batch, row, head for each of q, k, v, o). 16-bit elements. A varlen problem's packed
     tensors (total tokens, heads, headdim) are one batch entry of ``total_q`` / ``total_k``
     rows: the kernel adds each sequence's first row (``cu_seqlens``) to its row coordinates,
@@ -270,7 +270,7 @@ def _new_pool(device_id: int) -> list:
 def tile_counter(device_id: int, stream_ptr: int) -> int:
     """Device address of the causal scheduler's counter for one (device, stream): an int32 that
     is 0 between launches (each launch leaves it 0: ``FwdTileScheduler::next`` in
-    ``kernels_cu/flash_fwd_hopper.cu``). One per stream, so that launches on two streams never
+    ``kernels_cu/forward/hopper.cu``). One per stream, so that launches on two streams never
     share one; CuPy's per-thread default stream is one handle for a CUDA stream per host thread,
     so there it is one per host thread. Made on first use on the current device, which must be
     ``device_id`` (:func:`_new_counter`). A launch captured in a CUDA graph on a stream without
@@ -303,7 +303,7 @@ def tile_counter(device_id: int, stream_ptr: int) -> int:
 
 
 class TmaLaunch:
-    """The launch of one TMA prefill entry: like :class:`cupyflash.launch.PreparedLaunch`
+    """The launch of one TMA prefill entry: like :class:`cupyflash.core.launch.PreparedLaunch`
     (constant arguments converted once; a call gives the pointers and the stream), with the
     four tensor maps of q, k, v and o, the scheduler's counter (:func:`tile_counter` of the
     call's stream when ``causal``, else NULL) and the flag ``o_map_ok`` as the kernel's first
@@ -382,7 +382,7 @@ class TmaLaunch:
         ------
         ValueError
             Not one pointer per slot.
-        cupyflash.launch.LaunchError
+        cupyflash.core.launch.LaunchError
             The driver refused a tensor map or the launch."""
         holders = self._holders
         if len(pointers) != len(holders):

@@ -62,7 +62,7 @@ struct HopperFwdTraits {
     // Q, the K and V rings, the barriers, the tile index (8 bytes), and 1024 bytes to align the
     // base to the swizzle repeat; then, where they fit in sm_90's 227 KB (hd64, hd128; not
     // hd256), one O buffer per consumer warpgroup (64 x HEADDIM, 128-byte swizzled as the TMA
-    // store reads it: the epilogue below). cupyflash/prefill.py computes the same numbers.
+    // store reads it: the epilogue below). cupyflash/forward/kernels.py computes the same numbers.
     static constexpr int kSmemBase = kQBytes + 2 * STAGES * kKVBytes + 8 * kBarriers + 8 + 1024;
     static constexpr int kOWGBytes = 64 * HEADDIM * 2;        // one warpgroup's O tile
     static constexpr bool kOStore = kSmemBase + kConsumerWGs * kOWGBytes <= 227 * 1024;
@@ -179,7 +179,7 @@ struct FwdTileScheduler {
 
 // One work tile as both roles see it: its sequence, first row and key tiles, and the TMA
 // coordinates of its copies: the rows of its first query and of its sequence's key 0, and the
-// batch entry (0 when varlen: cupyflash/tma.py maps the packed tensors as one entry).
+// batch entry (0 when varlen: cupyflash/core/tma.py maps the packed tensors as one entry).
 template <int BLOCK_M, int BLOCK_N, bool CAUSAL>
 struct FwdWork {
     FwdSeq seq;
@@ -654,8 +654,8 @@ struct FlashFwdHopper {
 
 // The entry: four tensor maps (q, k, v, o as 4-D (headdim, nheads, seqlen, batch) tensors of T,
 // boxes of 64 x 1 x BLOCK_M (q), BLOCK_N (k, v) or 64 (o) x 1 with the 128-byte swizzle:
-// cupyflash/tma.py), the causal scheduler's counter (an int that is 0 before the launch and left
-// 0 after it; one per stream: cupyflash/tma.py; unused when non-causal), o_map_ok (1: the o map
+// cupyflash/core/tma.py), the causal scheduler's counter (an int that is 0 before the launch and left
+// 0 after it; one per stream: cupyflash/core/tma.py; unused when non-causal), o_map_ok (1: the o map
 // is encoded for this call's out, a dense problem; 0: O is written from registers and the o map
 // is not read), then the arguments of flash_fwd_entry (common/fwd_entry.cuh). The grid is
 // persistent: min(work tiles, SMs) CTAs on x.

@@ -52,7 +52,7 @@ struct FwdTraits {
     static constexpr int kWaitK = 2 * (kStages - 1) - 1;
     static constexpr int kWaitV = 2 * (kStages - 1);
     static constexpr int kWaitQ = 2 * (kStages - 1);
-    // Bytes of dynamic shared memory; cupyflash/prefill.py computes the same number.
+    // Bytes of dynamic shared memory; cupyflash/forward/kernels.py computes the same number.
     static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * (int)sizeof(T);
     // Q as A fragments held in registers for the whole kernel when the register budget allows
     // (acc + S + Q fragments); otherwise re-read from smem with ldmatrix at every k-step, which is

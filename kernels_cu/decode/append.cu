@@ -1,6 +1,6 @@
-// KV append of the decode call (cupyflash/decode.py, flash_attn_with_kvcache with k and v):
+// KV append of the decode call (cupyflash/decode/__init__.py, flash_attn_with_kvcache with k and v):
 // cache[b, cache_seqlens[b] + i, h, :] = new[b, i, h, :] (paged: through block_table), in place,
-// before the split kernel (flash_decode.cu) runs. Raw element copy (E = uint16_t for fp16/bf16).
+// before the split kernel (decode/split.cu) runs. Raw element copy (E = uint16_t for fp16/bf16).
 // Positions past the capacity and page ids outside the pool are skipped (validate=True reports
 // them: host data before the launch, device data through the check below).
 // grid (ceil(seqlen_new * nheads_k * headdim / 256), batch), block 256. Waits (common/pdl.cuh)

@@ -1,7 +1,7 @@
 """Device-side checks of decode metadata, reported without a per-call synchronisation.
 
 :func:`cupyflash.flash_attn_with_kvcache` with ``validate=True`` (the default) checks
-``cache_seqlens`` and ``block_table`` as :func:`cupyflash.checks.check_kvcache_values` does:
+``cache_seqlens`` and ``block_table`` as :func:`cupyflash.core.checks.check_kvcache_values` does:
 lengths ``0 <= cache_seqlens[b]``, ``cache_seqlens[b] + seqlen_new <= capacity``, and the page
 ids a sequence uses inside ``[0, num_pages)``. Host data (an int, a list, NumPy arrays, CPU
 tensors) is checked on the host and raises before the launch. Device arrays are not read back
@@ -23,7 +23,7 @@ check's, naming the argument and the entry, with a note that an earlier call fou
   valid; ``check_errors(synchronize=False)`` only looks).
 
 Safety does not depend on this check: the decode kernels clamp lengths to the capacity and never
-dereference a page id outside the pool (``kernels_cu/flash_decode.cu``, ``decode_append.cu``:
+dereference a page id outside the pool (``kernels_cu/decode/split.cu``, ``decode/append.cu``:
 such rows are zero-filled, such appends skipped), so a call with bad metadata gives an
 unspecified result, never an out-of-bounds access. The first violation found is recorded (one
 record per process until it is reported; later ones are dropped). The check is captured into
@@ -91,7 +91,7 @@ def raise_pending() -> None:
         msg = checks.page_id_message(b, col, value, num_pages, used)
     raise DeviceCheckError(msg + " [found on the device by the check of an earlier "
                            "flash_attn_with_kvcache call, whose output is unspecified (never "
-                           "out of bounds); see cupyflash.guard]")
+                           "out of bounds); see cupyflash.core.guard]")
 
 
 def check_errors(synchronize: bool = True) -> None:

@@ -1,7 +1,7 @@
 """The decode kernels' specialisations: tiles, shared memory, names and template values (pure).
 
-Kernels (``kernels_cu/``): the split kernel ``flash_decode.cu`` (below), ``decode_combine.cu``
-(the exact merge of :func:`cupyflash.decode.merge_states`) and ``decode_append.cu`` (new k/v
+Kernels (``kernels_cu/``): the split kernel ``decode/split.cu`` (below), ``decode/combine.cu``
+(the exact merge of :func:`cupyflash.decode.merge_states`) and ``decode/append.cu`` (new k/v
 tokens into the cache). A specialisation's ``name`` is data: cache key, log line and profiler
 label.
 
@@ -23,7 +23,7 @@ already exceed the SMs (several waves), the planner runs hd128 with the :data:`S
 tile (64 keys, two blocks per SM) instead of its one-block tile (:data:`ONE_BLOCK_SPLIT_CONFIGS`).
 On contiguous hd128 caches long streams run two stages instead of three (one tile in flight per
 block: 64 KB per SM instead of 128 KB, 1-2% faster from 8k keys per split, or from 4k keys in
-the several-waves case; bitwise the same output; :func:`cupyflash.heuristics.choose_split_stages`).
+the several-waves case; bitwise the same output; :func:`cupyflash.decode.heuristics.choose_split_stages`).
 Every kernel copies the Q tile by 16-byte ``cp.async`` beside the sequence's length (v44, L2
 flushed: b64 x 128 keys 22.2 -> 17.8 us, b1 x 8k 17.4 -> 16.6), or by 2-byte loads for a ``q``
 whose pointer or strides are not 16-byte multiples (bitwise the same tile; ``explain`` says which).
@@ -34,7 +34,7 @@ The split kernel finds a key's K/V rows one of three ways (template parameter ``
 * contiguous caches: source pointers stepped by a row stride per copy ("copy pointers"; v18
   sweep, flushed: b1 x 1k-8k -3.5 to -5%, elsewhere within +-0.5%);
 * paged caches of a power-of-two ``page_size`` up to hd128 whose page stride and ``page_size`` x
-  row stride lie in [0, 2^31) elements (:attr:`cupyflash.checks.DecodeProblem.page_offsets_fit_i32`;
+  row stride lie in [0, 2^31) elements (:attr:`cupyflash.core.checks.DecodeProblem.page_offsets_fit_i32`;
   a pool view with negative or larger strides takes the general path, and ``explain`` says so;
   name suffix ``_paged_cp``): one page id per page of a tile (one per tile for pages of
   ``block_n`` keys or more), each copy's address by a shift and a mask (v20, CUDA-graph replay,
@@ -56,8 +56,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import jit
-from .interop import np_dtype
+from ..core import jit
+from ..core.interop import np_dtype
 
 __all__ = [
     "DTYPES", "COMBINE_DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS",
@@ -145,7 +145,7 @@ def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int) -> int
     return q_bytes + stages * 2 * block_n * headdim * e + stages * block_n * 4
 
 
-#: The split kernel's K/V paths (``KvPath`` in flash_decode.cu): name suffix, template value.
+#: The split kernel's K/V paths (``KvPath`` in decode/split.cu): name suffix, template value.
 KV_PATHS = {"contiguous": ("", "cf::KvPath::kContiguous"),
             "paged_copy_pointers": ("_paged_cp", "cf::KvPath::kPagedCopyPointers"),
             "paged_rows": ("_paged", "cf::KvPath::kPagedRows")}
@@ -155,7 +155,7 @@ def kv_path(headdim: int, paged: bool, page_size: int | None = None) -> str:
     """The key of :data:`KV_PATHS` the public functions run (module docstring): contiguous
     caches ``"contiguous"``; paged caches ``"paged_copy_pointers"`` up to hd128 for a
     power-of-two ``page_size`` (whose page strides and ``page_size`` x row strides the caller
-    has found to fit 32 bits: :attr:`cupyflash.checks.DecodeProblem.page_offsets_fit_i32`),
+    has found to fit 32 bits: :attr:`cupyflash.core.checks.DecodeProblem.page_offsets_fit_i32`),
     else ``"paged_rows"`` (also for ``page_size=None``, not known)."""
     if not paged:
         return "contiguous"
@@ -202,7 +202,7 @@ def split_kernel_spec(dtype: str, headdim: int, paged: bool, *, block_n: int | N
     name = f"decode_split_{_SHORT[dtype]}_hd{headdim}_n{bn}_w{nw}_g{GROUP}_s{st}{suffix}"
     entry = (f"cf::decode_split_kernel<{_CTYPE[dtype]}, {headdim}, {bn}, {nw}, {GROUP}, {st}, "
              f"{template}>")
-    return jit.KernelSpec(name, "flash_decode.cu", entry, split_smem_bytes(dtype, headdim, bn, st))
+    return jit.KernelSpec(name, "decode/split.cu", entry, split_smem_bytes(dtype, headdim, bn, st))
 
 
 def combine_kernel_spec(dtype: str) -> jit.KernelSpec:
@@ -216,13 +216,13 @@ def combine_kernel_spec(dtype: str) -> jit.KernelSpec:
     if dtype not in COMBINE_DTYPES:
         raise TypeError(f"dtype: {dtype} has no combine kernel; supported: "
                         f"{', '.join(COMBINE_DTYPES)}")
-    return jit.KernelSpec(f"decode_combine_{_SHORT[dtype]}", "decode_combine.cu",
+    return jit.KernelSpec(f"decode_combine_{_SHORT[dtype]}", "decode/combine.cu",
                           f"cf::decode_combine_kernel<{_CTYPE[dtype]}>")
 
 
 def append_kernel_spec(paged: bool) -> jit.KernelSpec:
     """The KV-append kernel (raw 16-bit element copy, for float16 and bfloat16 caches)."""
-    return jit.KernelSpec("decode_append_b16" + ("_paged" if paged else ""), "decode_append.cu",
+    return jit.KernelSpec("decode_append_b16" + ("_paged" if paged else ""), "decode/append.cu",
                           f"cf::decode_append_kernel<unsigned short, {'true' if paged else 'false'}>")
 
 

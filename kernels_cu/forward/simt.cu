@@ -1,6 +1,6 @@
 // Tiled prefill forward on CUDA cores for float32 and float64: the exactness paths.
 //
-// Same algorithm and tiling as flash_fwd.cu: FlashAttention-2 (Dao, arXiv 2307.08691),
+// Same algorithm and tiling as forward/mma.cu: FlashAttention-2 (Dao, arXiv 2307.08691),
 // Algorithm 1 with the partitioning of Sec. 3.2-3.3 (one CTA per BLOCK_M query rows, K_j / V_j
 // tiles of BLOCK_N keys streamed through shared memory, online softmax of Sec. 3.1 with an
 // unscaled accumulator normalised once at the end), but every product and sum is computed in T
@@ -31,7 +31,7 @@ struct SimtTraits {
     static constexpr int kDV = HEADDIM / (kTC * kVec);      // 16-byte acc chunks per row per thread
     static constexpr int kRow = HEADDIM + kVec;             // padded Q/K/V smem row
     static constexpr int kPRow = BLOCK_N + kVec;            // padded P smem row
-    // Bytes of dynamic shared memory; cupyflash/prefill.py computes the same number.
+    // Bytes of dynamic shared memory; cupyflash/forward/kernels.py computes the same number.
     static constexpr int kSmemBytes = (BLOCK_M * kRow + 2 * BLOCK_N * kRow + BLOCK_M * kPRow) * (int)sizeof(T);
 
     static_assert(sizeof(T) == 4 || sizeof(T) == 8, "float or double");

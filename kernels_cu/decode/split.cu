@@ -1,7 +1,7 @@
 // The split kernel of split-KV decoding against a contiguous or paged KV cache (Flash-Decoding:
 // Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023; each split is the
 // FlashAttention-2 forward pass of arXiv 2307.08691, Algorithm 1, over a range of keys); beside
-// it decode_append.cu (new k/v tokens into the cache) and decode_combine.cu (merge_states).
+// it decode/append.cu (new k/v tokens into the cache) and decode/combine.cu (merge_states).
 //
 // One CTA streams the K/V tiles of one split of one sequence and one KV head through a cp.async
 // ring of STAGES shared-memory buffers and computes every query row that reads that KV head (GQA
@@ -717,7 +717,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
 // Entry point: plain arguments in the order decode.py builds them. `o`, `lse`: the final outputs;
 // `o_part`, `lse_part`, `counters` ((batch, nheads_k * row_chunks) arrival counters of the fused
 // combine): unused with one split. `check_claim`, `check_record`: the metadata check's pointers
-// (cupyflash/guard.py), nullptr when this launch does not check.
+// (cupyflash/core/guard.py), nullptr when this launch does not check.
 template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, KvPath KV>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 decode_split_kernel(const void* q, const void* k, const void* v, const int* cache_seqlens,

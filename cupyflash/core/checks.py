@@ -744,7 +744,7 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
     device_values : bool
         With ``validate``: also read device arrays' values on the host (True, a
         synchronisation), or only host arrays' (False: the caller checks device arrays on the
-        device, :mod:`cupyflash.guard`). Host ``cache_seqlens`` and ``block_table`` are
+        device, :mod:`cupyflash.core.guard`). Host ``cache_seqlens`` and ``block_table`` are
         accepted beside device arrays (the call copies them to the device).
 
     Returns
@@ -903,7 +903,7 @@ def check_kvcache_values(problem: DecodeProblem, cache_seqlens, block_table=None
             raise ValueError(page_id_message(b, j, int(bt[b, j]), p.num_pages, int(used[b])))
 
 
-# The messages of the value checks (also those of the device-side check, cupyflash.guard)
+# The messages of the value checks (also those of the device-side check, cupyflash.core.guard)
 def negative_length_message(b: int, value: int) -> str:
     return f"cache_seqlens: must be >= 0, got cache_seqlens[{b}]={value}"
 

@@ -1,0 +1,4 @@
+"""Shared machinery of every kernel path: input checks (:mod:`.checks`), array interop with CuPy
+and PyTorch (:mod:`.interop`), run-time compilation (:mod:`.jit`), kernel launches and tensor maps
+(:mod:`.launch`, :mod:`.tma`), device-side argument checks (:mod:`.guard`), the plan as data and
+device facts (:mod:`.planning`) and the launch cache (:mod:`.cache`)."""
