@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import checks, interop, jit
+from .core import checks, interop, jit, launch
+from .core.params import BaselineSoftmaxParams, pointer_fields
 
 __all__ = ["attention_baseline", "softmax_spec", "all_specs", "score_dtype", "gemm_plans"]
 
@@ -179,10 +180,13 @@ def attention_baseline(q, k, v, softmax_scale=None, causal=False, window_size=(-
     # 2. P = softmax(scale * S + mask), and the LSE.
     probs = cupy.empty((nb, M, Sk), dtype=q.dtype)
     rows = nb * M
-    kern = jit.get_kernel(softmax_spec(p.dtype))
-    kern((rows,), (SOFTMAX_THREADS,),
-         (s, probs, lse, np.int64(rows), np.int32(Sq), np.int32(Sk), np.int32(p.causal),
-          *(np.int32(w) for w in checks.kernel_window(p)), np.float64(p.softmax_scale)))
+    prm = BaselineSoftmaxParams(rows=rows, seqlen_q=Sq, seqlen_k=Sk, causal=int(p.causal),
+                                softmax_scale=p.softmax_scale)
+    prm.window_left, prm.window_right = checks.kernel_window(p)
+    run = launch.Launch(jit.get_kernel(softmax_spec(p.dtype)), prm, (rows, 1, 1),
+                        (SOFTMAX_THREADS, 1, 1),
+                        pointers=pointer_fields(BaselineSoftmaxParams, ("s", "p", "lse")))
+    run((s.data.ptr, probs.data.ptr, lse.data.ptr), cupy.cuda.get_current_stream().ptr)
     del s
     # 3. O = P V.
     vh = _heads_major(v, v.dtype)

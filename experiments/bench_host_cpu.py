@@ -1,16 +1,17 @@
 """Host cost of warm calls measured on the CPU, without a GPU (issue 22, item 2): what the
 library's own Python costs per call, every device operation replaced by a no-op.
 
-* ``launch``: :class:`cupyflash.core.launch.PreparedLaunch.__call__` with 10 pointer arguments (the
-  decode split kernel's), the driver's ``cuLaunchKernelEx`` a compiled C function that returns
+* ``launch``: :class:`cupyflash.core.launch.Launch.__call__` with 10 pointers (the decode
+  split kernel's), the driver's ``cuLaunchKernelEx`` a compiled C function that returns
   0 (built with ``cc`` at start), called through ctypes as the library calls the driver.
-* ``TmaLaunch``: :class:`cupyflash.core.tma.TmaLaunch.__call__` of the TMA prefill kernel with
-  new q/k/v pointers on every call (two sets in turn), the tensor-map calls
+* ``TMA launch``: :class:`cupyflash.core.launch.Launch.__call__` of the TMA prefill kernel
+  (its :class:`cupyflash.core.tma.PrefillMaps`) with new q/k/v pointers on every call (two sets
+  in turn), the tensor-map calls
   (``cuTensorMapEncodeTiled``, ``cuTensorMapReplaceAddress``) no-op C functions too.
 * ``prefill`` / ``decode``: warm calls on the issue's shapes (prefill 24 x 256 tokens, 12 heads
   x hd32, fp16, causal; decode Llama-3-8B heads, batch 1 x 4k keys and 16 x 1k, bf16, device
   ``cache_seqlens``), through the real warm path (launch cache, pointers, allocations,
-  ``PreparedLaunch``), with CPU torch tensors playing CUDA tensors of device 0 (as
+  ``Launch``), with CPU torch tensors playing CUDA tensors of device 0 (as
   ``tests/test_torch_caller.py``'s fixture does) and, for the CuPy caller, stand-in objects
   with a ``cupy.ndarray``'s attributes (``data.ptr``, ``shape``, ``strides``, ``dtype``).
   Outputs are CPU ``torch.empty`` or ``torch.empty_like`` (torch caller; the library uses the
@@ -143,7 +144,7 @@ class _NoopDriver:
 
 def install_fakes():
     """Replace the device, the allocators, the stream and the driver (the CPU tests' fixture,
-    with the real PreparedLaunch and a no-op cuLaunchKernelEx)."""
+    with the real Launch and a no-op cuLaunchKernelEx)."""
     tc, cc = interop.TorchCaller, interop.CupyCaller
     tc.device = staticmethod(lambda a: 0 if a.device.type == "cpu" else -1)
     orig = interop.is_device_array
@@ -252,29 +253,28 @@ def main():
     args = ap.parse_args()
     install_fakes()
     fake_kernel = type("K", (), {"kernel": type("F", (), {"ptr": 0x1234})})()
-    u64, i32 = np.uint64(0), np.int32(1)
-    pl = launch.PreparedLaunch(fake_kernel, (4, 1, 8), (256, 1, 1),
-                               (u64,) * 9 + (np.int64(5),) * 15 + (i32,) * 15 + (u64, i32),
-                               tuple(range(9)) + (39,), shared_mem=1 << 16, pdl=True)
+    from cupyflash.core import params
+    pl = launch.Launch(fake_kernel, params.DecodeParams(), (4, 1, 8), (256, 1, 1),
+                       pointers=(0, 10), shared_mem=1 << 16, pdl=True)
     ptrs = tuple(0x7000_0000_0000 + 256 * i for i in range(10))
-    rows = [("PreparedLaunch.__call__ (10 pointers)",
+    rows = [("Launch.__call__ (decode: 10 pointers)",
              per_call_us(lambda: pl(ptrs, STREAM), args.calls, args.repeats))]
     # the TMA prefill launch (non-causal: no counter) with new q/k/v pointers on every call,
     # as in a model (each call's tensors are new): the three tensor maps get the new addresses
     from cupyflash.core import tma
     maps = tuple(((64, 12, 256, 24), (64, 64 * 12, 64 * 12 * 256), (64, 1, 128, 1))
                  for _ in range(3))
-    tl = tma.TmaLaunch(fake_kernel, (132, 1, 1), (384, 1, 1),
-                       (u64,) * 5 + (np.int64(5),) * 12 + (i32,) * 10, tuple(range(5)), maps,
-                       shared_mem=1 << 17, causal=False, device_id=0)
-    sets = [tuple(0x7000_0000_0000 + (1 << 24) * (3 * j + i) for i in range(5))
+    tl = launch.Launch(fake_kernel, params.FwdTmaParams(), (132, 1, 1), (384, 1, 1),
+                       pointers=(params.FwdTmaParams.fwd.offset, 7), shared_mem=1 << 17,
+                       prepare=tma.PrefillMaps(maps, causal=False, device_id=0))
+    sets = [tuple(0x7000_0000_0000 + (1 << 24) * (3 * j + i) for i in range(5)) + (0, 0)
             for j in range(2)]
     turn = [0]
 
     def tma_call():
         turn[0] ^= 1
         tl(sets[turn[0]], STREAM)
-    rows.append(("TmaLaunch.__call__ (new q/k/v pointers)",
+    rows.append(("Launch.__call__ (TMA prefill: new q/k/v maps)",
                  per_call_us(tma_call, args.calls, args.repeats)))
     for name, f in cases().items():
         us = per_call_us(f, args.call_loops, args.repeats)

@@ -33,7 +33,7 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   machines can be compared (the same calls took 12-25 us on three H200 hosts in session 17):
   a fixed piece of pure Python like the warm path's, ``torch.empty_like`` on the device, an
   empty CuPy kernel's launch, and the library's own driver launch of an empty kernel
-  (``PreparedLaunch``, plain and programmatic-dependent), per call.
+  (``Launch``, plain and programmatic-dependent), per call.
 
 One JSON line per measurement (``op``, ``impl``, ``caller``, ``variant``, ``batch``,
 ``seqlen_q``, ``seqlen_k``, ``us_per_call``, ... and the provenance: ``commit``, ``gpu``, ...).
@@ -44,6 +44,7 @@ The table printed last puts each number beside the issue's (measured before this
 from __future__ import annotations
 
 import argparse
+import ctypes
 import contextlib
 import json
 import os
@@ -318,7 +319,7 @@ def host_reference(calls: int, repeats: int, prov: dict, burst: int = 32,
     same GPU work took 12-25 us per call on three H200 hosts): microseconds per call of
     :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device, of an empty
     CuPy kernel's launch, and of the library's driver
-    launch (:class:`cupyflash.core.launch.PreparedLaunch`) of an empty kernel, plain and
+    launch (:class:`cupyflash.core.launch.Launch`) of an empty kernel, plain and
     programmatic-dependent (eager loops as above, and ``host_us`` from bursts: the enqueue)."""
     import cupy
     import numpy as np
@@ -338,7 +339,8 @@ def host_reference(calls: int, repeats: int, prov: dict, burst: int = 32,
     k1 = cupy.RawKernel('extern "C" __global__ void cf_empty1(const void* p) {}', "cf_empty1")
     k1((1,), (1,), (np.uint64(0),))
     for pdl in (False, True):  # the library's driver launch of an empty kernel (one pointer)
-        run = launch.PreparedLaunch(k1, (1, 1, 1), (1, 1, 1), (np.uint64(0),), (0,), pdl=pdl)
+        run = launch.Launch(k1, ctypes.c_uint64(0), (1, 1, 1), (1, 1, 1), pointers=(0, 1),
+                            pdl=pdl)
         cases.append(("driver", f"prepared_launch_pdl={pdl}",
                       lambda run=run: run((0,), stream), csync, calls))
     busy = sleep_kernel(torch)  # launches: the enqueue on an idle and on a busy stream as well

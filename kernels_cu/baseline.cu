@@ -16,6 +16,7 @@
 // gives P = 0 and LSE = -inf.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "common/params.cuh"
 #include "common/mask.cuh"
 #include "common/online_softmax.cuh"
 
@@ -30,10 +31,15 @@ __device__ __forceinline__ void store_prob(double* p, double x) { *p = x; }
 // input dtype). Acc = ScoreT. kThreads: threads per block (a multiple of 32, at most 1024).
 template <typename ScoreT, typename ProbT, int kThreads>
 __global__ void __launch_bounds__(kThreads)
-baseline_softmax_kernel(const ScoreT* __restrict__ S, ProbT* __restrict__ P, float* __restrict__ lse,
-                        long long rows, int seqlen_q, int seqlen_k, int causal,
-                        int window_left, int window_right, double softmax_scale) {
+baseline_softmax_kernel(const __grid_constant__ BaselineSoftmaxParams prm) {
     using Acc = ScoreT;
+    const ScoreT* __restrict__ S = static_cast<const ScoreT*>(prm.s);
+    ProbT* __restrict__ P = static_cast<ProbT*>(prm.p);
+    float* __restrict__ lse = prm.lse;
+    const long long rows = prm.rows;
+    const int seqlen_q = prm.seqlen_q, seqlen_k = prm.seqlen_k, causal = prm.causal;
+    const int window_left = prm.window_left, window_right = prm.window_right;
+    const double softmax_scale = prm.softmax_scale;
     constexpr int kWarps = kThreads / 32;
     __shared__ Acc s_m[kWarps];
     __shared__ Acc s_l[kWarps];

@@ -290,7 +290,7 @@ def test_padded_headdim_rejects_an_unknown_isa():
 
 
 class _Fake:
-    """Shape/strides/dtype/pointer of a device array, enough for kernel_args (no GPU)."""
+    """Shape/strides/dtype/pointer of a device array, enough for kernel_params (no GPU)."""
 
     class _Data:
         def __init__(self, ptr):
@@ -318,30 +318,34 @@ def _problem(**kw):
     return AttnProblem(**base)
 
 
-def test_kernel_args_dense():
+def test_kernel_params_dense():
     p = _problem()
     spec = prefill.kernel_spec("float16", 128, 128, 64, 8, True)
-    q = _Fake((2, 100, 8, 120), np.float16)
-    k = _Fake((2, 300, 2, 120), np.float16)
+    q = _Fake((2, 100, 8, 120), np.float16, ptr=0x10000)
+    k = _Fake((2, 300, 2, 120), np.float16, ptr=0x20000)
     # v: a strided view (rows padded to 2 * 136 elements)
-    v = _Fake((2, 300, 2, 120), np.float16, strides=(300 * 272 * 2, 272 * 2, 136 * 2, 2))
-    out = _Fake((2, 100, 8, 120), np.float16)
-    lse = _Fake((2, 8, 100), np.float32)
-    a = prefill.kernel_args(spec, q, k, v, out, lse, problem=p)
-    assert len(a) == 32
-    assert [int(x) for x in a[5:19]] == [100 * 960, 960, 120, 300 * 240, 240, 120,
-                                         300 * 272, 272, 136, 100 * 960, 960, 120, 800, 100]
-    assert all(x.dtype == np.int64 for x in a[5:19])
-    assert int(a[19]) == 0 and int(a[20]) == 0 and a[19].dtype.itemsize == 8  # NULL cu_seqlens
-    assert [int(x) for x in a[21:28]] == [2, 8, 2, 4, 100, 300, 120]
-    assert a[28].dtype == np.float32 and abs(float(a[28]) - 0.125 * np.log2(np.e)) < 1e-7
-    assert a[29].dtype == np.float64 and float(a[29]) == 0.125
-    assert [int(a[30]), int(a[31])] == [16, 0]
+    v = _Fake((2, 300, 2, 120), np.float16, strides=(300 * 272 * 2, 272 * 2, 136 * 2, 2),
+              ptr=0x30000)
+    out = _Fake((2, 100, 8, 120), np.float16, ptr=0x40000)
+    lse = _Fake((2, 8, 100), np.float32, ptr=0x50000)
+    a = prefill.kernel_params(spec, q, k, v, out, lse, problem=p)
+    assert [getattr(a, n) for n in prefill.POINTERS] == [0x10000, 0x20000, 0x30000, 0x40000,
+                                                         0x50000, 0, 0]  # NULL cu_seqlens
+    strides = [a.q_batch_stride, a.q_row_stride, a.q_head_stride, a.k_batch_stride,
+               a.k_row_stride, a.k_head_stride, a.v_batch_stride, a.v_row_stride,
+               a.v_head_stride, a.o_batch_stride, a.o_row_stride, a.o_head_stride,
+               a.lse_batch_stride, a.lse_head_stride]
+    assert strides == [100 * 960, 960, 120, 300 * 240, 240, 120, 300 * 272, 272, 136,
+                       100 * 960, 960, 120, 800, 100]
+    assert [a.batch, a.nheads, a.nheads_k, a.h_per_kv, a.seqlen_q, a.seqlen_k, a.headdim] == \
+        [2, 8, 2, 4, 100, 300, 120]
+    assert abs(a.scale_log2 - 0.125 * np.log2(np.e)) < 1e-7 and a.softmax_scale_d == 0.125
+    assert [a.window_left, a.window_right] == [16, 0]
     grid, block, smem = prefill.launch_config(spec, p)
     assert grid == (1, 8, 2) and block == (256, 1, 1) and smem == spec.smem_bytes
 
 
-def test_kernel_args_varlen_and_checks():
+def test_kernel_params_varlen_and_checks():
     p = _problem(varlen=True, batch=3, total_q=50, total_k=90, causal=False, window_size=(-1, -1),
                  dtype="float64", seqlen_q=30, seqlen_k=40)
     spec = prefill.kernel_spec("float64", 128, 32, 32, 4, False)
@@ -350,22 +354,28 @@ def test_kernel_args_varlen_and_checks():
     v = _Fake((90, 2, 120), np.float64)
     out = _Fake((50, 8, 120), np.float64)
     lse = _Fake((8, 50), np.float32)
-    cu = object()
-    a = prefill.kernel_args(spec, q, k, v, out, lse, problem=p, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    assert [int(x) for x in a[5:19]] == [0, 960, 120, 0, 240, 120, 0, 240, 120, 0, 960, 120, 0, 50]
-    assert a[19] is cu and a[20] is cu
+    cu_q, cu_k = _Fake((4,), np.int32, ptr=0x60000), _Fake((4,), np.int32, ptr=0x70000)
+    a = prefill.kernel_params(spec, q, k, v, out, lse, problem=p, cu_seqlens_q=cu_q,
+                              cu_seqlens_k=cu_k)
+    assert [a.q_batch_stride, a.q_row_stride, a.q_head_stride, a.k_batch_stride,
+            a.v_batch_stride, a.o_batch_stride, a.lse_batch_stride, a.lse_head_stride] == \
+        [0, 960, 120, 0, 0, 0, 0, 50]
+    assert (a.cu_seqlens_q, a.cu_seqlens_k) == (0x60000, 0x70000)
     assert prefill.launch_config(spec, p)[0] == (1, 8, 3)
     # spec / problem disagreement and misalignment are refused
     with pytest.raises(ValueError, match="causal"):
-        prefill.kernel_args(prefill.kernel_spec("float64", 128, 32, 32, 4, True), q, k, v, out, lse,
-                            problem=p, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        prefill.kernel_params(prefill.kernel_spec("float64", 128, 32, 32, 4, True), q, k, v, out,
+                              lse, problem=p, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="cu_seqlens_q, cu_seqlens_k"):
+        prefill.kernel_params(spec, q, k, v, out, lse, problem=p, cu_seqlens_q=cu_q)
     p16 = _problem()
     spec16 = prefill.kernel_spec("float16", 128, 128, 64, 8, True)
     qd = _Fake((2, 100, 8, 120), np.float16, ptr=0x10002)
     with pytest.raises(ValueError, match="^q: .*16-byte"):
-        prefill.kernel_args(spec16, qd, _Fake((2, 300, 2, 120), np.float16),
-                            _Fake((2, 300, 2, 120), np.float16), _Fake((2, 100, 8, 120), np.float16),
-                            _Fake((2, 8, 100), np.float32), problem=p16)
+        prefill.kernel_params(spec16, qd, _Fake((2, 300, 2, 120), np.float16),
+                              _Fake((2, 300, 2, 120), np.float16),
+                              _Fake((2, 100, 8, 120), np.float16),
+                              _Fake((2, 8, 100), np.float32), problem=p16)
 
 
 def test_tma_maps_of_dense_and_varlen_problems():
@@ -435,16 +445,21 @@ def test_tma_o_map_of_dense_problems_and_its_fallbacks():
     (128, True, False, False), (128, False, True, False)])
 def test_tma_prepared_launch_passes_an_o_map_where_the_kernel_may_use_it(
         monkeypatch, hd, varlen, reversed_out, want):
-    """prefill.prepared_launch gives TmaLaunch an O map for dense problems (every TMA row: O
-    buffers at hd64 / hd128, the V ring at hd256) whose out strides a map accepts; else none
-    (o_map_ok = 0)."""
-    from cupyflash.core import tma
+    """prefill.prepared_launch gives the launch's PrefillMaps an O map for dense problems (every
+    TMA row: O buffers at hd64 / hd128, the V ring at hd256) whose out strides a map accepts;
+    else none (o_map_ok = 0)."""
+    from cupyflash.core import launch, tma
     got = {}
 
+    class _Maps:
+        def __init__(self, maps, o_map=None, **kw):
+            got.update(o_map=o_map, **kw)
+
     class _Launch:
-        def __init__(self, *a, **kw):
-            got.update(kw)
-    monkeypatch.setattr(tma, "TmaLaunch", _Launch)
+        def __init__(self, kernel, params, grid, block, **kw):
+            got.update(params=params, **kw)
+    monkeypatch.setattr(tma, "PrefillMaps", _Maps)
+    monkeypatch.setattr(launch, "Launch", _Launch)
     bn = 80 if hd == 256 else 128
     spec = prefill.kernel_spec("float16", hd, 128, bn, 12, False, isa="tma")
     if varlen:
@@ -465,6 +480,11 @@ def test_tma_prepared_launch_passes_an_o_map_where_the_kernel_may_use_it(
     assert (got["o_map"] is not None) == want
     if want:
         assert got["o_map"][2] == (64, 1, 64, 1) and got["o_map"][0] == (hd, 8, 100, 2)
+    # the struct: FwdTmaParams with the forward's constant fields; the pointer block is its q..
+    assert got["params"].fwd.headdim == hd and got["params"].fwd.nheads == 8
+    from cupyflash.core.params import FwdTmaParams
+    assert got["pointers"] == (FwdTmaParams.fwd.offset, 7)
+    assert isinstance(got["prepare"], _Maps)
 
 
 def test_tma_traits_match_the_host_smem_and_o_store():

@@ -575,8 +575,12 @@ def test_launch_cache_entry_equals_a_fresh_plan(fresh_cache):
                                        reasons=False)
         assert e.plan == fresh and e.plan.kernel.spec == fresh.kernel.spec
         assert (e.grid, e.block, e.smem) == prefill.launch_config(fresh.kernel.spec, p)
-        args = prefill.kernel_args(fresh.kernel.spec, q, k, v, out, lse, problem=p)
-        assert e.tail == args[5:] and [type(a) for a in e.tail] == [type(a) for a in args[5:]]
+        prm = prefill.kernel_params(fresh.kernel.spec, q, k, v, out, lse, problem=p)
+        cached = prefill.params_of(e.strides, e.sizes)
+        # the same constant fields (the pointers are the call's)
+        for name, _ in prm._fields_:
+            if name not in prefill.POINTERS:
+                assert getattr(cached, name) == getattr(prm, name), name
         assert e.lse_shape == lse.shape and e.action == "launch"
     assert len(fresh_cache) == 2
 
@@ -631,7 +635,7 @@ def test_warm_path_still_rejects_bad_input(fresh_cache, monkeypatch):
     monkeypatch.setattr(run, "as_cupy", lambda a, name, dtype=None: a)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: FakeDevArray(shape, "float32"))
     monkeypatch.setattr(jit, "get_kernel", lambda spec: spec)
-    monkeypatch.setattr(launch, "PreparedLaunch",  # records (spec, pointers, stream) per launch
+    monkeypatch.setattr(launch, "Launch",  # records the spec per launch
                         lambda kern, *a, **k: lambda ptrs, stream: launched.append(kern))
     monkeypatch.setattr(interop.CupyCaller, "stream", staticmethod(lambda dev: 0))
     q, k, v, out = FakeDevArray(Q), FakeDevArray(K), FakeDevArray(K), FakeDevArray(Q)

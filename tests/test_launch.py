@@ -1,10 +1,10 @@
-"""cupyflash.core.launch on the CPU: the ctypes mirrors of cuda.h's launch structures, argument
-conversion, and the checks that run before the driver is touched."""
+"""cupyflash.core.launch and the tensor maps of cupyflash.core.tma on the CPU: the ctypes mirrors
+of cuda.h's launch structures, what the driver receives (a fake driver), and the checks that run
+before the driver is touched."""
 import ctypes
 from pathlib import Path
 import re
 
-import numpy as np
 import pytest
 
 from cupyflash.core import launch
@@ -54,52 +54,55 @@ class _FakeKernel:
         ptr = 0x1234
 
 
-def test_prepared_launch_fills_pointer_slots_and_keeps_scalars():
-    args = (np.uint64(0), np.int64(-3), np.uint64(0), np.int32(7), np.float32(0.25))
-    pl = launch.PreparedLaunch(_FakeKernel(), (4, 2, 1), (256, 1, 1), args, (0, 2),
-                               shared_mem=1024)
-    for ptrs_in in ((0xAB0, 0), (0xCD0, 0xEF0)):
-        params, _keep = pl.params(ptrs_in)
-        got = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in
-               enumerate((ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int32,
-                          ctypes.c_float))]
-        assert got == [ptrs_in[0], -3, ptrs_in[1], 7, 0.25]
-    with pytest.raises(ValueError, match="pointers: expected 2"):
-        pl.params((1,))
-    with pytest.raises(ValueError, match="pointer_slots"):
-        launch.PreparedLaunch(_FakeKernel(), (1, 1, 1), (32, 1, 1), args, (5,))
+class _Small(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_uint64), ("b", ctypes.c_uint64), ("n", ctypes.c_int32),
+                ("x", ctypes.c_double)]
+
+
+def _struct_of(params, struct):
+    """The struct a launch passes: its argument array holds one pointer, to the struct."""
+    addr = params[0]
+    assert addr % 64 == 0  # (tensor maps inside must be 64-byte aligned)
+    return struct.from_buffer_copy(ctypes.string_at(addr, ctypes.sizeof(struct)))
+
+
+def test_launch_checks_its_arguments():
+    prm = _Small(n=7, x=0.25)
     with pytest.raises(ValueError, match="grid, block"):
-        launch.PreparedLaunch(_FakeKernel(), (32, 1), (32, 1, 1), args, (0,))
+        launch.Launch(_FakeKernel(), prm, (32, 1), (32, 1, 1), pointers=(0, 2))
+    with pytest.raises(ValueError, match="pointers: 3 pointers at byte 16 lie outside the "
+                                         "32-byte _Small"):
+        launch.Launch(_FakeKernel(), prm, (1, 1, 1), (32, 1, 1), pointers=(16, 3))
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-def test_prepared_launch_call_passes_pointers_stream_and_attribute(monkeypatch, pdl):
+def test_launch_passes_the_struct_with_the_call_pointers_stream_and_attribute(monkeypatch, pdl):
     """What the driver sees at each call: the function, the configuration (grid, block, shared
-    memory, the stream given, the PDL attribute or none) and the argument array, whose pointer
-    slots hold this call's pointers (read during the call) and whose scalars are the converted
-    ones; float64 scalars convert too."""
+    memory, the stream given, the PDL attribute or none) and one argument, the parameter struct
+    (read during the call), whose pointer block holds this call's pointers and whose other
+    fields are the constants given."""
     seen = []
 
     def launch_ex(cfg_ref, func, params, extra):
         cfg = ctypes.cast(cfg_ref, ctypes.POINTER(launch._Config)).contents
-        vals = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in
-                enumerate((ctypes.c_uint64, ctypes.c_double, ctypes.c_uint64))]
+        s = _struct_of(params, _Small)
         seen.append((func.value, tuple(cfg.grid), tuple(cfg.block), cfg.shared_mem_bytes,
-                     cfg.stream, cfg.num_attrs, vals))
+                     cfg.stream, cfg.num_attrs, [s.a, s.b, s.n, s.x]))
         return 0
     monkeypatch.setattr(launch, "_LAUNCH_EX", launch_ex)
-    args = (np.uint64(0), np.float64(0.125), np.uint64(0))
-    pl = launch.PreparedLaunch(_FakeKernel(), (4, 2, 1), (256, 1, 1), args, (0, 2),
-                               shared_mem=64, pdl=pdl)
+    prm = _Small(n=7, x=0.125)
+    pl = launch.Launch(_FakeKernel(), prm, (4, 2, 1), (256, 1, 1), pointers=(0, 2),
+                       shared_mem=64, pdl=pdl)
+    prm.n = 99  # copied at construction
     pl((0xA0, 0xB0), 0x77)
     pl((0xC0, 0), 0)
-    assert pl._lock.acquire(False)  # as if another thread were launching it: arrays of its own
+    assert pl._lock.acquire(False)  # as if another thread were launching it: a copy of its own
     pl((0xD0, 0xE0), 0x78)
     pl._lock.release()
     want = (0x1234, (4, 2, 1), (256, 1, 1), 64)
-    assert seen == [want + (0x77, int(pdl), [0xA0, 0.125, 0xB0]),
-                    want + (None, int(pdl), [0xC0, 0.125, 0]),  # a NULL stream reads as None
-                    want + (0x78, int(pdl), [0xD0, 0.125, 0xE0])]
+    assert seen == [want + (0x77, int(pdl), [0xA0, 0xB0, 7, 0.125]),
+                    want + (None, int(pdl), [0xC0, 0, 7, 0.125]),  # a NULL stream reads as None
+                    want + (0x78, int(pdl), [0xD0, 0xE0, 7, 0.125])]
     for bad in ((1,), (1, 2, 3)):
         with pytest.raises(ValueError, match="pointers: expected 2"):
             pl(bad, 0)
@@ -114,28 +117,32 @@ def test_prepared_launch_call_passes_pointers_stream_and_attribute(monkeypatch, 
         pl((1, 2), 0)
 
 
-def test_kernel_arguments_convert_numpy_scalars():
-    args = (np.uint64(0xDEADBEEF0), np.int64(-3), np.int32(7), np.float32(0.5))
-    ptrs, keep = launch.kernel_arguments(args)
-    assert len(ptrs) == 4
-    assert ctypes.cast(ptrs[0], ctypes.POINTER(ctypes.c_uint64)).contents.value == 0xDEADBEEF0
-    assert ctypes.cast(ptrs[1], ctypes.POINTER(ctypes.c_int64)).contents.value == -3
-    assert ctypes.cast(ptrs[2], ctypes.POINTER(ctypes.c_int32)).contents.value == 7
-    assert ctypes.cast(ptrs[3], ctypes.POINTER(ctypes.c_float)).contents.value == 0.5
-    with pytest.raises(TypeError, match="kernel argument 1"):
-        launch.kernel_arguments((np.int32(1), 5))  # a Python int has no C type
+def _tma_launch(causal, o_map=None):
+    """A Launch of an FwdTmaParams with PrefillMaps (q, k, v maps; ``o_map``), fwd.headdim 5."""
+    from cupyflash.core import params, tma
+    prm = params.FwdTmaParams()
+    prm.fwd.headdim = 5
+    maps = tuple(((64, 2, 100, 1), (128, 256, 25600), (64, 1, 128, 1)) for _ in range(3))
+    off, n = params.pointer_fields(params.FwdParams, ("q", "k", "v", "o"))
+    return launch.Launch(_FakeKernel(), prm, (3, 1, 1), (384, 1, 1),
+                         pointers=(params.FwdTmaParams.fwd.offset + off, n), shared_mem=4096,
+                         prepare=tma.PrefillMaps(maps, o_map, causal=causal, device_id=0))
+
+
+def _map_word(s, name):
+    """The first word of map ``name`` (the fakes below write the map's address there)."""
+    return getattr(s, name).words[0]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal):
-    """cupyflash.core.tma.TmaLaunch: the kernel's first three arguments are the q/k/v tensor maps
-    (encoded on the first call; afterwards only a changed pointer's address is replaced), the
-    fourth the o map (zeros without one), the fifth the causal counter of the call's stream
-    (NULL when non-causal), the sixth o_map_ok (0 without an o map), then the prefill
-    arguments with this call's pointers; the function handle reaches the driver as a ctypes
-    pointer (a bare int would be cut to 32 bits). A refused address raises and the map is
-    encoded again on the next call."""
-    from cupyflash.core import tma
+    """cupyflash.core.tma.PrefillMaps through Launch: the struct's q/k/v tensor maps (encoded on
+    the first call; afterwards only a changed pointer's address is replaced), the o map (zeros
+    without one), the causal counter of the call's stream (NULL when non-causal), o_map_ok (0
+    without an o map), then the forward's fields with this call's pointers; the function handle
+    reaches the driver as a ctypes pointer (a bare int would be cut to 32 bits). A refused
+    address raises before any launch and the map is encoded again on the next call."""
+    from cupyflash.core import params, tma
     encoded, replaced = [], []
 
     def encode(holder, dtype, rank, ptr, dims, strides, box, elem, il, sw, l2, oob):
@@ -154,26 +161,19 @@ def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal)
     monkeypatch.setattr(tma, "tile_counter", lambda dev, stream: 0xC000 + stream)
     seen = []
 
-    def launch_ex(cfg_ref, func, params, extra):
+    def launch_ex(cfg_ref, func, prm, extra):
         cfg = ctypes.cast(cfg_ref, ctypes.POINTER(launch._Config)).contents
-        maps = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_uint64)).contents.value
-                for i in range(3)]
-        o_map = ctypes.string_at(params[3], 128)
-        assert o_map == bytes(128) and params[3] % 64 == 0  # no o map: zeros, aligned
-        assert ctypes.cast(params[5], ctypes.POINTER(ctypes.c_int32)).contents.value == 0
-        rest = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in
-                ((4, ctypes.c_uint64), (6, ctypes.c_uint64), (7, ctypes.c_uint64),
-                 (8, ctypes.c_uint64), (9, ctypes.c_int32))]
-        seen.append((func.value, tuple(cfg.grid), cfg.shared_mem_bytes, cfg.stream, maps, rest))
+        s = _struct_of(prm, params.FwdTmaParams)
+        assert bytes(s.to) == bytes(128) and s.o_map_ok == 0  # no o map: zeros, flag 0
+        seen.append((func.value, tuple(cfg.grid), cfg.shared_mem_bytes, cfg.stream,
+                     [_map_word(s, n) for n in ("tq", "tk", "tv")],
+                     [s.tile_counter, s.fwd.q, s.fwd.k, s.fwd.v, s.fwd.headdim]))
         return 0
     monkeypatch.setattr(launch, "_LAUNCH_EX", launch_ex)
-    maps = tuple(((64, 2, 100, 1), (128, 256, 25600), (64, 1, 128, 1)) for _ in range(3))
-    args = (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(5))
-    run = tma.TmaLaunch(_FakeKernel(), (3, 1, 1), (384, 1, 1), args, (0, 1, 2), maps,
-                        shared_mem=4096, causal=causal, device_id=0)
-    run((0xA00, 0xB00, 0xD00), 0x77)
-    run((0xA00, 0xB00, 0xE00), 0x78)
-    run((0xF00, 0x1000, 0x1100), 0x78)
+    run = _tma_launch(causal)
+    run((0xA00, 0xB00, 0xD00, 0x100), 0x77)
+    run((0xA00, 0xB00, 0xE00, 0x100), 0x78)
+    run((0xF00, 0x1000, 0x1100, 0x100), 0x78)
     c = (lambda s: 0xC000 + s) if causal else (lambda s: 0)
     assert seen == [
         (0x1234, (3, 1, 1), 4096, 0x77, [0xA00, 0xB00, 0xD00], [c(0x77), 0xA00, 0xB00, 0xD00, 5]),
@@ -183,26 +183,34 @@ def test_tma_launch_passes_maps_counter_pointers_and_stream(monkeypatch, causal)
     assert [e[0] for e in encoded] == [0xA00, 0xB00, 0xD00]  # each map encoded once
     assert encoded[0][1:] == ([64, 2, 100, 1], [128, 256, 25600], [64, 1, 128, 1])
     assert replaced == [0xE00, 0xF00, 0x1000, 0x1100]  # then only new addresses, only changed
+    # another thread launching at the same time: a copy of the struct, its maps encoded anew
+    assert run._lock.acquire(False)
+    run((0x2000, 0x1000, 0x1100, 0x100), 0x79)
+    run._lock.release()
+    assert seen[-1][4] == [0x2000, 0x1000, 0x1100] and len(encoded) == 6
+    run((0xF00, 0x1000, 0x1100, 0x100), 0x78)  # the launch's own maps did not move
+    assert replaced == [0xE00, 0xF00, 0x1000, 0x1100] and seen[-1][4] == [0xF00, 0x1000, 0x1100]
     monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {
         "cuGetErrorName": staticmethod(lambda status, out: 0)})())
+    n = len(seen)
     with pytest.raises(launch.LaunchError, match="cuTensorMapReplaceAddress failed"):
-        run((0xF08, 0x1000, 0x1100), 0x78)  # not 16-byte aligned
-    assert len(seen) == 3  # no launch
-    run((0xF00, 0x1000, 0x1100), 0x78)
-    assert [e[0] for e in encoded] == [0xA00, 0xB00, 0xD00, 0xF00]  # the refused map re-encoded
+        run((0xF08, 0x1000, 0x1100, 0x100), 0x78)  # not 16-byte aligned
+    assert len(seen) == n  # no launch
+    run((0xF00, 0x1000, 0x1100, 0x100), 0x78)
+    assert encoded[-1][0] == 0xF00  # the refused map re-encoded
     assert seen[-1][4] == [0xF00, 0x1000, 0x1100]
-    with pytest.raises(ValueError, match="pointers: expected 3"):
+    with pytest.raises(ValueError, match="pointers: expected 4"):
         run((1,), 0)
 
 
 def test_tma_launch_o_map_and_its_flag(monkeypatch):
-    """With an o map (dense problems of the hd64 / hd128 TMA rows), TmaLaunch passes it fourth
-    and o_map_ok = 1 when this call's out (the fourth pointer) is in it: encoded on the first
-    call, its address replaced when out moves. An out address the driver refuses (or one not
-    16-byte aligned, not even asked) launches with o_map_ok = 0 (the kernel then writes O from
+    """With an o map (dense problems of the TMA rows), PrefillMaps fills the struct's o map and
+    o_map_ok = 1 when this call's out (the fourth pointer) is in it: encoded on the first call,
+    its address replaced when out moves. An out address the driver refuses (or one not 16-byte
+    aligned, not even asked) launches with o_map_ok = 0 (the kernel then writes O from
     registers), never with the previous call's map: no error, no stale address; the next
     aligned out is encoded again and the flag is 1 again."""
-    from cupyflash.core import tma
+    from cupyflash.core import params, tma
     encoded, replaced = [], []
 
     def encode(holder, dtype, rank, ptr, dims, strides, box, elem, il, sw, l2, oob):
@@ -224,16 +232,13 @@ def test_tma_launch_o_map_and_its_flag(monkeypatch):
         "cuGetErrorName": staticmethod(lambda status, out: 0)})())
     seen = []
 
-    def launch_ex(cfg_ref, func, params, extra):
-        word = lambda i, t=ctypes.c_uint64: ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
-        seen.append((word(3), word(5, ctypes.c_int32), word(9)))  # o map, o_map_ok, out
+    def launch_ex(cfg_ref, func, prm, extra):
+        s = _struct_of(prm, params.FwdTmaParams)
+        seen.append((_map_word(s, "to"), s.o_map_ok, s.fwd.o))
         return 0
     monkeypatch.setattr(launch, "_LAUNCH_EX", launch_ex)
-    qkv = tuple(((64, 2, 100, 1), (128, 256, 25600), (64, 1, 128, 1)) for _ in range(3))
     o_map = ((64, 2, 100, 1), (128, 256, 25600), (64, 1, 64, 1))
-    args = (np.uint64(0),) * 4 + (np.int32(5),)
-    run = tma.TmaLaunch(_FakeKernel(), (3, 1, 1), (384, 1, 1), args, (0, 1, 2, 3), qkv,
-                        shared_mem=4096, causal=False, device_id=0, o_map=o_map)
+    run = _tma_launch(False, o_map)
     for out in (0x2000, 0x2000, 0x3000, 0x3008, 0xBAD0, 0x3000, 0xBAD0, 0x4000):
         run((0xA00, 0xB00, 0xD00, out), 0x77)
     # (where the flag is 0 the map still holds an older address: the kernel does not read it)
@@ -244,9 +249,6 @@ def test_tma_launch_o_map_and_its_flag(monkeypatch):
     # out 0x3000 after a refused address: the map is encoded again, not assumed
     assert [e[0] for e in encoded[3:]] == [0x2000, 0x3000, 0x4000]
     assert replaced == [0x3000]
-    with pytest.raises(ValueError, match="fourth pointer"):
-        tma.TmaLaunch(_FakeKernel(), (3, 1, 1), (384, 1, 1), args, (0, 1, 2), qkv,
-                      shared_mem=4096, causal=False, device_id=0, o_map=o_map)
 
 
 def test_tma_map_layout_and_stride_checks():

@@ -30,18 +30,19 @@ CLAIM, RECORD = 0xC1A1, 0xEC0D  # the fake device addresses of the check's claim
 
 
 class _Launch:
-    """Stands in for launch.PreparedLaunch: records (kernel name, pdl, pointers, stream, check),
-    check: a decode kernel's last two (constant) arguments, the device check's claim and record
-    pointers (0, 0: no check); None for other kernels."""
+    """Stands in for launch.Launch: records (kernel name, pdl, pointers, stream, check),
+    check: a decode kernel's (constant) claim and record pointers of the device check (0, 0: no
+    check); None for other kernels."""
 
-    def __init__(self, log, kernel, grid, block, args, slots, *, shared_mem=0, pdl=True):
+    def __init__(self, log, kernel, params, grid, block, *, pointers, shared_mem=0, pdl=False,
+                 prepare=None):
         self.log, self.name, self.pdl, self.grid = log, kernel.name, pdl, tuple(grid)
-        self.slots, self.nargs = tuple(slots), len(args)
-        self.check = (tuple(int(a) for a in args[-2:]) if self.name.startswith("decode_")
-                      else None)
+        self.count = pointers[1]
+        self.check = ((params.check_claim, params.check_record)
+                      if hasattr(params, "check_claim") else None)
 
     def __call__(self, pointers, stream):
-        assert len(pointers) == len(self.slots)
+        assert len(pointers) == self.count
         self.log.append((self.name, self.pdl, tuple(int(p) for p in pointers), stream,
                          self.check))
 
@@ -75,7 +76,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(dispatch, "launch_plan", lambda p: dispatch._launch_plan_cached(p, 0))
     dispatch._launch_plan_cached.cache_clear()
     monkeypatch.setattr(jit, "get_kernel", lambda spec, *a: spec)
-    monkeypatch.setattr(launch, "PreparedLaunch", lambda *a, **k: _Launch(log, *a, **k))
+    monkeypatch.setattr(launch, "Launch", lambda *a, **k: _Launch(log, *a, **k))
     monkeypatch.setattr(decode, "_resolve_plan",
                         lambda prob, ss: decode_plan._resolve_plan(prob, ss, use_device=False))
     monkeypatch.setattr(decode, "_compute_capability", lambda: 90)
@@ -589,37 +590,38 @@ def test_merge_states_torch_in_torch_out_on_torch_stream(fake_cuda, monkeypatch)
     assert len(fake_cuda) == n
 
 
-def test_merge_states_torch_launch_arguments_match_the_cupy_launch(monkeypatch):
-    """The torch launch hands the kernel the arguments cupy.RawKernel gets from the CuPy path
-    (the same strides and sizes, pointers in the first four slots), with a strided lse."""
+def test_merge_states_launch_struct(monkeypatch):
+    """The combine kernel's launch (the same for torch tensors and CuPy arrays): its struct holds
+    each array's element strides (a strided lse too) and the sizes; a call passes the four
+    pointers and the caller's stream, plainly (no PDL)."""
     seen = {}
 
-    class Kern:
-        def __call__(self, grid, block, args):
-            seen["cupy"] = (grid, block, args)
-
     class Prep:
-        def __init__(self, kern, grid, block, args, slots, **kw):
-            seen["torch"] = (grid, block, args, slots, kw)
+        def __init__(self, kern, params, grid, block, *, pointers, **kw):
+            seen["launch"] = (params, grid, block, pointers, kw)
 
         def __call__(self, ptrs, stream):
-            seen["ptrs"] = ptrs
-    monkeypatch.setattr(jit, "get_kernel", lambda spec, *a: Kern())
-    monkeypatch.setattr(launch, "PreparedLaunch", Prep)
+            seen["call"] = (ptrs, stream)
+    monkeypatch.setattr(jit, "get_kernel", lambda spec, *a: spec)
+    monkeypatch.setattr(launch, "Launch", Prep)
     o = np.zeros((3, 2, 5, 4, 64), np.float32)
     lse = np.zeros((3, 2, 5, 4), np.float32).transpose(0, 1, 3, 2)  # (3, 2, 4, 5), strided
     out = np.zeros((2, 5, 4, 64), np.float32)
     lse_out = np.zeros((2, 4, 5), np.float32)
     descs = [interop.ArrayDesc(1000 * (i + 1), a.shape, [st // 4 for st in a.strides],
                                "float32", 0) for i, a in enumerate((o, lse, out, lse_out))]
-    decode._launch_combine(o, lse, out, lse_out)  # NumPy arrays stand in for CuPy's
-    decode._launch_combine_torch(*descs, 77)
-    grid, block, args = seen["cupy"]
-    tgrid, tblock, targs, slots, kw = seen["torch"]
-    assert (tgrid, tblock, slots, kw) == (grid, block, (0, 1, 2, 3), {"pdl": False})
-    assert [int(a) for a in targs[4:]] == [int(a) for a in args[4:]]
-    assert [type(a) for a in targs[4:]] == [type(a) for a in args[4:]]
-    assert seen["ptrs"] == (1000, 2000, 3000, 4000)
+    decode._launch_combine(*descs, 77)
+    prm, grid, block, pointers, kw = seen["launch"]
+    assert (grid, block, kw) == ((10, 1, 1), (128, 1, 1), {})  # 40 rows, 4 per block
+    assert pointers == (0, 4)
+    assert [prm.op_part_stride, prm.op_batch_stride, prm.op_row_stride, prm.op_head_stride] == \
+        [2 * 5 * 4 * 64, 5 * 4 * 64, 4 * 64, 64]
+    assert [prm.lp_part_stride, prm.lp_batch_stride, prm.lp_head_stride, prm.lp_row_stride] == \
+        [40, 20, 1, 4]
+    assert [prm.o_batch_stride, prm.o_row_stride, prm.o_head_stride, prm.lse_batch_stride,
+            prm.lse_head_stride] == [5 * 4 * 64, 4 * 64, 64, 20, 5]
+    assert [prm.num_parts, prm.batch, prm.seqlen, prm.nheads, prm.headdim] == [3, 2, 5, 4, 64]
+    assert seen["call"] == ((1000, 2000, 3000, 4000), 77)
 
 
 # ----------------------------------------------------------------------------------------------

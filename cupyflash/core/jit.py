@@ -27,7 +27,8 @@ import re
 from pathlib import Path
 
 __all__ = [
-    "KernelSpec", "PtxasReport", "CompileResult", "kernels_dir", "preprocess", "include_dirs",
+    "KernelSpec", "PtxasReport", "CompileResult", "kernels_dir", "preprocess", "preprocess_text",
+    "check_compiles", "include_dirs",
     "compile_report", "parse_ptxas", "get_kernel", "KernelSourceError",
 ]
 
@@ -129,21 +130,13 @@ def _tree_mtime(root: Path) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _preprocess_cached(root: str, source: str, _mtime: float) -> str:
+def _preprocess_cached(root: str, source: str, _mtime: float, text: str | None = None) -> str:
     rootp = Path(root)
     seen: set[Path] = set()
     out: list[str] = []
 
-    def emit(path: Path) -> None:
-        path = path.resolve()
-        if path in seen:
-            return
-        text = path.read_text()
-        if re.search(r"^\s*#\s*pragma\s+once", text, re.M):
-            seen.add(path)
-        rel = path.relative_to(rootp.resolve()).as_posix()
-        out.append(f'#line 1 "kernels_cu/{rel}"')
-        for i, line in enumerate(text.splitlines(), start=1):
+    def emit_lines(lines, path: Path, rel: str) -> None:
+        for i, line in enumerate(lines, start=1):
             m = _INCLUDE_RE.match(line)
             if m:
                 inc = m.group(1)
@@ -158,11 +151,59 @@ def _preprocess_cached(root: str, source: str, _mtime: float) -> str:
             else:
                 out.append(line)
 
+    def emit(path: Path) -> None:
+        path = path.resolve()
+        if path in seen:
+            return
+        text = path.read_text()
+        if re.search(r"^\s*#\s*pragma\s+once", text, re.M):
+            seen.add(path)
+        rel = path.relative_to(rootp.resolve()).as_posix()
+        out.append(f'#line 1 "kernels_cu/{rel}"')
+        emit_lines(text.splitlines(), path, rel)
+
+    if text is not None:  # a source given as text, its includes resolved from kernels_cu/
+        out.append(f'#line 1 "{source}"')
+        emit_lines(text.splitlines(), rootp / source, source)
+        return "\n".join(out) + "\n"
     p = rootp / source
     if not p.is_file():
         raise KernelSourceError(f"kernel source {source!r} not found under {rootp}")
     emit(p)
     return "\n".join(out) + "\n"
+
+
+def preprocess_text(text: str, name: str = "probe.cu") -> str:
+    """:func:`preprocess` of a source given as ``text`` (its ``#include "..."`` resolved from
+    ``kernels_cu/``)."""
+    root = kernels_dir()
+    return _preprocess_cached(str(root), name, _tree_mtime(root), text)
+
+
+def check_compiles(text: str, arch: str = "compute_80") -> str:
+    """Compile the source ``text`` (includes from ``kernels_cu/``) to PTX with NVRTC (no GPU
+    needed) and return the PTX: compile-time checks such as ``static_assert``s over the kernels'
+    headers.
+
+    Raises
+    ------
+    KernelSourceError
+        NVRTC refused the source (the message holds its log)."""
+    from cupy_backends.cuda.libs import nvrtc
+    code = preprocess_text(text)
+    prog = nvrtc.createProgram(code, "probe.cu", [], [])
+    try:
+        opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}"]
+        opts += [f"-I{d}" for d in include_dirs()]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise KernelSourceError(f"NVRTC failed ({arch}): {e}\n"
+                                    + nvrtc.getProgramLog(prog)) from None
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
 def include_dirs() -> list[str]:

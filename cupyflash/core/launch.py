@@ -1,12 +1,15 @@
-"""Programmatic dependent launches, which ``cupy.RawKernel`` cannot request.
+"""The one launch path of every kernel of the library: :class:`Launch`.
 
-CuPy launches through ``cuLaunchKernel``, which has no way to give a launch attribute. This
-module calls the CUDA driver's ``cuLaunchKernelEx`` (CUDA 12+) through ``ctypes`` with the launch
-attribute ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, on the function handle of a
-kernel that CuPy compiled and loaded (so CuPy's compile and disk caches still apply), on a CuPy
-stream (so the launch is ordered with CuPy's work and can be captured in a CUDA graph). NVIDIA's
-``cuda-bindings`` package exposes the same call; it is not a dependency of this library, and
-``ctypes`` needs nothing beyond the driver that CuPy already loads.
+Every kernel takes one parameter struct by value (``kernels_cu/common/params.cuh``, mirrored by
+:mod:`cupyflash.core.params`). :class:`Launch` launches it through the CUDA driver's
+``cuLaunchKernelEx`` (CUDA 12+, through ``ctypes``) on the function handle of a kernel that
+CuPy compiled and loaded (so CuPy's compile and disk caches still apply), on any CUDA stream
+handle (CuPy's or torch's: the launch is ordered with the caller's work and can be captured in a
+CUDA graph). ``cupy.RawKernel`` can neither pass a struct of more than its scalar types nor
+request a launch attribute; NVIDIA's ``cuda-bindings`` package exposes the same call, but it is
+not a dependency of this library, and ``ctypes`` needs nothing beyond the driver that CuPy
+already loads. The per-call host cost is one slice assignment of the call's pointers into the
+struct and one driver call.
 
 Structures and enum values: ``cuda.h`` of CUDA 12/13 (``CUlaunchConfig``, ``CUlaunchAttribute``
 with its 64-byte value union, ``CUlaunchAttributeID``). The layout is checked on the CPU by
@@ -21,7 +24,7 @@ the previous grid has completed and its memory is visible) before it reads anyth
 may have written. What it gains is the launch and block set-up (parameter fetch, shared-memory
 carve-out) overlapping the previous kernel's last blocks. The kernels of this library that are
 launched so (the decode append and split kernels, ``kernels_cu/common/pdl.cuh``) wait before
-their first global load; the prefill kernels do not wait, and launch through ``cupy.RawKernel``.
+their first global load; the prefill kernels do not wait and are launched plainly.
 """
 from __future__ import annotations
 
@@ -29,9 +32,7 @@ import ctypes
 import functools
 import threading
 
-import numpy as np
-
-__all__ = ["LaunchError", "kernel_arguments", "PreparedLaunch"]
+__all__ = ["LaunchError", "Launch"]
 
 # cuda.h enum value
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -76,7 +77,7 @@ _LAUNCH_EX = None
 
 def _launch_ex():
     """``cuLaunchKernelEx`` without declared argument types (looked up once): every call of
-    :class:`PreparedLaunch` passes ready ctypes objects (the configuration by reference, the
+    :class:`Launch` passes ready ctypes objects (the configuration by reference, the
     function handle as ``c_void_p``, the ``void*`` array, None), which ctypes hands over as
     they are; declared types would convert each of them again (~0.3 us per launch)."""
     global _LAUNCH_EX
@@ -102,143 +103,117 @@ def _pdl_attrs():
     return attrs
 
 
-def kernel_arguments(args) -> tuple:
-    """``(void** array, keep-alive list)`` of kernel arguments, converted as CuPy converts them
-    for ``RawKernel``: CuPy arrays -> their device pointer, NumPy scalars -> their C type
-    (``uint64`` is used for raw pointers and NULL). Other types raise TypeError."""
-    import cupy
-    c_types = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
-               np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float,
-               np.dtype(np.float64): ctypes.c_double,
-               np.dtype(np.uint32): ctypes.c_uint32}
-    keep = []
-    for i, a in enumerate(args):
-        if isinstance(a, cupy.ndarray):
-            keep.append(ctypes.c_void_p(a.data.ptr))
-        elif isinstance(a, np.generic) and a.dtype in c_types:
-            keep.append(c_types[a.dtype](a.item()))
-        else:
-            raise TypeError(f"kernel argument {i}: expected a cupy.ndarray or a NumPy scalar of "
-                            f"{sorted(str(d) for d in c_types)}, got {type(a).__name__}")
-    ptrs = (ctypes.c_void_p * max(1, len(keep)))(
-        *[ctypes.cast(ctypes.byref(k), ctypes.c_void_p) for k in keep])
-    return ptrs, keep
-
-
 def _function_ptr(kernel) -> int:
     """The CUfunction handle of a ``cupy.RawKernel`` (loaded on the current device)."""
     return int(kernel.kernel.ptr)
 
 
-class PreparedLaunch:
-    """A launch through ``cuLaunchKernelEx`` of one kernel whose grid, block, shared memory and
-    scalar arguments are converted once; each call supplies only the pointer arguments and the
-    stream handle, so the per-call host cost stays below that of ``cupy.RawKernel`` (the full
-    conversion of :func:`kernel_arguments` takes tens of us for a kernel with ~50 arguments).
-    With ``pdl`` (default) it is a programmatic dependent launch (see the module docstring);
-    without, a plain launch on the given stream (any CUDA stream handle: CuPy's, PyTorch's).
+class Launch:
+    """The launch of one kernel, whose only argument is its parameter struct
+    (:mod:`cupyflash.core.params`, passed by value), through ``cuLaunchKernelEx``: grid, block,
+    shared memory and the struct's constant fields are set once; a call writes the struct's
+    per-call pointers (one consecutive block of 64-bit fields) and the stream, and launches. The
+    one launch path of every kernel of the library, CuPy and torch callers alike (any CUDA
+    stream handle). With ``pdl`` it is a programmatic dependent launch (see the module
+    docstring); without, a plain launch.
 
-    The launch configuration, one ``uint64`` array holding the pointer arguments and the
-    ``void*`` argument array over it are built once and reused: a call assigns its pointers to
-    that array by one slice assignment, the stream to the configuration, and calls the driver
-    (which copies the arguments before ``cuLaunchKernelEx`` returns). Threads may share one
-    object: a call takes its lock without waiting; a call that finds it taken (another thread is
-    launching the same kernel) launches from arrays of its own instead.
+    The struct lives in a 64-byte aligned buffer of this object (tensor maps inside it must be
+    64-byte aligned for the driver's encoders); ``prepare(address, pointers, stream_ptr, own)``,
+    when given, runs before each launch on the struct at ``address`` (the Hopper forward's tensor
+    maps and scheduler counter: :class:`cupyflash.core.tma.PrefillMaps`; ``own`` is False for a
+    copy, see below). The driver copies the
+    struct before ``cuLaunchKernelEx`` returns, so the next call may change it at once. Threads
+    may share one object: a call takes its lock without waiting; a call that finds it taken
+    (another thread is launching the same kernel) launches from a copy of its own.
 
     Parameters
     ----------
     kernel : cupy.RawKernel
         Loaded on the current device (the handle is taken here).
+    params : ctypes.Structure
+        The kernel's parameter struct with its constant fields set (copied here).
     grid, block : tuple of 3 ints
-    args : tuple
-        The argument list as for ``RawKernel``; the entries at ``pointer_slots`` are
-        placeholders, replaced by the call's pointers (ints, 0 for NULL).
-    pointer_slots : tuple of int
-        Indices of the per-call pointer arguments.
+    pointers : tuple of 2 ints
+        ``(byte offset, count)`` of the per-call pointer fields in ``params``
+        (:func:`cupyflash.core.params.pointer_fields`).
     shared_mem : int
         Dynamic shared memory per block, bytes.
     pdl : bool
         Request programmatic stream serialization (sm_90+ kernels that wait with
         ``griddepcontrol.wait`` before their first global load).
+    prepare : callable or None
+        See above; raises to refuse the call (nothing is launched).
 
     Raises
     ------
     ValueError
-        ``grid`` or ``block`` not 3 ints; a pointer slot outside ``args``.
-    TypeError
-        An argument :func:`kernel_arguments` cannot convert.
+        ``grid`` or ``block`` not 3 ints; the pointer block outside ``params``.
     """
 
-    __slots__ = ("_func", "_func_arg", "_grid", "_block", "_shared_mem", "_attrs", "_template",
-                 "_keep", "_slots", "_n", "_pdl", "_cfg", "_cfg_ref", "_vals", "_params",
-                 "_lock", "__weakref__")
+    __slots__ = ("_func_arg", "_grid", "_block", "_shared_mem", "_pdl", "_attrs", "_size",
+                 "_buf", "_addr", "_vals", "_offset", "_count", "_prepare", "_cfg", "_cfg_ref",
+                 "_params", "_lock", "__weakref__")
 
-    def __init__(self, kernel, grid, block, args, pointer_slots, *, shared_mem: int = 0,
-                 pdl: bool = True):
+    def __init__(self, kernel, params, grid, block, *, pointers, shared_mem: int = 0,
+                 pdl: bool = False, prepare=None):
         if len(grid) != 3 or len(block) != 3:
             raise ValueError(f"grid, block: expected 3 ints each, got {tuple(grid)}, "
                              f"{tuple(block)}")
-        self._slots = tuple(int(i) for i in pointer_slots)
-        self._n = len(args)
-        if any(not 0 <= i < self._n for i in self._slots):
-            raise ValueError(f"pointer_slots: expected indices below {self._n}, got "
-                             f"{self._slots}")
-        self._func = _function_ptr(kernel)
-        self._func_arg = ctypes.c_void_p(self._func)
+        self._size = ctypes.sizeof(params)
+        self._offset, self._count = (int(x) for x in pointers)
+        if self._offset < 0 or self._offset + 8 * self._count > self._size:
+            raise ValueError(f"pointers: {self._count} pointers at byte {self._offset} lie "
+                             f"outside the {self._size}-byte {type(params).__name__}")
+        self._func_arg = ctypes.c_void_p(_function_ptr(kernel))
         self._grid, self._block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
         self._shared_mem = int(shared_mem)
         self._pdl = bool(pdl)
         self._attrs = _pdl_attrs()
-        # the addresses of the converted scalars; pointer slots are filled per call
-        ptrs, self._keep = kernel_arguments(args)
-        self._template = [ptrs[i] for i in range(self._n)]
-        self._cfg, self._vals, self._params = self._arrays()
+        self._prepare = prepare
+        self._buf, self._addr, self._vals, self._cfg, self._params = self._arrays(
+            ctypes.string_at(ctypes.addressof(params), self._size))
         self._cfg_ref = ctypes.byref(self._cfg)
         self._lock = threading.Lock()
 
-    def _arrays(self) -> tuple:
-        """``(configuration, pointer values, void** array)``: the configuration without a
-        stream, a ``uint64`` array with one element per pointer slot, and the argument array
-        whose pointer slots address that array's elements (the others the constant scalars)."""
+    @property
+    def address(self) -> int:
+        """Host address of the launch's parameter struct (64-byte aligned)."""
+        return self._addr
+
+    def _arrays(self, image: bytes) -> tuple:
+        """``(buffer, struct address, pointer block, configuration, void** array)``: a 64-byte
+        aligned copy of the struct bytes ``image``, the ``uint64`` array over its pointer
+        fields, the launch configuration without a stream, and the argument array (one
+        argument: the struct)."""
+        buf = ctypes.create_string_buffer(self._size + 64)
+        addr = (ctypes.addressof(buf) + 63) & ~63
+        ctypes.memmove(addr, image, self._size)
+        vals = (ctypes.c_uint64 * max(1, self._count)).from_address(addr + self._offset)
         cfg = _Config()
         cfg.grid[0], cfg.grid[1], cfg.grid[2] = self._grid
         cfg.block[0], cfg.block[1], cfg.block[2] = self._block
         cfg.shared_mem_bytes = self._shared_mem
         cfg.attrs = self._attrs
         cfg.num_attrs = 1 if self._pdl else 0
-        vals = (ctypes.c_uint64 * max(1, len(self._slots)))()
-        addrs = list(self._template)
-        base = ctypes.addressof(vals)
-        for j, i in enumerate(self._slots):
-            addrs[i] = base + 8 * j
-        return cfg, vals, (ctypes.c_void_p * max(1, self._n))(*addrs)
-
-    def params(self, pointers) -> tuple:
-        """``(void** array, keep-alive list)`` of the arguments with ``pointers`` (ints, in
-        ``pointer_slots`` order) in their slots (a new array: not the one calls reuse)."""
-        if len(pointers) != len(self._slots):
-            raise ValueError(f"pointers: expected {len(self._slots)}, got {len(pointers)}")
-        vals = [ctypes.c_uint64(int(x)) for x in pointers]
-        addrs = list(self._template)
-        for i, v in zip(self._slots, vals):
-            addrs[i] = ctypes.addressof(v)
-        return (ctypes.c_void_p * max(1, self._n))(*addrs), vals
+        return buf, addr, vals, cfg, (ctypes.c_void_p * 1)(addr)
 
     def __call__(self, pointers, stream_ptr: int) -> None:
-        """Launch with ``pointers`` (ints, in ``pointer_slots`` order) on the stream handle
-        ``stream_ptr``.
+        """Launch with ``pointers`` (ints, the per-call pointer fields in order; 0 for NULL) on
+        the stream handle ``stream_ptr``.
 
         Raises
         ------
         ValueError
-            Not one pointer per slot.
+            Not one pointer per field (or ``prepare`` refused the call).
         LaunchError
-            The driver refused the launch."""
+            The driver refused the launch (or a tensor map)."""
         f = _LAUNCH_EX or _launch_ex()
         lock = self._lock
-        if lock.acquire(False):  # the shared arrays are ours until released
+        if lock.acquire(False):  # the struct is ours until released
             try:
-                self._vals[:] = pointers  # (ValueError unless one per slot)
+                self._vals[:] = pointers  # (ValueError unless one per field)
+                if self._prepare is not None:
+                    self._prepare(self._addr, pointers, stream_ptr)
                 self._cfg.stream = stream_ptr
                 status = f(self._cfg_ref, self._func_arg, self._params, None)
             except ValueError:
@@ -246,15 +221,17 @@ class PreparedLaunch:
                 raise
             finally:
                 lock.release()
-        else:  # another thread is launching this kernel: arrays of this call's own
+        else:  # another thread is launching this kernel: a copy of our own
             self._check_count(pointers)
-            cfg, vals, params = self._arrays()
+            buf, addr, vals, cfg, params = self._arrays(ctypes.string_at(self._addr, self._size))
             vals[:] = pointers
+            if self._prepare is not None:
+                self._prepare(addr, pointers, stream_ptr, False)
             cfg.stream = stream_ptr
             status = f(ctypes.byref(cfg), self._func_arg, params, None)
         if status:
             _check("cuLaunchKernelEx", status)
 
     def _check_count(self, pointers) -> None:
-        if len(pointers) != len(self._slots):
-            raise ValueError(f"pointers: expected {len(self._slots)}, got {len(pointers)}")
+        if len(pointers) != self._count:
+            raise ValueError(f"pointers: expected {self._count}, got {len(pointers)}")

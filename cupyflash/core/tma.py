@@ -1,17 +1,18 @@
-"""Tensor maps and the launch of the TMA prefill kernel (``kernels_cu/forward/hopper.cu``).
+"""Tensor maps of the Hopper forward kernel (``kernels_cu/forward/hopper.cu``) and its per-call
+launch work (:class:`PrefillMaps`, the ``prepare`` of its :class:`cupyflash.core.launch.Launch`).
 
 The Hopper kernel loads Q, K and V with the tensor memory accelerator. Each copy is described
 by a ``CUtensorMap`` (CUDA Driver API, "Tensor Map Object Management"): 128 bytes built on the
 host by ``cuTensorMapEncodeTiled`` from the base pointer, the dims and strides of the tensor and
-the box one copy moves, and passed by value as a ``const __grid_constant__`` kernel parameter.
-CuPy cannot pass a 128-byte structure by value, so these launches go through ``cuLaunchKernelEx``
-(``ctypes``, as :mod:`cupyflash.core.launch`) on the function handle CuPy compiled and loaded.
+the box one copy moves, and passed by value inside the kernel's parameter struct
+(``cf::FwdTmaParams``, :class:`cupyflash.core.params.FwdTmaParams`).
 
-A map depends on the base pointer. A launch encodes each map once, on its first use; when a
-tensor's pointer differs from the previous launch's (in a model: every call) it only replaces
-the map's address (``cuTensorMapReplaceAddress``, CUDA 12.0+), the other fields being the
-entry's (fixed by the layouts that key the launch cache). The launch copies the maps (kernel
-parameters) before ``cuLaunchKernelEx`` returns, so the next call may change them at once. Layout of every map here: the 4-D tensor
+A map depends on the base pointer. A launch encodes each map once, on its first use, into its
+parameter struct; when a tensor's pointer differs from the previous launch's (in a model: every
+call) it only replaces the map's address (``cuTensorMapReplaceAddress``, CUDA 12.0+), the other
+fields being the entry's (fixed by the layouts that key the launch cache). The launch copies the
+struct before ``cuLaunchKernelEx`` returns, so the next call may change it at once. Layout of
+every map here: the 4-D tensor
 (headdim, nheads, seqlen, batch) of 16-bit elements, innermost first (varlen: seqlen = the
 packed tokens, batch = 1); box 64 x 1 x rows x 1 (64 elements = the 128-byte swizzle span; a
 head dim of 128 or 256 is 2 or 4 boxes); elements outside the tensor are zero-filled on loads (rows
@@ -34,14 +35,10 @@ import threading
 
 from . import launch
 
+from .params import FwdTmaParams, TensorMap
+
 __all__ = ["TensorMap", "encode_tensor_map", "qkv_maps_layout", "o_map_layout", "tile_counter",
-           "TmaLaunch"]
-
-
-class TensorMap(ctypes.Structure):
-    """A ``CUtensorMap`` (``cuda.h``: 16 opaque 64-bit words, 64-byte aligned), passed by value
-    as ``const __grid_constant__ cf::TmaDesc`` (``kernels_cu/common/tma.cuh``)."""
-    _fields_ = [("words", ctypes.c_uint64 * 16)]
+           "PrefillMaps"]
 
 
 # cuda.h enum values of cuTensorMapEncodeTiled
@@ -74,11 +71,11 @@ def _replace_fn():
 
 
 class _MapEncoder:
-    """The constant part of one tensor map (dims, strides, box as ctypes arrays), encoded into a
-    64-byte aligned holder on first use (:meth:`encode`); :meth:`set_address` then only replaces
-    the base address of the encoded map."""
+    """The constant part of one tensor map (dims, strides, box as ctypes arrays): :meth:`encode`
+    writes the whole map for a base address into a 64-byte aligned holder, :meth:`set_address`
+    only replaces the base address of a map encoded there before."""
 
-    __slots__ = ("dims", "strides", "box", "elem_strides", "rank", "holder", "_raw", "ptr")
+    __slots__ = ("dims", "strides", "box", "elem_strides", "rank")
 
     def __init__(self, dims, strides_bytes, box):
         rank = self.rank = len(dims)
@@ -93,41 +90,34 @@ class _MapEncoder:
         self.strides = (ctypes.c_uint64 * max(1, rank - 1))(*[int(s) for s in strides_bytes])
         self.box = (ctypes.c_uint32 * rank)(*[int(b) for b in box])
         self.elem_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
-        self._raw = ctypes.create_string_buffer(128 + 64)  # the driver wants it 64-byte aligned
-        self.holder = (ctypes.addressof(self._raw) + 63) & ~63
-        self.ptr = None
 
-    def encode(self, ptr: int) -> None:
-        self.ptr = None  # until the driver accepted the map
+    def encode(self, holder: int, ptr: int) -> None:
+        """The map of base address ``ptr`` into the 128 bytes at ``holder`` (64-byte aligned).
+
+        Raises
+        ------
+        cupyflash.core.launch.LaunchError
+            The driver refused the description or the address (e.g. not 16-byte aligned)."""
         status = _encode_fn()(
-            self.holder, CU_TENSOR_MAP_DATA_TYPE_UINT16, self.rank, ptr, self.dims,
+            holder, CU_TENSOR_MAP_DATA_TYPE_UINT16, self.rank, ptr, self.dims,
             self.strides, self.box, self.elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
         if status:
             launch._check("cuTensorMapEncodeTiled", status)
-        self.ptr = ptr
 
-    def set_address(self, ptr: int) -> None:
-        """The map at base address ``ptr``: encoded the first time, afterwards (a new pointer)
-        the encoded map's address replaced (two arguments instead of twelve); nothing when
-        ``ptr`` is the current one.
+    @staticmethod
+    def set_address(holder: int, ptr: int) -> None:
+        """The map encoded at ``holder`` moved to base address ``ptr`` (two arguments instead of
+        twelve).
 
         Raises
         ------
         cupyflash.core.launch.LaunchError
-            The driver refused the map or the address (e.g. not 16-byte aligned); the map is
-            then encoded again on the next call."""
-        if ptr == self.ptr:
-            return
-        if self.ptr is None:
-            self.encode(ptr)
-            return
-        self.ptr = None  # until the driver accepted the new address
-        status = _replace_fn()(self.holder, ptr)
+            The driver refused the address."""
+        status = _replace_fn()(holder, ptr)
         if status:
             launch._check("cuTensorMapReplaceAddress", status)
-        self.ptr = ptr
 
 
 def encode_tensor_map(ptr: int, dims, strides_bytes, box) -> TensorMap:
@@ -143,8 +133,10 @@ def encode_tensor_map(ptr: int, dims, strides_bytes, box) -> TensorMap:
     cupyflash.core.launch.LaunchError
         The driver refused the description (the message names the CUresult)."""
     enc = _MapEncoder(dims, strides_bytes, box)
-    enc.encode(int(ptr))
-    return TensorMap.from_buffer_copy(ctypes.string_at(enc.holder, ctypes.sizeof(TensorMap)))
+    raw = ctypes.create_string_buffer(128 + 64)  # the driver wants it 64-byte aligned
+    holder = (ctypes.addressof(raw) + 63) & ~63
+    enc.encode(holder, int(ptr))
+    return TensorMap.from_buffer_copy(ctypes.string_at(holder, ctypes.sizeof(TensorMap)))
 
 
 def qkv_maps_layout(problem, strides: tuple, block_m: int, block_n: int) -> tuple:
@@ -302,113 +294,88 @@ def tile_counter(device_id: int, stream_ptr: int) -> int:
     return arr.data.ptr
 
 
-class TmaLaunch:
-    """The launch of one TMA prefill entry: like :class:`cupyflash.core.launch.PreparedLaunch`
-    (constant arguments converted once; a call gives the pointers and the stream), with the
-    four tensor maps of q, k, v and o, the scheduler's counter (:func:`tile_counter` of the
-    call's stream when ``causal``, else NULL) and the flag ``o_map_ok`` as the kernel's first
-    arguments; each map is encoded on the first call and its address replaced when its pointer
+_MAP_OFFSETS = tuple(getattr(FwdTmaParams, n).offset for n in ("tq", "tk", "tv", "to"))
+_COUNTER_OFFSET = FwdTmaParams.tile_counter.offset
+_O_OK_OFFSET = FwdTmaParams.o_map_ok.offset
+
+
+class PrefillMaps:
+    """The per-call work of a Hopper forward launch, run by its
+    :class:`cupyflash.core.launch.Launch` (``prepare``) on the launch's
+    :class:`cupyflash.core.params.FwdTmaParams` before each launch: the q, k, v tensor maps at
+    the call's pointers (the first three of the call), the O map and its flag ``o_map_ok``, and
+    the causal scheduler's counter (:func:`tile_counter` of the call's stream when ``causal``,
+    else NULL). Each map is encoded on the first call and its address replaced when its pointer
     changes.
 
     The O map (``o_map``) is optional: without one (varlen, strides a map refuses) the
-    fourth map is zeros and ``o_map_ok`` 0, and the kernel writes O from registers. With one,
-    a call whose ``out`` pointer (the fourth pointer) the driver refuses (not 16-byte aligned)
+    fourth map is zeros and ``o_map_ok`` 0, and the kernel writes O from registers. With one, a
+    call whose ``out`` pointer (the fourth pointer) the driver refuses (not 16-byte aligned)
     launches with ``o_map_ok`` 0 too, never with a stale map: that call's O is written from
     registers.
 
     Parameters
     ----------
-    kernel : cupy.RawKernel
-        ``cf::flash_fwd_tma_entry<...>``, loaded on the current device.
-    grid, block : tuple of 3 ints
-    args : tuple
-        The arguments after the maps, the counter and the flag, as for ``PreparedLaunch``
-        (NumPy scalars; the entries at ``pointer_slots`` are placeholders).
-    pointer_slots : tuple of int
-        Indices in ``args`` of the per-call pointers; the first three are q, k, v.
     maps : tuple of 3 ``(dims, strides_bytes, box)``
         From :func:`qkv_maps_layout`.
     o_map : ``(dims, strides_bytes, box)`` or None
-        From :func:`o_map_layout`; the fourth pointer of a call is then ``out``.
-    shared_mem : int
-        Dynamic shared memory per block, bytes.
+        From :func:`o_map_layout`.
     causal : bool
         The kernel schedules its tiles dynamically (needs the counter).
     device_id : int
         The kernel's device (the counters are per device and stream).
     """
 
-    __slots__ = ("_func", "_func_arg", "_cfg", "_cfg_ref", "_holders", "_params", "_keep", "_enc", "_lock",
-                 "_counter", "_causal", "_device", "_enc_o", "_o_ok", "_o_none", "__weakref__")
+    __slots__ = ("_enc", "_ptrs", "_causal", "_device", "_views")
 
-    def __init__(self, kernel, grid, block, args, pointer_slots, maps, *, shared_mem: int,
-                 causal: bool, device_id: int, o_map=None):
-        self._func = launch._function_ptr(kernel)
-        # launch._launch_ex() declares no argument types: every argument is a ready ctypes object
-        # (a bare int would be passed as a 32-bit C int)
-        self._func_arg = ctypes.c_void_p(self._func)
+    def __init__(self, maps, o_map=None, *, causal: bool, device_id: int):
+        self._enc = tuple(_MapEncoder(*m) for m in maps) + (
+            (_MapEncoder(*o_map),) if o_map is not None else ())
+        self._ptrs = [None] * len(self._enc)  # the address each map of the launch's struct has
         self._causal, self._device = bool(causal), int(device_id)
-        self._counter = ctypes.c_uint64(0)
-        self._enc = tuple(_MapEncoder(*m) for m in maps)
-        self._enc_o = _MapEncoder(*o_map) if o_map is not None else None
-        self._o_ok = ctypes.c_int32(0)
-        self._o_none = ctypes.create_string_buffer(128 + 64)  # the zero map of "no O map"
-        o_holder = (self._enc_o.holder if self._enc_o is not None
-                    else (ctypes.addressof(self._o_none) + 63) & ~63)
-        ptrs, self._keep = launch.kernel_arguments(args)
-        slots = tuple(int(i) for i in pointer_slots)
-        if self._enc_o is not None and len(slots) < 4:
-            raise ValueError("o_map: the launch needs out's pointer (a fourth pointer slot)")
-        self._holders = [ctypes.c_uint64(0) for _ in slots]
-        head = [e.holder for e in self._enc] + [o_holder, ctypes.addressof(self._counter),
-                                                ctypes.addressof(self._o_ok)]
-        addrs = head + [ptrs[i] for i in range(len(args))]
-        for i, h in zip(slots, self._holders):
-            addrs[len(head) + i] = ctypes.addressof(h)
-        self._params = (ctypes.c_void_p * len(addrs))(*addrs)
-        cfg = self._cfg = launch._Config()
-        cfg.grid[0], cfg.grid[1], cfg.grid[2] = (int(g) for g in grid)
-        cfg.block[0], cfg.block[1], cfg.block[2] = (int(b) for b in block)
-        cfg.shared_mem_bytes = int(shared_mem)
-        cfg.num_attrs = 0
-        self._cfg_ref = ctypes.byref(cfg)
-        self._lock = threading.Lock()
+        self._views = (None, None, None)  # (struct address, counter field, flag field)
 
-    def __call__(self, pointers, stream_ptr: int) -> None:
-        """Launch with ``pointers`` (ints, in ``pointer_slots`` order: q, k, v first, then out)
-        on the stream handle ``stream_ptr``.
+    def _fields(self, addr: int) -> tuple:
+        """The counter and flag fields of the struct at ``addr`` (kept for the launch's own)."""
+        if self._views[0] == addr:
+            return self._views[1:]
+        return (ctypes.c_uint64.from_address(addr + _COUNTER_OFFSET),
+                ctypes.c_int32.from_address(addr + _O_OK_OFFSET))
+
+    def __call__(self, addr: int, pointers, stream_ptr: int, own: bool = True) -> None:
+        """Fill the maps, the flag and the counter of the struct at ``addr`` for ``pointers``
+        (q, k, v, out, ...) and the stream ``stream_ptr``; ``own``: the launch's own struct
+        (whose maps this object tracks), else a copy (every map encoded anew).
 
         Raises
         ------
-        ValueError
-            Not one pointer per slot.
         cupyflash.core.launch.LaunchError
-            The driver refused a tensor map or the launch."""
-        holders = self._holders
-        if len(pointers) != len(holders):
-            raise ValueError(f"pointers: expected {len(holders)}, got {len(pointers)}")
-        counter = tile_counter(self._device, stream_ptr) if self._causal else 0
-        with self._lock:
-            self._counter.value = counter
-            for enc, x in zip(self._enc, pointers):
-                if enc.ptr != x:
-                    enc.set_address(x)
-            enc = self._enc_o
-            if enc is not None:
-                x = pointers[3]
-                ok = 1
-                if enc.ptr != x:
-                    if x % 16:  # the driver would refuse it: registers, no driver call
-                        ok = 0
-                    else:
-                        try:
-                            enc.set_address(x)
-                        except launch.LaunchError:  # refused: this call writes from registers
-                            ok = 0
-                self._o_ok.value = ok
-            for h, x in zip(holders, pointers):
-                h.value = x
-            self._cfg.stream = stream_ptr
-            status = launch._launch_ex()(self._cfg_ref, self._func_arg, self._params, None)
-        if status:
-            launch._check("cuLaunchKernelEx", status)
+            The driver refused a q, k or v map."""
+        counter_field, ok_field = self._fields(addr)
+        if own and self._views[0] != addr:
+            self._views = (addr, counter_field, ok_field)
+        counter_field.value = tile_counter(self._device, stream_ptr) if self._causal else 0
+        ok = 1
+        for i, enc in enumerate(self._enc):
+            x = pointers[i]
+            cur = self._ptrs[i] if own else None
+            if cur == x:
+                continue
+            if i == 3 and x % 16:  # the driver would refuse it: registers, no driver call
+                ok = 0
+                continue
+            if own:
+                self._ptrs[i] = None  # until the driver accepted the map
+            try:
+                if cur is None:
+                    enc.encode(addr + _MAP_OFFSETS[i], x)
+                else:
+                    enc.set_address(addr + _MAP_OFFSETS[i], x)
+            except launch.LaunchError:
+                if i < 3:
+                    raise
+                ok = 0  # the O map refused: this call writes O from registers
+                continue
+            if own:
+                self._ptrs[i] = x
+        ok_field.value = ok if len(self._enc) == 4 else 0

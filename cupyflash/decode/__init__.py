@@ -47,7 +47,7 @@ stream has completed); such a call cannot be captured in a CUDA graph (ValueErro
 Programmatic dependent launch
 -----------------------------
 On sm_90+ the append and split kernels are launched with programmatic stream serialization
-(:class:`cupyflash.core.launch.PreparedLaunch`; CUDA Programming Guide, "Programmatic Dependent
+(:class:`cupyflash.core.launch.Launch`; CUDA Programming Guide, "Programmatic Dependent
 Launch and Synchronization"): each may be scheduled while the previous kernel of the stream
 finishes, and waits (``griddepcontrol.wait``, ``kernels_cu/common/pdl.cuh``) for that kernel's
 completion and memory before its first global load, so the result is the same; what overlaps is
@@ -64,7 +64,7 @@ Callers, streams and checks
 torch tensors in give torch tensors out, launched on torch's current stream of their device;
 CuPy arrays keep CuPy's conventions (:mod:`cupyflash.core.interop`). A warm call (same layouts and
 options as an earlier one) reads pointers and layouts from the arrays' attributes and launches
-through prepared driver launches (:class:`cupyflash.core.launch.PreparedLaunch`). With
+through prepared driver launches (:class:`cupyflash.core.launch.Launch`). With
 ``validate=True`` (the default) nothing is read back to the host: host ``cache_seqlens`` /
 ``block_table`` (an int, a list, NumPy) are checked on the host before the launch and copied to
 the device asynchronously; device ones are checked on the device by the call's first kernel (the
@@ -91,6 +91,7 @@ import weakref
 import numpy as np
 
 from ..core import cache, checks, guard, interop, jit, launch
+from ..core.params import DecodeAppendParams, DecodeParams, MergeParams, pointer_fields
 from .kernels import (COMBINE_DTYPES, DTYPES, GROUP, HEADDIMS, KV_PATHS,
                              ONE_BLOCK_SPLIT_CONFIGS, SPLIT_CONFIGS, SplitConfig, all_specs,
                              append_kernel_spec, combine_kernel_spec, kv_path, padded_headdim,
@@ -137,7 +138,6 @@ def pdl_launches(enabled: bool):
         PDL = prev
 
 
-_NULL = np.uint64(0)  # a NULL pointer argument (CuPy would pass None as a NULL *argument*)
 
 
 def _estrides(x) -> tuple:
@@ -180,55 +180,59 @@ def alloc_workspace(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
     return cupy.zeros(max(n, 1), dtype=cupy.float32)
 
 
-def _append_tail(prob, k, v, k_cache, v_cache, block_table) -> tuple:
-    """Constant arguments of the append kernel after its 6 pointers (from layouts only)."""
-    kn, vn, kc, vc = (_estrides(x) for x in (k, v, k_cache, v_cache))
-    bt_bs = _estrides(block_table)[0] if block_table is not None else 0
-    i64 = np.int64
-    return (i64(kn[0]), i64(kn[1]), i64(kn[2]), i64(vn[0]), i64(vn[1]), i64(vn[2]),
-            i64(kc[0]), i64(kc[1]), i64(kc[2]), i64(vc[0]), i64(vc[1]), i64(vc[2]), i64(bt_bs),
-            np.int32(prob.seqlen_new), np.int32(prob.nheads_k), np.int32(prob.headdim),
-            np.int32(prob.seqlen_cache), np.int32(max(prob.page_size, 1)),
-            np.int32(prob.num_pages))
+def _append_params(prob, k, v, k_cache, v_cache, block_table) -> DecodeAppendParams:
+    """The append kernel's parameter struct with its constant fields (from layouts only)."""
+    prm = DecodeAppendParams()
+    for t_, x in (("kn", k), ("vn", v), ("k", k_cache), ("v", v_cache)):
+        for s_, st in zip(("batch", "row", "head"), _estrides(x)[:3]):
+            setattr(prm, f"{t_}_{s_}_stride", st)
+    prm.block_table_batch_stride = _estrides(block_table)[0] if block_table is not None else 0
+    prm.seqlen_new, prm.nheads_k, prm.headdim = prob.seqlen_new, prob.nheads_k, prob.headdim
+    prm.seqlen_cache, prm.page_size = prob.seqlen_cache, max(prob.page_size, 1)
+    prm.num_pages = prob.num_pages
+    return prm
+
+
+#: The per-call pointer fields of the append kernel, in order.
+_APPEND_POINTERS = ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table")
+#: The per-call pointer fields of the split kernel, in order.
+_SPLIT_POINTERS = ("q", "k", "v", "cache_seqlens", "block_table", "o", "lse", "o_part",
+                   "lse_part", "counters")
 
 
 def _append_grid(prob) -> tuple:
     return (-(-(prob.seqlen_new * prob.nheads_k * prob.headdim) // 256), prob.batch, 1)
 
 
-def _combine_launch(o_part, lse_part, out, lse_out) -> tuple:
-    """``(kernel, grid, block, scalars)`` of the combine kernel (decode/combine.cu) over
+def _combine_launch(o_part, lse_part, out, lse_out):
+    """The :class:`cupyflash.core.launch.Launch` of the combine kernel (decode/combine.cu) over
     ``o_part`` (num_parts, batch, seqlen, nheads, headdim) and ``lse_part`` (num_parts, batch,
     nheads, seqlen), float32, any strides with the head dim contiguous, into ``out`` (batch,
     seqlen, nheads, headdim) and the float32 ``lse_out`` (batch, nheads, seqlen): one warp per
-    output row; the kernel's arguments are the four pointers, then ``scalars``."""
+    output row, launched plainly (no PDL); a call passes the four pointers in that order and a
+    stream handle."""
     num_parts, batch, seqlen, nheads, headdim = o_part.shape
-    op, lp, o, ls = (_estrides(x) for x in (o_part, lse_part, out, lse_out))
-    i64, i32 = np.int64, np.int32
-    scalars = (i64(op[0]), i64(op[1]), i64(op[2]), i64(op[3]),
-               i64(lp[0]), i64(lp[1]), i64(lp[2]), i64(lp[3]),
-               i64(o[0]), i64(o[1]), i64(o[2]), i64(ls[0]), i64(ls[1]),
-               i32(num_parts), i32(batch), i32(seqlen), i32(nheads), i32(headdim))
+    prm = MergeParams()
+    for pre, names, x in (("op", ("part", "batch", "row", "head"), o_part),
+                          ("lp", ("part", "batch", "head", "row"), lse_part),
+                          ("o", ("batch", "row", "head"), out),
+                          ("lse", ("batch", "head"), lse_out)):
+        for n, st in zip(names, _estrides(x)):
+            setattr(prm, f"{pre}_{n}_stride", st)
+    prm.num_parts, prm.batch, prm.seqlen = num_parts, batch, seqlen
+    prm.nheads, prm.headdim = nheads, headdim
     kern = jit.get_kernel(combine_kernel_spec(checks.dtype_name(out)))
-    return kern, (-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1), scalars
+    return launch.Launch(kern, prm, (-(-(batch * seqlen * nheads) // 4), 1, 1), (128, 1, 1),
+                         pointers=pointer_fields(MergeParams, ("o_part", "lse_part", "out",
+                                                               "lse_out")))
 
 
-def _launch_combine(o_part, lse_part, out, lse_out) -> None:
-    """The combine kernel over CuPy arrays (:func:`_combine_launch`), by ``cupy.RawKernel`` on
-    CuPy's current stream."""
-    kern, grid, block, scalars = _combine_launch(o_part, lse_part, out, lse_out)
-    kern(grid, block, (o_part, lse_part, out, lse_out) + scalars)
-
-
-def _launch_combine_torch(o_part, lse_part, out, lse_out, stream_ptr: int) -> None:
-    """The combine kernel over :class:`cupyflash.core.interop.ArrayDesc` of torch tensors (the same
-    arguments, layouts and grid as :func:`_launch_combine`), launched plainly (no PDL) on the
-    stream handle ``stream_ptr`` (torch's current stream) through
-    :class:`cupyflash.core.launch.PreparedLaunch`, on the current device."""
-    kern, grid, block, scalars = _combine_launch(o_part, lse_part, out, lse_out)
-    run = launch.PreparedLaunch(kern, grid, block, (_NULL,) * 4 + scalars, (0, 1, 2, 3),
-                                pdl=False)
-    run(tuple(x.data.ptr for x in (o_part, lse_part, out, lse_out)), stream_ptr)
+def _launch_combine(o_part, lse_part, out, lse_out, stream_ptr: int) -> None:
+    """The combine kernel (:func:`_combine_launch`) over CuPy arrays or
+    :class:`cupyflash.core.interop.ArrayDesc` of torch tensors, on the stream handle
+    ``stream_ptr`` of the current device."""
+    _combine_launch(o_part, lse_part, out, lse_out)(
+        tuple(x.data.ptr for x in (o_part, lse_part, out, lse_out)), stream_ptr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,7 +502,7 @@ class _KVCacheLaunch:
     :class:`cupyflash.forward.dispatch.PrefillLaunch` (``out`` by ``torch.empty_like(q)``)."""
     __slots__ = ("prob", "plan", "return_lse", "lse_shape", "copy_seqlens", "ws_need",
                  "o_part_bytes", "counters_bytes", "counters_nbytes", "append_kernel",
-                 "append_grid", "append_tail", "split_kernel", "split_tail", "split_end",
+                 "append_grid", "append_params", "split_kernel", "split_params",
                  "pdl_ok", "launches", "bt_stride", "device", "out_like_q")
 
     def __init__(self, prob, plan, dev, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
@@ -521,36 +525,35 @@ class _KVCacheLaunch:
         self.counters_bytes = 4 * ns * rows * (d + 1)
         self.counters_nbytes = 4 * plan.counter_elems
         self.pdl_ok = _compute_capability() >= 90
-        self.launches = {}  # (pdl, check) -> (append PreparedLaunch or None, split one or None)
-        self.append_kernel = self.append_tail = self.append_grid = None
+        self.launches = {}  # (pdl, check) -> (append Launch or None, split one or None)
+        self.append_kernel = self.append_params = self.append_grid = None
         if prob.seqlen_new > 0 and b > 0:
             self.append_kernel = jit.get_kernel(append_kernel_spec(prob.paged))
             self.append_grid = _append_grid(prob)
-            self.append_tail = _append_tail(prob, k, v, k_cache, v_cache, block_table)
-        self.split_kernel = self.split_tail = self.split_end = None
+            self.append_params = _append_params(prob, k, v, k_cache, v_cache, block_table)
+        self.split_kernel = self.split_params = None
         if b == 0 or sq == 0:  # no query rows: an empty grid is not launchable
             return
         if out is None:
             out = ContiguousLayout(q.shape, q.dtype)
         self.split_kernel = jit.get_kernel(plan.spec)
-        qs, ks, vs, os_ = (_estrides(x) for x in (q, k_cache, v_cache, out))
-        lse_bs, lse_hs = (h * sq, sq) if return_lse else (0, 0)  # contiguous (b, h, sq)
+        prm = self.split_params = DecodeParams()
+        for t_, x in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out)):
+            for s_, st in zip(("batch", "row", "head"), _estrides(x)[:3]):
+                setattr(prm, f"{t_}_{s_}_stride", st)
+        # contiguous (b, h, sq) LSE
+        prm.lse_batch_stride, prm.lse_head_stride = (h * sq, sq) if return_lse else (0, 0)
+        prm.block_table_batch_stride = self.bt_stride
         page_size = prob.page_size if prob.paged else 1
-        page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
-        i64, i32 = np.int64, np.int32
-        self.split_tail = (
-            i64(qs[0]), i64(qs[1]), i64(qs[2]),
-            i64(ks[0]), i64(ks[1]), i64(ks[2]),
-            i64(vs[0]), i64(vs[1]), i64(vs[2]),
-            i64(os_[0]), i64(os_[1]), i64(os_[2]),
-            i64(lse_bs), i64(lse_hs), i64(self.bt_stride),
-            i32(prob.batch), i32(prob.nheads), i32(prob.nheads_k), i32(prob.seqlen_q),
-            i32(prob.headdim), i32(prob.seqlen_cache), i32(prob.seqlen_new), i32(page_size),
-            i32(page_shift), i32(prob.num_pages), i32(ns), i32(plan.split_tiles),
-            i32(plan.row_chunks), i32(1 if prob.causal else 0),
-            np.float32(prob.softmax_scale * math.log2(math.e)))
-        # counters (one split: unused), grid order (_grid_order)
-        self.split_end = (_NULL, i32(_grid_order(prob.paged)))
+        prm.batch, prm.nheads, prm.nheads_k = prob.batch, prob.nheads, prob.nheads_k
+        prm.h_per_kv, prm.seqlen_q, prm.headdim = prob.nheads // prob.nheads_k, sq, d
+        prm.seqlen_cache, prm.seqlen_new = prob.seqlen_cache, prob.seqlen_new
+        prm.page_size = page_size
+        prm.page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
+        prm.num_pages, prm.num_splits, prm.split_tiles = prob.num_pages, ns, plan.split_tiles
+        prm.num_row_chunks, prm.grid_order = plan.row_chunks, _grid_order(prob.paged)
+        prm.causal = 1 if prob.causal else 0
+        prm.scale_log2 = prob.softmax_scale * math.log2(math.e)
         if self.pdl_ok:  # build the default launches now (on the entry's device)
             self.prepared(True, False, -1)
 
@@ -563,23 +566,24 @@ class _KVCacheLaunch:
         per entry (on its device)."""
         runs = self.launches.get((pdl, check))
         if runs is None:
-            chk = (_NULL, _NULL)
+            claim = record = 0
             if check:
                 claim, record = guard.device_pointers(dev)
-                chk = (np.uint64(claim), np.uint64(record))
             append = split = None
-            if self.append_tail is not None:  # the first kernel: it checks
-                append = launch.PreparedLaunch(
-                    self.append_kernel, self.append_grid, (256, 1, 1),
-                    (_NULL,) * 6 + self.append_tail + chk, range(6), pdl=pdl)
-                chk = (_NULL, _NULL)
-            if self.split_tail is not None:
-                # pointers: the 9 of the head, then the counters
-                n = 9 + len(self.split_tail)
-                split = launch.PreparedLaunch(
-                    self.split_kernel, self.plan.grid, self.plan.block,
-                    (_NULL,) * 9 + self.split_tail + self.split_end + chk,
-                    tuple(range(9)) + (n,), shared_mem=self.plan.smem_bytes, pdl=pdl)
+            if self.append_params is not None:  # the first kernel: it checks
+                prm = DecodeAppendParams.from_buffer_copy(self.append_params)
+                prm.check_claim, prm.check_record = claim, record
+                append = launch.Launch(
+                    self.append_kernel, prm, self.append_grid, (256, 1, 1),
+                    pointers=pointer_fields(DecodeAppendParams, _APPEND_POINTERS), pdl=pdl)
+                claim = record = 0
+            if self.split_params is not None:
+                prm = DecodeParams.from_buffer_copy(self.split_params)
+                prm.check_claim, prm.check_record = claim, record
+                split = launch.Launch(
+                    self.split_kernel, prm, self.plan.grid, self.plan.block,
+                    pointers=pointer_fields(DecodeParams, _SPLIT_POINTERS),
+                    shared_mem=self.plan.smem_bytes, pdl=pdl)
             runs = self.launches[(pdl, check)] = (append, split)
         return runs
 
@@ -736,8 +740,8 @@ def _merge_states_torch(o_parts, lse_parts, dt: str) -> tuple:
         out = TorchCaller.empty((batch, seqlen, nheads, headdim), dt, dev)
         lse = TorchCaller.empty((batch, nheads, seqlen), "float32", dev)
         if out.numel():  # an empty grid is not launchable
-            _launch_combine_torch(*(describe_torch(x) for x in (o32, l32, out, lse)),
-                                  TorchCaller.stream(dev))
+            _launch_combine(*(describe_torch(x) for x in (o32, l32, out, lse)),
+                            TorchCaller.stream(dev))
     return out, lse
 
 
@@ -794,5 +798,5 @@ def merge_states(o_parts, lse_parts):
         out = cupy.empty((batch, seqlen, nheads, headdim), o_parts.dtype)
         lse = cupy.empty((batch, nheads, seqlen), cupy.float32)
         if out.size:  # an empty grid is not launchable
-            _launch_combine(o32, l32, out, lse)
+            _launch_combine(o32, l32, out, lse, cupy.cuda.get_current_stream().ptr)
     return out, lse

@@ -263,12 +263,12 @@ class PrefillLaunch:
     tensor_cores : bool
         Base pointers must be 16-byte aligned (checked per call).
     strides, sizes : tuple
-        Constant kernel arguments (:func:`cupyflash.forward.kernels.args_template`); the dense call's
-        arguments are ``(q, k, v, out, lse) + tail``.
+        The constant fields of the kernel's parameter struct
+        (:func:`cupyflash.forward.kernels.args_template`).
     kernel : cupy.RawKernel or None
         Fetched on the first launch.
-    prepared : cupyflash.core.launch.PreparedLaunch or None
-        The launch with the constant arguments converted once (built on the first launch);
+    prepared : cupyflash.core.launch.Launch or None
+        The launch with the constant fields set once (built on the first launch);
         a call passes the 7 pointers (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k; 0 for
         the dense call's) and the stream.
     device : int
@@ -280,7 +280,7 @@ class PrefillLaunch:
         ``torch.empty``.
     """
     __slots__ = ("problem", "plan", "action", "lse_shape", "grid", "block", "smem",
-                 "tensor_cores", "strides", "sizes", "tail", "kernel", "prepared", "device",
+                 "tensor_cores", "strides", "sizes", "kernel", "prepared", "device",
                  "out_like_q")
 
     def __init__(self, problem, dev, q, k, v, out):
@@ -297,7 +297,7 @@ class PrefillLaunch:
         self.action = "none" if n_lse == 0 else "fill" if no_keys else "launch"
         self.grid, self.block, self.smem = kernels.launch_config(spec, p, self.plan.num_sms)
         self.kernel = self.prepared = None
-        self.strides = self.sizes = self.tail = None
+        self.strides = self.sizes = None
         self.tensor_cores = kernels.config_of(spec)[0].dtype in kernels.TC_DTYPES
         if self.action == "launch" and 0 in self.grid:
             self.action = "none"  # varlen without validate: no sequences or max_seqlen_q = 0
@@ -311,7 +311,6 @@ class PrefillLaunch:
                 (self.lse_shape[1] * self.lse_shape[2], self.lse_shape[2], 1)
             self.strides, self.sizes = kernels.args_template(spec, q, k, v, out, lse_strides,
                                                              problem=p, varlen=p.varlen)
-            self.tail = self.strides + kernels._NULL2 + self.sizes
 
 
 def prefill_launch(problem, key, dev, q, k, v, out) -> PrefillLaunch:

@@ -34,13 +34,14 @@ import dataclasses
 import numpy as np
 
 from ..core import checks, jit
+from ..core.params import FwdParams, FwdTmaParams, pointer_fields
 
 __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
     "TMA_HEADDIMS", "TMA_FIRST_ABOVE", "padded_headdim", "configs_for", "smem_bytes",
     "tma_o_bytes", "tma_o_in_v", "kernel_spec", "all_specs", "spec_of", "config_of",
-    "launch_config",
-    "kernel_args", "args_template", "check_pointers", "launch", "prepared_launch",
+    "launch_config", "POINTERS",
+    "kernel_params", "params_of", "args_template", "check_pointers", "launch", "prepared_launch",
 ]
 
 #: Compiled (padded) head dims; every multiple of 8 up to 256 maps to the next one of these.
@@ -396,40 +397,55 @@ def _strides(x, name: str, ndim: int) -> tuple:
     return tuple(st)
 
 
-def kernel_args(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=None,
-                cu_seqlens_k=None) -> tuple:
-    """The kernel's argument tuple, in the order of ``cf::flash_fwd_entry``
-    (kernels_cu/common/fwd_entry.cuh; the one place on the host that knows it).
+def kernel_params(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=None,
+                  cu_seqlens_k=None) -> FwdParams:
+    """The kernel's parameter struct, :class:`cupyflash.core.params.FwdParams` (the C struct
+    ``cf::FwdParams`` of kernels_cu/common/params.cuh), with the pointers of these arrays.
 
     Layouts: q/out (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim),
     lse (batch, nheads, seqlen_q) float32; varlen: q/out (total_q, nheads, headdim), k/v
     (total_k, nheads_k, headdim), lse (nheads, total_q). Strides in elements (64-bit); the last
     dim of q/k/v/out and of lse must be contiguous.
 
-    The tuple is ``(q, k, v, out, lse) + strides + (cu_seqlens_q, cu_seqlens_k) + sizes`` with
-    ``strides, sizes = args_template(...)`` (which depend on shapes, strides and the problem
-    only, so the launch cache of :mod:`cupyflash.forward.dispatch` keeps them), then
-    :func:`check_pointers` (the per-call part).
+    The constant fields are :func:`params_of` ``(*args_template(...))`` (which depend on shapes,
+    strides and the problem only, so the launch cache of :mod:`cupyflash.forward.dispatch`
+    keeps them), the pointers are the call's (checked by :func:`check_pointers`).
     """
     varlen = cu_seqlens_q is not None
     if (cu_seqlens_k is not None) != varlen:
         raise ValueError("cu_seqlens_q, cu_seqlens_k: give both or neither")
     ls = _strides(lse, "lse", 2 if varlen else 3)
-    strides, sizes = args_template(spec, q, k, v, out, ls, problem=problem, varlen=varlen)
+    prm = params_of(*args_template(spec, q, k, v, out, ls, problem=problem, varlen=varlen))
     check_pointers(spec, q, k, v, out)
-    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else _NULL2
-    return (q, k, v, out, lse) + strides + cu + sizes
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse),
+                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        setattr(prm, name, x.data.ptr if x is not None else 0)
+    return prm
 
 
-# NULL pointers for cu_seqlens (CuPy would pass None as a NULL *argument*).
-_NULL2 = (np.uint64(0), np.uint64(0))
+#: The per-call pointer fields of :class:`~cupyflash.core.params.FwdParams`, in order.
+POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")
+_STRIDE_FIELDS = tuple(f"{t}_{s}_stride" for t in ("q", "k", "v", "o")
+                       for s in ("batch", "row", "head")) + ("lse_batch_stride", "lse_head_stride")
+_SIZE_FIELDS = ("batch", "nheads", "nheads_k", "h_per_kv", "seqlen_q", "seqlen_k", "headdim",
+                "scale_log2", "softmax_scale_d", "window_left", "window_right")
+
+
+def params_of(strides: tuple, sizes: tuple) -> FwdParams:
+    """A :class:`~cupyflash.core.params.FwdParams` with the constant fields of
+    :func:`args_template` (``strides``, ``sizes``) and NULL pointers."""
+    prm = FwdParams()
+    for name, x in zip(_STRIDE_FIELDS + _SIZE_FIELDS, tuple(strides) + tuple(sizes)):
+        setattr(prm, name, x.item() if hasattr(x, "item") else x)
+    return prm
 
 
 def args_template(spec: jit.KernelSpec, q, k, v, out, lse_strides: tuple, *, problem,
                   varlen: bool) -> tuple:
-    """``(strides, sizes)``: the parts of :func:`kernel_args` that follow from the layouts and
-    the problem (NumPy scalars, in kernel order), after checking the layouts the kernel relies
-    on. ``lse_strides`` in elements; q, k, v, out need ``ndim``, ``strides``, ``dtype`` (and,
+    """``(strides, sizes)``: the constant fields of the kernel's parameter struct, which follow
+    from the layouts and the problem (NumPy scalars, in the order of
+    ``cf::FwdParams``: :func:`params_of` makes the struct), after checking the layouts the kernel
+    relies on. ``lse_strides`` in elements; q, k, v, out need ``ndim``, ``strides``, ``dtype`` (and,
     only when a layout check fails, ``data.ptr`` for the message)."""
     cfg, causal = config_of(spec)
     nd = 3 if varlen else 4
@@ -467,7 +483,7 @@ def args_template(spec: jit.KernelSpec, q, k, v, out, lse_strides: tuple, *, pro
 
 
 def check_pointers(spec: jit.KernelSpec, q, k, v, out) -> None:
-    """The per-call layout check of :func:`kernel_args`: the tensor-core kernel's 16-byte
+    """The per-call layout check of :func:`kernel_params`: the tensor-core kernel's 16-byte
     ``cp.async`` loads need 16-byte aligned base pointers (ValueError naming the array)."""
     if (config_of(spec)[0].dtype in TC_DTYPES
             and (q.data.ptr | k.data.ptr | v.data.ptr | out.data.ptr) % 16):
@@ -491,14 +507,15 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
     """Launch one prefill specialisation (FlashAttention-2 forward, arXiv 2307.08691 Alg. 1).
 
     Writes ``out`` (same layout and dtype as q) and ``lse`` (float32, natural log; -inf for a
-    row that sees no key, whose output is 0). Inputs are validated by cupyflash.core.checks before
-    this is called; here only what the kernel itself relies on is checked (layouts, alignment,
-    spec/problem agreement).
+    row that sees no key, whose output is 0). Inputs are validated by cupyflash.core.checks
+    before this is called; here only what the kernel itself relies on is checked (layouts,
+    alignment, spec/problem agreement). The public calls launch through the launch cache
+    (:mod:`cupyflash.forward.run`); this builds the same :func:`prepared_launch` each call.
 
     Parameters
     ----------
     spec : KernelSpec from :func:`kernel_spec` (its causal flag must equal ``problem.causal``).
-    q, k, v, out, lse : cupy.ndarray; see :func:`kernel_args` for the layouts.
+    q, k, v, out, lse : cupy.ndarray; see :func:`kernel_params` for the layouts.
     problem : cupyflash.core.checks.AttnProblem.
     cu_seqlens_q, cu_seqlens_k : int32 cupy.ndarray (batch + 1,) for varlen, else None.
     stream : cupy.cuda.Stream or None (the current stream).
@@ -508,30 +525,23 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
     ValueError
         On a layout / alignment / spec mismatch, or a grid larger than CUDA allows.
     """
+    import cupy
     cfg = config_of(spec)[0]
     num_sms = None
     if cfg.isa == "tma":
-        import cupy
         num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     grid, block, smem = launch_config(spec, problem, num_sms)
     if grid[0] == 0 or grid[1] == 0 or grid[2] == 0:
         return  # nothing to compute (no query rows, heads or sequences)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"problem: nheads ({grid[1]}) and batch ({grid[2]}) must be <= 65535")
-    kern = jit.get_kernel(spec)
-    if cfg.isa != "tma":
-        args = kernel_args(spec, q, k, v, out, lse, problem=problem,
-                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-        kern(grid, block, args, shared_mem=smem, stream=stream)
-        return
     varlen = cu_seqlens_q is not None
     if (cu_seqlens_k is not None) != varlen:
         raise ValueError("cu_seqlens_q, cu_seqlens_k: give both or neither")
-    import cupy
     strides, sizes = args_template(spec, q, k, v, out, _strides(lse, "lse", 2 if varlen else 3),
                                    problem=problem, varlen=varlen)
     check_pointers(spec, q, k, v, out)
-    run = prepared_launch(spec, kern, grid, block, smem, problem, strides, sizes,
+    run = prepared_launch(spec, jit.get_kernel(spec), grid, block, smem, problem, strides, sizes,
                           cupy.cuda.runtime.getDevice())
     stream = stream or cupy.cuda.get_current_stream()
     cu = (cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr) if varlen else (0, 0)
@@ -540,23 +550,25 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
 
 def prepared_launch(spec: jit.KernelSpec, kern, grid, block, smem: int, problem, strides: tuple,
                     sizes: tuple, device_id: int):
-    """The launch of ``spec`` with its constant arguments (:func:`args_template`'s ``strides``
-    and ``sizes``) converted once; a call passes the 7 pointers (q, k, v, out, lse,
-    cu_seqlens_q, cu_seqlens_k; 0 for NULL) and a stream handle. A
-    :class:`cupyflash.core.launch.PreparedLaunch` (a plain launch: the prefill kernels do not wait for
-    the previous kernel), or for TMA rows a :class:`cupyflash.core.tma.TmaLaunch` (the q, k, v and o
-    tensor maps, the causal scheduler's counter and the O-map flag first; an O map for dense
-    problems of rows that store O by TMA, :attr:`PrefillConfig.o_store`, whose ``out`` strides a
-    map accepts), on device ``device_id`` (the current one)."""
+    """The :class:`cupyflash.core.launch.Launch` of ``spec`` with its constant fields
+    (:func:`args_template`'s ``strides`` and ``sizes``) set once; a call passes the 7 pointers
+    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k; 0 for NULL) and a stream handle. A plain
+    launch (the prefill kernels do not wait for the previous kernel). TMA rows take a
+    :class:`cupyflash.core.params.FwdTmaParams` whose tensor maps, scheduler counter (causal)
+    and O-map flag the launch fills per call (:class:`cupyflash.core.tma.PrefillMaps`: an O map
+    for dense problems of rows that store O by TMA, :attr:`PrefillConfig.o_store`, whose ``out``
+    strides a map accepts), on device ``device_id`` (the current one)."""
     from ..core import launch
-    n = len(strides)
-    args = (_NULL2[0],) * 5 + tuple(strides) + _NULL2 + tuple(sizes)
-    slots = (0, 1, 2, 3, 4, 5 + n, 6 + n)
+    fwd = params_of(strides, sizes)
+    off, n = pointer_fields(FwdParams, POINTERS)
     cfg, causal = config_of(spec)
-    if cfg.isa == "tma":
-        from ..core import tma
-        maps = tma.qkv_maps_layout(problem, strides, cfg.block_m, cfg.block_n)
-        o_map = tma.o_map_layout(problem, strides) if cfg.o_store else None
-        return tma.TmaLaunch(kern, grid, block, args, slots, maps, shared_mem=smem,
-                             causal=causal, device_id=device_id, o_map=o_map)
-    return launch.PreparedLaunch(kern, grid, block, args, slots, shared_mem=smem, pdl=False)
+    if cfg.isa != "tma":
+        return launch.Launch(kern, fwd, grid, block, pointers=(off, n), shared_mem=smem)
+    from ..core import tma
+    prm = FwdTmaParams()
+    prm.fwd = fwd
+    maps = tma.PrefillMaps(tma.qkv_maps_layout(problem, strides, cfg.block_m, cfg.block_n),
+                           tma.o_map_layout(problem, strides) if cfg.o_store else None,
+                           causal=causal, device_id=device_id)
+    return launch.Launch(kern, prm, grid, block, pointers=(FwdTmaParams.fwd.offset + off, n),
+                         shared_mem=smem, prepare=maps)

@@ -1,8 +1,16 @@
-// Runtime values of a launch. Compile-time choices (dtype, head dim, tile sizes, causal) are
-// template parameters of the kernels; everything that varies per call lives here.
+// The kernel parameters: every entry of the library takes one of these structs, by value, as
+// its only argument (`const __grid_constant__`). Runtime values live here; compile-time choices
+// (dtype, head dim, tile sizes, causal) are template parameters of the kernels.
+//
+// The host builds the same structs with ctypes (cupyflash/core/params.py) and launches through
+// cupyflash/core/launch.py; tests/test_params.py compiles the offsets and sizes the host assumes
+// against these definitions (static_asserts under NVRTC), so the two cannot drift apart. The
+// per-call pointers of each struct come first, one after the other: the host writes them as one
+// block per call.
 #pragma once
 // <cstdint>/<cmath> under nvcc; NVRTC has no standard headers (see dtype.cuh)
 #include "dtype.cuh"
+#include "tma.cuh"
 
 namespace cf {
 
@@ -17,15 +25,14 @@ struct FwdParams {
     void* __restrict__ o;
     float* __restrict__ lse;           // (batch, nheads, seqlen_q); varlen: (nheads, total_q);
                                        // nullptr: not written (return_lse=False)
+    const int* __restrict__ cu_seqlens_q;  // nullptr unless varlen
+    const int* __restrict__ cu_seqlens_k;
 
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
     int64_t lse_batch_stride, lse_head_stride;  // lse row stride is 1
-
-    const int* __restrict__ cu_seqlens_q;  // nullptr unless varlen
-    const int* __restrict__ cu_seqlens_k;
 
     int batch, nheads, nheads_k, h_per_kv;  // h_per_kv = nheads / nheads_k (GQA/MQA)
     int seqlen_q, seqlen_k;                 // max lengths when varlen
@@ -41,42 +48,18 @@ struct FwdParams {
     int window_left, window_right;
 };
 
-// Where the work of (batch b, query head h) lives: its sequence lengths and the element offsets
-// of token 0 of q/o (head h), k/v (KV head h / h_per_kv) and of its LSE row. Varlen sequences
-// start at cu_seqlens[b] (batch strides ignored); otherwise at b * batch_stride. 64-bit throughout.
-struct FwdSeq {
-    int seqlen_q, seqlen_k;
-    int64_t q_off, k_off, v_off, o_off, lse_off;
+// The Hopper forward (forward/hopper.cu): four tensor maps, q, k, v and o as 4-D (headdim,
+// nheads, seqlen, batch) tensors of 16-bit elements (boxes of 64 x 1 x BLOCK_M (q), BLOCK_N
+// (k, v) or 64 (o) x 1 with the 128-byte swizzle: cupyflash/core/tma.py), then FwdParams, the
+// causal scheduler's counter (an int that is 0 before the launch and left 0 after it; one per
+// stream; unused when non-causal) and o_map_ok (1: the o map is encoded for this call's out, a
+// dense problem; 0: O is written from registers and the o map is not read).
+struct FwdTmaParams {
+    TmaDesc tq, tk, tv, to;
+    FwdParams fwd;
+    int* tile_counter;
+    int o_map_ok;
 };
-
-__device__ __forceinline__ FwdSeq fwd_seq(const FwdParams& p, int b, int h) {
-    FwdSeq s;
-    const int hk = h / p.h_per_kv;  // GQA / MQA
-    int64_t q_tok = 0, k_tok = 0;
-    int64_t bq = b, bk = b;
-    s.seqlen_q = p.seqlen_q;
-    s.seqlen_k = p.seqlen_k;
-    if (p.cu_seqlens_q != nullptr) {
-        q_tok = p.cu_seqlens_q[b];
-        s.seqlen_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-        bq = 0;
-    }
-    if (p.cu_seqlens_k != nullptr) {
-        k_tok = p.cu_seqlens_k[b];
-        s.seqlen_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
-        bk = 0;
-    }
-    s.q_off = bq * p.q_batch_stride + q_tok * p.q_row_stride + (int64_t)h * p.q_head_stride;
-    s.o_off = bq * p.o_batch_stride + q_tok * p.o_row_stride + (int64_t)h * p.o_head_stride;
-    s.k_off = bk * p.k_batch_stride + k_tok * p.k_row_stride + (int64_t)hk * p.k_head_stride;
-    s.v_off = bk * p.v_batch_stride + k_tok * p.v_row_stride + (int64_t)hk * p.v_head_stride;
-    s.lse_off = bq * p.lse_batch_stride + (int64_t)h * p.lse_head_stride + q_tok;
-    return s;
-}
-
-}  // namespace cf
-
-namespace cf {
 
 // Split-KV decode against a KV cache (Flash-Decoding; FlashAttention-2 arXiv 2307.08691 Sec. 3.1
 // per split). Strides in elements, the last dim contiguous. Paged cache: the "batch" strides of
@@ -92,6 +75,11 @@ struct DecodeParams {
     float* __restrict__ lse;                // final LSE (batch, nheads, seqlen_q) or nullptr
     float* __restrict__ o_part;             // workspace (num_splits, batch, seqlen_q, nheads, headdim)
     float* __restrict__ lse_part;           // workspace (num_splits, batch, nheads, seqlen_q)
+    int* counters;                          // (batch, nheads_k * row_chunks) arrival counters of
+                                            // the fused combine, 0 between launches; one split:
+                                            // unused
+    int* check_claim;                       // the metadata check (common/kvcache_check.cuh,
+    int* check_record;                      // cupyflash/core/guard.py); nullptr: no check
 
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;
@@ -107,10 +95,56 @@ struct DecodeParams {
     int num_splits;     // the split kernel's grid: gridDim.y (grid_order 1) or .x (grid_order 0)
     int split_tiles;    // > 0: fixed BLOCK_N-tiles per split; 0: ceil(tiles / num_splits)
     int num_row_chunks; // ceil(h_per_kv * seqlen_q / GROUP); nheads_k * num_row_chunks blocks
-                        // on gridDim.x (grid_order 1) or .z (grid_order 0); decode.py launches
-                        // contiguous caches with order 1, paged ones with order 0
+                        // on gridDim.x (grid_order 1) or .z (grid_order 0)
+    int grid_order;     // 1: grid (nheads_k * row_chunks, splits, batch) (contiguous caches);
+                        // 0: (splits, batch, nheads_k * row_chunks) (paged)
     int causal;
     float scale_log2;   // softmax_scale * log2(e)
+};
+
+// The KV append of a decode call (decode/append.cu): new[b, i, h, :] into the cache at position
+// cache_seqlens[b] + i (through block_table when paged). Element strides.
+struct DecodeAppendParams {
+    const void* k_new;
+    const void* v_new;
+    void* k_cache;
+    void* v_cache;
+    const int* cache_seqlens;
+    const int* block_table;
+    int* check_claim;    // as in DecodeParams
+    int* check_record;
+    int64_t kn_batch_stride, kn_row_stride, kn_head_stride;
+    int64_t vn_batch_stride, vn_row_stride, vn_head_stride;
+    int64_t k_batch_stride, k_row_stride, k_head_stride;
+    int64_t v_batch_stride, v_row_stride, v_head_stride;
+    int64_t block_table_batch_stride;
+    int seqlen_new, nheads_k, headdim, seqlen_cache, page_size, num_pages;
+};
+
+// The merge of normalised partial states (decode/combine.cu, the public merge_states): o_part
+// (part, batch, row, head, headdim) and lse_part (part, batch, head, row), float32, strides in
+// elements, into out (batch, row, head, headdim) and lse_out (batch, head, row).
+struct MergeParams {
+    const float* o_part;
+    const float* lse_part;
+    void* out;
+    float* lse_out;
+    int64_t op_part_stride, op_batch_stride, op_row_stride, op_head_stride;
+    int64_t lp_part_stride, lp_batch_stride, lp_head_stride, lp_row_stride;
+    int64_t o_batch_stride, o_row_stride, o_head_stride;
+    int64_t lse_batch_stride, lse_head_stride;
+    int num_parts, batch, seqlen, nheads, headdim;
+};
+
+// The softmax pass of the materialising baseline (baseline.cu): S (rows, seqlen_k) of scores in
+// device memory -> P (rows, seqlen_k) and the rows' LSE.
+struct BaselineSoftmaxParams {
+    const void* s;
+    void* p;
+    float* lse;
+    int64_t rows;
+    int seqlen_q, seqlen_k, causal, window_left, window_right;
+    double softmax_scale;
 };
 
 }  // namespace cf

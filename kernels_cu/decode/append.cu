@@ -9,6 +9,7 @@
 // block checks its length and page ids first (common/kvcache_check.cuh; the split kernel after
 // it then does not).
 #include "common/dtype.cuh"
+#include "common/params.cuh"
 #include "common/pdl.cuh"
 #include "common/kvcache_check.cuh"
 
@@ -16,16 +17,24 @@ namespace cf {
 
 template <typename E, bool PAGED>
 __global__ void __launch_bounds__(256)
-decode_append_kernel(const E* k_new, const E* v_new, E* k_cache, E* v_cache,
-                     const int* cache_seqlens, const int* block_table,
-                     long long kn_bs, long long kn_rs, long long kn_hs,
-                     long long vn_bs, long long vn_rs, long long vn_hs,
-                     long long k_bs, long long k_rs, long long k_hs,
-                     long long v_bs, long long v_rs, long long v_hs, long long bt_bs,
-                     int seqlen_new, int nheads_k, int headdim, int seqlen_cache,
-                     int page_size, int num_pages, int* check_claim, int* check_record) {
+decode_append_kernel(const __grid_constant__ DecodeAppendParams p) {
     pdl_wait();  // common/pdl.cuh
     pdl_launch_dependents();
+    const E* k_new = static_cast<const E*>(p.k_new);
+    const E* v_new = static_cast<const E*>(p.v_new);
+    E* k_cache = static_cast<E*>(p.k_cache);
+    E* v_cache = static_cast<E*>(p.v_cache);
+    const int* cache_seqlens = p.cache_seqlens;
+    const int* block_table = p.block_table;
+    const long long kn_bs = p.kn_batch_stride, kn_rs = p.kn_row_stride, kn_hs = p.kn_head_stride;
+    const long long vn_bs = p.vn_batch_stride, vn_rs = p.vn_row_stride, vn_hs = p.vn_head_stride;
+    const long long k_bs = p.k_batch_stride, k_rs = p.k_row_stride, k_hs = p.k_head_stride;
+    const long long v_bs = p.v_batch_stride, v_rs = p.v_row_stride, v_hs = p.v_head_stride;
+    const long long bt_bs = p.block_table_batch_stride;
+    const int seqlen_new = p.seqlen_new, nheads_k = p.nheads_k, headdim = p.headdim;
+    const int seqlen_cache = p.seqlen_cache, page_size = p.page_size, num_pages = p.num_pages;
+    int* check_claim = p.check_claim;
+    int* check_record = p.check_record;
     const int b = blockIdx.y;
     if (check_claim != nullptr && blockIdx.x == 0 && threadIdx.x < 32)
         check_kvcache_sequence(KvCheck{check_claim, check_record}, b, cache_seqlens[b],

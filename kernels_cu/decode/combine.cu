@@ -13,6 +13,7 @@
 // (part, batch, head, row). Waits (common/pdl.cuh) before its first global load, like the other
 // decode kernels, though decode.py launches it plainly.
 #include "common/dtype.cuh"
+#include "common/params.cuh"
 #include "common/online_softmax.cuh"
 #include "common/pdl.cuh"
 
@@ -20,13 +21,20 @@ namespace cf {
 
 template <typename T>
 __global__ void __launch_bounds__(128)
-decode_combine_kernel(const float* o_part, const float* lse_part, T* out, float* lse_out,
-                      long long op_ps, long long op_bs, long long op_rs, long long op_hs,
-                      long long lp_ps, long long lp_bs, long long lp_hs, long long lp_rs,
-                      long long o_bs, long long o_rs, long long o_hs,
-                      long long lse_bs, long long lse_hs,
-                      int num_parts, int batch, int seqlen, int nheads, int headdim) {
+decode_combine_kernel(const __grid_constant__ MergeParams p) {
     constexpr int kMaxCols = 8;  // headdim <= 256
+    const float* o_part = p.o_part;
+    const float* lse_part = p.lse_part;
+    T* out = static_cast<T*>(p.out);
+    float* lse_out = p.lse_out;
+    const long long op_ps = p.op_part_stride, op_bs = p.op_batch_stride;
+    const long long op_rs = p.op_row_stride, op_hs = p.op_head_stride;
+    const long long lp_ps = p.lp_part_stride, lp_bs = p.lp_batch_stride;
+    const long long lp_hs = p.lp_head_stride, lp_rs = p.lp_row_stride;
+    const long long o_bs = p.o_batch_stride, o_rs = p.o_row_stride, o_hs = p.o_head_stride;
+    const long long lse_bs = p.lse_batch_stride, lse_hs = p.lse_head_stride;
+    const int num_parts = p.num_parts, batch = p.batch, seqlen = p.seqlen, nheads = p.nheads;
+    const int headdim = p.headdim;
     pdl_wait();  // common/pdl.cuh
     pdl_launch_dependents();
     const int lane = threadIdx.x % 32;

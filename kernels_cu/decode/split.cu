@@ -714,37 +714,12 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, int* counter
     }
 }
 
-// Entry point: plain arguments in the order decode.py builds them. `o`, `lse`: the final outputs;
-// `o_part`, `lse_part`, `counters` ((batch, nheads_k * row_chunks) arrival counters of the fused
-// combine): unused with one split. `check_claim`, `check_record`: the metadata check's pointers
-// (cupyflash/core/guard.py), nullptr when this launch does not check.
+// The entry: DecodeParams (common/params.cuh) by value.
 template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES, KvPath KV>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
-decode_split_kernel(const void* q, const void* k, const void* v, const int* cache_seqlens,
-                    const int* block_table, void* o, float* lse, float* o_part, float* lse_part,
-                    long long q_bs, long long q_rs, long long q_hs, long long k_bs, long long k_rs,
-                    long long k_hs, long long v_bs, long long v_rs, long long v_hs, long long o_bs,
-                    long long o_rs, long long o_hs, long long lse_bs, long long lse_hs,
-                    long long bt_bs, int batch, int nheads, int nheads_k, int seqlen_q,
-                    int headdim, int seqlen_cache, int seqlen_new, int page_size, int page_shift,
-                    int num_pages, int num_splits, int split_tiles, int num_row_chunks,
-                    int causal, float scale_log2, int* counters, int grid_order, int* check_claim,
-                    int* check_record) {
-    DecodeParams p;
-    p.q = q; p.k = k; p.v = v; p.cache_seqlens = cache_seqlens; p.block_table = block_table;
-    p.o = o; p.lse = lse; p.o_part = o_part; p.lse_part = lse_part;
-    p.q_batch_stride = q_bs; p.q_row_stride = q_rs; p.q_head_stride = q_hs;
-    p.k_batch_stride = k_bs; p.k_row_stride = k_rs; p.k_head_stride = k_hs;
-    p.v_batch_stride = v_bs; p.v_row_stride = v_rs; p.v_head_stride = v_hs;
-    p.o_batch_stride = o_bs; p.o_row_stride = o_rs; p.o_head_stride = o_hs;
-    p.lse_batch_stride = lse_bs; p.lse_head_stride = lse_hs; p.block_table_batch_stride = bt_bs;
-    p.batch = batch; p.nheads = nheads; p.nheads_k = nheads_k; p.h_per_kv = nheads / nheads_k;
-    p.seqlen_q = seqlen_q; p.headdim = headdim; p.seqlen_cache = seqlen_cache;
-    p.seqlen_new = seqlen_new; p.page_size = page_size; p.page_shift = page_shift;
-    p.num_pages = num_pages; p.num_splits = num_splits; p.split_tiles = split_tiles;
-    p.num_row_chunks = num_row_chunks; p.causal = causal; p.scale_log2 = scale_log2;
-    decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, KV>(p, counters, grid_order,
-                                                                 KvCheck{check_claim, check_record});
+decode_split_kernel(const __grid_constant__ DecodeParams p) {
+    decode_split<T, HEADDIM, BLOCK_N, NWARPS, GROUP, STAGES, KV>(
+        p, p.counters, p.grid_order, KvCheck{p.check_claim, p.check_record});
 }
 
 }  // namespace cf

@@ -38,6 +38,7 @@
 // GEMM, softmax or a barrier. Shared-memory layouts and descriptors: common/wgmma.cuh.
 #include "common/dtype.cuh"
 #include "common/params.cuh"
+#include "common/sequence.cuh"
 #include "common/mask.cuh"
 #include "common/online_softmax.cuh"
 #include "common/mma.cuh"
@@ -661,12 +662,8 @@ struct FlashFwdHopper {
 // persistent: min(work tiles, SMs) CTAs on x.
 template <typename Block, typename T>
 __global__ void __launch_bounds__(Block::kThreads, 1)
-flash_fwd_tma_entry(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
-                    const __grid_constant__ TmaDesc tv, const __grid_constant__ TmaDesc to,
-                    int* tile_counter, int o_map_ok, CF_FWD_ENTRY_PARAMS(T)) {
-    FwdParams p;
-    CF_FWD_ENTRY_PACK(p);
-    Block::run(p, tq, tk, tv, to, tile_counter, o_map_ok);
+flash_fwd_tma_entry(const __grid_constant__ FwdTmaParams P) {
+    Block::run(P.fwd, P.tq, P.tk, P.tv, P.to, P.tile_counter, P.o_map_ok);
 }
 
 }  // namespace cf

@@ -7,6 +7,8 @@ float64 reference is at most twice that of a straightforward same-precision impl
 the dtype: what any fp16/bf16 tensor-core attention does) plus a quarter of the dtype's epsilon.
 LSE (fp32 throughout): absolute error <= 1e-4 * (1 + |lse|); -inf exactly where the reference has it.
 """
+import ctypes
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -819,8 +821,10 @@ extern "C" __global__ void late_copy(const unsigned* s0, unsigned* d0, long long
     for (long long i = i0; i < n3; i += stride) d3[i] = s3[i];
 }
 // A dependent kernel that does NOT wait: what it reads shows whether it overlapped the writer.
-extern "C" __global__ void read_first(const unsigned* src, unsigned* out) {
-    out[0] = src[0];
+// (Its argument is one struct, as every kernel cupyflash.core.launch.Launch launches.)
+struct ReadFirst { const unsigned* src; unsigned* out; };
+extern "C" __global__ void read_first(const __grid_constant__ ReadFirst p) {
+    p.out[0] = p.src[0];
 }
 """
 _LATE_NS = np.uint64(2_000_000)  # 2 ms: far longer than the host's enqueue of the next call
@@ -886,8 +890,8 @@ def test_pdl_launch_waits_for_the_previous_kernel(page, ns):
     # control: a dependent launch that does not wait sees the poison the late writer replaces
     seen = cupy.zeros(1, cupy.uint32)
     poison = int(kc.reshape(-1).view(cupy.uint32)[0])
-    read_first_pdl = launch.PreparedLaunch(read_first, (1, 1, 1), (1, 1, 1),
-                                           (np.uint64(0), np.uint64(0)), (0, 1))
+    read_first_pdl = launch.Launch(read_first, (ctypes.c_uint64 * 2)(), (1, 1, 1), (1, 1, 1),
+                                   pointers=(0, 2), pdl=True)
     _late_copy(late, pairs, unused)
     read_first_pdl((kc.data.ptr, seen.data.ptr), cupy.cuda.get_current_stream().ptr)
     cupy.cuda.Device().synchronize()

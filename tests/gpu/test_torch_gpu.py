@@ -291,7 +291,7 @@ def test_merge_states_runs_on_torch_stream_and_returns_tensors(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_merge_states_torch_equals_cupy_bitwise(dtype):
-    """The torch launch (PreparedLaunch on torch's stream) and the CuPy one (cupy.RawKernel)
+    """The torch launch (on torch's stream) and the CuPy one (on CuPy's stream)
     run one kernel on the same inputs: bitwise equal outputs and LSEs (a strided lse_parts,
     float64 LSEs converted by each caller)."""
     o = _randn((4, 2, 3, 6, 128), dtype, 201)
