@@ -10,9 +10,10 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   without synchronising (``host_us``, the median over ``--bursts`` bursts; ``host_us_min``):
   what the host spends to enqueue one call while the launch queue is far from full, whatever
   the GPU time; ``host_us_busy``: the same bursts queued behind a ~2 ms sleep kernel, so that
-  every launch finds the stream busy (on the H200 in session 21 it was not cheaper on an idle
-  stream). Where ``us_per_call`` is above both this and the GPU time, the host ran slower in
-  the loop than in the bursts (a shape's bursts are timed right after its loops).
+  every launch finds the stream busy (on the H200 on 2026-12-02, the runs at 2f4c0f2 and
+  0990e17, it was not cheaper on an idle stream). Where ``us_per_call`` is above both this and
+  the GPU time, the host ran slower in the loop than in the bursts (a shape's bursts are timed
+  right after its loops).
 * interleaved rounds: the variants of one shape (and the host references among themselves) are
   timed together, round r running loop r of every variant in turn, then burst b of every
   variant in turn, then busy burst b likewise, so that a few seconds of interference on a
@@ -30,7 +31,8 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   ``flash_attn_func`` call (NVRTC + module load + launch), then a second fresh process that
   reuses that cache (``--no-cold`` skips it).
 * host reference (``op: "host"``): how fast this machine's host is, so that runs on different
-  machines can be compared (the same calls took 12-25 us on three H200 hosts on 2026-12-01):
+  machines can be compared (the same calls took 12-25 us on three H200 hosts on 2026-12-01,
+  experiments/notes/2026-12-01_2204_ea8be9b.md):
   a fixed piece of pure Python like the warm path's, ``torch.empty_like`` on the device, an
   empty CuPy kernel's launch, and the library's own driver launch of an empty kernel
   (``PreparedLaunch``, plain and programmatic-dependent), per call.

@@ -486,8 +486,8 @@ def fig7_tiles(results: Path, figures: Path) -> list:
     for ax, (hd, S, causal) in zip(axes[0], groups):
         sub = sorted((r for r in recs if (r["headdim"], r["seqlen"], bool(r.get("causal"))) == (hd, S, causal)),
                      key=lambda r: (r.get("family", "fwd"), r["block_m"], r["block_n"], r["nwarps"]))
-        # family: fwd = mma.sync, fwdtma = the Hopper TMA kernel (records before
-        # session 16 are mma.sync rows and carry no family)
+        # family: fwd = mma.sync, fwdtma = the Hopper TMA kernel (the runs of 2026-11-29,
+        # before the TMA kernel, are mma.sync rows and carry no family)
         labels = [f"{r.get('family', 'fwd')}\n{r['block_m']}x{r['block_n']}\nw{r['nwarps']}"
                   for r in sub]
         colors = ["C0" if r.get("chosen") else "C7" for r in sub]
