@@ -9,6 +9,8 @@ of a script) first appends one header line, then its measurements::
      "argv": ["--quick"], "provenance": {"commit": "cbced6e...", "date": ..., "gpu": ...}}
     {"run": "2026-12-02T04:32:27Z-cbced6e", "what": "prefill", "impl": "fa3", "ms": 1.23, ...}
 
+(The runs converted from the older shape on 2026-12-02 have no ``script`` and ``argv``.)
+
 * ``provenance`` is :func:`provenance`'s dict (git commit and ``dirty``, date, GPU name and SM
   count, CuPy / CUDA runtime / driver versions, torch and cuDNN when torch is importable),
   written once per run; a record names its run by ``run`` (the run's start, UTC to the second,
