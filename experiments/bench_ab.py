@@ -13,7 +13,8 @@ builds, their medians, and ``ratio = after / before`` (below 1: the change is fa
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --only decode --rounds 3
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --prefill-seqlens 16384 --headdims 128
 
-Writes ``experiments/results/bench_ab.jsonl`` (one line per shape, with both commits and the GPU).
+Appends a run to ``experiments/results/bench_ab.jsonl``: a header with this checkout's commit and
+the GPU (experiments/common.py), then one line per shape with ``commit_before``.
 """
 from __future__ import annotations
 
@@ -145,7 +146,6 @@ def main(argv=None) -> int:
     for side in sides:  # each side really imported its own build
         got = {Path(x["cupyflash"]).resolve().parent for x in runs[side]}
         assert got == {sides[side]}, f"{side}: imported cupyflash from {got}"
-    prov = common.provenance()
     recs = []
     for key in runs["after"][0]:
         if key == "cupyflash":
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         before = [x[key] for x in runs["before"]]
         after = [x[key] for x in runs["after"]]
         mb, ma = statistics.median(before), statistics.median(after)
-        recs.append(dict(prov, what="bench_ab", op=op, dtype=dt, headdim=hd, batch=b, seqlen_q=sq,
+        recs.append(dict(what="bench_ab", op=op, dtype=dt, headdim=hd, batch=b, seqlen_q=sq,
                          seqlen_k=sk, nheads=h, nheads_k=hk, causal=causal, page_size=ps,
                          ms_before=before, ms_after=after, ms_before_median=mb,
                          ms_after_median=ma, ratio=ma / mb,
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         print(f"{op:7s} {dt:8s} hd{hd:<3d} b{b:<3d} sq{sq:<5d} sk{sk:<6d} "
               f"{'causal' if causal else 'full  '} p{ps:<3d} before {mb:8.4f} ms  after "
               f"{ma:8.4f} ms  ratio {ma / mb:.4f}", flush=True)
-    common.append_jsonl(args.out, recs)
+    common.append_results(args.out, recs)  # the run's header: this checkout's commit and GPU
     return 0
 
 

@@ -8,8 +8,8 @@
 
     python experiments/bench_ceilings.py [--quick]     # a few seconds
 
-Appends to ``experiments/results/bench_ceilings.jsonl`` (``what`` = copy_bw / read_bw /
-bf16_matmul, ``tbps`` or ``tflops``).
+Appends a run (experiments/common.py) to ``experiments/results/bench_ceilings.jsonl``
+(``what`` = copy_bw / read_bw / bf16_matmul, ``tbps`` or ``tflops``).
 """
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ def main(argv=None) -> int:
         print("bench_ceilings: no CUDA GPU here; nothing to measure")
         return 0
     import cupy
-    prov = common.provenance()
-    base = {"gpu": prov.get("gpu"), "commit": prov["commit"], "provenance": prov}
     reps = 10 if args.quick else 30
     recs = []
 
@@ -48,9 +46,9 @@ def main(argv=None) -> int:
                                       cupy.cuda.runtime.memcpyDeviceToDevice,
                                       cupy.cuda.get_current_stream().ptr)
     t = common.benchmark(copy, n_warmup=3, n_repeat=reps)
-    recs.append(dict(base, what="copy_bw", bytes=2 * nbytes, **t, tbps=2 * nbytes / (t["ms"] * 1e-3) / 1e12))
+    recs.append(dict(what="copy_bw", bytes=2 * nbytes, **t, tbps=2 * nbytes / (t["ms"] * 1e-3) / 1e12))
     t = common.benchmark(lambda: src.sum(), n_warmup=3, n_repeat=reps)
-    recs.append(dict(base, what="read_bw", bytes=nbytes, **t, tbps=nbytes / (t["ms"] * 1e-3) / 1e12))
+    recs.append(dict(what="read_bw", bytes=nbytes, **t, tbps=nbytes / (t["ms"] * 1e-3) / 1e12))
     src = dst = None  # free before the matmul
     common.free_memory()
 
@@ -64,23 +62,23 @@ def main(argv=None) -> int:
         plan = (0, 0, n, n, n, n, n * n, n, n * n, n, n * n, 1)
         t = common.benchmark(lambda: _gemm_strided_batched(plan, a, b, c, "bfloat16", "float32"),
                              n_warmup=3, n_repeat=reps)
-        recs.append(dict(base, what="bf16_matmul", impl="cublas_gemmex", n=n, **t,
+        recs.append(dict(what="bf16_matmul", impl="cublas_gemmex", n=n, **t,
                          tflops=flops / (t["ms"] * 1e-3) / 1e12))
         a = b = c = None
     except Exception as e:
-        recs.append(dict(base, what="bf16_matmul", impl="cublas_gemmex", error=f"{type(e).__name__}: {e}"))
+        recs.append(dict(what="bf16_matmul", impl="cublas_gemmex", error=f"{type(e).__name__}: {e}"))
     if common.have_torch():
         try:
             import torch
             a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
             t = common.benchmark(lambda: a @ b, n_warmup=3, n_repeat=reps)
-            recs.append(dict(base, what="bf16_matmul", impl="torch", n=n, **t,
+            recs.append(dict(what="bf16_matmul", impl="torch", n=n, **t,
                              tflops=flops / (t["ms"] * 1e-3) / 1e12))
             a = b = None
         except Exception as e:
-            recs.append(dict(base, what="bf16_matmul", impl="torch", error=f"{type(e).__name__}: {e}"))
-    common.append_jsonl(args.out, recs)
+            recs.append(dict(what="bf16_matmul", impl="torch", error=f"{type(e).__name__}: {e}"))
+    common.append_results(args.out, recs)
     for r in recs:
         print(f"  {r['what']} {r.get('impl', '')}: " + (f"{r['tbps']:.2f} TB/s" if "tbps" in r else
               f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else r.get("error", "?")))

@@ -23,11 +23,14 @@ programmatic dependent launch (``cupyflash.decode.pdl_launches(False)``; experim
     python experiments/bench_decode.py --quick        # ~1 min on an H200
     python experiments/bench_decode.py                # batch {1, 16, 64}, cache 128 .. 128k
 
-The short caches (128-512 keys: early tokens of a served batch) were added in session 13, where
-the gap to cuDNN was largest (experiments/NOTES.md v41-v44); pages of 256 start at 256 keys.
+The short caches (128-512 keys: early tokens of a served batch) were added on 2026-11-29
+(commit 0b915a2; experiments/NOTES.md v41-v44), where the gap to cuDNN was largest; pages of 256
+start at 256 keys.
 
-Fields: impl, dtype, batch, nheads, nheads_k, headdim, seqlen_k, page_size, num_splits (as
-requested; ``num_splits_chosen`` from explain() for 0), us, tbps, gpu, commit, explain.
+Fields (a run's header holds the commit, GPU and versions: experiments/common.py): impl, dtype,
+batch, nheads, nheads_k, headdim, seqlen_k, page_size, num_splits (as requested;
+``num_splits_chosen`` from explain() for 0), us, tbps, ``plan_kernel`` (the kernel the plan
+chose), ``model_bytes`` (io_model's HBM bytes at the chosen split count).
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ def chosen_splits(rec_explain):
     return None
 
 
-def measure(sweep, B, S, *, args, prov, ok_flash, ok_base, torch_impls, pages, n_repeat):
+def measure(sweep, B, S, *, args, ok_flash, ok_base, torch_impls, pages, n_repeat):
     """One (batch, cache length) point: every impl and layout; returns the records."""
     import cupy
     from cupyflash import io_model
@@ -81,8 +84,7 @@ def measure(sweep, B, S, *, args, prov, ok_flash, ok_base, torch_impls, pages, n
     cache_seqlens = cupy.full((B,), S, dtype=cupy.int32)
     flops = io_model.decode_flops(B, H, S, D)
     base = {"what": "decode", "sweep": sweep, "dtype": DTYPE, "batch": B, "nheads": H,
-            "nheads_k": HK, "headdim": D, "seqlen_k": S, "kv_bytes": kv_bytes, "flops": flops,
-            "gpu": prov.get("gpu"), "commit": prov["commit"], "provenance": prov}
+            "nheads_k": HK, "headdim": D, "seqlen_k": S, "kv_bytes": kv_bytes, "flops": flops}
     records = []
 
     def run(impl, fn, page_size, num_splits, explain=None):
@@ -92,7 +94,7 @@ def measure(sweep, B, S, *, args, prov, ok_flash, ok_base, torch_impls, pages, n
             rec.update(t, us=t["ms"] * 1e3, tbps=kv_bytes / (t["ms"] * 1e-3) / 1e12,
                        tflops=flops / (t["ms"] * 1e-3) / 1e12)
             if explain is not None:
-                rec["explain"] = explain
+                rec.update(common.plan_fields(explain))
                 rec["num_splits_chosen"] = chosen_splits(explain) or num_splits or None
                 ns = rec["num_splits_chosen"] or max(num_splits, 1)
                 rec["model_bytes"] = io_model.decode_hbm_bytes(
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-repeat", type=int, default=None)
     ap.add_argument("--flush", choices=("read", "write", "read_smem"), default="read",
                     help="how L2 is evicted before each timed call (common.flush_l2_cache; "
-                         "'write', the method before session 7, leaves dirty lines; "
+                         "'write', the method before 58b7e3f (NOTES v19), leaves dirty lines; "
                          "'read_smem' leaves the SMs at the largest shared-memory carveout)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_decode.jsonl")
     args = ap.parse_args(argv)
@@ -200,7 +202,7 @@ def main(argv=None) -> int:
 
     jobs = [("main", b, s) for b in batches for s in seqlens]
     jobs += [("splits", 1, s) for s in split_lens]
-    ctx = dict(args=args, prov=prov, ok_flash=ok_flash, ok_base=ok_base, torch_impls=torch_impls,
+    ctx = dict(args=args, ok_flash=ok_flash, ok_base=ok_base, torch_impls=torch_impls,
                pages=pages, n_repeat=n_repeat)
     n_written = 0
     for sweep, B, S in common.progress(jobs, desc="decode"):
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
             continue
         common.free_memory()
         records = measure(sweep, B, S, **ctx)  # its buffers die with its frame
-        n_written += common.append_jsonl(args.out, records)
+        n_written += common.append_results(args.out, records)
         summary = "  ".join(f"{r['impl']}{'/p' + str(r['page_size']) if r['page_size'] else ''}"
                             f"{'/s' + str(r['num_splits']) if sweep == 'splits' else ''}="
                             f"{r['tbps']:.2f}" for r in records if "tbps" in r)

@@ -10,9 +10,10 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   without synchronising (``host_us``, the median over ``--bursts`` bursts; ``host_us_min``):
   what the host spends to enqueue one call while the launch queue is far from full, whatever
   the GPU time; ``host_us_busy``: the same bursts queued behind a ~2 ms sleep kernel, so that
-  every launch finds the stream busy (on the H200 in session 21 it was not cheaper on an idle
-  stream). Where ``us_per_call`` is above both this and the GPU time, the host ran slower in
-  the loop than in the bursts (a shape's bursts are timed right after its loops).
+  every launch finds the stream busy (on the H200 on 2026-12-02, the runs at 2f4c0f2 and
+  0990e17, it was not cheaper on an idle stream). Where ``us_per_call`` is above both this and
+  the GPU time, the host ran slower in the loop than in the bursts (a shape's bursts are timed
+  right after its loops).
 * interleaved rounds: the variants of one shape (and the host references among themselves) are
   timed together, round r running loop r of every variant in turn, then burst b of every
   variant in turn, then busy burst b likewise, so that a few seconds of interference on a
@@ -30,13 +31,15 @@ issue's shapes; plus the cold JIT compile of one specialisation.
   ``flash_attn_func`` call (NVRTC + module load + launch), then a second fresh process that
   reuses that cache (``--no-cold`` skips it).
 * host reference (``op: "host"``): how fast this machine's host is, so that runs on different
-  machines can be compared (the same calls took 12-25 us on three H200 hosts in session 17):
+  machines can be compared (the same calls took 12-25 us on three H200 hosts on 2026-12-01,
+  experiments/notes/2026-12-01_2204_ea8be9b.md):
   a fixed piece of pure Python like the warm path's, ``torch.empty_like`` on the device, an
   empty CuPy kernel's launch, and the library's own driver launch of an empty kernel
   (``Launch``, plain and programmatic-dependent), per call.
 
 One JSON line per measurement (``op``, ``impl``, ``caller``, ``variant``, ``batch``,
-``seqlen_q``, ``seqlen_k``, ``us_per_call``, ... and the provenance: ``commit``, ``gpu``, ...).
+``seqlen_q``, ``seqlen_k``, ``us_per_call``, ...) after the run's header line (the provenance:
+``commit``, ``gpu``, ...; experiments/common.py).
 The table printed last puts each number beside the issue's (measured before this work).
 
     PYTHONPATH=. python experiments/bench_overhead.py          # appends results/bench_overhead.jsonl
@@ -204,8 +207,7 @@ def graph_us(torch, fn, calls: int, repeats: int) -> list:
     return eager_us(g.replay, calls, repeats, torch.cuda.synchronize)
 
 
-def measure_shape(shape, calls: int, repeats: int, prov: dict, burst: int = 32,
-                  bursts: int = 40) -> list:
+def measure_shape(shape, calls: int, repeats: int, burst: int = 32, bursts: int = 40) -> list:
     import cupy
     import torch
 
@@ -219,7 +221,7 @@ def measure_shape(shape, calls: int, repeats: int, prov: dict, burst: int = 32,
     q = rand(B, SQ, H, D)
     k, v = rand(B, SK, HK, D), rand(B, SK, HK, D)
     base = dict(op=op, batch=B, seqlen_q=SQ, seqlen_k=SK, nheads=H, nheads_k=HK, headdim=D,
-                dtype=dtype, causal=causal, calls=calls, **prov)
+                dtype=dtype, causal=causal, calls=calls)
     tsync = torch.cuda.synchronize
 
     def csync():
@@ -313,8 +315,7 @@ def _python_ref():
     return hit, (ptrs[0] | ptrs[1] | ptrs[2]) % 16
 
 
-def host_reference(calls: int, repeats: int, prov: dict, burst: int = 32,
-                   bursts: int = 40) -> list:
+def host_reference(calls: int, repeats: int, burst: int = 32, bursts: int = 40) -> list:
     """How fast this host is, for comparing per-call numbers across machines and runs (the
     same GPU work took 12-25 us per call on three H200 hosts): microseconds per call of
     :func:`_python_ref`, of ``torch.empty_like`` of a decode query on the device, of an empty
@@ -348,7 +349,7 @@ def host_reference(calls: int, repeats: int, prov: dict, burst: int = 32,
         [(fn, sync, None, m, busy if caller in ("cupy", "driver") else None)
          for caller, variant, fn, sync, m in cases], repeats, burst, bursts, digits=3)
     return [dict(op="host", impl="reference", caller=caller, variant=variant, batch=0,
-                 seqlen_q=0, seqlen_k=0, calls=m, **t, **prov)
+                 seqlen_q=0, seqlen_k=0, calls=m, **t)
             for (caller, variant, fn, sync, m), t in zip(cases, timed)]
 
 
@@ -397,7 +398,7 @@ def main(argv=None) -> int:
             cold = cold_compile(cache)
             warm = cold_compile(cache)  # same cache folder: disk-cache hit, new process
         common_fields = dict(op="prefill", impl="cupyflash", caller="cupy", batch=1, seqlen_q=256,
-                             seqlen_k=256, kernel=cold["kernel"], **prov)
+                             seqlen_k=256, kernel=cold["kernel"])
         recs.append(dict(common_fields, variant="cold_compile",
                          us_per_call=round(1e6 * cold["first_call_s"], 1),
                          import_s=cold["import_s"]))
@@ -405,10 +406,10 @@ def main(argv=None) -> int:
                          us_per_call=round(1e6 * warm["first_call_s"], 1)))
         print(f"  cold first call (NVRTC + load + launch) {cold['first_call_s']:.2f} s "
               f"({cold['kernel']}); with CuPy's disk cache {warm['first_call_s']:.2f} s")
-    recs += host_reference(args.calls, args.repeats, prov, args.burst, args.bursts)
+    recs += host_reference(args.calls, args.repeats, args.burst, args.bursts)
     for shape in SHAPES:
-        recs += measure_shape(shape, args.calls, args.repeats, prov, args.burst, args.bursts)
-    n = common.append_jsonl(args.out, recs)
+        recs += measure_shape(shape, args.calls, args.repeats, args.burst, args.bursts)
+    n = common.append_results(args.out, recs)
     print(f"bench_overhead: wrote {n} records to {args.out} (commit {prov.get('commit')}, "
           f"{prov.get('gpu')})")
     print(table(recs))

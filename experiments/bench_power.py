@@ -14,8 +14,9 @@ compares two kernels per clock cycle when they run at different clocks.
     python experiments/bench_power.py --quick  # hd128 S 16k, ~20 s on an H200
     python experiments/bench_power.py          # hd 64/128/256, S 4k/16k, causal and not: ~4 min
 
-Shapes follow bench_prefill: bf16, batch = 16k tokens / S, heads = 2048 / head dim. Appends to
-``experiments/results/bench_power.jsonl``; without nvidia-smi the clock fields are None.
+Shapes follow bench_prefill: bf16, batch = 16k tokens / S, heads = 2048 / head dim. Appends a run
+(experiments/common.py) to ``experiments/results/bench_power.jsonl``; without nvidia-smi the clock
+fields are None.
 """
 from __future__ import annotations
 
@@ -165,7 +166,6 @@ def main(argv=None) -> int:
 
     from cupyflash import io_model
     impls = common.available_impls(args.impls, "bench_power")
-    prov = common.provenance()
     sampler = Sampler(cupy.cuda.Device().pci_bus_id)
     if sampler.proc is None:
         print("bench_power: no nvidia-smi here; clock, power and throttle fields are None")
@@ -196,13 +196,12 @@ def main(argv=None) -> int:
                     rec = {"what": "prefill_sustained", "impl": impl, "dtype": args.dtype,
                            "headdim": d, "batch": B, "nheads": H, "nheads_k": H, "seqlen": S,
                            "causal": causal, "flops": flops, "round": r, "calls": n,
-                           "seconds": wall, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
-                           "gpu": prov.get("gpu"), "commit": prov["commit"], "provenance": prov}
+                           "seconds": wall, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
                     rec.update(summarise(sampler.window(t0 + args.settle, t1)))
                     if rec["sm_clock_mhz"]:
                         rec["cycles_per_call"] = ms * 1e-3 * rec["sm_clock_mhz"] * 1e6
                     records.append(rec)
-            n_written += common.append_jsonl(args.out, records)
+            n_written += common.append_results(args.out, records)
             for impl in fns:
                 med = common.median_round([x for x in records if x["impl"] == impl])
                 print(f"  hd{d} B={B} H={H} S={S} causal={causal} {impl}: {med['tflops']:.0f} "

@@ -10,13 +10,14 @@ TFLOP/s = ``4 * batch * nheads * pairs * headdim / time`` with the causal pairs 
     python experiments/bench_prefill.py --quick       # bf16, S in {1k, 4k, 16k}: ~1 min on an H200
     python experiments/bench_prefill.py               # bf16 + fp16, hd 64/128, S = 512 .. 32768
 
-Appends to ``experiments/results/bench_prefill.jsonl``: impl, dtype, headdim, batch, nheads,
-seqlen, causal, ms, tflops, gpu, commit, the timing spread, the cupyflash ``explain()`` record
-(with its roofline prediction and ``measured_over_roofline``), its peak extra device memory, and
-the output's relative difference to torch's flash backend. Impls: ``fa3`` (FlashAttention-3,
-when ``fa3_fwd_interface`` imports: ../shared/peers/README.md; bf16 only; the run says why when
-it is skipped), ``torch_cudnn``, ``torch_flash`` (FlashAttention-2 in torch), ``baseline``
-(materialising).
+Appends a run to ``experiments/results/bench_prefill.jsonl`` (its header: commit, GPU, versions;
+experiments/common.py): per record impl, dtype, headdim, batch, nheads, seqlen, causal, ms,
+tflops, the timing spread, for cupyflash the kernel its plan chose (``plan_kernel``) and
+``measured_over_roofline`` (the time over ``explain()``'s roofline prediction), its peak extra
+device memory, and the output's relative difference to torch's flash backend. Impls: ``fa3``
+(FlashAttention-3, when ``fa3_fwd_interface`` imports: ../shared/peers/README.md; bf16 only; the
+run says why when it is skipped), ``torch_cudnn``, ``torch_flash`` (FlashAttention-2 in torch),
+``baseline`` (materialising).
 
 ``--rounds R`` times the impls of a shape in R interleaved rounds (round r times every impl once,
 in turn) and keeps, per impl, the round with the median time (its ``ms``, spread and
@@ -142,14 +143,13 @@ def main(argv=None) -> int:
         q, k, v = common.random_qkv(B, S, S, H, H, d, dtype, seed=S + d)
         flops = io_model.prefill_flops(B, H, S, S, d, causal)
         base = {"what": "prefill", "dtype": dtype, "headdim": d, "batch": B, "nheads": H,
-                "nheads_k": H, "seqlen": S, "causal": causal, "flops": flops,
-                "gpu": prov.get("gpu"), "commit": prov["commit"]}
+                "nheads_k": H, "seqlen": S, "causal": causal, "flops": flops}
         torch_ref = None
         records, fns = [], {}
         for impl in impls:
             if impl == "baseline" and S > args.baseline_max_seqlen:
                 continue
-            records.append(dict(base, impl=impl, provenance=prov))
+            records.append(dict(base, impl=impl))
             try:
                 fns[impl] = make_fn(impl, q, k, v, causal)
             except Exception as e:  # record why, keep going
@@ -170,8 +170,9 @@ def main(argv=None) -> int:
                 if impl == "torch_flash":
                     torch_ref = fn()
                 if impl == "cupyflash":
-                    rec["explain"] = common.explain_record(q, k, v, causal=causal)
-                    roof = rec["explain"].get("roofline_ms")
+                    ex = common.explain_record(q, k, v, causal=causal)
+                    rec.update(common.plan_fields(ex))
+                    roof = ex.get("roofline_ms")
                     if roof:  # explain()'s prediction against the measurement
                         rec["measured_over_roofline"] = t["ms"] / roof
                     if not args.no_memory:
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
                                                                      torch_ref)
                     except Exception as e:
                         rec["rel_diff_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        n_written += common.append_jsonl(args.out, records)
+        n_written += common.append_results(args.out, records)
         del q, k, v, torch_ref
         summary = "  ".join(f"{r['impl']}={r['tflops']:.0f}" for r in records if "tflops" in r)
         print(f"  {dtype} hd{d} B={B} H={H} S={S} causal={causal}: TFLOP/s {summary}", flush=True)

@@ -11,8 +11,8 @@ tile shape cannot win. ``chosen`` marks the configuration ``explain()`` picks fo
     python experiments/bench_tiles.py --quick      # S = 4096 only
     python experiments/bench_tiles.py
 
-Appends to ``experiments/results/bench_tiles.jsonl`` (impl, dtype, headdim, seqlen, causal,
-kernel, family, block_m, block_n, nwarps, ms, tflops, rel_diff, chosen).
+Appends a run (experiments/common.py) to ``experiments/results/bench_tiles.jsonl`` (impl, dtype,
+headdim, seqlen, causal, kernel, family, block_m, block_n, nwarps, ms, tflops, rel_diff, chosen).
 """
 from __future__ import annotations
 
@@ -91,7 +91,6 @@ def main(argv=None) -> int:
         return 0
     import cupy
     from cupyflash import io_model
-    prov = common.provenance()
     t_start = time.time()
     n = 0
     for d in args.headdims:
@@ -135,11 +134,10 @@ def main(argv=None) -> int:
                            "family": f["family"],
                            "nwarps": prefill.launch_config(spec, problem)[1][0] // 32,
                            "smem_bytes": getattr(spec, "smem_bytes", None),
-                           "chosen": spec.name == chosen, "gpu": prov.get("gpu"),
-                           "commit": prov["commit"], "provenance": prov}
+                           "chosen": spec.name == chosen}
                     if time.time() - t_start > budget:
                         rec["error"] = f"skipped: time budget {budget:.0f} s spent"
-                        n += common.append_jsonl(args.out, [rec])
+                        n += common.append_results(args.out, [rec])
                         continue
                     out = cupy.empty_like(q)
                     lse = cupy.empty((B, H, S), dtype=cupy.float32)
@@ -156,7 +154,7 @@ def main(argv=None) -> int:
                             rec["rel_diff_vs"] = ref_impl
                     except Exception as e:
                         rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                    n += common.append_jsonl(args.out, [rec])  # now: a timeout keeps what ran
+                    n += common.append_results(args.out, [rec])  # now: a timeout keeps what ran
                     recs.append(rec)
                     out = lse = None
                     r = rec

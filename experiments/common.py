@@ -1,11 +1,34 @@
-"""Shared plumbing of the experiment scripts: provenance, JSON Lines, timing, torch peers, memory,
-and running a script under Nsight Compute (:func:`find_ncu`, :func:`run_profiled`,
+"""Shared plumbing of the experiment scripts: provenance, results files, timing, torch peers,
+memory, and running a script under Nsight Compute (:func:`find_ncu`, :func:`run_profiled`,
 :func:`ncu_csv_rows`).
 
-Every script records, per measurement, one JSON object per line with the provenance of
-:func:`provenance` (git commit, date, GPU name and SM count, CuPy / CUDA runtime / driver
-versions, torch and cuDNN versions when torch is importable) so a figure can always be traced
-back to the code and machine that produced it.
+Results files (``experiments/results/<script>.jsonl``, JSON Lines) hold runs. A run (one process
+of a script) first appends one header line, then its measurements::
+
+    {"what": "run", "run": "2026-12-02T04:32:27Z-cbced6e", "script": "bench_prefill.py",
+     "argv": ["--quick"], "provenance": {"commit": "cbced6e...", "date": ..., "gpu": ...}}
+    {"run": "2026-12-02T04:32:27Z-cbced6e", "what": "prefill", "impl": "fa3", "ms": 1.23, ...}
+
+(The runs converted from the older shape on 2026-12-02 have no ``script`` and ``argv``.)
+
+* ``provenance`` is :func:`provenance`'s dict (git commit and ``dirty``, date, GPU name and SM
+  count, CuPy / CUDA runtime / driver versions, torch and cuDNN when torch is importable),
+  written once per run; a record names its run by ``run`` (the run's start, UTC to the second,
+  and its short commit: :func:`run_id`). :func:`append_results` writes both;
+  :func:`read_results` reads a file back as records that carry their run's ``commit``, ``gpu``,
+  ``date`` and ``provenance`` again (a record's own fields win; records without ``run``, the
+  shape before 2026-12-02, are returned as they are).
+* A record names the plan that ran by ``plan_kernel`` (the chosen kernel's name;
+  ``plan_extra_kernels`` when the plan launches more, ``plan_error`` when planning raised) and
+  its run's commit: ``cupyflash.explain()`` at that commit, on the record's problem, gives the
+  rest (grid, registers, reasons). The few plan fields that readers use are stored beside it
+  under their own names (``num_splits_chosen``, ``measured_over_roofline``, ``block_m``...).
+  :func:`plan_fields` makes them from :func:`explain_record`.
+* Older runs, and the per-record provenance and ``explain`` dicts of every run before this
+  shape, are at the annotated tag ``results-archive-2026-12-02``::
+
+      git show results-archive-2026-12-02:experiments/results/bench_decode.jsonl
+      git ls-tree -r --name-only results-archive-2026-12-02 experiments/results/
 
 Timing (:func:`benchmark`) uses CUDA events around each call, on the current (default) stream,
 and reports the median. Two habits keep the numbers honest:
@@ -16,10 +39,10 @@ and reports the median. Two habits keep the numbers honest:
   records then include host time;
 * ``flush_l2=True`` reads a 256 MB buffer between repetitions (the H200 has a 60 MB L2), so
   inputs that would fit in L2 are read from HBM each time, as in a real model step. A read
-  leaves L2 holding clean lines. Until session 7 the flush *wrote* the buffer
-  (``flush_l2="write"``, still available). That left up to 60 MB of dirty lines, which the
-  timed call had to write back to HBM while it streamed: ~11 us (8%) of a 135 us decode over a
-  128k-key cache on the H200, for every implementation (experiments/NOTES.md v19).
+  leaves L2 holding clean lines. Until commit 58b7e3f (2026-11-29, NOTES v19) the flush *wrote*
+  the buffer (``flush_l2="write"``, still available). That left up to 60 MB of dirty lines,
+  which the timed call had to write back to HBM while it streamed: ~11 us (8%) of a 135 us
+  decode over a 128k-key cache on the H200, for every implementation (experiments/NOTES.md v19).
 """
 from __future__ import annotations
 
@@ -51,6 +74,7 @@ FIGURES = ROOT / "experiments" / "figures"
 
 __all__ = [
     "ROOT", "RESULTS", "FIGURES", "provenance", "append_jsonl", "read_jsonl", "jsonable",
+    "run_id", "run_header", "append_results", "read_results", "read_runs", "plan_fields",
     "progress", "have_gpu", "have_torch", "benchmark", "random_normal", "random_qkv",
     "cupy_to_torch", "torch_sdpa", "sdpa_backend", "peak_extra_memory_cupy", "peak_extra_memory_torch",
     "explain_record", "free_memory", "impl_available", "available_impls", "median_round", "find_ncu",
@@ -154,6 +178,85 @@ def read_jsonl(path) -> list:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
                 pass
+    return out
+
+
+#: The per-record fields that a run's header holds instead (see the module docstring).
+_RUN_FIELDS = ("commit", "gpu", "date")
+
+_HEADERS = {}  # results file (resolved) -> run id whose header this process wrote there
+
+
+def run_id(prov: dict) -> str:
+    """A run's name: its start (UTC, to the second) and short commit, as
+    ``2026-12-02T04:32:27Z-cbced6e``."""
+    return f"{str(prov.get('date', ''))[:19]}Z-{str(prov.get('commit', 'unknown'))[:7]}"
+
+
+def run_header(prov: dict | None = None) -> dict:
+    """The header line of this process's run: ``what="run"``, ``run`` (:func:`run_id`),
+    ``script`` and ``argv`` (how it was called) and ``provenance`` (``prov``, default
+    :func:`provenance`)."""
+    prov = provenance() if prov is None else prov
+    return {"what": "run", "run": run_id(prov), "script": Path(sys.argv[0]).name,
+            "argv": sys.argv[1:], "provenance": prov}
+
+
+def append_results(path, records, provenance: dict | None = None) -> int:
+    """Append measurement records (a dict or an iterable of dicts) to the results file
+    ``path``, in the shape of the module docstring; returns the number of records written.
+
+    The first call of a process for a file writes the run's header (:func:`run_header` with
+    ``provenance``, default :func:`provenance`) before the records; every record gets the run's
+    id as ``run``. A record's ``provenance`` and its ``commit`` and ``gpu`` when they equal the
+    run's are not written (the header holds them)."""
+    if isinstance(records, dict):
+        records = [records]
+    records = list(records)
+    path = Path(path)
+    key = str(path.resolve())
+    head = run_header(provenance)
+    prov = head["provenance"]
+    lines = []
+    if _HEADERS.get(key) != head["run"] or not path.is_file():
+        lines.append(head)
+    for r in records:
+        r = {k: v for k, v in r.items()
+             if k != "provenance" and not (k in ("commit", "gpu") and prov.get(k) == v)}
+        lines.append({"run": head["run"], **r})
+    append_jsonl(path, lines)
+    _HEADERS[key] = head["run"]
+    return len(records)
+
+
+def read_runs(path) -> dict:
+    """The run headers of a results file: ``{run id: header}`` (a later header with the same id
+    wins)."""
+    return {r["run"]: r for r in read_jsonl(path) if r.get("what") == "run" and "run" in r}
+
+
+def read_results(path, what: str | None = None) -> list:
+    """The measurement records of a results file, in file order ([] if it does not exist), each
+    with its run's ``commit``, ``gpu`` and ``date`` and the run's ``provenance`` dict added
+    where the record has no field of that name; run headers left out. ``what``: only records
+    with that ``what``. Records without a known ``run`` (the shape before 2026-12-02, or
+    hand-written files) are returned unchanged."""
+    recs = read_jsonl(path)
+    runs = {r["run"]: r for r in recs if r.get("what") == "run" and "run" in r}
+    out = []
+    for r in recs:
+        if r.get("what") == "run" and "run" in r:
+            continue
+        if what is not None and r.get("what") != what:
+            continue
+        head = runs.get(r.get("run"))
+        if head is not None:
+            prov = head.get("provenance") or {}
+            extra = {k: prov[k] for k in _RUN_FIELDS if k in prov and k not in r}
+            if "provenance" not in r:
+                extra["provenance"] = prov
+            r = {**r, **extra}
+        out.append(r)
     return out
 
 
@@ -342,7 +445,7 @@ def benchmark(fn, *, n_warmup: int = 3, n_repeat: int = 20, flush_l2: bool | str
     flush_l2 : bool or str
         Evict L2 before each timed call (outside the events) with :func:`flush_l2_cache`:
         ``True`` or ``"read"`` reads a 256 MB buffer, ``"write"`` writes it (the method before
-        session 7). The record's ``flush_l2`` says which (``"read"``, ``"write"`` or False).
+        commit 58b7e3f, 2026-11-29). The record's ``flush_l2`` says which (``"read"``, ``"write"`` or False).
     spin : bool
         Queue a spin kernel first so that host launch overhead does not leak into the device
         time (see the module docstring). Its length is sized from the measured host time of one
@@ -586,10 +689,9 @@ def explain_record(*args, kind: str = "prefill", **kwargs):
     ``cupyflash.explain_kvcache`` for ``kind="decode"``): ``dataclasses.asdict`` of the plan
     (problem; kernel name, template, grid, block, shared memory, registers, spills;
     ``num_splits``, modelled FLOPs and HBM bytes, workspace, the reasons for the choice) without
-    ``rejected``, the list of every other specialisation and why it was not chosen, which made
-    the bench records megabytes (``explain()`` at the record's commit gives it). ``{"error":
+    ``rejected``, the list of every other specialisation and why it was not chosen. ``{"error":
     ...}`` when planning raises (recorded beside the measurement rather than aborting a
-    sweep)."""
+    sweep). The scripts read what they need from it and record :func:`plan_fields`."""
     try:
         import cupyflash
         fn = cupyflash.explain_kvcache if kind == "decode" else cupyflash.explain
@@ -599,6 +701,23 @@ def explain_record(*args, kind: str = "prefill", **kwargs):
         return json.loads(json.dumps(rec, default=jsonable))
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def plan_fields(explain: dict) -> dict:
+    """What a results record keeps of an :func:`explain_record`: ``{"plan_kernel": name}``
+    (plus ``plan_extra_kernels``, the names of any further kernels the plan launches), or
+    ``{"plan_error": why}`` when planning raised. The record's run names the commit; explain()
+    at that commit gives the rest of the plan."""
+    if not isinstance(explain, dict):
+        return {"plan_error": f"not a plan: {explain!r}"[:300]}
+    if "error" in explain:
+        return {"plan_error": explain["error"]}
+    kernel = explain.get("kernel")
+    out = {"plan_kernel": kernel.get("name") if isinstance(kernel, dict) else kernel}
+    extra = [k.get("name") if isinstance(k, dict) else k for k in explain.get("extra_kernels") or []]
+    if extra:
+        out["plan_extra_kernels"] = extra
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

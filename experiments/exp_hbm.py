@@ -22,8 +22,8 @@ BLOCK_M / BLOCK_N from ``explain()``), and the decode model with the chosen ``nu
     python experiments/exp_hbm.py --quick           # 7 profiled runs, ~1 min on an H200
     python experiments/exp_hbm.py                   # S = 1k .. 32k
 
-Appends to ``experiments/results/exp_hbm.jsonl``; skips with a message when ncu is missing or
-cannot read the counters.
+Appends a run (experiments/common.py) to ``experiments/results/exp_hbm.jsonl``; skips with a
+message when ncu is missing or cannot read the counters.
 """
 from __future__ import annotations
 
@@ -221,7 +221,6 @@ def main(argv=None) -> int:
             + [("cupyflash", 8192, True, 0)])
     t_start = time.time()
     avail = {i: common.impl_available(i) for i in ("cupyflash", "baseline", "cupyflash_decode")}
-    prov = common.provenance()
     n = 0
     for impl, S, causal, ns in common.progress(jobs, desc="ncu"):
         ok, why = avail[impl]
@@ -233,12 +232,11 @@ def main(argv=None) -> int:
             continue
         p = PREFILL if impl != "cupyflash_decode" else DECODE
         rec = {"what": "hbm", "impl": impl, "seqlen": S, "causal": causal, "num_splits": ns,
-               **p, "gpu": prov.get("gpu"), "commit": prov["commit"], "provenance": prov,
-               "ncu": ncu, "cache_control": "all (ncu default: caches flushed before each kernel)"}
+               **p, "ncu": ncu, "cache_control": "all (ncu default: caches flushed before each kernel)"}
         try:
             ex = explain_for(impl, S, causal, ns)
             if ex is not None:
-                rec["explain"] = ex
+                rec.update(common.plan_fields(ex))
             rec.update(model_columns(impl, S, causal, ns, ex))
             m = measure(ncu, impl, S, causal, ns, timeout)
             rec.update(measured_read=m["dram__bytes_read.sum"], measured_write=m["dram__bytes_write.sum"],
@@ -251,7 +249,7 @@ def main(argv=None) -> int:
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
             print(f"  {impl} S={S}: {rec['error'][:600]}", flush=True)
-        n += common.append_jsonl(args.out, [rec])
+        n += common.append_results(args.out, [rec])
     print(f"exp_hbm: wrote {n} records to {args.out}")
     return 0
 

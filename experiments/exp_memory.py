@@ -11,7 +11,7 @@ recorded beside it.
     python experiments/exp_memory.py --quick     # S = 1k .. 32k (baseline to 8k): ~20 s
     python experiments/exp_memory.py             # baseline up to 16k (S and P: 26 GB)
 
-Appends to ``experiments/results/exp_memory.jsonl``.
+Appends a run (experiments/common.py) to ``experiments/results/exp_memory.jsonl``.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ def main(argv=None) -> int:
         print("exp_memory: no CUDA GPU here; nothing to measure")
         return 0
     from cupyflash import io_model
-    prov = common.provenance()
     B, H, d, dt = args.batch, args.nheads, args.headdim, args.dtype
     impls = common.available_impls(("cupyflash", "baseline", "torch_flash"), "exp_memory")
     n = 0
@@ -53,15 +52,14 @@ def main(argv=None) -> int:
             if impl == "baseline" and S > base_max:
                 continue
             rec = {"what": "memory", "impl": impl, "dtype": dt, "batch": B, "nheads": H,
-                   "headdim": d, "seqlen": S, "causal": False, "gpu": prov.get("gpu"),
-                   "commit": prov["commit"], "provenance": prov,
+                   "headdim": d, "seqlen": S, "causal": False,
                    "input_bytes": int(q.nbytes + k.nbytes + v.nbytes)}
             try:
                 if impl == "cupyflash":
                     from cupyflash.api import flash_attn_func
                     rec.update(common.peak_extra_memory_cupy(lambda: flash_attn_func(q, k, v)))
                     rec["model_extra_bytes"] = io_model.prefill_extra_memory(B, H, S)
-                    rec["explain"] = common.explain_record(q, k, v)
+                    rec.update(common.plan_fields(common.explain_record(q, k, v)))
                 elif impl == "baseline":
                     from cupyflash.baseline import attention_baseline
                     rec.update(common.peak_extra_memory_cupy(lambda: attention_baseline(q, k, v)))
@@ -73,7 +71,7 @@ def main(argv=None) -> int:
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             recs.append(rec)
-        n += common.append_jsonl(args.out, recs)
+        n += common.append_results(args.out, recs)
         print(f"  S={S}: " + "  ".join(
             f"{r['impl']}={r['peak_extra_bytes'] / 2**20:.1f} MiB (model {r['model_extra_bytes'] / 2**20:.1f})"
             if "peak_extra_bytes" in r else f"{r['impl']}: {r.get('error')}" for r in recs), flush=True)

@@ -17,7 +17,8 @@
     python experiments/exp_numerics.py --quick      # ~10 s on 2 cores
     python experiments/exp_numerics.py
 
-Appends to ``experiments/results/exp_numerics.jsonl`` (``part`` = ``error`` / ``overflow``).
+Appends a run (experiments/common.py; its provenance says ``machine: "cpu"`` and names no GPU) to
+``experiments/results/exp_numerics.jsonl`` (``part`` = ``error`` / ``overflow``).
 """
 from __future__ import annotations
 
@@ -138,12 +139,14 @@ def main(argv=None) -> int:
     seqlens = args.seqlens or ([128, 512, 2048] if args.quick else [128, 256, 512, 1024, 2048, 4096, 8192])
     logits = [1, 2, 3, 4, 5, 6, 8, 10, 11, 12, 20, 50, 70, 80, 82, 84, 86, 88, 89, 90, 100, 200,
               300, 500, 650, 690, 700, 703, 706, 709, 710, 711, 800, 1000, 2000]
-    prov = common.provenance()
+    # NumPy on the host: the run's provenance names the code and the host, not a GPU
+    prov = {k: v for k, v in common.provenance().items()
+            if k in ("commit", "dirty", "git_head", "date", "host_python")}
     recs = part_error(seqlens, args.blocks, args.headdim, args.seed)
     recs += part_overflow(logits, 1024, args.seed)
     for r in recs:
-        r.update(what="numerics", commit=prov["commit"], date=prov["date"], machine="cpu")
-    n = common.append_jsonl(args.out, recs)
+        r["what"] = "numerics"
+    n = common.append_results(args.out, recs, provenance=dict(prov, machine="cpu"))
     for dt in ("float16", "float32", "float64"):
         over = [r["logit_max"] for r in recs if r["part"] == "overflow" and r["dtype"] == dt
                 and r["method"] == "no_running_max" and not r["rel_err"] < 0.5]

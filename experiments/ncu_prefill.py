@@ -34,9 +34,10 @@ not; ``--quick``: hd 64 and 128, not causal. Implementations: ``cupyflash`` (the
     python experiments/ncu_prefill.py --quick      # 2 ncu runs x 2 shapes, ~1 min on an H200
     python experiments/ncu_prefill.py              # 2 ncu runs x 6 shapes, < 3 min
 
-Appends one record per (impl, shape) to ``experiments/results/ncu_prefill.jsonl`` and prints a
-table. Without a GPU, without ncu, or when ncu cannot read the performance counters, it says so
-and exits 0. When ncu rejects the optional metric expressions (``OPTIONAL_METRICS``), it runs
+Appends a run to ``experiments/results/ncu_prefill.jsonl`` (a header with the commit and GPU:
+experiments/common.py; then one record per (impl, shape), with ``plan_kernel`` for cupyflash) and
+prints a table. Without a GPU, without ncu, or when ncu cannot read the performance counters, it
+says so and exits 0. When ncu rejects the optional metric expressions (``OPTIONAL_METRICS``), it runs
 again with the sections and ``BASE_METRICS`` only, then with ``BASE_METRICS`` only.
 """
 from __future__ import annotations
@@ -338,12 +339,12 @@ def explain_for(s: dict):
     return common.explain_record(q, q, q, causal=s["causal"])
 
 
-def build_record(impl, s, kernels, msg, info, prov, ncu, version, keep_raw) -> dict:
+def build_record(impl, s, kernels, msg, info, ncu, version, keep_raw) -> dict:
     from cupyflash import io_model
     flops = io_model.prefill_flops(s["batch"], s["nheads"], s["seqlen"], s["seqlen"], s["headdim"],
                                    s["causal"])
     rec = {"what": "ncu_prefill", "impl": impl, **s, "nheads_k": s["nheads"], "flops": flops,
-           "gpu": prov.get("gpu"), "commit": prov["commit"], "provenance": prov, "ncu": ncu,
+           "ncu": ncu,
            "ncu_version": version, "clock_control": "none",
            "cache_control": "all (ncu default: caches flushed before each kernel)", **info}
     if not kernels:
@@ -359,7 +360,7 @@ def build_record(impl, s, kernels, msg, info, prov, ncu, version, keep_raw) -> d
     if total > 0:
         rec["tflops_ncu"] = flops / (total * 1e-3) / 1e12
     if impl.startswith("cupyflash"):
-        rec["explain"] = explain_for(s)
+        rec.update(common.plan_fields(explain_for(s)))
     return rec
 
 
@@ -463,9 +464,9 @@ def main(argv=None) -> int:
         except Exception as e:
             print(f"ncu_prefill: {impl}: {type(e).__name__}: {str(e)[:800]}", flush=True)
             continue
-        recs = [build_record(impl, s, groups.get(i, []), msgs.get(i), info, prov, ncu, version,
+        recs = [build_record(impl, s, groups.get(i, []), msgs.get(i), info, ncu, version,
                              not args.no_raw) for i, s in enumerate(shapes)]
-        common.append_jsonl(args.out, recs)
+        common.append_results(args.out, recs)
         records += recs
         print(f"ncu_prefill: {impl}: {sum('kernels' in r for r in recs)}/{len(recs)} shapes "
               f"profiled in {info['ncu_seconds']} s (metric level {info['level']})", flush=True)

@@ -6,7 +6,8 @@
 
 A figure whose results file is missing or holds no usable record is skipped with a message (exit
 status 0), so CI can always call this. Where a file holds several runs of the same point, the
-last one in the file wins.
+last one in the file wins. Records are read with ``common.read_results`` (each with its run's
+commit, GPU and date: experiments/common.py).
 
 Figures (issue 6):
   fig1_prefill_runtime   prefill time vs S: cupyflash, FlashAttention-3, torch flash / cuDNN,
@@ -55,7 +56,7 @@ def _plt():
 
 def load(results: Path, name: str, what: str | None = None, need=("ms",)) -> list:
     path = results / f"{name}.jsonl"
-    recs = common.read_jsonl(path)
+    recs = common.read_results(path)
     if not recs:
         raise SkipFigure(f"{path} missing or empty")
     recs = [r for r in recs if (what is None or r.get("what") == what)
@@ -259,11 +260,11 @@ def fig3_hbm_bytes(results: Path, figures: Path) -> list:
 def fig4_roofline(results: Path, figures: Path) -> list:
     from cupyflash import io_model
     import numpy as np
-    ceil = common.read_jsonl(results / "bench_ceilings.jsonl")
+    ceil = common.read_results(results / "bench_ceilings.jsonl")
     bw = [r["tbps"] for r in ceil if r.get("what") == "copy_bw" and "tbps" in r]
     peak = [r["tflops"] for r in ceil if r.get("what") == "bf16_matmul" and "tflops" in r]
     pts = []  # (label, impl, intensity, tflops)
-    for r in latest(common.read_jsonl(results / "bench_prefill.jsonl"),
+    for r in latest(common.read_results(results / "bench_prefill.jsonl"),
                     lambda r: (r.get("impl"), r.get("dtype"), r.get("headdim"), r.get("seqlen"),
                                r.get("causal"))):
         if r.get("what") != "prefill" or "tflops" not in r or "error" in r:
@@ -277,7 +278,7 @@ def fig4_roofline(results: Path, figures: Path) -> list:
             nbytes = io_model.prefill_hbm_bytes(B, H, H, S, S, d, "bfloat16", kv_reuse=True)
         pts.append((f"prefill S={S // 1024}k", r["impl"], io_model.intensity(r["flops"], nbytes),
                     r["tflops"]))
-    for r in latest(common.read_jsonl(results / "bench_decode.jsonl"),
+    for r in latest(common.read_results(results / "bench_decode.jsonl"),
                     lambda r: (r.get("impl"), r.get("batch"), r.get("seqlen_k"), r.get("page_size"),
                                r.get("num_splits"), r.get("sweep"))):
         if r.get("what") != "decode" or "us" not in r or "error" in r or r.get("sweep") != "main":
@@ -295,6 +296,9 @@ def fig4_roofline(results: Path, figures: Path) -> list:
         pts.append((f"decode B={r['batch']}", r["impl"], io_model.intensity(r["flops"], nbytes), tflops))
     if not pts:
         raise SkipFigure("no bench_prefill / bench_decode records to place on the roofline")
+    # drawn in a fixed order (prefill then decode, impls as in the legends, by intensity), not in
+    # the order the points' keys first appear in the files, which depends on the older runs kept
+    pts.sort(key=lambda p: (p[0].startswith("decode"), _impl_order(p[1]), p[2], p[3]))
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5))
     xs = np.logspace(-1, 4.5, 200)
@@ -341,7 +345,7 @@ def fig5_decode(results: Path, figures: Path) -> list:
         recs = [r for r in recs if run(r) == ref]
     recs = latest(recs, lambda r: (r["impl"], r["batch"], r["seqlen_k"], r.get("page_size"),
                                    r.get("num_splits"), r.get("sweep")))
-    ceil = [r["tbps"] for r in common.read_jsonl(results / "bench_ceilings.jsonl")
+    ceil = [r["tbps"] for r in common.read_results(results / "bench_ceilings.jsonl")
             if r.get("what") == "read_bw" and "tbps" in r]
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
@@ -482,8 +486,8 @@ def fig7_tiles(results: Path, figures: Path) -> list:
     for ax, (hd, S, causal) in zip(axes[0], groups):
         sub = sorted((r for r in recs if (r["headdim"], r["seqlen"], bool(r.get("causal"))) == (hd, S, causal)),
                      key=lambda r: (r.get("family", "fwd"), r["block_m"], r["block_n"], r["nwarps"]))
-        # family: fwd = mma.sync, fwdtma = the Hopper TMA kernel (records before
-        # session 16 are mma.sync rows and carry no family)
+        # family: fwd = mma.sync, fwdtma = the Hopper TMA kernel (the runs of 2026-11-29,
+        # before the TMA kernel, are mma.sync rows and carry no family)
         labels = [f"{r.get('family', 'fwd')}\n{r['block_m']}x{r['block_n']}\nw{r['nwarps']}"
                   for r in sub]
         colors = ["C0" if r.get("chosen") else "C7" for r in sub]

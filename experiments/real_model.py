@@ -507,7 +507,7 @@ def run_gpu(args, fx: dict) -> int:
                                     else f"{EPS_UNITS} eps = {eps_bound(dtype):.2e}"),
                           "pass": passed,
                           "kernel": plan_summary(plans[max(plans)]),
-                          "plan": plan_record(plans[max(plans)])})
+                          **common.plan_fields(plan_record(plans[max(plans)]))})
         for ns in (args.num_splits if dtype in DECODE_DTYPES else []):
             rows, plan = run_decode(fx, dtype, num_splits=ns)
             mode = "decode" if ns == 0 else f"decode {ns} splits"
@@ -518,7 +518,7 @@ def run_gpu(args, fx: dict) -> int:
                           "max_err_naive": summarise(rows, "err_naive"),
                           "max_err_baseline": None, "bound": "2 x naive + eps/2",
                           "pass": passed, "kernel": plan_summary(plan),
-                          "plan": plan_record(plan)})
+                          **common.plan_fields(plan_record(plan))})
         cp.get_default_memory_pool().free_all_blocks()
 
     print("\nerror vs the float64 reference (normwise relative, per head; max over "

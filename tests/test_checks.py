@@ -394,7 +394,7 @@ def test_kernel_window_examples():
 
 
 def test_device_array_without_a_gpu_gets_a_clear_error():
-    """Fresh-user trial (session 10): on a machine without a CUDA driver, a device array passed
+    """Fresh-user trial (2026-11-29, 0f2272b): on a machine without a CUDA driver, a device array passed
     to the GPU path raised CuPy's "CUDA driver version is insufficient"; now the argument is
     named and the NumPy references are pointed to."""
     from cupyflash.core import interop

@@ -92,7 +92,8 @@ def test_tensor_core_specs_do_not_spill(reports, arch):
 def test_tma_kernels_get_exactly_the_registers_setmaxnreg_moves(reports):
     """forward/hopper.cu's setmaxnreg split assumes the launch gives each thread the register
     file over the CTA's threads in steps of 8 (168 at 384 threads, 128 at 512): with fewer, the
-    consumers' setmaxnreg.inc waits forever (an H200 hang, session 15)."""
+    consumers' setmaxnreg.inc waits forever (an H200 hang on 2026-12-01,
+    run 5 at b144eb7: experiments/notes/2026-12-01_1819_87feb9d.md)."""
     tma = [s for s in prefill.all_specs() if s.name.startswith("fwdtma_")]
     assert {prefill.config_of(s)[0].threads for s in tma} == {384, 512}
     for s in tma:

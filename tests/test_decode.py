@@ -264,7 +264,7 @@ def test_paged_pools_past_32_bit_offsets_plan_the_general_kernel():
 
 
 def test_heads_mismatch_names_both_axes():
-    """Fresh-user trial (session 8): 30 query heads against 8 KV heads blamed k_cache alone."""
+    """Fresh-user trial (2026-11-29, 79d6d60): 30 query heads against 8 KV heads blamed k_cache alone."""
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
     q30 = np.zeros((2, 1, 3, 64), np.float16)
     with pytest.raises(ValueError, match=r"^k_cache: nheads_k 2 \(k_cache axis 2\) must divide "
@@ -273,7 +273,7 @@ def test_heads_mismatch_names_both_axes():
 
 
 def test_explain_checks_cache_row_strides_on_host_arrays():
-    """A fresh user's trial (session 8): explain() on NumPy arrays planned caches whose rows are
+    """A fresh user's trial (2026-11-29, 98ed31f): explain() on NumPy arrays planned caches whose rows are
     not 16-byte aligned, which the call refuses; now it raises the call's message."""
     q, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
     wide = np.zeros(kc.shape[:-1] + (65,), kc.dtype)[..., :64]  # rows of 130 bytes
@@ -728,7 +728,7 @@ def test_explain_kvcache_on_host_arrays():
 
 def test_explain_says_how_q_is_copied():
     """explain_kvcache names how the kernel will copy the Q tile (v44, fresh-user trial of
-    session 13): by 16-byte cp.async when q's strides (and, for device arrays, pointer) are
+    2026-11-30, 0a04612): by 16-byte cp.async when q's strides (and, for device arrays, pointer) are
     16-byte multiples, else by 2-byte loads; a dim of one element never counts."""
     _, kc, vc, cs, bt = _arrays(dtype=np.float16, d=64, paged=True)
 
@@ -800,7 +800,8 @@ def _arrays(dtype=np.float16, d=64, paged=False):
 
 
 def test_host_planning_messages_from_a_second_users_trial():
-    """Session-4 trial: planning limits name the argument; a (b, h, s, d) tensor is a hint."""
+    """Second user's trial (2026-11-29, 938adf0): planning limits name the argument; a
+    (b, h, s, d) tensor is a hint."""
     q, kc, vc, cs, bt = _arrays(paged=True)
     with pytest.raises(ValueError, match="^num_sms: expected an int >= 1 or None, got 'x'"):
         decode.explain_kvcache(q, kc, vc, cache_seqlens=cs, block_table=bt, num_sms="x",

@@ -70,7 +70,8 @@ def test_rule_1b_short_sequences_at_head_dims_up_to_32(dtype):
 def test_rule_1b_survives_rule_2_for_short_queries(dtype):
     """Rule 2 (short queries -> the smallest block_m) must not undo rule 1b: its 64 x 64 tile
     already has the smallest block_m, and 64 x 64 beat 64 x 128 at every measured length
-    (session17/short_tiles.jsonl). The choice may not depend on whether seqlen_q is 64 or 65."""
+    (the short-tile sweep of experiments/notes/2026-12-01_2204_ea8be9b.md, its records at tag
+    results-archive-2026-12-02). The choice may not depend on whether seqlen_q is 64 or 65."""
     short = (64, 64, 4, "mma")
     for d in (8, 32):
         for sk, causal in ((128, False), (256, False), (200, True), (1024, True)):

@@ -143,9 +143,8 @@ def test_records_and_table():
     assert shapes[2]["nheads"] == 16 and shapes[0]["nheads"] == 32
     groups = ncu_prefill.split_by_marker(ncu_prefill.parse_raw_csv(SAMPLE), 3)
     msgs = ncu_prefill.driver_messages(SAMPLE)
-    prov = {"commit": "0" * 40, "gpu": "NVIDIA H200"}
     info = {"level": 0, "ncu_seconds": 12.0, "ncu_rc": 0, "metrics_requested": ["x"], "sections": []}
-    recs = [ncu_prefill.build_record("fa3", s, groups[i], msgs.get(i), info, prov, "ncu", "v", True)
+    recs = [ncu_prefill.build_record("fa3", s, groups[i], msgs.get(i), info, "ncu", "v", True)
             for i, s in enumerate(shapes)]
     r = recs[0]
     assert r["what"] == "ncu_prefill" and r["impl"] == "fa3" and r["headdim"] == 64
@@ -216,11 +215,15 @@ def test_refused_metrics_are_dropped_and_records_written(fake_gpu, monkeypatch, 
     out = tmp_path / "n.jsonl"
     assert ncu_prefill.main(["--quick", "--impls", "cupyflash", "--out", str(out)]) == 0
     assert len(calls) == 2
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["what"] == "run" and lines[0]["provenance"]["commit"] == \
+        common.provenance()["commit"]  # the run's header, then its records
+    assert all(r["run"] == lines[0]["run"] and "provenance" not in r for r in lines[1:])
+    recs = common.read_results(out)
     assert [(r["impl"], r["headdim"], r["causal"]) for r in recs] == [("cupyflash", 64, False),
                                                                      ("cupyflash", 128, False)]
     assert recs[0]["level"] == 1 and not any("regex" in m for m in recs[0]["metrics_requested"])
-    assert recs[0]["explain"] == {"kernel": {"name": "fake"}}
+    assert recs[0]["plan_kernel"] == "fake" and "explain" not in recs[0]
     assert recs[1]["error"] == "no kernel profiled for this shape"
     assert recs[0]["provenance"]["commit"] == recs[0]["commit"]
     text = capsys.readouterr().out
@@ -235,7 +238,7 @@ def test_timeout_keeps_what_was_printed(fake_gpu, monkeypatch, tmp_path):
     monkeypatch.setattr(common, "run_profiled", fake_run)
     out = tmp_path / "n.jsonl"
     assert ncu_prefill.main(["--quick", "--impls", "fa3", "--out", str(out)]) == 0
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    recs = common.read_results(out)
     assert recs[0]["ncu_rc"] == 124 and "kernels" in recs[0]
 
 

@@ -258,7 +258,11 @@ def test_exp_numerics_quick_runs(tmp_path):
                         "--seqlens", "64", "256", "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    recs = [json.loads(l) for l in out.read_text().splitlines()]
+    import common
+    head = json.loads(out.read_text().splitlines()[0])
+    assert head["what"] == "run" and head["provenance"]["machine"] == "cpu"
+    assert "gpu" not in head["provenance"]  # NumPy on the host: figure 6's corner says CPU
+    recs = common.read_results(out)
     ovf = {(x["dtype"], x["method"], x["logit_max"]): x for x in recs if x["part"] == "overflow"}
     # without the running max float32 overflows between logits 50 and 100; with it, never
     assert ovf[("float32", "no_running_max", 50.0)]["finite"]
@@ -284,6 +288,70 @@ def test_common_jsonl_roundtrip(tmp_path):
     assert common.read_jsonl(tmp_path / "missing.jsonl") == []
     prov = common.provenance()
     assert {"commit", "date", "gpu"} <= set(prov)
+
+
+def test_results_files_hold_the_provenance_once_per_run(tmp_path):
+    """common.append_results writes one header per run (process) and file; every record names
+    the run, and carries neither the provenance nor the run's commit and GPU; read_results gives
+    them back, leaves the headers out, and reads records without a run (the older shape) as
+    they are."""
+    import common
+    p = tmp_path / "r" / "x.jsonl"
+    prov = {"commit": "a" * 40, "date": "2026-12-02T04:32:27+00:00", "gpu": "G"}
+    assert common.append_results(p, [{"what": "t", "ms": 1.0, "commit": "a" * 40, "gpu": "G",
+                                      "provenance": prov}], provenance=prov) == 1
+    assert common.append_results(p, {"what": "t", "ms": 2.0, "commit": "b" * 40},
+                                 provenance=prov) == 1
+    lines = [json.loads(l) for l in p.read_text().splitlines()]
+    assert [l.get("what") for l in lines] == ["run", "t", "t"]
+    head = lines[0]
+    assert head["run"] == "2026-12-02T04:32:27Z-aaaaaaa" and head["provenance"] == prov
+    assert {"script", "argv"} <= set(head)
+    assert lines[1] == {"run": head["run"], "what": "t", "ms": 1.0}
+    assert lines[2] == {"run": head["run"], "what": "t", "ms": 2.0, "commit": "b" * 40}
+    other = dict(prov, commit="c" * 40)  # another run: its own header
+    common.append_results(p, [{"what": "u", "ms": 3.0}], provenance=other)
+    with open(p, "a") as f:
+        f.write(json.dumps({"what": "t", "ms": 4.0, "commit": "d" * 7}) + "\n")
+    recs = common.read_results(p)
+    assert [(r["ms"], r["commit"], r.get("gpu")) for r in recs] == [
+        (1.0, "a" * 40, "G"), (2.0, "b" * 40, "G"), (3.0, "c" * 40, "G"), (4.0, "d" * 7, None)]
+    assert recs[0]["provenance"] == prov and recs[0]["date"] == prov["date"]
+    assert [r["ms"] for r in common.read_results(p, what="t")] == [1.0, 2.0, 4.0]
+    assert list(common.read_runs(p)) == [head["run"], "2026-12-02T04:32:27Z-ccccccc"]
+    p.unlink()  # a new file gets the header again
+    common.append_results(p, [{"what": "t", "ms": 5.0}], provenance=prov)
+    assert json.loads(p.read_text().splitlines()[0])["what"] == "run"
+    assert common.read_results(tmp_path / "missing.jsonl") == []
+
+
+def test_plan_fields_name_the_kernel():
+    import common
+    ex = {"kernel": {"name": "fwdtma_x", "grid": [132, 1, 1]}, "num_splits": None,
+          "extra_kernels": []}
+    assert common.plan_fields(ex) == {"plan_kernel": "fwdtma_x"}
+    assert common.plan_fields(dict(ex, extra_kernels=[{"name": "combine"}])) == {
+        "plan_kernel": "fwdtma_x", "plan_extra_kernels": ["combine"]}
+    assert common.plan_fields({"error": "ValueError: no"}) == {"plan_error": "ValueError: no"}
+
+
+def test_committed_results_name_their_run():
+    """Every committed JSON Lines result names a run whose header (with the provenance) is in
+    the same file, and no record repeats the provenance or a whole plan."""
+    import common
+    files = sorted(common.RESULTS.glob("*.jsonl"))
+    assert files
+    for path in files:
+        lines = common.read_jsonl(path)
+        runs = common.read_runs(path)
+        assert runs, path.name
+        for h in runs.values():
+            assert {"commit", "date"} <= set(h["provenance"]), (path.name, h["run"])
+        for r in lines:
+            if r.get("what") == "run":
+                continue
+            assert r.get("run") in runs, (path.name, r)
+            assert not {"provenance", "explain", "commit", "gpu"} & set(r), (path.name, sorted(r))
 
 
 def test_provenance_dirty_is_unknown_when_the_commit_given_is_not_the_trees_head(monkeypatch):

@@ -134,7 +134,7 @@ def test_kvcache_reference_and_explain_reject_lists_alike():
     """A block_table (or q) given as a Python list, or a cache_seqlens list of non-ints: the
     reference raises the TypeError that explain_kvcache and the GPU call raise, naming the
     argument (it used to convert the list to int64 and complain about the dtype; fresh-user
-    trial, session 8). cache_seqlens as an int or a list of ints (FlashAttention's forms) is
+    trial, 2026-11-29, 99d506f). cache_seqlens as an int or a list of ints (FlashAttention's forms) is
     accepted by all three, and means the int32 array of those lengths."""
     import ml_dtypes
     import cupyflash
