@@ -18,7 +18,8 @@ integer: fresh standard-normal data every example, never zeros. Cache tails, unu
 unused ``block_table`` entries are filled with NaN by default (``poison=True``): nothing beyond a
 sequence's length may influence a result.
 
-Requires ``hypothesis`` (the ``test`` extra).
+Requires ``hypothesis`` (``pip install hypothesis``, or the ``test`` extra): importing this
+module without it raises an ImportError that says so.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from hypothesis import strategies as st
 
+from .core import deps
 from .core.interop import np_dtype  # the one name -> NumPy dtype map ('bfloat16': ml_dtypes'), re-exported
+
+st = deps.hypothesis_strategies("cupyflash.testing")
 
 __all__ = [
     "DTYPES", "BLOCK_SIZES", "np_dtype", "rel_error", "streaming_error_bound",

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import deps
 from .interop import is_device_array, np_dtype, torch_tensor_type  # (imports no CuPy)
 
 __all__ = [
@@ -396,7 +397,7 @@ def to_host(x) -> np.ndarray:
         Same shape and dtype.
     """
     if _is_device(x):
-        import cupy
+        cupy = deps.cupy("reading a CUDA array on the host")
         if not isinstance(x, cupy.ndarray):
             x = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
         return cupy.asnumpy(x)

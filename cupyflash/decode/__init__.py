@@ -90,7 +90,7 @@ import weakref
 
 import numpy as np
 
-from ..core import cache, checks, guard, interop, jit, launch
+from ..core import cache, checks, deps, guard, interop, jit, launch
 from .kernels import (COMBINE_DTYPES, DTYPES, GROUP, HEADDIMS, KV_PATHS,
                              ONE_BLOCK_SPLIT_CONFIGS, SPLIT_CONFIGS, SplitConfig, all_specs,
                              append_kernel_spec, combine_kernel_spec, kv_path, padded_headdim,
@@ -174,7 +174,7 @@ def alloc_workspace(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
     at least :func:`workspace_size` elements that was zero-filled once) can be reused and
     replayed in CUDA graphs indefinitely. Do not share one workspace between launches that can
     run concurrently (other streams)."""
-    import cupy
+    cupy = deps.cupy("alloc_workspace")
     n = workspace_size(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                        num_splits=num_splits, split_size=split_size)
     return cupy.zeros(max(n, 1), dtype=cupy.float32)
@@ -784,7 +784,7 @@ def merge_states(o_parts, lse_parts):
                         f"{', '.join(COMBINE_DTYPES)} (float64: cupyflash.reference.merge_states)")
     if caller_of(o_parts, lse_parts) is TorchCaller:
         return _merge_states_torch(o_parts, lse_parts, dt)
-    import cupy
+    cupy = deps.cupy("merge_states")
     o_parts = as_cupy(o_parts, "o_parts", dt)
     lse_parts = as_cupy(lse_parts, "lse_parts", checks.dtype_name(lse_parts))
     _same_merge_device(o_parts.device.id, lse_parts.device.id)
