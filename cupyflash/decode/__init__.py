@@ -264,12 +264,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         caches). Modified in place when ``k``/``v`` are given.
     k, v : CUDA arrays or None, shape (batch, seqlen_new, nheads_k, headdim)
         New tokens to append before attending.
-    cache_seqlens : int32 CUDA array, shape (batch,), int, list of ints, host int32 array, or None
+    cache_seqlens : int32 CUDA array, shape (batch,), int, list of ints, host integer array, or None
         Cached tokens per sequence before appending; None = the whole contiguous cache. An int
         (every sequence's length, as in FlashAttention), a list, or a host array (NumPy, CPU
-        tensor) is checked on the host and copied to the device asynchronously (no
-        synchronisation).
-    block_table : int32 CUDA array (or host int32 array), shape (batch, max_pages_per_seq), or None
+        tensor; any integer dtype, e.g. NumPy's default int64, values within int32) is checked
+        on the host and copied to the device as int32 asynchronously (no synchronisation). A
+        CUDA array must be int32 (the TypeError otherwise says ``.astype(cupy.int32)`` /
+        ``.to(torch.int32)``).
+    block_table : int32 CUDA array (or host integer array), shape (batch, max_pages_per_seq), or None
         Page ids: token ``t`` of sequence ``b`` lives in page ``block_table[b, t // page_size]``
         at row ``t % page_size``. Only the entries a sequence uses are read.
     softmax_scale : float or None
