@@ -100,13 +100,17 @@ attempt("reference", lambda: reference.attention_reference(q, k, k))
 
 def test_without_ml_dtypes_or_hypothesis_the_message_says_what_to_install():
     body = """
+import cupyflash
 from cupyflash.core import interop
 attempt("bfloat16", lambda: interop.np_dtype("bfloat16"))
 attempt("float16", lambda: interop.np_dtype("float16"))
 attempt("testing", lambda: __import__("cupyflash.testing"))
+q, kc = np.zeros((2, 1, 4, 64), np.float16), np.zeros((2, 16, 2, 64), np.float16)
+attempt("float16 decode plan", lambda: cupyflash.explain_kvcache(  # (its rejected list names
+    q, kc, kc, cache_seqlens=[3, 5], report=False))                # bfloat16 kernels too)
 """
     res = _run(("ml_dtypes", "hypothesis"), body)
-    assert res["float16"] is None
+    assert res["float16"] is None and res["float16 decode plan"] is None, res
     kind, msg = res["bfloat16"]
     assert kind == "ImportError" and "pip install ml_dtypes" in msg and "cupyflash[cuda13]" in msg
     kind, msg = res["testing"]
