@@ -110,7 +110,7 @@ def as_cupy(x, name: str, dtype: str | None = None):
     ImportError
         CuPy is not installed (the message names the package and the extras to install).
     """
-    cupy = deps.cupy(f"{name}: viewing a CUDA array")
+    cupy = _cupy()  # (MissingDependency without CuPy)
     if isinstance(x, cupy.ndarray):
         c = x
     elif not is_device_array(x):
