@@ -186,7 +186,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         Dtypes, strides and devices as in :func:`flash_attn_func`.
     cu_seqlens_q, cu_seqlens_k : CUDA int32 array, shape (batch + 1,)
         Sequence starts: ``0 = cu[0] <= cu[1] <= ... <= cu[batch] = total``. Zero-length
-        sequences are allowed (a query with no keys gives 0 and LSE -inf).
+        sequences are allowed (a query with no keys gives 0 and LSE -inf). Host arrays (e.g.
+        ``np.cumsum`` of the lengths) are refused with the line that copies them to the device:
+        ``cupy.asarray(cu, dtype=cupy.int32)`` / ``torch.as_tensor(cu, dtype=torch.int32,
+        device=q.device)``; a device array of another integer dtype, with ``.astype(cupy.int32)``
+        / ``.to(torch.int32)``.
     max_seqlen_q, max_seqlen_k : int
         At least the longest query / key sequence; ``max_seqlen_q`` sizes the launch grid.
     softmax_scale, causal, window_size, return_lse, out
@@ -206,9 +210,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Raises
     ------
     TypeError, ValueError
-        As in :func:`flash_attn_func`, plus non-int32 or host ``cu_seqlens``, and (with
-        ``validate``) ``cu_seqlens`` not starting at 0, decreasing, not ending at the packed
-        length, or longer than ``max_seqlen``.
+        As in :func:`flash_attn_func`, plus non-int32 or host ``cu_seqlens`` (TypeError saying
+        how to convert them), and (with ``validate``) ``cu_seqlens`` not starting at 0,
+        decreasing, not ending at the packed length, or longer than ``max_seqlen``.
 
     Notes
     -----
@@ -280,7 +284,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    return_lse=False, out=None, validate=True, arch=None, num_sms=None):
     """The plan :func:`flash_attn_varlen_func` would execute, as data; launches nothing.
 
-    Same arguments as :func:`flash_attn_varlen_func`; arrays of any kind (NumPy included). FLOPs
+    Same arguments as :func:`flash_attn_varlen_func`; arrays of any kind (NumPy included; host
+    ``cu_seqlens`` of any integer dtype whose values fit int32, e.g. ``np.cumsum``'s int64). FLOPs
     are counted exactly per sequence when ``validate`` (the ``cu_seqlens`` are read), else None.
     ``arch`` and ``num_sms``: as in :func:`explain`.
 

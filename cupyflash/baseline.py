@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import checks, interop, jit, launch
+from .core import checks, deps, interop, jit, launch
 from .core.params import BaselineSoftmaxParams, pointer_fields
 
 __all__ = ["attention_baseline", "softmax_spec", "all_specs", "score_dtype", "gemm_plans"]
@@ -62,8 +62,8 @@ def _gemm_strided_batched(plan, a, b, c, dtype, c_dtype):
     from :func:`gemm_plans`), on the current stream, alpha = 1, beta = 0, float32 accumulation
     (float64 for float64)."""
     transa, transb, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batch_count = plan
-    import cupy
-    from cupy_backends.cuda.libs import cublas
+    cupy = deps.cupy("attention_baseline")
+    cublas = deps.cublas("attention_baseline")
     handle = cupy.cuda.device.get_cublas_handle()
     acc = np.float64 if c_dtype == "float64" else np.float32
     alpha = np.ones((), dtype=acc)
@@ -104,7 +104,7 @@ def gemm_plans(batch: int, nheads_k: int, group: int, seqlen_q: int, seqlen_k: i
 def _heads_major(x, dtype):
     """(batch, seqlen, heads, d) -> contiguous (batch, heads, seqlen, d), copied as raw bits
     (so that 16-bit types need no arithmetic support in CuPy)."""
-    import cupy
+    cupy = deps.cupy("attention_baseline")
     bits = {2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[x.dtype.itemsize]
     return cupy.ascontiguousarray(x.view(bits).transpose(0, 2, 1, 3)).view(x.dtype)
 
@@ -148,7 +148,7 @@ def attention_baseline(q, k, v, softmax_scale=None, causal=False, window_size=(-
     Extra device memory: ``batch * nheads * seqlen_q * seqlen_k * (4 + itemsize)`` bytes for S
     and P (``cupyflash.io_model.baseline_extra_memory``), plus head-major copies of q, k, v, o.
     """
-    import cupy
+    cupy = deps.cupy("attention_baseline")
     q, k, v = interop.as_cupy(q, "q"), interop.as_cupy(k, "k"), interop.as_cupy(v, "v")
     p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size)

@@ -466,8 +466,9 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     ----------
     q : array, shape (total_q, nheads, headdim)
     k, v : array, shape (total_k, nheads_k, headdim)
-    cu_seqlens_q, cu_seqlens_k : int32 array, shape (batch + 1,)
-        Sequence starts (0, ..., total).
+    cu_seqlens_q, cu_seqlens_k : integer array, shape (batch + 1,)
+        Sequence starts (0, ..., total); any integer dtype (e.g. ``np.cumsum``'s int64) whose
+        values fit int32.
     max_seqlen_q, max_seqlen_k : int or None
         Bounds on the lengths (None = the actual maxima).
     softmax_scale, causal, window_size
@@ -546,9 +547,10 @@ def kvcache_attention_reference(q, k_cache, v_cache, k=None, v=None, cache_seqle
         (num_pages, page_size, nheads_k, headdim) with any ``page_size >= 1``.
     k, v : array or None, shape (batch, seqlen_new, nheads_k, headdim)
         New tokens to append before attending.
-    cache_seqlens : int32 array (batch,), int, list of ints, or None
-        Valid cached tokens per sequence; None = the whole contiguous cache.
-    block_table : int32 array (batch, max_pages_per_seq) or None
+    cache_seqlens : integer array (batch,), int, list of ints, or None
+        Valid cached tokens per sequence (any integer dtype, values within int32); None = the
+        whole contiguous cache.
+    block_table : integer array (batch, max_pages_per_seq) or None
         Page ids; token ``t`` of sequence ``b`` lives at
         ``k_cache[block_table[b, t // page_size], t % page_size]``.
     softmax_scale : float or None

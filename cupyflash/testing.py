@@ -18,17 +18,27 @@ integer: fresh standard-normal data every example, never zeros. Cache tails, unu
 unused ``block_table`` entries are filled with NaN by default (``poison=True``): nothing beyond a
 sequence's length may influence a result.
 
-Requires ``hypothesis`` (the ``test`` extra).
+Every strategy checks its arguments when it is built (not when Hypothesis first draws from it):
+a wrong type raises ``TypeError``, a value out of range (a negative size, a minimum above its
+maximum, a dtype or head dim the kernels do not have) ``ValueError``, each message starting with
+the argument's name and saying what was expected.
+
+Requires ``hypothesis`` (``pip install hypothesis``, or the ``test`` extra): importing this
+module without it raises an ImportError that says so.
 """
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
-from hypothesis import strategies as st
 
+from .core import deps
+from .core.checks import HEADDIM_MULTIPLE, MAX_HEADDIM
 from .core.interop import np_dtype  # the one name -> NumPy dtype map ('bfloat16': ml_dtypes'), re-exported
+
+st = deps.hypothesis_strategies("cupyflash.testing")
 
 __all__ = [
     "DTYPES", "BLOCK_SIZES", "np_dtype", "rel_error", "streaming_error_bound",
@@ -180,6 +190,77 @@ def streaming_error_bound(q, k, v, *, softmax_scale=None, causal=False, window_s
 
 
 # ----------------------------------------------------------------------------------------------
+# Argument checks of the strategies (run when a strategy is built)
+# ----------------------------------------------------------------------------------------------
+def _int(x, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    """``x`` as an int in ``[lo, hi]`` (None: unbounded); bools are not ints here."""
+    want = ("an int" + (f" >= {lo}" if hi is None and lo is not None else "")
+            + (f" in [{lo}, {hi}]" if hi is not None and lo is not None else ""))
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected {want}, got {type(x).__name__} {x!r}")
+    x = int(x)
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        raise ValueError(f"{name}: expected {want}, got {x}")
+    return x
+
+
+def _at_most(lo_name: str, lo: int, hi_name: str, hi: int) -> None:
+    if lo > hi:
+        raise ValueError(f"{lo_name}: {lo} is larger than {hi_name} ({hi})")
+
+
+def _bool(x, name: str, none_ok: bool = False):
+    if x is None and none_ok:
+        return None
+    if not isinstance(x, (bool, np.bool_)):
+        want = "True, False or None (drawn)" if none_ok else "a bool"
+        raise TypeError(f"{name}: expected {want}, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def _dtype_names(names, name: str = "dtypes") -> tuple:
+    """A non-empty tuple of names from :data:`DTYPES` (NumPy dtypes and types are named)."""
+    if isinstance(names, (str, bytes)):
+        raise TypeError(f"{name}: expected a tuple of dtype names, got the string {names!r} "
+                        f"(write ({names!r},))")
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise TypeError(f"{name}: expected a tuple of dtype names from {DTYPES}, got "
+                        f"{type(names).__name__} {names!r}") from None
+    if not names:
+        raise ValueError(f"{name}: expected at least one dtype name from {DTYPES}, got ()")
+    out = []
+    for n in names:
+        key = n
+        if not isinstance(n, str):
+            try:
+                key = np.dtype(n).name
+            except TypeError:
+                key = repr(n)
+        if key not in DTYPES:
+            raise ValueError(f"{name}: {n!r} is not supported; the kernels and the reference "
+                             f"take {', '.join(DTYPES)}")
+        out.append(key)
+    return tuple(out)
+
+
+def _headdim_limit(x, name: str) -> int:
+    """A largest head dim: an int in [8, 256] (the checks' multiples of 8 up to 256)."""
+    return _int(x, name, HEADDIM_MULTIPLE, MAX_HEADDIM)
+
+
+def _int_tuple(values, name: str, lo: int, allow_empty: bool = True) -> tuple:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name}: expected a tuple of ints >= {lo}, got "
+                        f"{type(values).__name__} {values!r}")
+    out = tuple(_int(v, f"{name}[{i}]", lo) for i, v in enumerate(values))
+    if not out and not allow_empty:
+        raise ValueError(f"{name}: expected at least one int >= {lo}, got ()")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Basic strategies
 # ----------------------------------------------------------------------------------------------
 def dtypes(names=DTYPES):
@@ -188,13 +269,21 @@ def dtypes(names=DTYPES):
     Parameters
     ----------
     names : tuple of str
-        Candidates (default: float16, bfloat16, float32, float64).
+        Candidates from float16, bfloat16, float32, float64 (the default: all four). NumPy
+        dtypes are accepted and drawn as their names.
 
     Returns
     -------
     SearchStrategy[str]
+
+    Raises
+    ------
+    TypeError
+        ``names`` is a string or not iterable.
+    ValueError
+        ``names`` is empty or names a dtype outside :data:`DTYPES` (e.g. ``'int8'``).
     """
-    return st.sampled_from(tuple(names))
+    return st.sampled_from(_dtype_names(names, "names"))
 
 
 def headdims(max_value=256, min_value=8):
@@ -203,13 +292,30 @@ def headdims(max_value=256, min_value=8):
     Parameters
     ----------
     max_value, min_value : int
-        Range (the checks accept multiples of 8 from 8 to 256).
+        Range; ``max_value`` at most 256 (the checks accept multiples of 8 from 8 to 256), and
+        the range must hold a multiple of 8 from 8 up.
 
     Returns
     -------
     SearchStrategy[int]
+
+    Raises
+    ------
+    TypeError
+        A bound that is not an int.
+    ValueError
+        A negative ``min_value``, ``max_value`` above 256, ``min_value > max_value``, or no
+        multiple of 8 (from 8) in the range.
     """
-    return st.sampled_from(tuple(range(max(8, min_value), max_value + 1, 8)))
+    max_value = _int(max_value, "max_value", 0, MAX_HEADDIM)
+    min_value = _int(min_value, "min_value", 0)
+    _at_most("min_value", min_value, "max_value", max_value)
+    values = tuple(range(max(HEADDIM_MULTIPLE, -(-min_value // HEADDIM_MULTIPLE)
+                             * HEADDIM_MULTIPLE), max_value + 1, HEADDIM_MULTIPLE))
+    if not values:
+        raise ValueError(f"max_value: no head dim (a multiple of {HEADDIM_MULTIPLE} from "
+                         f"{HEADDIM_MULTIPLE}) in [{min_value}, {max_value}]")
+    return st.sampled_from(values)
 
 
 def head_counts(max_nheads_k=4, max_group=4):
@@ -218,15 +324,22 @@ def head_counts(max_nheads_k=4, max_group=4):
     Parameters
     ----------
     max_nheads_k : int
-        Largest number of KV heads.
+        Largest number of KV heads (>= 1).
     max_group : int
-        Largest ratio ``nheads // nheads_k``.
+        Largest ratio ``nheads // nheads_k`` (>= 1).
 
     Returns
     -------
     SearchStrategy[tuple[int, int]]
         ``(nheads, nheads_k)`` with ``nheads = group * nheads_k``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A limit that is not an int >= 1.
     """
+    max_nheads_k = _int(max_nheads_k, "max_nheads_k", 1)
+    max_group = _int(max_group, "max_group", 1)
     return st.tuples(st.integers(1, max_nheads_k), st.integers(1, max_group)).map(
         lambda t: (t[0] * t[1], t[0]))
 
@@ -237,14 +350,26 @@ def seqlens(max_value=64, min_value=0, block_sizes=BLOCK_SIZES):
     Parameters
     ----------
     max_value, min_value : int
-        Range of lengths.
+        Range of lengths, ``0 <= min_value <= max_value``.
     block_sizes : tuple of int
-        Tile sizes ``b``; ``0, 1, b - 1, b, b + 1`` are drawn often, other lengths uniformly.
+        Tile sizes ``b >= 1``; ``0, 1, b - 1, b, b + 1`` are drawn often, other lengths
+        uniformly (empty: uniformly only).
 
     Returns
     -------
     SearchStrategy[int]
+
+    Raises
+    ------
+    TypeError
+        A bound or block size that is not an int; ``block_sizes`` not a tuple.
+    ValueError
+        A negative bound, ``min_value > max_value``, a block size below 1.
     """
+    max_value = _int(max_value, "max_value", 0)
+    min_value = _int(min_value, "min_value", 0)
+    _at_most("min_value", min_value, "max_value", max_value)
+    block_sizes = _int_tuple(block_sizes, "block_sizes", 1)
     special = sorted({x for b in block_sizes for x in (0, 1, b - 1, b, b + 1)
                       if min_value <= x <= max_value})
     uniform = st.integers(min_value, max_value)
@@ -257,13 +382,19 @@ def window_sizes(max_value=64):
     Parameters
     ----------
     max_value : int
-        Largest finite entry.
+        Largest finite entry (>= 0).
 
     Returns
     -------
     SearchStrategy[tuple[int, int]]
         ``(-1, -1)`` often; otherwise each entry in ``[-1, max_value]``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``max_value`` not an int >= 0.
     """
+    max_value = _int(max_value, "max_value", 0)
     entry = st.one_of(st.just(-1), st.integers(0, max_value))
     return st.one_of(st.just((-1, -1)), st.tuples(entry, entry))
 
@@ -285,15 +416,24 @@ def segment_lengths(max_batch=4, max_len=40, min_batch=1):
     Parameters
     ----------
     max_batch, min_batch : int
-        Range of the number of sequences.
+        Range of the number of sequences, ``0 <= min_batch <= max_batch``.
     max_len : int
-        Longest sequence (0 is allowed).
+        Longest sequence (>= 0; lengths of 0 are drawn too).
 
     Returns
     -------
     SearchStrategy[list[int]]
+
+    Raises
+    ------
+    TypeError, ValueError
+        A limit that is not an int >= 0, or ``min_batch > max_batch``.
     """
-    return st.lists(seqlens(max_len), min_size=min_batch, max_size=max_batch)
+    max_batch = _int(max_batch, "max_batch", 0)
+    min_batch = _int(min_batch, "min_batch", 0)
+    _at_most("min_batch", min_batch, "max_batch", max_batch)
+    return st.lists(seqlens(_int(max_len, "max_len", 0)), min_size=min_batch,
+                    max_size=max_batch)
 
 
 def cu_seqlens_from_lengths(lengths) -> np.ndarray:
@@ -362,27 +502,68 @@ class AttentionCase(_MaskedCall):
     seed: int
 
 
-@st.composite
-def attention_cases(draw, *, dtypes=("float64",), max_batch=2, max_seqlen_q=48,
-                    max_seqlen_k=48, max_headdim=64, max_nheads_k=3, max_group=3, causal=None,
-                    windows=True, min_seqlen=0, scale=1.0):
+def attention_cases(*, dtypes=("float64",), max_batch=2, max_seqlen_q=48, max_seqlen_k=48,
+                    max_headdim=64, max_nheads_k=3, max_group=3, causal=None, windows=True,
+                    min_seqlen=0, scale=1.0):
     """Strategy: :class:`AttentionCase` with random shapes, GQA ratio, masks and data.
 
     Parameters
     ----------
     dtypes : tuple of str
-        Dtypes to draw from.
-    max_batch, max_seqlen_q, max_seqlen_k, max_headdim, max_nheads_k, max_group : int
-        Size limits (lengths include 0, 1 and block-size neighbours).
+        Dtypes to draw from (:data:`DTYPES`).
+    max_batch, max_nheads_k, max_group : int
+        Size limits, each >= 1.
+    max_seqlen_q, max_seqlen_k : int
+        Longest query / key length, each >= ``min_seqlen`` (lengths include 0, 1 and
+        block-size neighbours).
+    max_headdim : int
+        Largest head dim, 8 to 256 (multiples of 8 up to it are drawn).
     causal : bool or None
         Fixed, or drawn when None.
     windows : bool
         Draw sliding windows too (else ``(-1, -1)``).
     min_seqlen : int
-        Smallest length drawn.
+        Smallest length drawn (>= 0).
     scale : float
-        Standard deviation of the data.
+        Standard deviation of the data (finite, > 0).
+
+    Returns
+    -------
+    SearchStrategy[AttentionCase]
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong type (``dtypes`` a string, a size that is not an int, a
+        non-bool ``causal`` / ``windows``, a non-real ``scale``).
+    ValueError
+        A dtype outside :data:`DTYPES`, a size out of range, ``min_seqlen`` above a maximum.
     """
+    dtypes = _dtype_names(dtypes)
+    min_seqlen = _int(min_seqlen, "min_seqlen", 0)
+    max_seqlen_q = _int(max_seqlen_q, "max_seqlen_q", 0)
+    max_seqlen_k = _int(max_seqlen_k, "max_seqlen_k", 0)
+    _at_most("min_seqlen", min_seqlen, "max_seqlen_q", max_seqlen_q)
+    _at_most("min_seqlen", min_seqlen, "max_seqlen_k", max_seqlen_k)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a finite float > 0, got {type(scale).__name__} "
+                        f"{scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+    return _attention_cases(dtypes=dtypes, max_batch=_int(max_batch, "max_batch", 1),
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                            max_headdim=_headdim_limit(max_headdim, "max_headdim"),
+                            max_nheads_k=_int(max_nheads_k, "max_nheads_k", 1),
+                            max_group=_int(max_group, "max_group", 1),
+                            causal=_bool(causal, "causal", none_ok=True),
+                            windows=_bool(windows, "windows"), min_seqlen=min_seqlen,
+                            scale=float(scale))
+
+
+@st.composite
+def _attention_cases(draw, *, dtypes, max_batch, max_seqlen_q, max_seqlen_k, max_headdim,
+                     max_nheads_k, max_group, causal, windows, min_seqlen, scale):
+    """:func:`attention_cases` with checked arguments."""
     dt = draw(st.sampled_from(tuple(dtypes)))
     batch = draw(st.integers(1, max_batch))
     sq = draw(seqlens(max_seqlen_q, min_seqlen))
@@ -420,18 +601,21 @@ class VarlenCase(_MaskedCall):
     seed: int
 
 
-@st.composite
-def varlen_cases(draw, *, dtypes=("float64",), max_batch=4, max_len=40, max_headdim=64,
+def varlen_cases(*, dtypes=("float64",), max_batch=4, max_len=40, max_headdim=64,
                  max_nheads_k=2, max_group=3, causal=None, windows=True):
     """Strategy: :class:`VarlenCase` (packed batches for ``flash_attn_varlen_func``).
 
     Parameters
     ----------
     dtypes : tuple of str
+        Dtypes to draw from (:data:`DTYPES`).
     max_batch, max_len : int
-        Sequences per batch and longest sequence; lengths include 0 and 1 (empty sequences,
-        sequences with queries but no keys and vice versa).
-    max_headdim, max_nheads_k, max_group : int
+        Sequences per batch (>= 1) and longest sequence (>= 0); lengths include 0 and 1 (empty
+        sequences, sequences with queries but no keys and vice versa).
+    max_headdim : int
+        Largest head dim, 8 to 256.
+    max_nheads_k, max_group : int
+        Each >= 1.
     causal : bool or None
         Fixed, or drawn when None.
     windows : bool
@@ -441,7 +625,25 @@ def varlen_cases(draw, *, dtypes=("float64",), max_batch=4, max_len=40, max_head
     -------
     SearchStrategy[VarlenCase]
         ``max_seqlen_*`` may exceed the longest sequence by up to 3.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention_cases`, naming the argument.
     """
+    return _varlen_cases(dtypes=_dtype_names(dtypes), max_batch=_int(max_batch, "max_batch", 1),
+                         max_len=_int(max_len, "max_len", 0),
+                         max_headdim=_headdim_limit(max_headdim, "max_headdim"),
+                         max_nheads_k=_int(max_nheads_k, "max_nheads_k", 1),
+                         max_group=_int(max_group, "max_group", 1),
+                         causal=_bool(causal, "causal", none_ok=True),
+                         windows=_bool(windows, "windows"))
+
+
+@st.composite
+def _varlen_cases(draw, *, dtypes, max_batch, max_len, max_headdim, max_nheads_k, max_group,
+                  causal, windows):
+    """:func:`varlen_cases` with checked arguments."""
     dt = draw(st.sampled_from(tuple(dtypes)))
     batch = draw(st.integers(1, max_batch))
     lq = draw(st.lists(seqlens(max_len), min_size=batch, max_size=batch))
@@ -506,14 +708,17 @@ def contiguous_to_paged(cache, page_size, rng: np.random.Generator, extra_pages=
 
     Raises
     ------
-    ValueError
-        If ``page_size`` does not divide ``seqlen_cache``.
+    TypeError, ValueError
+        ``page_size`` not an int >= 1, ``extra_pages`` not an int >= 0, or ``page_size`` not
+        dividing ``seqlen_cache``.
 
     Returns
     -------
     pool : array (num_pages, page_size, nheads_k, d)
     block_table : int32 array (batch, seqlen_cache / page_size)
     """
+    page_size = _int(page_size, "page_size", 1)
+    extra_pages = _int(extra_pages, "extra_pages", 0)
     batch, cap = cache.shape[:2]
     if cap % page_size:
         raise ValueError(f"page_size: {page_size} must divide seqlen_cache {cap}")
@@ -573,8 +778,7 @@ class KVCacheCase:
 _PAGE_SIZES = (1, 2, 3, 5, 8, 16, 64, 256)
 
 
-@st.composite
-def kvcache_cases(draw, *, dtypes=("float64",), paged=None, append=None, max_batch=3,
+def kvcache_cases(*, dtypes=("float64",), paged=None, append=None, max_batch=3,
                   max_seqlen_q=16, max_seqlen_new=4, max_pages_per_seq=6, page_sizes=_PAGE_SIZES,
                   max_seqlen_cache=96, max_headdim=64, max_nheads_k=2, max_group=4, causal=None,
                   poison=True):
@@ -585,16 +789,59 @@ def kvcache_cases(draw, *, dtypes=("float64",), paged=None, append=None, max_bat
     Parameters
     ----------
     dtypes : tuple of str
+        Dtypes to draw from (:data:`DTYPES`; the GPU decode path takes float16 and bfloat16).
     paged, append, causal : bool or None
         Fixed, or drawn when None.
-    max_batch, max_seqlen_q, max_seqlen_new, max_pages_per_seq, max_seqlen_cache : int
-        Size limits (the capacity is at most ``max_seqlen_cache`` tokens per sequence).
+    max_batch, max_seqlen_q, max_pages_per_seq, max_seqlen_cache : int
+        Size limits, each >= 1 (the capacity is at most ``max_seqlen_cache`` tokens per
+        sequence, unless the appended tokens need more pages).
+    max_seqlen_new : int
+        Most tokens appended (>= 0).
     page_sizes : tuple of int
-        Page sizes to draw from.
-    max_headdim, max_nheads_k, max_group : int
+        Page sizes to draw from, each >= 1; with ``paged`` not False, at least one at most
+        ``max_seqlen_cache``.
+    max_headdim : int
+        Largest head dim, 8 to 256.
+    max_nheads_k, max_group : int
+        Each >= 1.
     poison : bool
         Fill everything beyond each sequence's length with NaN.
+
+    Returns
+    -------
+    SearchStrategy[KVCacheCase]
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention_cases`, naming the argument; ``page_sizes`` with no size that fits
+        ``max_seqlen_cache``.
     """
+    paged = _bool(paged, "paged", none_ok=True)
+    max_seqlen_cache = _int(max_seqlen_cache, "max_seqlen_cache", 1)
+    page_sizes = _int_tuple(page_sizes, "page_sizes", 1, allow_empty=False)
+    if paged is not False and not any(p <= max_seqlen_cache for p in page_sizes):
+        raise ValueError(f"page_sizes: no page size of {page_sizes} fits max_seqlen_cache "
+                         f"({max_seqlen_cache}); give a smaller one, or paged=False")
+    return _kvcache_cases(dtypes=_dtype_names(dtypes), paged=paged,
+                          append=_bool(append, "append", none_ok=True),
+                          max_batch=_int(max_batch, "max_batch", 1),
+                          max_seqlen_q=_int(max_seqlen_q, "max_seqlen_q", 1),
+                          max_seqlen_new=_int(max_seqlen_new, "max_seqlen_new", 0),
+                          max_pages_per_seq=_int(max_pages_per_seq, "max_pages_per_seq", 1),
+                          page_sizes=page_sizes, max_seqlen_cache=max_seqlen_cache,
+                          max_headdim=_headdim_limit(max_headdim, "max_headdim"),
+                          max_nheads_k=_int(max_nheads_k, "max_nheads_k", 1),
+                          max_group=_int(max_group, "max_group", 1),
+                          causal=_bool(causal, "causal", none_ok=True),
+                          poison=_bool(poison, "poison"))
+
+
+@st.composite
+def _kvcache_cases(draw, *, dtypes, paged, append, max_batch, max_seqlen_q, max_seqlen_new,
+                   max_pages_per_seq, page_sizes, max_seqlen_cache, max_headdim, max_nheads_k,
+                   max_group, causal, poison):
+    """:func:`kvcache_cases` with checked arguments."""
     dt = draw(st.sampled_from(tuple(dtypes)))
     is_paged = draw(st.booleans()) if paged is None else paged
     do_append = draw(st.booleans()) if append is None else append
@@ -689,8 +936,7 @@ class MagnitudeCase:
         return dict(softmax_scale=self.softmax_scale, causal=self.causal)
 
 
-@st.composite
-def magnitude_cases(draw, *, dtypes=("float64",), max_batch=2, max_seqlen_q=40, max_seqlen_k=80,
+def magnitude_cases(*, dtypes=("float64",), max_batch=2, max_seqlen_q=40, max_seqlen_k=80,
                     headdims_from=(8, 64, 128), max_nheads_k=2, max_group=2, causal=None,
                     max_magnitude=MAX_SCORE_MAGNITUDE):
     """Strategy: :class:`MagnitudeCase`, scores from about 0.01 to ``max_magnitude`` (log-uniform).
@@ -698,16 +944,54 @@ def magnitude_cases(draw, *, dtypes=("float64",), max_batch=2, max_seqlen_q=40, 
     Parameters
     ----------
     dtypes : tuple of str
+        Dtypes to draw from (:data:`DTYPES`).
     max_batch, max_seqlen_q, max_seqlen_k : int
-        Size limits (lengths from 1, biased to tile edges).
+        Size limits, each >= 1 (lengths from 1, biased to tile edges).
     headdims_from : tuple of int
-        Head dims to draw from (multiples of 8).
+        Head dims to draw from: multiples of 8 from 8 to 256.
     max_nheads_k, max_group : int
+        Each >= 1.
     causal : bool or None
         Fixed, or drawn when None.
     max_magnitude : float
-        Largest ``|softmax_scale * q . k|``.
+        Largest ``|softmax_scale * q . k|``, from 0.01 to :data:`MAX_SCORE_MAGNITUDE`.
+
+    Returns
+    -------
+    SearchStrategy[MagnitudeCase]
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention_cases`, naming the argument; a head dim that is not a multiple of 8
+        in [8, 256]; ``max_magnitude`` outside [0.01, :data:`MAX_SCORE_MAGNITUDE`].
     """
+    heads = _int_tuple(headdims_from, "headdims_from", HEADDIM_MULTIPLE, allow_empty=False)
+    for i, d in enumerate(heads):
+        if d % HEADDIM_MULTIPLE or d > MAX_HEADDIM:
+            raise ValueError(f"headdims_from[{i}]: expected a multiple of {HEADDIM_MULTIPLE} "
+                             f"from {HEADDIM_MULTIPLE} to {MAX_HEADDIM}, got {d}")
+    if (isinstance(max_magnitude, (bool, np.bool_))
+            or not isinstance(max_magnitude, numbers.Real)):
+        raise TypeError(f"max_magnitude: expected a float, got {type(max_magnitude).__name__} "
+                        f"{max_magnitude!r}")
+    if not 0.01 <= max_magnitude <= MAX_SCORE_MAGNITUDE:  # (NaN fails too)
+        raise ValueError(f"max_magnitude: expected a float in [0.01, {MAX_SCORE_MAGNITUDE:g}] "
+                         f"(the float32 LSE holds the scaled max score), got {max_magnitude!r}")
+    return _magnitude_cases(dtypes=_dtype_names(dtypes), max_batch=_int(max_batch, "max_batch", 1),
+                            max_seqlen_q=_int(max_seqlen_q, "max_seqlen_q", 1),
+                            max_seqlen_k=_int(max_seqlen_k, "max_seqlen_k", 1),
+                            headdims_from=heads,
+                            max_nheads_k=_int(max_nheads_k, "max_nheads_k", 1),
+                            max_group=_int(max_group, "max_group", 1),
+                            causal=_bool(causal, "causal", none_ok=True),
+                            max_magnitude=float(max_magnitude))
+
+
+@st.composite
+def _magnitude_cases(draw, *, dtypes, max_batch, max_seqlen_q, max_seqlen_k, headdims_from,
+                     max_nheads_k, max_group, causal, max_magnitude):
+    """:func:`magnitude_cases` with checked arguments."""
     dt = draw(st.sampled_from(tuple(dtypes)))
     batch = draw(st.integers(1, max_batch))
     sq = draw(seqlens(max_seqlen_q, 1))
@@ -762,10 +1046,19 @@ def magnitude_tolerance(q, k, v, dtype, *, softmax_scale, causal=False, accumula
     -------
     out_tol : float64 array, shape of ``q``
     lse_tol : float64 array, shape (batch, nheads, seqlen_q)
+
+    Raises
+    ------
+    ValueError
+        ``dtype`` not in :data:`DTYPES`, ``accumulate`` not float32 or float64.
     """
     from . import reference
     eps = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23,
            "float64": 2.0 ** -52}
+    if dtype not in eps:
+        raise ValueError(f"dtype: expected one of {', '.join(eps)}, got {dtype!r}")
+    if accumulate not in ("float32", "float64"):
+        raise ValueError(f"accumulate: expected 'float32' or 'float64', got {accumulate!r}")
     eps_acc = eps[accumulate]
     n = k.shape[1]
     f = np.float64

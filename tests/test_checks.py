@@ -87,9 +87,16 @@ BAD_CALLS = {
                         ValueError, "q"),
     "varlen k headdim": (lambda: VARLEN(a(9, 4, 64), a(9, 2, 32), a(9, 2, 32), i32(0, 9),
                                         i32(0, 9), 9, 9), ValueError, "k"),
-    "cu_seqlens int64": (lambda: VARLEN(a(9, 4, 64), a(9, 2, 64), a(9, 2, 64),
-                                        np.array([0, 9]), i32(0, 9), 9, 9),
+    "cu_seqlens float": (lambda: VARLEN(a(9, 4, 64), a(9, 2, 64), a(9, 2, 64),
+                                        np.array([0.0, 9.0]), i32(0, 9), 9, 9),
                          TypeError, "cu_seqlens_q"),
+    "cu_seqlens beyond int32": (lambda: VARLEN(a(9, 4, 64), a(9, 2, 64), a(9, 2, 64),
+                                               i32(0, 9), np.array([0, 2 ** 31]), 9, 9),
+                                ValueError, "cu_seqlens_k"),
+    "device cu_seqlens int64": (lambda: VARLEN(FakeCuda((9, 4, 64)), FakeCuda((9, 2, 64)),
+                                               FakeCuda((9, 2, 64)), FakeCuda((2,), np.int64),
+                                               FakeCuda((2,), np.int32), 9, 9),
+                                TypeError, "cu_seqlens_q"),
     "cu_seqlens 2 dims": (lambda: VARLEN(a(9, 4, 64), a(9, 2, 64), a(9, 2, 64), i32([0, 9]),
                                          i32(0, 9), 9, 9), ValueError, "cu_seqlens_q"),
     "cu_seqlens empty": (lambda: VARLEN(a(0, 4, 64), a(0, 2, 64), a(0, 2, 64), i32(), i32(),
@@ -127,8 +134,16 @@ BAD_CALLS = {
                    ValueError, "v"),
     "kv append without seqlens": (lambda: KV(Q, K, K, a(2, 1, 2, 64), a(2, 1, 2, 64)),
                                   ValueError, "cache_seqlens"),
-    "kv seqlens int64": (lambda: KV(Q, K, K, cache_seqlens=np.array([1, 2])),
+    "kv seqlens float": (lambda: KV(Q, K, K, cache_seqlens=np.array([1.0, 2.0])),
                          TypeError, "cache_seqlens"),
+    "kv seqlens bool": (lambda: KV(Q, K, K, cache_seqlens=np.array([True, False])),
+                        TypeError, "cache_seqlens"),
+    "kv seqlens beyond int32": (lambda: KV(Q, K, K, cache_seqlens=np.array([1, -2 ** 31 - 1])),
+                                ValueError, "cache_seqlens"),
+    "kv device seqlens int64": (lambda: KV(FakeCuda(Q.shape), FakeCuda(K.shape),
+                                           FakeCuda(K.shape),
+                                           cache_seqlens=FakeCuda((2,), np.int64)),
+                                TypeError, "cache_seqlens"),
     "kv seqlens shape": (lambda: KV(Q, K, K, cache_seqlens=i32(1, 2, 3)),
                          ValueError, "cache_seqlens"),
     "kv seqlens negative": (lambda: KV(Q, K, K, cache_seqlens=i32(1, -1)),
@@ -144,8 +159,12 @@ BAD_CALLS = {
     "kv out": (lambda: KV(Q, K, K, out=K), ValueError, "out"),
     "paged without seqlens": (lambda: KV(Q, KC, KC, block_table=i32([1, 2], [3, 4])),
                               ValueError, "cache_seqlens"),
-    "paged table int64": (lambda: KV(Q, KC, KC, cache_seqlens=i32(1, 1),
-                                     block_table=np.array([[1], [2]])), TypeError, "block_table"),
+    "paged table float": (lambda: KV(Q, KC, KC, cache_seqlens=i32(1, 1),
+                                     block_table=np.array([[1.0], [2.0]])),
+                          TypeError, "block_table"),
+    "paged table beyond int32": (lambda: KV(Q, KC, KC, cache_seqlens=i32(1, 1),
+                                            block_table=np.array([[1], [2 ** 32]], np.uint64)),
+                                 ValueError, "block_table"),
     "paged table 1 dim": (lambda: KV(Q, KC, KC, cache_seqlens=i32(1, 1),
                                      block_table=i32(1, 2)), ValueError, "block_table"),
     "paged table batch": (lambda: KV(Q, KC, KC, cache_seqlens=i32(1, 1),
@@ -185,6 +204,73 @@ def test_bad_call_raises_named_error(case):
     with pytest.raises(exc) as info:
         call()
     assert str(info.value).startswith(name + ":"), str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Index arrays: any integer dtype on the host (values within int32), int32 on the GPU
+# ----------------------------------------------------------------------------------------------
+HOST_INT_DTYPES = (np.int64, np.int32, np.int16, np.uint8, np.uint32, np.uint64)
+
+
+@pytest.mark.parametrize("dt", HOST_INT_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_host_index_arrays_of_any_integer_dtype(dt):
+    """NumPy's default int64 (``np.array([3, 5])``, ``np.cumsum``) and the other integer dtypes
+    are accepted on the host, as a list already was; the problem and the reference's result are
+    those of int32."""
+    import cupyflash
+    lens = np.array([3, 6])
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(dt)  # np.cumsum: int64
+    qv, kv = a(9, 4, 64), a(9, 2, 64)
+    assert VARLEN(qv, kv, kv, cu, cu, 6, 6) == VARLEN(qv, kv, kv, i32(0, 3, 9), i32(0, 3, 9), 6, 6)
+    out, lse = reference.varlen_attention_reference(qv, kv, kv, cu, cu)
+    want, want_lse = reference.varlen_attention_reference(qv, kv, kv, i32(0, 3, 9), i32(0, 3, 9))
+    assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
+    cs, bt = np.array([3, 40]).astype(dt), np.array([[1, 2, 3], [4, 5, 6]]).astype(dt)
+    assert KV(Q, KC, KC, cache_seqlens=cs, block_table=bt) == KV(Q, KC, KC, **PAGED)
+    out = reference.kvcache_attention_reference(Q, KC, KC, cache_seqlens=cs, block_table=bt)
+    want = reference.kvcache_attention_reference(Q, KC, KC, **PAGED)
+    assert np.array_equal(out[0], want[0])
+    # the plans read them too (no compile: report=False where the call has it)
+    q16, k16 = qv.astype(np.float16), kv.astype(np.float16)
+    p = cupyflash.explain_varlen(q16, k16, k16, cu, cu, 6, 6, arch="sm_80")
+    assert p == cupyflash.explain_varlen(q16, k16, k16, i32(0, 3, 9), i32(0, 3, 9), 6, 6,
+                                         arch="sm_80")
+    kc16 = KC.astype(np.float16)
+    p = cupyflash.explain_kvcache(Q.astype(np.float16), kc16, kc16, cache_seqlens=cs,
+                                  block_table=bt, report=False)
+    assert p == cupyflash.explain_kvcache(Q.astype(np.float16), kc16, kc16, report=False,
+                                          **PAGED)
+
+
+def test_host_index_values_outside_int32_name_the_entry():
+    with pytest.raises(ValueError, match=r"^cache_seqlens: values must fit int32.*"
+                                         r"cache_seqlens\[1\]=4294967296"):
+        KV(Q, K, K, cache_seqlens=np.array([1, 2 ** 32]))
+    with pytest.raises(ValueError, match=r"^block_table: .*block_table\[1, 0\]=-2147483649"):
+        KV(Q, KC, KC, cache_seqlens=i32(1, 1), block_table=np.array([[1], [-2 ** 31 - 1]]))
+
+
+def test_device_index_arrays_say_how_to_convert():
+    """On the GPU the kernels read int32: the message gives the conversion of the caller's
+    library (CuPy's ``astype``, torch's ``to``)."""
+    with pytest.raises(TypeError, match=r"^cache_seqlens: dtype int64 is not supported on the "
+                                        r"GPU.*\.astype\(cupy\.int32\).*\.to\(torch\.int32\)"):
+        KV(FakeCuda(Q.shape), FakeCuda(K.shape), FakeCuda(K.shape),
+           cache_seqlens=FakeCuda((2,), np.int64))
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(3, dtype=torch.int64, device="meta")  # a tensor: torch's own conversion
+    assert checks._int32_hint(t, "cu_seqlens_q") == "pass cu_seqlens_q.to(torch.int32)"
+
+
+def test_varlen_call_with_host_cu_seqlens_says_how_to_copy_them():
+    """A CUDA ``q`` with ``np.cumsum`` cu_seqlens: the message copies them to the device (not
+    the NumPy reference's hint meant for host ``q``)."""
+    import cupyflash
+    cu = np.array([0, 9])
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q: expected a CUDA array.*"
+                                        r"cupy\.asarray\(cu_seqlens_q, dtype=cupy\.int32\)"):
+        cupyflash.flash_attn_varlen_func(FakeCuda((9, 4, 64)), FakeCuda((9, 2, 64)),
+                                         FakeCuda((9, 2, 64)), cu, cu, 9, 9)
 
 
 # Bad inputs to the reference raise the same errors, before any arithmetic (the compute kernels

@@ -839,7 +839,8 @@ def test_host_planning_messages_from_a_new_users_trial():
                         v_cache=a["v_cache"].astype(np.float32)), TypeError, "q: dtype float32"),
     (lambda a: a.update(q=np.zeros((2, 1, 3, 64), np.float16)), ValueError, "nheads_k"),
     (lambda a: a.update(cache_seqlens=np.array([3, 49], np.int32)), ValueError, "cache_seqlens"),
-    (lambda a: a.update(cache_seqlens=np.array([3, 5], np.int64)), TypeError, "cache_seqlens"),
+    (lambda a: a.update(cache_seqlens=np.array([3, 2 ** 31], np.int64)), ValueError,
+     "cache_seqlens: values must fit int32"),
     (lambda a: a.update(softmax_scale=float("nan")), ValueError, "softmax_scale"),
     (lambda a: a.update(num_splits=-1), ValueError, "num_splits"),
     (lambda a: None, TypeError, "q: flash_attn_with_kvcache runs on the GPU"),
@@ -1134,7 +1135,7 @@ def test_explain_kvcache_takes_the_calls_arguments():
     (lambda a: a["block_table"].__setitem__((0, 0), -2), ValueError,
      r"^block_table: page id block_table\[0, 0\]=-2 is outside the pool \[0, 6\)"),
     (lambda a: a.update(cache_seqlens=[3, 5.0]), TypeError,
-     r"^cache_seqlens: expected an int32 array, an int or a list of ints, got list"),
+     r"^cache_seqlens: expected an integer array, an int or a list of ints, got list"),
     (lambda a: a.update(cache_seqlens=[3, 49]), ValueError,  # a list: FlashAttention's forms
      r"^cache_seqlens: cache_seqlens\[1\]=49 \+ seqlen_new 0 exceeds the cache capacity 48 "),
     (lambda a: a.update(cache_seqlens=-1), ValueError,  # an int: every sequence's length

@@ -531,7 +531,7 @@ def test_decode_host_lengths_are_checked_on_the_host_and_copied(fake_cuda, lengt
               r"capacity 256 \(k_cache dim 1\)$"),
     ([1, -3, 2], r"^cache_seqlens: must be >= 0, got cache_seqlens\[1\]=-3$"),
     ([1, 2], r"^cache_seqlens: expected shape \(3,\)"),
-    ([1, 2.5, 3], r"^cache_seqlens: expected an int32 array, an int or a list of ints"),
+    ([1, 2.5, 3], r"^cache_seqlens: expected an integer array, an int or a list of ints"),
 ])
 def test_decode_bad_host_lengths_raise_before_any_launch(fake_cuda, lengths, match):
     q, kc, _, _ = _decode_args()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import deps
 from .interop import is_device_array, np_dtype, torch_tensor_type  # (imports no CuPy)
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
     "aligned16", "rows_aligned16", "device_pointer",
     "check_window_size",
     "kernel_window", "dtype_name", "to_host", "host_array", "lengths_from_host",
-    "negative_length_message", "capacity_message", "page_id_message",
+    "negative_length_message", "capacity_message", "page_id_message", "HOST_INDEX_DTYPES",
 ]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -396,7 +397,7 @@ def to_host(x) -> np.ndarray:
         Same shape and dtype.
     """
     if _is_device(x):
-        import cupy
+        cupy = deps.cupy("reading a CUDA array on the host")
         if not isinstance(x, cupy.ndarray):
             x = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
         return cupy.asnumpy(x)
@@ -533,14 +534,49 @@ def _check_out(out, q_shape: tuple, dt: str) -> None:
     _check_same_dtype(out, "out", dt, "q")
 
 
+#: Integer dtypes a host index array (``cu_seqlens``, ``cache_seqlens``, ``block_table``) may
+#: have; its values must fit int32, the kernels' index type.
+HOST_INDEX_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+_INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+def _int32_hint(x, name: str) -> str:
+    """How to make a device index array ``x`` int32, in the caller's library."""
+    tt = torch_tensor_type()
+    if tt is not None and isinstance(x, tt):
+        return f"pass {name}.to(torch.int32)"
+    if type(x).__module__.split(".")[0] == "cupy":
+        return f"pass {name}.astype(cupy.int32)"
+    return (f"convert it to int32 ({name}.astype(cupy.int32) for CuPy, "
+            f"{name}.to(torch.int32) for torch)")
+
+
 def _check_index_array(x, name: str, ndim: int, layout: str) -> tuple:
+    """Shape and dtype of an index array. A device array must be int32 (what the kernels read;
+    the TypeError says how to convert it); a host array may have any integer dtype
+    (:data:`HOST_INDEX_DTYPES`, e.g. NumPy's default int64) whose values fit int32 (ValueError
+    naming the first that does not): the calls copy host arrays to the device as int32."""
     shape = _shape(x, name)
     if len(shape) != ndim:
         raise ValueError(f"{name}: expected {ndim} dim{'s' if ndim != 1 else ''} ({layout}), "
                          f"got shape {shape}")
     dt = dtype_name(x)
-    if dt != "int32":
-        raise TypeError(f"{name}: dtype {dt} is not supported; expected int32")
+    if dt == "int32":
+        return shape
+    if _is_device(x):
+        what = "an integer" if dt in HOST_INDEX_DTYPES else "a non-integer"
+        raise TypeError(f"{name}: dtype {dt} is not supported on the GPU (the kernels read "
+                        f"int32, {what} dtype was given); {_int32_hint(x, name)}")
+    if dt not in HOST_INDEX_DTYPES:
+        raise TypeError(f"{name}: dtype {dt} is not supported; expected an integer dtype "
+                        f"(int32, or any integer type on the host, values within int32)")
+    values = to_host(x)
+    if values.size:
+        bad = (values < _INT32_MIN) | (values > _INT32_MAX)
+        if bad.any():
+            i = tuple(int(j) for j in np.argwhere(bad)[0])
+            raise ValueError(f"{name}: values must fit int32 (the kernels' index type), got "
+                             f"{name}[{', '.join(map(str, i))}]={values[i]}")
     return shape
 
 
@@ -633,8 +669,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     ----------
     q : array, shape (total_q, nheads, headdim)
     k, v : array, shape (total_k, nheads_k, headdim)
-    cu_seqlens_q, cu_seqlens_k : int32 array, shape (batch + 1,)
+    cu_seqlens_q, cu_seqlens_k : integer array, shape (batch + 1,)
         Cumulative sequence starts: begin at 0, non-decreasing, end at ``total_q`` / ``total_k``.
+        int32 on the GPU; on the host any integer dtype whose values fit int32 (e.g.
+        ``np.cumsum``'s int64).
     max_seqlen_q, max_seqlen_k : int
         Upper bounds (>= every sequence length); used to size launch grids.
     softmax_scale, causal, window_size, out, dtypes
@@ -652,9 +690,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     Raises
     ------
     TypeError, ValueError
-        As in :func:`check_attention`, plus non-int32 ``cu_seqlens``, mismatched lengths,
-        values not starting at 0, decreasing, not ending at the total, or longer than
-        ``max_seqlen``.
+        As in :func:`check_attention`, plus ``cu_seqlens`` of a non-integer dtype, device
+        ``cu_seqlens`` that are not int32 (TypeError saying how to convert), host values outside
+        int32, mismatched lengths, values not starting at 0, decreasing, not ending at the total,
+        or longer than ``max_seqlen``.
     """
     qs = _check_ndim(q, "q", "total_q, nheads, headdim")
     ks = _check_ndim(k, "k", "total_k, nheads_k, headdim")
@@ -722,12 +761,14 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
         shape (num_pages, page_size, nheads_k, headdim), any ``page_size >= 1``. Same dtype as q.
     k, v : array or None, shape (batch, seqlen_new, nheads_k, headdim)
         New tokens written at ``cache_seqlens[b]`` before attending; both or neither.
-    cache_seqlens : int32 array, shape (batch,), or None
+    cache_seqlens : integer array, shape (batch,), or None
         Valid tokens per sequence before appending. ``None`` means the whole contiguous cache;
-        required with ``block_table`` or with ``k``/``v``.
-    block_table : int32 array, shape (batch, max_pages_per_seq), or None
+        required with ``block_table`` or with ``k``/``v``. int32 on the GPU; on the host any
+        integer dtype whose values fit int32.
+    block_table : integer array, shape (batch, max_pages_per_seq), or None
         Page ids of each sequence in order; only the first
-        ``ceil((cache_seqlens[b] + seqlen_new) / page_size)`` entries of a row are read.
+        ``ceil((cache_seqlens[b] + seqlen_new) / page_size)`` entries of a row are read. Dtype
+        as ``cache_seqlens``.
     softmax_scale : float or None
         See :func:`resolve_softmax_scale`.
     causal : bool
@@ -754,12 +795,13 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
     Raises
     ------
     TypeError
-        Non-array, unsupported/mismatched dtypes (index arrays must be int32), only one of
-        ``k``/``v``, bad ``causal``/``num_splits``/``softmax_scale`` type, host/device mix.
+        Non-array, unsupported/mismatched dtypes (index arrays: an integer dtype, int32 on the
+        GPU, the message saying how to convert), only one of ``k``/``v``, bad
+        ``causal``/``num_splits``/``softmax_scale`` type, host/device mix.
     ValueError
         Wrong dims or inconsistent sizes, unsupported headdim, ``nheads % nheads_k != 0``,
         missing ``cache_seqlens`` where required, negative ``num_splits``, lengths over capacity,
-        page ids out of range.
+        page ids out of range, host index values outside int32.
     """
     qs = _check_ndim(q, "q", "batch, seqlen_q, nheads, headdim")
     paged = block_table is not None
@@ -874,8 +916,8 @@ def check_kvcache_values(problem: DecodeProblem, cache_seqlens, block_table=None
     ----------
     problem : DecodeProblem
         From :func:`check_kvcache` for the same arrays (shapes and dtypes already checked).
-    cache_seqlens : int32 array, shape (batch,)
-    block_table : int32 array, shape (batch, max_pages_per_seq), or None (contiguous; or page
+    cache_seqlens : integer array, shape (batch,)
+    block_table : integer array, shape (batch, max_pages_per_seq), or None (contiguous; or page
         ids not checked here: the call checks a device block_table on the device)
 
     Raises
@@ -938,8 +980,8 @@ def lengths_from_host(cache_seqlens, q):
         values = np.full((int(shape[0]),), int(cache_seqlens), np.int64)
     elif isinstance(cache_seqlens, (list, tuple)):
         if not all(_is_int(x) for x in cache_seqlens):
-            raise TypeError(f"cache_seqlens: expected an int32 array, an int or a list of ints, "
-                            f"got {type(cache_seqlens).__name__} {cache_seqlens!r}"[:300])
+            raise TypeError(f"cache_seqlens: expected an integer array, an int or a list of "
+                            f"ints, got {type(cache_seqlens).__name__} {cache_seqlens!r}"[:300])
         values = np.array([int(x) for x in cache_seqlens], np.int64).reshape(-1)
     else:
         return cache_seqlens

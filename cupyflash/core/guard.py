@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from . import checks
+from . import checks, deps
 
 __all__ = ["DeviceCheckError", "check_errors", "pending", "raise_pending", "device_pointers"]
 
@@ -106,7 +106,7 @@ def check_errors(synchronize: bool = True) -> None:
         check launched before this call has finished; False only looks at what has arrived.
     """
     if synchronize and _claims:
-        import cupy
+        cupy = deps.cupy()
         for dev in list(_claims):
             with cupy.cuda.Device(dev):
                 cupy.cuda.runtime.deviceSynchronize()
@@ -128,7 +128,7 @@ def device_pointers(dev: int) -> tuple:
 def _setup(dev: int) -> tuple:
     """Allocate what :func:`device_pointers` returns for device ``dev``."""
     global _record, _record_host_ptr
-    import cupy
+    cupy = deps.cupy()
     from . import launch
     rt = cupy.cuda.runtime
     with _lock:

@@ -20,6 +20,8 @@ import sys
 
 import numpy as np
 
+from . import deps
+
 __all__ = ["as_cupy", "np_dtype", "is_device_array", "current_stream", "cupy_ndarray_type",
            "torch_tensor_type", "TORCH_DTYPE_NAMES", "ArrayDesc", "describe_torch", "CupyCaller",
            "TorchCaller", "caller_of"]
@@ -81,10 +83,14 @@ def np_dtype(name) -> "np.dtype":
     ----------
     name : str or dtype-like
         ``'float16'``, ``'bfloat16'``, ``'float32'``, ``'float64'``, ``'int32'``, ...
+
+    Raises
+    ------
+    ImportError
+        ``'bfloat16'`` without ml_dtypes installed (the message says what to install).
     """
     if str(name) == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(deps.ml_dtypes("the bfloat16 dtype").bfloat16)
     return np.dtype(name)
 
 
@@ -101,8 +107,10 @@ def as_cupy(x, name: str, dtype: str | None = None):
     TypeError
         If ``x`` is not a device array (e.g. a NumPy array), naming the argument; or if its
         element size does not match ``dtype``.
+    ImportError
+        CuPy is not installed (the message names the package and the extras to install).
     """
-    import cupy
+    cupy = _cupy()  # (MissingDependency without CuPy)
     if isinstance(x, cupy.ndarray):
         c = x
     elif not is_device_array(x):
@@ -135,7 +143,7 @@ def as_cupy(x, name: str, dtype: str | None = None):
 @functools.lru_cache(maxsize=1)
 def _no_gpu_reason() -> str | None:
     """Why CUDA cannot be used in this process (no driver, no device), or None (asked once)."""
-    import cupy
+    cupy = deps.cupy()
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - CuPy raises CUDARuntimeError without a driver
@@ -156,8 +164,7 @@ def _wrap_cai(x, dtype: str | None):
     """Zero-copy ``cupy.ndarray`` over the memory ``x.__cuda_array_interface__`` describes
     (shape, byte strides, pointer), typed ``dtype`` (default: the interface's typestr); ``x``
     is kept alive as the memory's owner."""
-    import cupy
-    import numpy as np
+    cupy = deps.cupy()
     cai = x.__cuda_array_interface__
     dt = np_dtype(dtype) if dtype is not None else np.dtype(cai["typestr"])
     shape = tuple(int(n) for n in cai["shape"])
@@ -170,7 +177,7 @@ def _wrap_cai(x, dtype: str | None):
 
 def current_stream():
     """The caller's current CuPy stream (kernels launch on it)."""
-    import cupy
+    cupy = deps.cupy()
     return cupy.cuda.get_current_stream()
 
 
@@ -188,8 +195,7 @@ def _cupy():
     """The cupy module (imported on first use, then a global read)."""
     global _cupy_module
     if _cupy_module is None:
-        import cupy
-        _cupy_module = cupy
+        _cupy_module = deps.cupy()
     return _cupy_module
 
 

@@ -26,6 +26,8 @@ import os
 import re
 from pathlib import Path
 
+from . import deps
+
 __all__ = [
     "KernelSpec", "PtxasReport", "CompileResult", "kernels_dir", "preprocess", "preprocess_text",
     "check_compiles", "include_dirs",
@@ -189,9 +191,14 @@ def check_compiles(text: str, arch: str = "compute_80") -> str:
     ------
     KernelSourceError
         NVRTC refused the source (the message holds its log)."""
-    from cupy_backends.cuda.libs import nvrtc
+    nvrtc = deps.nvrtc("compiling a probe with NVRTC")
     code = preprocess_text(text)
-    prog = nvrtc.createProgram(code, "probe.cu", [], [])
+    try:  # the first NVRTC call of the process loads the library
+        prog = nvrtc.createProgram(code, "probe.cu", [], [])
+    except nvrtc.NVRTCError:
+        raise
+    except Exception as e:  # noqa: BLE001 - CuPy found no libnvrtc
+        raise deps.nvrtc_failure(e) from e
     try:
         opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}"]
         opts += [f"-I{d}" for d in include_dirs()]
@@ -262,8 +269,13 @@ def parse_ptxas(log: str, lowered_name: str | None = None) -> PtxasReport:
 
 @functools.lru_cache(maxsize=None)
 def _compile_report_cached(code: str, entry: str, arch: str, options: tuple) -> tuple:
-    from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(code, "cupyflash.cu", [], [])
+    nvrtc = deps.nvrtc("compiling a kernel with NVRTC (explain() does, for its register report)")
+    try:  # the first NVRTC call of the process loads the library
+        prog = nvrtc.createProgram(code, "cupyflash.cu", [], [])
+    except nvrtc.NVRTCError:
+        raise
+    except Exception as e:  # noqa: BLE001 - CuPy found no libnvrtc (DynamicLibNotFoundError, ...)
+        raise deps.nvrtc_failure(e) from e
     try:
         nvrtc.addNameExpression(prog, entry)
         opts = list(BASE_OPTIONS) + list(CUPY_IMPLICIT_OPTIONS)
@@ -283,7 +295,17 @@ def _compile_report_cached(code: str, entry: str, arch: str, options: tuple) -> 
 
 
 def compile_report(spec: KernelSpec, arch: str = "sm_90a", options: tuple = ()) -> CompileResult:
-    """Compile ``spec`` with NVRTC for ``arch`` (no GPU needed) and parse the ptxas report."""
+    """Compile ``spec`` with NVRTC for ``arch`` (no GPU needed) and parse the ptxas report.
+
+    Raises
+    ------
+    ImportError
+        :class:`cupyflash.core.deps.MissingDependency`: CuPy or the NVRTC library is missing
+        (the message names the package and ``pip install 'cupyflash[cuda13]'`` /
+        ``'cupyflash[cuda12]'``).
+    KernelSourceError
+        The sources are not found, or NVRTC rejected them (with NVRTC's log).
+    """
     code = preprocess(spec.source)
     cubin, lowered, log = _compile_report_cached(code, spec.entry, arch, tuple(options))
     return CompileResult(spec=spec, arch=arch, cubin=cubin, lowered_name=lowered,
@@ -299,8 +321,14 @@ _KERNELS: dict = {}
 def get_kernel(spec: KernelSpec, options: tuple = ()):
     """The ``cupy.RawKernel`` for ``spec`` on the current device (compiled once per process;
     CuPy's disk cache keeps it across processes). Raises its dynamic shared-memory limit to
-    ``spec.smem_bytes`` when that is above 48 KiB."""
-    import cupy
+    ``spec.smem_bytes`` when that is above 48 KiB.
+
+    Raises
+    ------
+    ImportError
+        :class:`cupyflash.core.deps.MissingDependency`: CuPy or the NVRTC library is missing.
+    """
+    cupy = deps.cupy("launching a kernel")
     dev = cupy.cuda.runtime.getDevice()  # (cheaper than cupy.cuda.Device().id)
     key = (spec, tuple(options), dev)
     k = _KERNELS.get(key)
@@ -311,7 +339,14 @@ def get_kernel(spec: KernelSpec, options: tuple = ()):
         else:
             opts = BASE_OPTIONS + tuple(f"-I{d}" for d in include_dirs()) + tuple(options)
             mod = cupy.RawModule(code=code, options=opts, name_expressions=[spec.entry])
-            k = mod.get_function(spec.entry)
+            try:  # (compiles here)
+                k = mod.get_function(spec.entry)
+            except cupy.cuda.compiler.CompileException:
+                raise
+            except Exception as e:  # noqa: BLE001
+                if "nvrtc" not in str(e).lower():
+                    raise
+                raise deps.nvrtc_failure(e, "launching a kernel") from e  # no libnvrtc
         if spec.smem_bytes > 48 * 1024:
             k.max_dynamic_shared_size_bytes = spec.smem_bytes
         _KERNELS[key] = k
@@ -321,13 +356,17 @@ def get_kernel(spec: KernelSpec, options: tuple = ()):
 def _arch_kernel(spec: KernelSpec, code: str, options: tuple):
     """``cupy.RawKernel`` of a spec with its own target (``spec.arch``): NVRTC cubin, cached on
     disk beside CuPy's kernels as ``cupyflash_<sha256>.cubin`` (+ ``.name``, the lowered name)."""
-    import cupy
-    from cupy_backends.cuda.libs import nvrtc
+    cupy = deps.cupy("launching a kernel")
+    nvrtc = deps.nvrtc("launching a kernel")
     cc = cupy.cuda.Device().compute_capability
     if spec.arch.rstrip("a") != f"sm_{cc}":
         raise KernelSourceError(f"{spec.name} is built for {spec.arch} only; the current device is "
                                 f"sm_{cc}")
-    ident = "\n".join([code, spec.entry, spec.arch, repr(options), repr(nvrtc.getVersion()),
+    try:  # the first NVRTC call of the process loads the library
+        version = nvrtc.getVersion()
+    except Exception as e:  # noqa: BLE001 - CuPy found no libnvrtc
+        raise deps.nvrtc_failure(e, "launching a kernel") from e
+    ident = "\n".join([code, spec.entry, spec.arch, repr(options), repr(version),
                        repr(BASE_OPTIONS + CUPY_IMPLICIT_OPTIONS)])
     digest = hashlib.sha256(ident.encode()).hexdigest()
     folder = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import re
 
-from . import checks, jit
+from . import checks, deps, jit
 
 __all__ = ["KernelChoice", "Plan", "H200_SMS", "default_arch", "check_arch", "check_device_limits",
            "h200_assumed_note", "max_smem_bytes_for_arch"]
@@ -221,7 +221,7 @@ def _device_id():
 @functools.lru_cache(maxsize=None)
 def _device_info(dev: int) -> tuple:
     """``(arch, num_sms, max opt-in shared memory per block)`` of device ``dev``."""
-    import cupy
+    cupy = deps.cupy()
     d = cupy.cuda.Device(dev)
     cc = d.compute_capability  # e.g. '90'
     arch = "sm_90a" if cc == "90" else f"sm_{cc}"  # Hopper: the 'a' target of CPU compile tests

@@ -90,7 +90,7 @@ import weakref
 
 import numpy as np
 
-from ..core import cache, checks, guard, interop, jit, launch
+from ..core import cache, checks, deps, guard, interop, jit, launch
 from ..core.params import DecodeAppendParams, DecodeParams, MergeParams, pointer_fields
 from .kernels import (COMBINE_DTYPES, DTYPES, GROUP, HEADDIMS, KV_PATHS,
                              ONE_BLOCK_SPLIT_CONFIGS, SPLIT_CONFIGS, SplitConfig, all_specs,
@@ -174,7 +174,7 @@ def alloc_workspace(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
     at least :func:`workspace_size` elements that was zero-filled once) can be reused and
     replayed in CUDA graphs indefinitely. Do not share one workspace between launches that can
     run concurrently (other streams)."""
-    import cupy
+    cupy = deps.cupy("alloc_workspace")
     n = workspace_size(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                        num_splits=num_splits, split_size=split_size)
     return cupy.zeros(max(n, 1), dtype=cupy.float32)
@@ -268,12 +268,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         caches). Modified in place when ``k``/``v`` are given.
     k, v : CUDA arrays or None, shape (batch, seqlen_new, nheads_k, headdim)
         New tokens to append before attending.
-    cache_seqlens : int32 CUDA array, shape (batch,), int, list of ints, host int32 array, or None
+    cache_seqlens : int32 CUDA array, shape (batch,), int, list of ints, host integer array, or None
         Cached tokens per sequence before appending; None = the whole contiguous cache. An int
         (every sequence's length, as in FlashAttention), a list, or a host array (NumPy, CPU
-        tensor) is checked on the host and copied to the device asynchronously (no
-        synchronisation).
-    block_table : int32 CUDA array (or host int32 array), shape (batch, max_pages_per_seq), or None
+        tensor; any integer dtype, e.g. NumPy's default int64, values within int32) is checked
+        on the host and copied to the device as int32 asynchronously (no synchronisation). A
+        CUDA array must be int32 (the TypeError otherwise says ``.astype(cupy.int32)`` /
+        ``.to(torch.int32)``).
+    block_table : int32 CUDA array (or host integer array), shape (batch, max_pages_per_seq), or None
         Page ids: token ``t`` of sequence ``b`` lives in page ``block_table[b, t // page_size]``
         at row ``t % page_size``. Only the entries a sequence uses are read.
     softmax_scale : float or None
@@ -788,7 +790,7 @@ def merge_states(o_parts, lse_parts):
                         f"{', '.join(COMBINE_DTYPES)} (float64: cupyflash.reference.merge_states)")
     if caller_of(o_parts, lse_parts) is TorchCaller:
         return _merge_states_torch(o_parts, lse_parts, dt)
-    import cupy
+    cupy = deps.cupy("merge_states")
     o_parts = as_cupy(o_parts, "o_parts", dt)
     lse_parts = as_cupy(lse_parts, "lse_parts", checks.dtype_name(lse_parts))
     _same_merge_device(o_parts.device.id, lse_parts.device.id)

@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..core import jit
-from ..core.interop import np_dtype
+from ..io_model import itemsize
 
 __all__ = [
     "DTYPES", "COMBINE_DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS",
@@ -140,7 +140,7 @@ def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int) -> int
     XOR-swizzled inside 128-byte groups), 16-bit elements; then a ring of ``stages`` x
     ``block_n`` int32 page ids (paged caches; allocated always).
     """
-    e = np_dtype(dtype).itemsize
+    e = itemsize(dtype)  # (by name: a float16 plan needs no ml_dtypes)
     q_bytes = GROUP * (headdim + 16 // e) * e
     return q_bytes + stages * 2 * block_n * headdim * e + stages * block_n * 4
 

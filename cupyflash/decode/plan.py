@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-from ..core import checks, jit, planning
+from ..core import checks, deps, jit, planning
 from .kernels import (_SHORT, DTYPES, GROUP, HEADDIMS, ONE_BLOCK_SPLIT_CONFIGS,
                              SPLIT_CONFIGS, append_kernel_spec, kv_path, padded_headdim,
                              split_config, split_kernel_spec, split_smem_bytes)
@@ -553,7 +553,7 @@ def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, bloc
 # GPU helpers
 # ----------------------------------------------------------------------------------------------
 def _device_limits() -> dict:
-    import cupy
+    cupy = deps.cupy()
     return _device_limits_of(cupy.cuda.Device().id)
 
 
@@ -576,7 +576,7 @@ def _planning_limits(arch: str | None = None, use_device: bool = True) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _device_limits_of(dev_id: int) -> dict:
-    import cupy
+    cupy = deps.cupy()
     a = cupy.cuda.Device(dev_id).attributes
     return dict(num_sms=a["MultiProcessorCount"],
                 smem_per_sm=a["MaxSharedMemoryPerMultiprocessor"],

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..core import cache, checks, jit, planning
+from ..core import cache, checks, deps, jit, planning
 from ..core.cache import ContiguousLayout, out_like
 from ..core.planning import (H200_MATMUL_TFLOPS, H200_READ_TBPS, H200_SMS, KernelChoice, Plan,
                              check_arch, check_device_limits, h200_assumed_note,
@@ -234,7 +234,7 @@ def _feasible_and_rejected(p, pad, causal, arch, max_smem_bytes) -> tuple:
 def launch_plan(problem) -> Plan:
     """The plan the launch path uses: :func:`plan_prefill` for the current device without the
     compile report and the I/O model, cached per (problem, device). Needs a visible device."""
-    import cupy
+    cupy = deps.cupy("launching a prefill kernel")
     return _launch_plan_cached(problem, cupy.cuda.runtime.getDevice())
 
 

@@ -24,9 +24,15 @@ _NUMPY_HINT = {
 # Argument plumbing (validation itself lives in cupyflash.core.checks)
 # ----------------------------------------------------------------------------------------------
 def _require_device(named: dict, hint: str) -> None:
-    """TypeError naming the first argument that is not a CUDA array (NumPy, lists, CPU tensors)."""
+    """TypeError naming the first argument that is not a CUDA array (NumPy, lists, CPU tensors).
+    Host ``cu_seqlens`` beside a CUDA ``q`` are told how to copy them to the device instead of
+    being sent to the NumPy reference."""
     for name, x in named.items():
         if x is not None and not is_device_array(x):
+            if name.startswith("cu_seqlens") and is_device_array(named.get("q")):
+                hint = (f"; copy it to q's device as int32: cupy.asarray({name}, "
+                        f"dtype=cupy.int32) for CuPy, torch.as_tensor({name}, "
+                        f"dtype=torch.int32, device=q.device) for torch")
             raise TypeError(f"{name}: expected a CUDA array (cupy.ndarray, or an object exposing "
                             f"__cuda_array_interface__ or DLPack on a CUDA device), got "
                             f"{type(x).__module__}.{type(x).__name__}{hint}")
