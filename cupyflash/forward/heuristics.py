@@ -130,6 +130,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # 256-262 (128x64x8); hd128 causal 258-281, the best tile at S = 4096 and 0.7% behind
     # 128x128x8 (283) at S = 16384, too small a gap for a causal-specific rule; hd96 296-304
     # vs 234-259 for every other tile, causal 277-302 vs <= 251. hd64 keeps 128x64x4w (305-314).
+    # (128x64x8 and 128x128x8 left the table on 2026-12-02: never chosen; bench_tiles --extra.)
     # Not adopted (and removed from the kernel): hd64 causal with 3 K/V stages: +0.2-2% causal
     # (280 vs 277 at S = 4096, 304 vs 303 bf16 / 303 vs 297 fp16 at S = 16384) but -1.5%
     # non-causal.
