@@ -11,7 +11,7 @@
   every report has a register count; the CUDA-core (float32/float64) reports' spills are
   printed, not asserted.
 * The table: names unique, shared memory within 227 KiB and equal to the kernel traits' formula,
-  every compiled head dim offered with >= 2 tiles per dtype, padded head dims, argument packing.
+  every compiled head dim offered for every dtype, padded head dims, argument packing.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -124,9 +124,11 @@ def test_table_is_consistent():
         else:
             assert c.source == prefill.SIMT_SOURCE and c.nwarps == 4
             assert c.block_m % 16 == 0 and c.block_n % 8 == 0
+    # every compiled head dim has a row per dtype (float64 hd160-224 one: the others were never
+    # chosen, tests/test_dispatch.py test_table_has_no_unreachable_row)
     for dtype in prefill.TC_DTYPES + prefill.SIMT_DTYPES:
         for hd in prefill.HEADDIMS:
-            assert sum(c.dtype == dtype and c.headdim == hd for c in prefill.SUPPORTED) >= 2, (dtype, hd)
+            assert any(c.dtype == dtype and c.headdim == hd for c in prefill.SUPPORTED), (dtype, hd)
 
 
 def test_table_names_and_options_are_consistent():
@@ -201,9 +203,9 @@ def test_smem_formula_matches_kernel_traits():
 
 
 def test_names_and_entries():
-    s = prefill.kernel_spec("bfloat16", 128, 128, 64, 8, True)
-    assert s.name == "fwd_bf16_hd128_m128_n64_w8_causal"
-    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__nv_bfloat16, 128, 128, 64, 8, true>, __nv_bfloat16>"
+    s = prefill.kernel_spec("bfloat16", 160, 128, 64, 8, True)
+    assert s.name == "fwd_bf16_hd160_m128_n64_w8_causal"
+    assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__nv_bfloat16, 160, 128, 64, 8, true>, __nv_bfloat16>"
     s = prefill.kernel_spec("float16", 128, 128, 64, 4, False)
     assert s.name == "fwd_f16_hd128_m128_n64_w4_pf"
     assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__half, 128, 128, 64, 4, false, true>, __half>"
@@ -321,7 +323,7 @@ def _problem(**kw):
 
 def test_kernel_params_dense():
     p = _problem()
-    spec = prefill.kernel_spec("float16", 128, 128, 64, 8, True)
+    spec = prefill.kernel_spec("float16", 128, 128, 64, 4, True)
     q = _Fake((2, 100, 8, 120), np.float16, ptr=0x10000)
     k = _Fake((2, 300, 2, 120), np.float16, ptr=0x20000)
     # v: a strided view (rows padded to 2 * 136 elements)
@@ -343,7 +345,7 @@ def test_kernel_params_dense():
     assert abs(a.scale_log2 - 0.125 * np.log2(np.e)) < 1e-7 and a.softmax_scale_d == 0.125
     assert [a.window_left, a.window_right] == [16, 0]
     grid, block, smem = prefill.launch_config(spec, p)
-    assert grid == (1, 8, 2) and block == (256, 1, 1) and smem == spec.smem_bytes
+    assert grid == (1, 8, 2) and block == (128, 1, 1) and smem == spec.smem_bytes
 
 
 def test_kernel_params_varlen_and_checks():
@@ -370,7 +372,7 @@ def test_kernel_params_varlen_and_checks():
     with pytest.raises(ValueError, match="cu_seqlens_q, cu_seqlens_k"):
         prefill.kernel_params(spec, q, k, v, out, lse, problem=p, cu_seqlens_q=cu_q)
     p16 = _problem()
-    spec16 = prefill.kernel_spec("float16", 128, 128, 64, 8, True)
+    spec16 = prefill.kernel_spec("float16", 128, 128, 64, 4, True)
     qd = _Fake((2, 100, 8, 120), np.float16, ptr=0x10002)
     with pytest.raises(ValueError, match="^q: .*16-byte"):
         prefill.kernel_params(spec16, qd, _Fake((2, 300, 2, 120), np.float16),

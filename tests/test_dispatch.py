@@ -143,6 +143,63 @@ def test_heuristic_rejects_bad_input(args, match):
 
 
 # ----------------------------------------------------------------------------------------------
+# The supported table holds only rows the dispatcher can choose
+# ----------------------------------------------------------------------------------------------
+def _decision_inputs():
+    """``(seqlen_q, seqlen_k, causal, batch_nheads, num_sms)`` covering every outcome of every
+    test in heuristics.choose_prefill_tile. seqlen_q meets it in ``seqlen_q <= block_m`` (rule
+    2) and ``ceil(seqlen_q / block_m)`` (rules 3, 3c), block_m a compiled one: each multiple of
+    one up to 4 of it, and the next length. seqlen_k in ``seqlen_k <= block_n`` (rule 4) and
+    256 / 1024 (rules 1b, 3b): each, and the next length. Rule 3's ``batch_nheads * m-blocks <
+    num_sms``, compared once, is true at every length with (1, 2**30), false with (2**30, 1)."""
+    rows = prefill.SUPPORTED
+    sq = {0, 1, 1 << 20} | {c.block_m * j + e for c in rows for j in (1, 2, 3, 4) for e in (0, 1)}
+    sk = {0, 1, 1 << 20} | {n + e for n in {c.block_n for c in rows} | {256, 1024} for e in (0, 1)}
+    return [(a, b, causal, bh, sms) for a in sorted(sq) for b in sorted(sk)
+            for causal in (False, True) for bh, sms in ((1, 1 << 30), (1 << 30, 1))]
+
+
+def test_table_has_no_unreachable_row():
+    """Issue 34: every row of prefill.SUPPORTED is one the dispatcher chooses for some problem
+    on some GPU the library runs on, so the CPU suite compiles no dead specialisation.
+
+    Enumerated: dtypes, head dims 8..256, each architecture's shared-memory limit
+    (core.planning._SMEM_BY_ARCH: sm_80 / sm_87 163 KiB, sm_86 / sm_89 / sm_120 99 KiB,
+    sm_90 / sm_100 227 KiB, the TMA rows on sm_90a only) and every decision input of
+    choose_prefill_tile (_decision_inputs), on the candidates dispatch._plan_prefill hands it
+    (kernels.configs_for, within the shared memory and the architecture). Candidate lists with
+    the same rows are enumerated once (the heuristic reads the actual head dim only as
+    ``<= 32``, rule 1b). Each row's first witness problem is then planned by the dispatcher
+    itself (the launch path's _plan_prefill), which must choose that row."""
+    from cupyflash.core.checks import AttnProblem
+    groups = {}  # (candidate rows, hd <= 32) -> a (dtype, head dim, arch, shared memory)
+    for dtype in DTYPES:
+        for d in range(8, 257, 8):
+            for arch, smem in sorted(planning._SMEM_BY_ARCH.items()):
+                rows = tuple(c for c in prefill.configs_for(dtype, d)
+                             if c.smem_bytes <= smem and c.arch in ("", arch))
+                if rows:  # else the dispatcher raises (float64 hd136-224 at 99 KiB)
+                    groups.setdefault((rows, d <= 32), (dtype, d, arch, smem))
+    inputs = _decision_inputs()
+    witness = {}
+    for (rows, _), (dtype, d, arch, smem) in groups.items():
+        tiles = tuple((c.block_m, c.block_n, c.nwarps, c.isa) for c in rows)
+        for sq, sk, causal, bh, sms in inputs:
+            row = rows[tiles.index(heuristics.choose_prefill_tile(
+                dtype, d, sq, sk, causal, sms, batch_nheads=bh, tiles=tiles))]
+            witness.setdefault(row, (dtype, d, arch, smem, sq, sk, causal, bh, sms))
+    dead = [prefill.spec_of(c, False).name for c in prefill.SUPPORTED if c not in witness]
+    assert not dead, f"rows the dispatcher never chooses (remove them from the table): {dead}"
+    assert set(witness) == set(prefill.SUPPORTED)
+    for row, (dtype, d, arch, smem, sq, sk, causal, bh, sms) in witness.items():
+        p = AttnProblem(batch=1, seqlen_q=sq, seqlen_k=sk, nheads=bh, nheads_k=1, headdim=d,
+                        dtype=dtype, softmax_scale=0.125, causal=causal,
+                        window_size=(-1, 0) if causal else (-1, -1))
+        plan = dispatch._plan_prefill(p, arch, False, False, sms, smem, None, reasons=False)
+        assert plan.name == prefill.spec_of(row, causal).name, (row, arch, smem, sq, sk, bh, sms)
+
+
+# ----------------------------------------------------------------------------------------------
 # Plans
 # ----------------------------------------------------------------------------------------------
 def _problem(dtype="bfloat16", b=2, sq=300, sk=500, h=8, hk=2, d=120, causal=False,

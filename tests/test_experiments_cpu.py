@@ -422,3 +422,42 @@ def test_median_round_is_one_of_the_rounds():
     assert common.median_round(rounds[:3]) == {"ms": 2.0, "i": 2}
     assert common.median_round(rounds) == {"ms": 2.0, "i": 2}  # even count: the lower middle
     assert common.median_round([{"t": 5, "ms": 9}], key="t") == {"t": 5, "ms": 9}
+
+
+def test_bench_tiles_extra_tiles_stay_out_of_the_table():
+    """bench_tiles --extra: its own mma.sync tiles (the rows that left the supported table on
+    2026-12-02, never chosen by the dispatcher) are named and built as the table's rows are,
+    are launchable (kernels.config_of / launch_config find them) only inside
+    bench_tiles.launchable, and never enter SUPPORTED; a table row is refused as an extra."""
+    import bench_tiles
+    from cupyflash.core.checks import AttnProblem
+    from cupyflash.forward import kernels as prefill
+    table = set(prefill.SUPPORTED)
+    names = {s.name for s in prefill.all_specs()}
+    rows = bench_tiles.extra_rows("bfloat16")
+    assert len(rows) == len(bench_tiles.EXTRA_TILES) and not table & set(rows)
+    specs = bench_tiles.extra_specs("bfloat16")
+    assert len(specs) == 2 * len(rows)
+    p = AttnProblem(batch=2, seqlen_q=300, seqlen_k=300, nheads=4, nheads_k=4, headdim=64,
+                    dtype="bfloat16", softmax_scale=0.125, causal=False, window_size=(-1, -1))
+    for spec, f, row in specs:
+        assert spec.name not in names and spec.source == prefill.TC_SOURCE and not spec.arch
+        assert (f["family"], int(f["hd"]), int(f["m"]), int(f["n"]), int(f["w"])) == \
+            ("fwd", row.headdim, row.block_m, row.block_n, row.nwarps)
+        assert spec.smem_bytes == prefill.smem_bytes("bfloat16", row.headdim, row.block_m,
+                                                     row.block_n)
+        with pytest.raises(ValueError, match="not a prefill specialisation"):
+            prefill.config_of(spec)
+    assert "fwd_bf16_hd128_m128_n64_w8_causal" in {s.name for s, _, _ in specs}
+    with bench_tiles.launchable(rows):
+        for spec, _, row in specs:
+            cfg, causal = prefill.config_of(spec)
+            assert cfg == row and spec.name.endswith("_causal") == causal
+            assert prefill.launch_config(spec, p)[1] == (32 * row.nwarps, 1, 1)
+        assert set(prefill.SUPPORTED) == table
+    with pytest.raises(ValueError, match="not a prefill specialisation"):
+        prefill.config_of(specs[0][0])
+    with pytest.raises(ValueError, match="is a row of the table"):
+        with bench_tiles.launchable([prefill.SUPPORTED[0]]):
+            pass
+    assert bench_tiles.extra_rows("float32") == [] and bench_tiles.extra_specs("float64") == []

@@ -130,6 +130,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # 256-262 (128x64x8); hd128 causal 258-281, the best tile at S = 4096 and 0.7% behind
     # 128x128x8 (283) at S = 16384, too small a gap for a causal-specific rule; hd96 296-304
     # vs 234-259 for every other tile, causal 277-302 vs <= 251. hd64 keeps 128x64x4w (305-314).
+    # (128x64x8 and 128x128x8 left the table on 2026-12-02: never chosen; bench_tiles --extra.)
     # Not adopted (and removed from the kernel): hd64 causal with 3 K/V stages: +0.2-2% causal
     # (280 vs 277 at S = 4096, 304 vs 303 bf16 / 303 vs 297 fp16 at S = 16384) but -1.5%
     # non-causal.
@@ -140,7 +141,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     block_ms = sorted({t[0] for t in tiles})
     # Rule 1b: head dims up to 32 (the mma.sync hd32 rows), keys up to 256, or up to 1024 when
     # causal (the lengths measured): 64x64x4w.
-    # Measured (bench_tiles, H200, fp16, 24 sequences x 12 heads, session 17,
+    # Measured (bench_tiles, H200, fp16, 24 sequences x 12 heads, 2026-12-01, recorded in 28aa8d4,
     # experiments/results/session17/short_tiles.jsonl): causal S = 128 / 256 / 512 / 1024 31 /
     # 65 / 109 / 149 TFLOP/s against 22 / 53 / 94 / 135 for 128x128x4w (the first row), 1.10-1.41x;
     # non-causal S = 128 / 256 52 / 108 against 47 / 97, but 143 / 168 against 146 / 189 at
@@ -172,7 +173,8 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         # CTAs with fewer padding rows (the TMA kernel at hd64: 128 rows instead of 192 for
         # seqlen_q in 65..128 and 193..256, where a 192-row tile's third warpgroup, or 128 of
         # its 384 rows, computes rows past the sequence). Measured (bench_tiles --isa tma, H200,
-        # bf16, 16k tokens, session 18, experiments/results/session18/tiles_rule3c.jsonl):
+        # bf16, 16k tokens, 2026-12-02, recorded in 7623388,
+        # experiments/results/session18/tiles_rule3c.jsonl):
         # S = 128 168 / 73 TFLOP/s (non-causal / causal) against 136 / 61 for 192 x 128,
         # S = 256 230 / 129 against 187 / 85; at S = 320 (3 m-blocks of 128, 2 of 192) 192 x 128
         # wins non-causal, 216 against 187.
@@ -185,7 +187,8 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # Rule 3b (after rule 3, which may have stepped down from 192 rows already): the TMA
     # kernel's 192-row tile (hd64, three consumer warpgroups), causal, keys up to 1024: its
     # 128-row tile. Measured (bench_tiles --isa tma, H200, bf16, 16k tokens, hidden 2048,
-    # session 18, experiments/results/session18/tiles_v62.jsonl, tiles_hd64_rule3b.jsonl):
+    # 2026-12-01, recorded in 4183281 and b2eda86, experiments/results/session18/tiles_v62.jsonl,
+    # tiles_hd64_rule3b.jsonl):
     # causal S = 512 / 1024 200 / 280 TFLOP/s (128 x 128) against 180 / 247 (192 x 128); from
     # S = 2048 192 x 128 wins, causal 357 / 411 / 495 against 346 / 390 / 421 (S 2k / 4k /
     # 16k), non-causal at every length (313 / 373 / 451 / 478 / 517 against 304 / 358 / 395 /

@@ -173,20 +173,32 @@ def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int
 # 295-299 for 128x32x4 (the v0 default) and 256-262 for 128x64x8; causal 258-281, best or within
 # 0.7% of the best (128x128x8 283 at S = 16384, 252 at S = 4096). hd96: 296-304 vs 253-259 for
 # 128x128x8 and 234-242 for the previous default 128x64x8; causal 277-302 vs 213-231.
+# Only rows the dispatcher can choose (tests/test_dispatch.py test_table_has_no_unreachable_row:
+# every architecture and shared-memory limit of core/planning.py, every decision input of
+# heuristics.choose_prefill_tile). It takes the first row, the first row of a smaller block_m
+# (rules 2, 3), rule 1b's 64x64x4w, the narrowest block_n of the chosen block_m that holds the
+# keys (rule 4), and the first rows of what less shared memory leaves (99 KiB: sm_86/89/120;
+# 163 KiB: sm_80/87). Never chosen, so gone from the table on 2026-12-02 (issue 34): a row behind
+# another with the same block_m and block_n (128x64x8 at hd96/128, 128x128x8 at hd32), the
+# widest block_n of a block_m behind a narrower row (64x128x4 and 128x128x8 at hd64, 128x128x8
+# at hd96/128), and hd32's 128x64x4 (rule 4 would take it for keys <= 64, which rule 1b has
+# already given 64x64x4w). experiments/bench_tiles.py --extra still measures them.
 _TC_TILES = {
-    32: ((128, 128, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 64, 4)),
-    64: ((128, 64, 4), (128, 128, 8), (64, 64, 4), (64, 128, 4)),
-    96: ((128, 64, 4), (128, 64, 8), (128, 32, 4), (64, 64, 4), (128, 128, 8)),
-    128: ((128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8)),
+    32: ((128, 128, 4), (64, 128, 4), (64, 64, 4)),
+    64: ((128, 64, 4), (64, 64, 4)),
+    96: ((128, 64, 4), (128, 32, 4), (64, 64, 4)),
+    128: ((128, 64, 4), (128, 32, 4), (64, 64, 4)),
     160: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     192: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     224: ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
     256: ((128, 64, 8), (128, 32, 8), (64, 32, 4)),  # 64x64x4w spills on sm_80
 }
 # CUDA cores (128 threads): (block_m, block_n). Rows per thread = block_m / 16.
+# float64 above hd128: 16x32 only (its 32x32 rows, behind the 16-row default, were never chosen:
+# the heuristic steps block_m down, never up; they left the table 2026-12-02).
 _SIMT_TILES = {
     "float32": {hd: ((64, 32), (32, 32)) if hd <= 128 else ((32, 32), (16, 32)) for hd in HEADDIMS},
-    "float64": {hd: ((32, 32), (16, 32)) if hd <= 128 else ((16, 32), (32, 32)) for hd in HEADDIMS},
+    "float64": {hd: ((32, 32), (16, 32)) if hd <= 128 else ((16, 32),) for hd in HEADDIMS},
 }
 _SIMT_TILES["float64"][256] = ((16, 32), (16, 16))  # 32x32 needs > 255 registers (spills)
 
@@ -202,18 +214,18 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 # warpgroups, nwarps = 4 * (block_m / 64 + 1); a persistent grid (launch_config).
 # Listed first: the default on sm_90a. FlashAttention-3's tiles (bf16, its tile_size_fwd) except
 # hd128 non-causal, where its 128 x 176 ran at 0.85-0.96x of 128 x 128 here (no shared memory left
-# for the O buffers). Measured (bench_tiles --isa tma, H200, bf16, session 18, NOTES v63-v65,
-# experiments/results/session18/tiles_v62.jsonl, tiles_hd64_rule3b.jsonl): hd64 192 x 128
-# 1.03-1.20x 128 x 128 except causal S 512 / 1k (0.90x / 0.88x: heuristics rule 3b); hd256
-# 128 x 80 1.01-1.07x 128 x 64 at S 1k-16k.
+# for the O buffers). Measured (bench_tiles --isa tma, H200, bf16, 2026-12-01, recorded in 4183281
+# and b2eda86, NOTES v63-v65, experiments/results/session18/tiles_v62.jsonl,
+# tiles_hd64_rule3b.jsonl): hd64 192 x 128 1.03-1.20x 128 x 128 except causal S 512 / 1k (0.90x /
+# 0.88x: heuristics rule 3b); hd256 128 x 80 1.01-1.07x 128 x 64 at S 1k-16k.
 _TMA_TILES = {64: ((192, 128, 2), (128, 128, 2)), 128: ((128, 128, 2),), 256: ((128, 80, 2),)}
 #: The TMA kernel's compiled head dims; every multiple of 8 up to 256 runs padded onto the next.
 TMA_HEADDIMS = tuple(sorted(_TMA_TILES))
 #: Head dims up to this one default to the mma.sync kernel's hd32 rows on sm_90a: the TMA
-#: kernel pads them to 64 and does twice the work. Measured (bench_tiles, H200, bf16, session 17,
-#: experiments/results/session17/padded_tiles.jsonl): hd32 on TMA hd64 at 0.78-0.98x of mma.sync
-#: hd32 (S 256 and 4k, causal and not); hd72/96 on TMA hd128 at 1.1-1.6x of mma.sync hd96, hd192
-#: on TMA hd256 at 1.2-2.0x of mma.sync hd192.
+#: kernel pads them to 64 and does twice the work. Measured (bench_tiles, H200, bf16, 2026-12-01,
+#: recorded in 13267ba, experiments/results/session17/padded_tiles.jsonl): hd32 on TMA hd64 at
+#: 0.78-0.98x of mma.sync hd32 (S 256 and 4k, causal and not); hd72/96 on TMA hd128 at 1.1-1.6x
+#: of mma.sync hd96, hd192 on TMA hd256 at 1.2-2.0x of mma.sync hd192.
 TMA_FIRST_ABOVE = 32
 
 
