@@ -337,9 +337,9 @@ def decode_traffic(batch: int, nheads: int, nheads_k: int, seqlen_k: int, headdi
     share of its KV head's cache once and serves all ``nheads / nheads_k`` query heads of the GQA
     group and all ``seqlen_q`` queries, so K and V cross HBM once: ``2 * batch * nheads_k *
     seqlen_k * headdim`` elements. With ``num_splits > 1`` each split writes a float32 partial
-    output and LSE for every query row, and the merge (the fused combine's last block, or a
-    combine kernel) reads them back and writes the final output (the Flash-Decoding workspace);
-    empty splits still write their (0, -inf) partial. With ``num_splits == 1`` the split kernel
+    accumulator and its row's (m, l) for every query row, and the merge (the fused combine's last
+    block) reads them back and writes the final output (the Flash-Decoding workspace); empty
+    splits still write their (0, -inf, 0) partial. With ``num_splits == 1`` the split kernel
     writes the output and LSE directly.
 
     Parameters
@@ -368,7 +368,7 @@ def decode_traffic(batch: int, nheads: int, nheads_k: int, seqlen_k: int, headdi
     lse = rows * LSE_BYTES if write_lse else 0
     terms = [("q", q, 0), ("kv", kv, 0), ("meta", meta, 0)]
     if num_splits > 1:
-        ws = num_splits * rows * (headdim + 1) * 4  # fp32 partial O and partial LSE
+        ws = num_splits * rows * (headdim + 2) * 4  # fp32 partial accumulators and (m, l)
         terms.append(("workspace", ws, ws))
     terms += [("o", 0, o), ("lse", 0, lse)]
     return _traffic(*terms)

@@ -340,11 +340,11 @@ def _cache_offset(b, j, hk, cap_shape, bt, page_size, num_pages, paged, block_n=
 
 
 def emulate_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, scale, causal,
-                   num_splits, split_tiles, block_n, nwarps, group, fused=False):
-    """float64 mirror of decode_append_kernel + decode_split_kernel + decode_combine_kernel
-    (``fused``: the split kernel's last-block-done online merge instead of the combine kernel).
+                   num_splits, split_tiles, block_n, nwarps, group):
+    """float64 mirror of decode_append_kernel + decode_split_kernel, whose last block of a row
+    merges the splits' partial states (m, l, unnormalised acc; decode_merge, PartialMerge4).
 
-    Returns (out, lse, o_part, lse_part, k_cache, v_cache) (caches updated in copies)."""
+    Returns (out, lse, o_part, ml_part, k_cache, v_cache) (caches updated in copies)."""
     batch, sq, nh, d = q.shape
     nhk = k_cache.shape[2]
     hpk = nh // nhk
@@ -372,7 +372,7 @@ def emulate_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, sca
     kpw = block_n // nwarps
     scale_log2 = scale * LOG2E
     o_part = np.full((num_splits, batch, sq, nh, d), np.nan)
-    lse_part = np.full((num_splits, batch, nh, sq), np.nan)
+    ml_part = np.full((num_splits, batch, nh, sq, 2), np.nan)
     out = np.full((batch, sq, nh, d), np.nan)
     lse_out = np.full((batch, nh, sq), np.nan)
     for split in range(num_splits):
@@ -422,9 +422,9 @@ def emulate_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, sca
                 m_tot = m.max(axis=0)
                 f = np.exp2(m - np.where(m_tot == -np.inf, 0.0, m_tot)[None, :])
                 l_tot = (l * f).sum(axis=0)
-                o = (acc * f[:, :, None]).sum(axis=0)
+                a = (acc * f[:, :, None]).sum(axis=0)  # unnormalised
                 with np.errstate(divide="ignore"):
-                    o = o * np.where(l_tot == 0, 0.0, 1.0 / np.where(l_tot == 0, 1.0, l_tot))[:, None]
+                    o = a * np.where(l_tot == 0, 0.0, 1.0 / np.where(l_tot == 0, 1.0, l_tot))[:, None]
                     lse = np.where(l_tot == 0, -np.inf, m_tot * LN2 + np.log(l_tot))
                 for r in range(group):
                     rg = row_base + r
@@ -434,41 +434,26 @@ def emulate_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, sca
                     if num_splits == 1:
                         out[b, qi, h], lse_out[b, h, qi] = o[r], lse[r]
                     else:
-                        o_part[split, b, qi, h], lse_part[split, b, h, qi] = o[r], lse[r]
-    # ---- fused combine: per (row, column), one pass over the splits (MergeState4.add)
-    if num_splits > 1 and fused:
+                        o_part[split, b, qi, h] = a[r]
+                        ml_part[split, b, h, qi] = m_tot[r], l_tot[r]
+    # ---- the fused merge: per (row, column), the online softmax over the splits' (m, l, acc)
+    if num_splits > 1:
         for b in range(batch):
             for i in range(sq):
                 for h in range(nh):
                     m, l, acc = -np.inf, 0.0, np.zeros(d)
                     for s_ in range(num_splits):
-                        ls = lse_part[s_, b, h, i]
-                        if ls == -np.inf:
+                        m_u, l_u = ml_part[s_, b, h, i]
+                        if m_u == -np.inf:
                             continue
-                        m_new = max(m, ls)
-                        f, w = np.exp(m - m_new), np.exp(ls - m_new)
-                        l = l * f + w
+                        m_new = max(m, m_u)
+                        f, w = np.exp2(m - m_new), np.exp2(m_u - m_new)
+                        l = l * f + w * l_u
                         acc = acc * f + w * o_part[s_, b, i, h]
                         m = m_new
                     out[b, i, h] = acc * (0.0 if l == 0 else 1.0 / l)
-                    lse_out[b, h, i] = -np.inf if l == 0 else m + np.log(l)
-    # ---- combine kernel
-    if num_splits > 1 and not fused:
-        for b in range(batch):
-            for i in range(sq):
-                for h in range(nh):
-                    ls = lse_part[:, b, h, i]
-                    mx = ls.max()
-                    with np.errstate(invalid="ignore"):
-                        w = np.where(ls == -np.inf, 0.0, np.exp(ls - mx))
-                    ws = w.sum()
-                    acc = np.zeros(d)
-                    for s_ in range(num_splits):
-                        if ls[s_] != -np.inf:
-                            acc += w[s_] * o_part[s_, b, i, h]
-                    out[b, i, h] = acc * (0.0 if ws == 0 else 1.0 / ws)
-                    lse_out[b, h, i] = -np.inf if ws == 0 else mx + np.log(ws)
-    return out, lse_out, o_part, lse_part, kc, vc
+                    lse_out[b, h, i] = -np.inf if l == 0 else m * LN2 + np.log(l)
+    return out, lse_out, o_part, ml_part, kc, vc
 
 
 @st.composite
@@ -480,7 +465,7 @@ def emulation_configs(draw):
     num_splits = draw(st.sampled_from([1, 2, 3, 7, 40]))
     group = draw(st.sampled_from([1, 3, 16]))
     return dict(block_n=block_n, nwarps=nwarps, split_tiles=split_tiles, num_splits=num_splits,
-                group=group, fused=draw(st.booleans()))
+                group=group)
 
 
 @settings(max_examples=30)
@@ -495,14 +480,14 @@ def test_emulated_kernel_index_math_matches_reference(case, cfg):
         cap = (case.block_table.shape[1] * case.k_cache.shape[1] if case.paged
                else case.k_cache.shape[1])
         ns = max(1, -(-(-(-cap // cfg["block_n"])) // cfg["split_tiles"]))
-    out, lse, o_part, lse_part, kc, vc = emulate_decode(
+    out, lse, o_part, ml_part, kc, vc = emulate_decode(
         case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens,
         case.block_table, scale=scale, causal=case.causal, num_splits=ns,
         split_tiles=cfg["split_tiles"], block_n=cfg["block_n"], nwarps=cfg["nwarps"],
-        group=cfg["group"], fused=cfg["fused"])
+        group=cfg["group"])
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     if ns > 1:  # every split wrote every row of the workspace (NaN-poisoned before)
-        assert not np.isnan(lse_part).any() and not np.isnan(o_part).any()
+        assert not np.isnan(ml_part).any() and not np.isnan(o_part).any()
     assert testing.rel_error(out, ref.out if hasattr(ref, "out") else ref[0]) <= 1e-12
     ref_lse = ref.lse if hasattr(ref, "lse") else ref[1]
     assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))

@@ -164,7 +164,7 @@ def test_decode_traffic_hand():
     assert terms["meta"] == (b * 4, 0) and "workspace" not in terms
     t4 = m.decode_traffic(b, h, hk, s, d, "bfloat16", num_splits=4, page_size=16)
     terms4 = {n: (r, w) for n, r, w in t4.terms}
-    ws = 4 * b * h * (d + 1) * 4
+    ws = 4 * b * h * (d + 2) * 4  # accumulators and (m, l) pairs, float32
     assert terms4["workspace"] == (ws, ws)
     assert terms4["meta"] == (b * 4 + b * 63 * 4, 0)  # ceil(1000 / 16) = 63 pages per sequence
     assert t4.total == t1.total + 2 * ws + b * 63 * 4

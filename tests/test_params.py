@@ -67,6 +67,6 @@ def test_pointer_blocks_are_consecutive():
                                                     "cu_seqlens_k")) == (0, 7)
     assert params.pointer_fields(params.DecodeParams, ("q", "k", "v", "cache_seqlens",
                                                        "block_table", "o", "lse", "o_part",
-                                                       "lse_part", "counters")) == (0, 10)
+                                                       "ml_part", "counters")) == (0, 10)
     with pytest.raises(ValueError, match="consecutive"):
         params.pointer_fields(params.FwdParams, ("q", "v"))

@@ -58,7 +58,7 @@ FwdTmaParams.__doc__ = ("``cf::FwdTmaParams``: the Hopper forward's four tensor 
 class DecodeParams(ctypes.Structure):
     """``cf::DecodeParams``: the split kernel of split-KV decode (``decode/split.cu``)."""
     _fields_ = ([(n, _P) for n in ("q", "k", "v", "cache_seqlens", "block_table", "o", "lse",
-                                   "o_part", "lse_part", "counters", "check_claim",
+                                   "o_part", "ml_part", "counters", "check_claim",
                                    "check_record")]
                 + [(f"{t}_{s}_stride", _I64) for t in ("q", "k", "v", "o")
                    for s in ("batch", "row", "head")]

@@ -197,7 +197,7 @@ def _append_params(prob, k, v, k_cache, v_cache, block_table) -> DecodeAppendPar
 _APPEND_POINTERS = ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table")
 #: The per-call pointer fields of the split kernel, in order.
 _SPLIT_POINTERS = ("q", "k", "v", "cache_seqlens", "block_table", "o", "lse", "o_part",
-                   "lse_part", "counters")
+                   "ml_part", "counters")
 
 
 def _append_grid(prob) -> tuple:
@@ -522,9 +522,9 @@ class _KVCacheLaunch:
         if self.ws_need and workspace is not None:  # checked before anything is launched
             _check_workspace(workspace, self.ws_need)
         rows = b * sq * h
-        # workspace: partial O, partial LSE (fp32), then the fused combine's int32 counters
+        # workspace: partial accumulators, (m, l) pairs (fp32), then the fused combine's counters
         self.o_part_bytes = 4 * ns * rows * d
-        self.counters_bytes = 4 * ns * rows * (d + 1)
+        self.counters_bytes = 4 * ns * rows * (d + 2)
         self.counters_nbytes = 4 * plan.counter_elems
         self.pdl_ok = _compute_capability() >= 90
         self.launches = {}  # (pdl, check) -> (append Launch or None, split one or None)

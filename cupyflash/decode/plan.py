@@ -513,14 +513,15 @@ def _check_workspace(workspace, need: int) -> None:
 
 
 def workspace_elems(batch: int, seqlen_q: int, nheads: int, headdim: int, num_splits: int) -> int:
-    """float32 elements of the split partials: partial O (num_splits, batch, seqlen_q, nheads,
-    headdim) followed by partial LSE (num_splits, batch, nheads, seqlen_q); 0 for one split.
+    """float32 elements of the split partials: each split's unnormalised accumulator (num_splits,
+    batch, seqlen_q, nheads, headdim) followed by its raw row max and sum (num_splits, batch,
+    nheads, seqlen_q, 2: ``kernels_cu/decode/split.cu``); 0 for one split.
     The workspace of :func:`cupyflash.decode.flash_attn_with_kvcache` has ``batch * nheads_k *
     row_chunks`` int32 counters after them (:attr:`DecodeLaunch.counter_elems`,
     :func:`cupyflash.decode.workspace_size`)."""
     if num_splits <= 1:
         return 0
-    return num_splits * batch * seqlen_q * nheads * (headdim + 1)
+    return num_splits * batch * seqlen_q * nheads * (headdim + 2)
 
 
 def workspace_size(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,

@@ -306,11 +306,11 @@ def _name(cfg: PrefillConfig, causal: bool) -> str:
 
 
 def _entry(cfg: PrefillConfig, causal: bool) -> str:
-    # The shared entry (kernels_cu/common/fwd_entry.cuh) instantiated with one CTA's algorithm.
+    # The entry (kernels_cu/common/fwd_tile.cuh, or the Hopper kernel's) with one CTA's algorithm.
     c, t = ("true" if causal else "false"), _CTYPE[cfg.dtype]
-    if cfg.isa == "tma":  # its own entry: 4 tensor maps, counter, o_map_ok, flash_fwd_entry's
+    if cfg.isa == "tma":  # its own entry (FwdTmaParams: the tensor maps, then FwdParams)
         return (f"cf::flash_fwd_tma_entry<cf::FlashFwdHopper<{t}, {cfg.headdim}, {cfg.block_m}, "
-                f"{cfg.block_n}, {c}, {cfg.stages}>, {t}>")
+                f"{cfg.block_n}, {c}>, {t}>")
     if cfg.dtype in TC_DTYPES:
         pf = ", true" if cfg.prefetch else ""
         block = (f"cf::FlashFwd<{t}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, {cfg.nwarps}, "

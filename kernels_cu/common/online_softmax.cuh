@@ -171,4 +171,57 @@ struct LseMerge4 {
     }
 };
 
+// The merge of unnormalised partial states of one row over disjoint keys, for 4 output columns:
+// the split kernel's partials (decode/split.cu), each its raw row max m_u (score units, before
+// softmax_scale), its sum l_u = sum exp2((s - m_u) c) and its unnormalised accumulator acc_u.
+// This is the online softmax one level up -- weights exp2((m_u - m) c), the difference taken
+// before the scale (see above) -- so it is exact at any score magnitude: a float32 LSE per part
+// (LseMerge4) rounds ln l_u away once |LSE| reaches ~1e6 (an ulp of 0.06; 1 at 1e7), and with it
+// the relative weight of two parts that share the row's max (experiments/NOTES.md, split merge).
+// Batches of N parts, as LseMerge4. Result: o = acc / l; LSE = SoftmaxRow{m, l}.lse(l, c).
+struct PartialMerge4 {
+    float m, l, acc[4];
+    __device__ __forceinline__ void init() {
+        m = neg_inf<float>();
+        l = 0.f;
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+    }
+    // ml[u] = (m_u, l_u) of part u < n; a part with m_u = -inf saw no key (its acc is unused)
+    template <int N>
+    __device__ __forceinline__ void add_batch(const float2 (&ml)[N], const float4 (&o)[N], int n,
+                                              float c) {
+        static_assert(N % 4 == 0, "batch: a multiple of 4 (four max chains)");
+        float m0 = neg_inf<float>(), m1 = m0, m2 = m0, m3 = m0;  // four independent max chains
+#pragma unroll
+        for (int u = 0; u < N; u += 4) {
+            m0 = fmaxf(m0, u < n ? ml[u].x : neg_inf<float>());
+            m1 = fmaxf(m1, u + 1 < n ? ml[u + 1].x : neg_inf<float>());
+            m2 = fmaxf(m2, u + 2 < n ? ml[u + 2].x : neg_inf<float>());
+            m3 = fmaxf(m3, u + 3 < n ? ml[u + 3].x : neg_inf<float>());
+        }
+        const float mb = fmaxf(fmaxf(m0, m1), fmaxf(m2, m3));
+        if (mb == neg_inf<float>()) return;  // every part of the batch is empty
+        const float m_new = fmaxf(m, mb);
+        const float ref = softmax_ref(m_new);
+        const float f = softmax_weight<float>(m, ref, c);  // m = -inf (first batch): 0
+        float lb = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            const bool ok = u < n && ml[u].x != neg_inf<float>();
+            const float wt = softmax_weight<float>(ok ? ml[u].x : neg_inf<float>(), ref, c);
+            lb = ok ? fmaf(ml[u].y, wt, lb) : lb;
+            a0 = ok ? fmaf(wt, o[u].x, a0) : a0;
+            a1 = ok ? fmaf(wt, o[u].y, a1) : a1;
+            a2 = ok ? fmaf(wt, o[u].z, a2) : a2;
+            a3 = ok ? fmaf(wt, o[u].w, a3) : a3;
+        }
+        l = fmaf(l, f, lb);
+        acc[0] = fmaf(acc[0], f, a0);
+        acc[1] = fmaf(acc[1], f, a1);
+        acc[2] = fmaf(acc[2], f, a2);
+        acc[3] = fmaf(acc[3], f, a3);
+        m = m_new;
+    }
+};
+
 }  // namespace cf

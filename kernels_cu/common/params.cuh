@@ -73,8 +73,10 @@ struct DecodeParams {
     const int* __restrict__ block_table;    // (batch, max_pages_per_seq); nullptr if contiguous
     void* __restrict__ o;                   // final output (batch, seqlen_q, nheads, headdim), T
     float* __restrict__ lse;                // final LSE (batch, nheads, seqlen_q) or nullptr
-    float* __restrict__ o_part;             // workspace (num_splits, batch, seqlen_q, nheads, headdim)
-    float* __restrict__ lse_part;           // workspace (num_splits, batch, nheads, seqlen_q)
+    float* __restrict__ o_part;             // workspace (num_splits, batch, seqlen_q, nheads, headdim):
+                                            // each split's unnormalised accumulator
+    float* __restrict__ ml_part;            // workspace (num_splits, batch, nheads, seqlen_q, 2):
+                                            // each split's raw row max m and sum l
     int* counters;                          // (batch, nheads_k * row_chunks) arrival counters of
                                             // the fused combine, 0 between launches; one split:
                                             // unused

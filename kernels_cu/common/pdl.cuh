@@ -1,7 +1,7 @@
 // Programmatic dependent launch (sm_90+; CUDA Programming Guide, "Programmatic Dependent Launch
 // and Synchronization"; PTX ISA 7.8, "griddepcontrol").
 //
-// A kernel launched with programmatic stream serialization (cupyflash/core/launch.py, PreparedLaunch)
+// A kernel launched with programmatic stream serialization (cupyflash/core/launch.py, Launch with pdl)
 // may start while the previous kernel of its stream is still running: once every block of that
 // kernel has executed griddepcontrol.launch_dependents or exited. pdl_wait() (griddepcontrol.wait)
 // returns once the previous grid has completed and its memory operations are visible, so every

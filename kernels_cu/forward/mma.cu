@@ -22,7 +22,8 @@
 #include "common/mask.cuh"
 #include "common/online_softmax.cuh"
 #include "common/mma.cuh"
-#include "common/fwd_entry.cuh"
+#include "common/softmax_step.cuh"
+#include "common/fwd_tile.cuh"
 
 namespace cf {
 
@@ -63,6 +64,9 @@ struct FwdTraits {
     // there the extra live state made hd192 128x32x8w spill (ptxas, sm_90a), and those tiles
     // (16-row warps, or hd64) gain little from it.
     static constexpr bool kWarpSkip = !kQInRegs;
+    // Independent partial results of the softmax step's row max and sum (common/softmax_step.cuh):
+    // one (with two, hd192 128 x 32 x 8 spilled at 255 registers; 4-8 warps per CTA here).
+    static constexpr int kSoftmaxAcc = 1;
 
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(HEADDIM % 32 == 0 && HEADDIM <= 256, "padded head dim");
@@ -116,66 +120,165 @@ struct TileLoader {
     }
 };
 
+// ldmatrix row addresses (common/mma.cuh) of one warp: A operand rows (lane & 15), column half
+// (lane >> 4); K (non-transposed B): key row (lane & 7) + 8 * (lane >> 4), column half
+// ((lane >> 3) & 1); V (transposed B): key row (lane & 7) + 8 * ((lane >> 3) & 1), column half
+// (lane >> 4). Element offsets inside a tile of padded rows.
+template <typename Tr>
+struct MmaLanes {
+    int q, k, v;
+    __device__ __forceinline__ MmaLanes(int lane, int warp_row0)
+        : q((warp_row0 + (lane & 15)) * Tr::kRow + (lane >> 4) * 8),
+          k(((lane & 7) + ((lane >> 4) << 3)) * Tr::kRow + ((lane >> 3) & 1) * 8),
+          v(((lane & 7) + (((lane >> 3) & 1) << 3)) * Tr::kRow + (lane >> 4) * 8) {}
+};
+
+// The A fragments of Q for k-step ks of m-tile mt: from registers (kQInRegs), else ldmatrix.
+template <typename Tr, typename QFrag>
+__device__ __forceinline__ void q_fragment(uint32_t (&a)[4], const QFrag& q_frag, uint32_t sQ_addr,
+                                           int mt, int ks) {
+    if constexpr (Tr::kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = q_frag[mt][ks][e];
+    } else {
+        ldmatrix_x4(a, sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks * 16) * 2));
+    }
+}
+
+// S = Q K^T of one tile (raw scores: not yet scaled), on mma.sync. With kPrefetch the steps
+// i = (ks, np) run in order and the fragments of step i + 1 are loaded before the MMAs of step i
+// (bk: every step; Q's a: when step i + 1 starts a new ks and Q is re-read from smem); fully
+// unrolled, the buffers are renames.
+template <typename T, typename Tr, typename QFrag>
+__device__ __forceinline__ void mma_scores(float (&s)[Tr::kMTiles][4 * Tr::kNTiles],
+                                           const QFrag& q_frag, uint32_t sQ_addr,
+                                           uint32_t sK_addr) {
+    constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, NP = NT / 2;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4 * NT; ++i) s[mt][i] = 0.f;
+    auto mma = [&](int mt, int np, const uint32_t (&a)[4], const uint32_t (&bk)[4]) {
+        mma_m16n8k16<T>(*reinterpret_cast<float(*)[4]>(&s[mt][8 * np]), a, bk[0], bk[1]);
+        mma_m16n8k16<T>(*reinterpret_cast<float(*)[4]>(&s[mt][8 * np + 4]), a, bk[2], bk[3]);
+    };
+    auto k_addr = [&](int np, int ks) {  // b-fragments of key tiles 2np and 2np + 1
+        return sK_addr + (uint32_t)((np * 16 * Tr::kRow + ks * 16) * 2);
+    };
+    if constexpr (Tr::kPrefetch) {
+        constexpr int kSteps = Tr::kKSteps * NP;
+        uint32_t a[2][MT][4], bk[2][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) q_fragment<Tr>(a[0][mt], q_frag, sQ_addr, mt, 0);
+        ldmatrix_x4(bk[0], k_addr(0, 0));
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+            const int np = i % NP, cur = i & 1, ab = (i / NP) & 1;
+            if (i + 1 < kSteps) {
+                const int ks1 = (i + 1) / NP, np1 = (i + 1) % NP;
+                if (np1 == 0) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        q_fragment<Tr>(a[ks1 & 1][mt], q_frag, sQ_addr, mt, ks1);
+                }
+                ldmatrix_x4(bk[cur ^ 1], k_addr(np1, ks1));
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma(mt, np, a[ab][mt], bk[cur]);
+        }
+    } else {
+#pragma unroll
+        for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) q_fragment<Tr>(a[mt], q_frag, sQ_addr, mt, ks);
+#pragma unroll
+            for (int np = 0; np < NP; ++np) {
+                uint32_t bk[4];
+                ldmatrix_x4(bk, k_addr(np, ks));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma(mt, np, a[mt], bk);
+            }
+        }
+    }
+}
+
+// acc += P V of one tile, P taken straight from registers as the A operand.
+template <typename T, typename Tr>
+__device__ __forceinline__ void mma_pv(float (&acc)[Tr::kMTiles][4 * Tr::kDTiles],
+                                       const uint32_t (&p_frag)[Tr::kMTiles][Tr::kPSteps][4],
+                                       uint32_t sV_addr) {
+#pragma unroll
+    for (int kc = 0; kc < Tr::kPSteps; ++kc) {
+#pragma unroll
+        for (int dp = 0; dp < Tr::kDTiles / 2; ++dp) {
+            uint32_t bv[4];  // b-fragments of head-dim tiles 2dp (bv[0], bv[1]) and 2dp+1 (bv[2], bv[3])
+            ldmatrix_x4_trans(bv, sV_addr + (uint32_t)((kc * 16 * Tr::kRow + dp * 16) * 2));
+#pragma unroll
+            for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+                mma_m16n8k16<T>(*reinterpret_cast<float(*)[4]>(&acc[mt][8 * dp]), p_frag[mt][kc],
+                                bv[0], bv[1]);
+                mma_m16n8k16<T>(*reinterpret_cast<float(*)[4]>(&acc[mt][8 * dp + 4]),
+                                p_frag[mt][kc], bv[2], bv[3]);
+            }
+        }
+    }
+}
+
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL, bool PREFETCH>
 __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
     using Tr = FwdTraits<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, PREFETCH>;
     constexpr int MT = Tr::kMTiles, NT = Tr::kNTiles, DT = Tr::kDTiles;
 
+    // ================================ set-up ================================================
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + Tr::kQElems;                      // [kStages][BLOCK_N][kRow]
     T* sV = sK + Tr::kStages * Tr::kKVElems;       // [kStages][BLOCK_N][kRow]
-
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;         // mma groupID, threadID_in_group
 
-    // ---- this CTA's rows, sequence and key tiles [n_block_min, n_block_max) (common/fwd_entry.cuh) ----
-    const FwdCta<T, BLOCK_M, BLOCK_N, CAUSAL> cta(p);
+    // this CTA's rows, sequence and key tiles [n_block_min, n_block_max) (common/fwd_tile.cuh)
+    const auto cta = fwd_tile_of_block<BLOCK_M, BLOCK_N, CAUSAL>(p);
     if (cta.empty()) return;
     const int seqlen_q = cta.seq.seqlen_q, seqlen_k = cta.seq.seqlen_k, m0 = cta.m0;
-    const T* q_base = cta.q;
-    const T* k_base = cta.k;
-    const T* v_base = cta.v;
-    T* o_base = cta.o;
-    float* lse_base = cta.lse;
+    const T* k_base = cta.template k<T>(p);
+    const T* v_base = cta.template v<T>(p);
     const int chunks_valid = p.headdim / 8;
     const KeyTiles<BLOCK_N>& tiles = cta.tiles;
     const int n_block_min = tiles.n_block_min, n_block_max = tiles.n_block_max;
 
-    // ---- prologue: Q tile (group 0), then K, V of the first kStages - 1 tiles (2 groups each;
-    // empty groups past the last tile keep the wait counts uniform) ----
-    const TileLoader<Tr, BLOCK_M> q_loader(tid);
+    // Q tile (group 0), then K, V of the first kStages - 1 tiles (2 groups each; empty groups
+    // past the last tile keep the wait counts uniform)
     const TileLoader<Tr, BLOCK_N> kv_loader(tid);
     const uint32_t sQ_base = smem_u32addr(sQ), sK_base = smem_u32addr(sK), sV_base = smem_u32addr(sV);
     constexpr uint32_t kKVStageBytes = Tr::kKVElems * sizeof(T);
-    q_loader.load(sQ_base, q_base + (int64_t)m0 * p.q_row_stride, p.q_row_stride, seqlen_q - m0,
-                  chunks_valid, q_base);
-    cp_async_commit();
-#pragma unroll
-    for (int st = 0; st < Tr::kStages - 1; ++st) {
-        const int nb = n_block_min + st;
+    auto load_kv = [&](int nb, uint32_t stage_off) {  // the K and V copies of tile nb, if any
         if (nb < n_block_max) {
             const int n0 = nb * BLOCK_N;
-            kv_loader.load(sK_base + st * kKVStageBytes, k_base + (int64_t)n0 * p.k_row_stride,
+            kv_loader.load(sK_base + stage_off, k_base + (int64_t)n0 * p.k_row_stride,
                            p.k_row_stride, seqlen_k - n0, chunks_valid, k_base);
             cp_async_commit();
-            kv_loader.load(sV_base + st * kKVStageBytes, v_base + (int64_t)n0 * p.v_row_stride,
+            kv_loader.load(sV_base + stage_off, v_base + (int64_t)n0 * p.v_row_stride,
                            p.v_row_stride, seqlen_k - n0, chunks_valid, v_base);
             cp_async_commit();
         } else {
             cp_async_commit();
             cp_async_commit();
         }
+    };
+    {
+        const T* q_base = cta.template q<T>(p);
+        TileLoader<Tr, BLOCK_M>(tid).load(sQ_base, q_base + (int64_t)m0 * p.q_row_stride,
+                                          p.q_row_stride, seqlen_q - m0, chunks_valid, q_base);
+        cp_async_commit();
     }
+#pragma unroll
+    for (int st = 0; st < Tr::kStages - 1; ++st) load_kv(n_block_min + st, st * kKVStageBytes);
 
     const int warp_row0 = warp * 16 * MT;          // first row of this warp inside the tile
-    // ldmatrix row addresses (see common/mma.cuh): A operand rows (lane & 15), column half (lane >> 4);
-    // K (non-transposed B): key row (lane & 7) + 8 * (lane >> 4), column half ((lane >> 3) & 1);
-    // V (transposed B): key row (lane & 7) + 8 * ((lane >> 3) & 1), column half (lane >> 4).
-    const uint32_t sQ_addr = smem_u32addr(sQ + (warp_row0 + (lane & 15)) * Tr::kRow + (lane >> 4) * 8);
-    const int k_lane_off = ((lane & 7) + ((lane >> 4) << 3)) * Tr::kRow + ((lane >> 3) & 1) * 8;
-    const int v_lane_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * Tr::kRow + (lane >> 4) * 8;
-
+    const MmaLanes<Tr> lanes(lane, warp_row0);
+    const uint32_t sQ_addr = sQ_base + (uint32_t)(lanes.q * 2);
     uint32_t q_frag[Tr::kQInRegs ? MT : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
     if constexpr (Tr::kQInRegs) {
         cp_async_wait<Tr::kWaitQ>();               // this thread's Q copies have landed
@@ -188,47 +291,28 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
     }
 
     // acc (unnormalised output) and the softmax state of this thread's rows g, g + 8 of each m16
-    // tile (running max m, and l: this thread's share of the row sum, added over the quad once,
-    // in the epilogue).
-    float acc[MT][DT][4];
+    // tile (common/softmax_step.cuh)
+    float acc[MT][4 * DT];
     SoftmaxRow<float> row[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.f;
+        for (int i = 0; i < 4 * DT; ++i) acc[mt][i] = 0.f;
         row[mt][0].init();
         row[mt][1].init();
     }
-    const float scale_log2 = p.scale_log2;
 
+    // ================================ main loop =============================================
     int stage = 0;                                 // (nb - n_block_min) % kStages
     for (int nb = n_block_min; nb < n_block_max; ++nb) {
         const int n0 = nb * BLOCK_N;
         const uint32_t stage_off = (uint32_t)stage * kKVStageBytes;
-
-        // K_j has landed (V_j may still be in flight); every warp is done with tile j-1.
+        // K_j has landed (V_j may still be in flight); every warp is done with tile j-1; then
+        // tile j + kStages - 1 into the stage tile j - 1 used
         cp_async_wait<Tr::kWaitK>();
         __syncthreads();
-
-        // Prefetch tile j + kStages - 1 into the stage tile j - 1 used.
-        {
-            const int nf = nb + Tr::kStages - 1;
-            if (nf < n_block_max) {
-                const int n1 = nf * BLOCK_N;
-                const uint32_t next = (uint32_t)(stage == 0 ? Tr::kStages - 1 : stage - 1) * kKVStageBytes;
-                kv_loader.load(sK_base + next, k_base + (int64_t)n1 * p.k_row_stride, p.k_row_stride,
-                               seqlen_k - n1, chunks_valid, k_base);
-                cp_async_commit();
-                kv_loader.load(sV_base + next, v_base + (int64_t)n1 * p.v_row_stride, p.v_row_stride,
-                               seqlen_k - n1, chunks_valid, v_base);
-                cp_async_commit();
-            } else {
-                cp_async_commit();                 // empty groups keep the wait counts uniform
-                cp_async_commit();
-            }
-        }
+        load_kv(nb + Tr::kStages - 1,
+                (uint32_t)(stage == 0 ? Tr::kStages - 1 : stage - 1) * kKVStageBytes);
         const bool mask_tile = tiles.needs_mask(nb);
 
         // A warp skips a tile that none of its (valid) rows sees: its P would be exactly 0 and
@@ -245,168 +329,47 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
             active = r_first <= r_last && n0 < l.hi && n0 + BLOCK_N > f.lo;
         }
 
-        // S = Q K^T for this tile (BLOCK_M x BLOCK_N raw scores: not yet scaled).
-        float s[MT][NT][4];
+        // S = Q K^T, then the softmax step of every m16 tile (common/softmax_step.cuh; the mask
+        // only on tiles that straddle a causal / window / sequence-end boundary)
         uint32_t p_frag[MT][Tr::kPSteps][4];  // P rounded to T, already in A-fragment order
         if (active) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-            const uint32_t sK_addr = sK_base + stage_off + (uint32_t)(k_lane_off * 2);
-            if constexpr (Tr::kPrefetch) {
-                // Steps i = (ks, np) in order; the fragments of step i + 1 are loaded before the
-                // MMAs of step i (bk: every step; Q's a: when step i + 1 starts a new ks and Q is
-                // re-read from smem). Fully unrolled: the buffers are renames.
-                constexpr int NP = NT / 2, kSteps = Tr::kKSteps * NP;
-                uint32_t a[2][MT][4], bk[2][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if constexpr (Tr::kQInRegs) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) a[0][mt][e] = q_frag[mt][0][e];
-                    } else {
-                        ldmatrix_x4(a[0][mt], sQ_addr + (uint32_t)(mt * 16 * Tr::kRow * 2));
-                    }
-                }
-                ldmatrix_x4(bk[0], sK_addr);
-#pragma unroll
-                for (int i = 0; i < kSteps; ++i) {
-                    const int np = i % NP, cur = i & 1, ab = (i / NP) & 1;
-                    if (i + 1 < kSteps) {
-                        const int ks1 = (i + 1) / NP, np1 = (i + 1) % NP;
-                        if (np1 == 0) {
-#pragma unroll
-                            for (int mt = 0; mt < MT; ++mt) {
-                                if constexpr (Tr::kQInRegs) {
-#pragma unroll
-                                    for (int e = 0; e < 4; ++e) a[ks1 & 1][mt][e] = q_frag[mt][ks1][e];
-                                } else {
-                                    ldmatrix_x4(a[ks1 & 1][mt], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks1 * 16) * 2));
-                                }
-                            }
-                        }
-                        ldmatrix_x4(bk[cur ^ 1], sK_addr + (uint32_t)((np1 * 16 * Tr::kRow + ks1 * 16) * 2));
-                    }
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_m16n8k16<T>(s[mt][2 * np], a[ab][mt], bk[cur][0], bk[cur][1]);
-                        mma_m16n8k16<T>(s[mt][2 * np + 1], a[ab][mt], bk[cur][2], bk[cur][3]);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-                    uint32_t a[MT][4];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        if constexpr (Tr::kQInRegs) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
-                        } else {
-                            ldmatrix_x4(a[mt], sQ_addr + (uint32_t)((mt * 16 * Tr::kRow + ks * 16) * 2));
-                        }
-                    }
-#pragma unroll
-                    for (int np = 0; np < NT / 2; ++np) {
-                        uint32_t bk[4];  // b-fragments of key tiles 2np (bk[0], bk[1]) and 2np+1 (bk[2], bk[3])
-                        ldmatrix_x4(bk, sK_addr + (uint32_t)((np * 16 * Tr::kRow + ks * 16) * 2));
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            mma_m16n8k16<T>(s[mt][2 * np], a[mt], bk[0], bk[1]);
-                            mma_m16n8k16<T>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-                        }
-                    }
-                }
-            }
-
-            // Mask (only tiles that straddle a causal / window / sequence-end boundary): -inf.
-            if (mask_tile) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int r = m0 + warp_row0 + mt * 16 + g + hh * 8;
-                        const KeyRange vis = visible_keys(r, seqlen_q, seqlen_k, CAUSAL,
-                                                          p.window_left, p.window_right);
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                if (!key_visible(vis, n0 + nt * 8 + 2 * t + e)) s[mt][nt][2 * hh + e] = -INFINITY;
-                    }
-            }
-
-            // Online softmax (common/online_softmax.cuh): the row max over the quad, then
-            // alpha = exp2((m_old - m) c) rescales l and acc, P = exp2((S - m) c), l += rowsum(P).
+            float s[MT][4 * NT];
+            mma_scores<T, Tr>(s, q_frag, sQ_addr, sK_base + stage_off + (uint32_t)(lanes.k * 2));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 float alpha[2];
+                if (mask_tile) {
+                    KeyRange range[2];
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    float mx = -INFINITY;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the 4 threads of a quad
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));   // hold one row
-                    alpha[hh] = row[mt][hh].update(mx, scale_log2);
-                    const float ref = row[mt][hh].ref();
-                    float rowsum = 0.f;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const float p0 = SoftmaxRow<float>::prob(s[mt][nt][2 * hh], ref, scale_log2);
-                        const float p1 = SoftmaxRow<float>::prob(s[mt][nt][2 * hh + 1], ref, scale_log2);
-                        rowsum += p0;
-                        rowsum += p1;
-                        // C fragment (row g + 8 hh, keys nt*8 + 2t, +1) -> A fragment register
-                        // (nt & 1) * 2 + hh of k16 step nt / 2 (common/mma.cuh).
-                        p_frag[mt][nt >> 1][(nt & 1) * 2 + hh] = pack2<T>(p0, p1);
-                    }
-                    row[mt][hh].l += rowsum;
+                    for (int hh = 0; hh < 2; ++hh)
+                        range[hh] = visible_keys(m0 + warp_row0 + mt * 16 + g + hh * 8, seqlen_q,
+                                                 seqlen_k, CAUSAL, p.window_left, p.window_right);
+                    mask_scores<NT>(s[mt], tile_bounds(range, n0, t));
                 }
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[mt][dt][e] *= alpha[e >> 1];
+                softmax_tile_step_packed<T, NT, false, Tr::kSoftmaxAcc>(
+                    s[mt], row[mt], alpha, TileBounds{}, p.scale_log2, p_frag[mt]);
+                rescale_rows<DT>(acc[mt], alpha);
             }
         }
 
-        // V_j has landed for every thread (every warp passes here, active or not).
+        // V_j has landed for every thread (every warp passes here, active or not)
         cp_async_wait<Tr::kWaitV>();
         __syncthreads();
-
-        // acc += P V for this tile, with P taken straight from registers as the A operand.
-        if (active) {
-            const uint32_t sV_addr = sV_base + stage_off + (uint32_t)(v_lane_off * 2);
-#pragma unroll
-            for (int kc = 0; kc < Tr::kPSteps; ++kc) {
-#pragma unroll
-                for (int dp = 0; dp < DT / 2; ++dp) {
-                    uint32_t bv[4];  // b-fragments of head-dim tiles 2dp (bv[0], bv[1]) and 2dp+1 (bv[2], bv[3])
-                    ldmatrix_x4_trans(bv, sV_addr + (uint32_t)((kc * 16 * Tr::kRow + dp * 16) * 2));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_m16n8k16<T>(acc[mt][2 * dp], p_frag[mt][kc], bv[0], bv[1]);
-                        mma_m16n8k16<T>(acc[mt][2 * dp + 1], p_frag[mt][kc], bv[2], bv[3]);
-                    }
-                }
-            }
-        }
+        if (active) mma_pv<T, Tr>(acc, p_frag, sV_base + stage_off + (uint32_t)(lanes.v * 2));
         stage = stage + 1 == Tr::kStages ? 0 : stage + 1;
     }
     cp_async_wait<0>();  // nothing may still be writing to smem when the CTA retires
 
-    // Epilogue: l summed over the quad; out = acc / l (0 for an empty row); LSE = m * scale + ln l.
+    // ================================ epilogue ==============================================
+    // out = acc / l (0 for an empty row); LSE = m * scale + ln l. (Written out here rather than
+    // with common/softmax_step.cuh's store_row: that form made hd192 128 x 32 x 8 spill.)
+    T* o_base = cta.template o<T>(p);
+    float* lse_base = cta.lse(p);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            float l = row[mt][hh].l;
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float l = quad_sum(row[mt][hh].l);
             const float inv = SoftmaxRow<float>::inv_l(l);
             const int r = m0 + warp_row0 + mt * 16 + g + hh * 8;
             if (r < seqlen_q) {
@@ -416,15 +379,15 @@ __device__ __forceinline__ void flash_fwd_block(const FwdParams& p) {
                     const int col = dt * 8 + 2 * t;
                     if (col < p.headdim)
                         *reinterpret_cast<uint32_t*>(o_row + col) =
-                            pack2<T>(acc[mt][dt][2 * hh] * inv, acc[mt][dt][2 * hh + 1] * inv);
+                            pack2<T>(acc[mt][4 * dt + 2 * hh] * inv, acc[mt][4 * dt + 2 * hh + 1] * inv);
                 }
-                if (t == 0 && p.lse != nullptr) lse_base[r] = row[mt][hh].lse(l, scale_log2);
+                if (t == 0 && p.lse != nullptr) lse_base[r] = row[mt][hh].lse(l, p.scale_log2);
             }
         }
 }
 
 // One CTA of the tensor-core forward, for the shared entry cf::flash_fwd_entry
-// (common/fwd_entry.cuh): the name expression is
+// (common/fwd_tile.cuh): the name expression is
 // cf::flash_fwd_entry<cf::FlashFwd<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAUSAL, PREFETCH>, T>.
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAUSAL,
           bool PREFETCH = false>

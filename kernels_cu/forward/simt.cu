@@ -17,7 +17,7 @@
 #include "common/params.cuh"
 #include "common/mask.cuh"
 #include "common/online_softmax.cuh"
-#include "common/fwd_entry.cuh"
+#include "common/fwd_tile.cuh"
 
 namespace cf {
 
@@ -75,14 +75,14 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tr = tid / TC, tc = tid % TC;
 
-    const FwdCta<T, BLOCK_M, BLOCK_N, CAUSAL> cta(p);  // rows, sequence, key tiles (fwd_entry.cuh)
+    const auto cta = fwd_tile_of_block<BLOCK_M, BLOCK_N, CAUSAL>(p);  // rows, sequence, key tiles (fwd_tile.cuh)
     if (cta.empty()) return;
     const int seqlen_q = cta.seq.seqlen_q, seqlen_k = cta.seq.seqlen_k, m0 = cta.m0;
-    const T* q_base = cta.q;
-    const T* k_base = cta.k;
-    const T* v_base = cta.v;
-    T* o_base = cta.o;
-    float* lse_base = cta.lse;
+    const T* q_base = cta.template q<T>(p);
+    const T* k_base = cta.template k<T>(p);
+    const T* v_base = cta.template v<T>(p);
+    T* o_base = cta.template o<T>(p);
+    float* lse_base = cta.lse(p);
     const KeyTiles<BLOCK_N>& tiles = cta.tiles;
     // scale * log2(e), in T: the float64 path takes it from the float64 softmax_scale.
     const T scale_log2 = sizeof(T) == 8 ? T(p.softmax_scale_d * 1.4426950408889634073599246810019)
@@ -221,7 +221,7 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
 }
 
 // One CTA of the CUDA-core forward (128 threads), for the shared entry cf::flash_fwd_entry
-// (common/fwd_entry.cuh): cf::flash_fwd_entry<cf::FlashFwdSimt<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL>, T>.
+// (common/fwd_tile.cuh): cf::flash_fwd_entry<cf::FlashFwdSimt<T, HEADDIM, BLOCK_M, BLOCK_N, CAUSAL>, T>.
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL>
 struct FlashFwdSimt {
     static constexpr int kThreads = 128;
