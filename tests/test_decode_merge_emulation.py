@@ -18,7 +18,7 @@ Three merges are emulated on the same per-split states:
   them apart is rounded away (weights off by up to ``e^(ulp/2)`` each, or all equal from 1e8 on)
   and the output misses the bound: from ~1e5 (float16, bound 4 * 2^-10 W) or ~1e6 (bfloat16,
   4 * 2^-7 W) upwards, at any magnitude up to 1e30.
-* ``"raw"`` (recommended): a split writes its raw-score max ``m_i``, its ``l_i`` and its
+* ``"raw"`` (the kernel's since 2026-12-02: ``decode_merge``, ``PartialMerge4``): a split writes its raw-score max ``m_i``, its ``l_i`` and its
   *unnormalised* ``acc_i`` (all float32: exactly the values its own warp merge produced), and
   the merge is the warp merge one level up: ``M = max m_i``, ``f_i = exp2((m_i - M) c)``,
   ``L = sum l_i f_i``, ``out = (sum f_i acc_i) / L``, ``lse = fma(M c, ln2, ln L)``. ``m_i - M``
@@ -29,13 +29,12 @@ Three merges are emulated on the same per-split states:
   merge weighs it by ``w_i = fl(l_i f_i)``: three more roundings per part (1 / l, the product,
   l f), measured 2.5 vs 2.1 float32 ulps of ``sum f_i |acc_i| / L`` at worst; no benefit.
 
-The arithmetic the kernel should implement (``c = scale_log2``; per row, 4 columns per item):
+The arithmetic the kernel implements (``c = scale_log2``; per row, 4 columns per item):
 
     split epilogue, num_splits > 1 (the warp merge unchanged: tot.m, f_w, tot.l = sum fma):
         a = 0; for w: a = fmaf(acc_w, f_w, a)           # NOT multiplied by inv_l(tot.l)
-        acc_part[split, b, qi, h, c:c+4] = a             # float4, as o_part now
-        if c == 0: m_part[split, b, h, qi] = tot.m       # raw max, -inf for an empty split
-                   l_part[split, b, h, qi] = tot.l       # 0 for an empty split
+        o_part[split, b, qi, h, c:c+4] = a               # float4
+        if c == 0: ml_part[split, b, h, qi] = (tot.m, tot.l)  # raw max (-inf: empty), l (0)
     merge (last block), per batch of N parts, state (m = -inf, l = 0, acc[4] = 0):
         mb = max over parts u < n of m_u;  if mb == -inf: skip the batch
         m_new = fmaxf(m, mb); ref = softmax_ref(m_new)
