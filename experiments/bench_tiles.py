@@ -60,12 +60,11 @@ EXTRA_TILES = ((32, 128, 64, 4), (32, 128, 128, 8), (64, 128, 128, 8), (64, 64, 
 
 def extra_rows(dtype: str) -> list:
     """:data:`EXTRA_TILES` as rows of ``dtype`` (float16 / bfloat16), built as the table builds
-    its mma.sync rows (``kernels.PrefillConfig``, ``kernels.smem_bytes``)."""
+    its mma.sync rows (``kernels.PrefillConfig``; shared memory from ``kernels.layout``)."""
     from cupyflash.forward import kernels as prefill
     if dtype not in prefill.TC_DTYPES:
         return []
-    return [prefill.PrefillConfig(dtype, hd, bm, bn, nw, prefill.smem_bytes(dtype, hd, bm, bn),
-                                  prefill.TC_SOURCE) for hd, bm, bn, nw in EXTRA_TILES]
+    return [prefill.PrefillConfig(dtype, hd, bm, bn, nw, prefill.TC_SOURCE) for hd, bm, bn, nw in EXTRA_TILES]
 
 
 def extra_specs(dtype: str) -> list:

@@ -1,6 +1,6 @@
 """The TMA prefill kernel's persistent tile order, simulated on the CPU (NOTES v73).
 
-``tile_order`` is a Python twin of ``FwdTileScheduler`` in ``kernels_cu/forward/hopper.cu``
+``tile_order`` is a Python twin of ``TileScheduler`` in ``kernels_cu/common/tile_scheduler.cuh``
 (the same integer arithmetic: L2 groups of heads, m-blocks longest first when causal, the causal
 tail group below ``TAIL_TILES_PER_CTA`` tiles per CTA). ``makespan`` hands the tiles in that
 order to ``grid`` CTAs, each tile to the CTA that becomes free first (the causal kernel's global

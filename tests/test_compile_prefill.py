@@ -109,8 +109,6 @@ def test_table_is_consistent():
     assert len(keys) == len(set(keys))
     for c in prefill.SUPPORTED:
         assert c.smem_bytes <= prefill.MAX_SMEM_BYTES, c
-        assert c.smem_bytes == prefill.smem_bytes(c.dtype, c.headdim, c.block_m, c.block_n,
-                                                  c.stages, isa=c.isa)
         assert c.headdim in prefill.HEADDIMS
         if c.isa == "tma":  # a producer warpgroup and block_m / 64 consumer warpgroups
             assert c.source == prefill.TMA_SOURCE and c.dtype in prefill.TC_DTYPES
@@ -175,31 +173,27 @@ def test_tma_rows_lead_on_sm90a():
                                               batch_nheads=64)[:1] == (rows,), (sk, causal)
 
 
-def test_smem_formula_matches_kernel_traits():
-    # forward/hopper.cu: Q + 2 stages * (K, V) tiles, 4 * stages + 3 mbarriers, the 8-byte
-    # tile index, 1024 bytes of alignment, and the consumer warpgroups' O buffers (64 rows
-    # each, block_m / 64 of them) where they fit in 227 KB: hd64 and hd128; hd256 writes O
-    # through its V ring and has one more mbarrier (o_free, 8 bytes) instead
-    assert prefill.smem_bytes("bfloat16", 128, 128, 128, 2, isa="tma") == \
-        (128 + 4 * 128) * 128 * 2 + 8 * 11 + 8 + 1024 + 2 * 64 * 128 * 2
-    assert prefill.smem_bytes("float16", 64, 128, 128, 2, isa="tma") == \
-        (128 + 4 * 128) * 64 * 2 + 8 * 11 + 8 + 1024 + 2 * 64 * 64 * 2
-    assert prefill.smem_bytes("float16", 64, 192, 128, 2, isa="tma") == \
-        (192 + 4 * 128) * 64 * 2 + 8 * 11 + 8 + 1024 + 3 * 64 * 64 * 2
-    assert prefill.smem_bytes("bfloat16", 256, 128, 80, 2, isa="tma") == \
-        (128 + 4 * 80) * 256 * 2 + 8 * 11 + 8 + 1024 + 8
-    assert prefill.tma_o_bytes(256, 128, 80) == 0
-    assert prefill.tma_o_in_v(256, 128, 80)  # two 64 x 256 O tiles (64 KB) in 2 x 80 V rows
-    assert not prefill.tma_o_in_v(256, 128, 32) and not prefill.tma_o_in_v(128, 128, 128)
+def test_layout_constants_come_from_the_kernels():
+    """Shared memory and the O-store flag of every row are the kernels' own layout constants
+    (HopperFwdSmem, FwdTraits, SimtTraits), read by an NVRTC probe: within sm_90's limit, the
+    same numbers in every spec, and the TMA rows' epilogues as designed (O buffers at hd64 and
+    hd128, the V ring at hd256: there kOStore is false and kOInV true)."""
+    for c in prefill.SUPPORTED:
+        assert 0 < c.smem_bytes <= prefill.MAX_SMEM_BYTES, c
+        assert prefill.layout(c) == (c.smem_bytes, int(c.o_store))
+        for causal in (False, True):
+            assert prefill.spec_of(c, causal).smem_bytes == c.smem_bytes
     assert [(c.headdim, c.block_m, c.o_store) for c in prefill.SUPPORTED
             if c.isa == "tma" and c.dtype == "float16"] == [(64, 192, True), (64, 128, True),
                                                              (128, 128, True), (256, 128, True)]
     assert not any(c.o_store for c in prefill.SUPPORTED if c.isa != "tma")
-    # forward/mma.cu: (BLOCK_M + 2 stages * 2 (K, V) * BLOCK_N) * (HEADDIM + 8) * 2 bytes
-    assert prefill.smem_bytes("bfloat16", 128, 128, 64) == (128 + 4 * 64) * 136 * 2
-    # forward/simt.cu: (BLOCK_M + 2 BLOCK_N) * (HEADDIM + 16/size) + BLOCK_M * (BLOCK_N + 16/size)
-    assert prefill.smem_bytes("float64", 64, 32, 32) == ((32 + 64) * 66 + 32 * 34) * 8
-    assert prefill.smem_bytes("float32", 64, 32, 32) == ((32 + 64) * 68 + 32 * 36) * 4
+    smem = "cf::HopperFwdSmem<cf::HopperFwdTraits<__half, {}, 128, {}>>"
+    assert jit.constants(prefill.TMA_SOURCE, tuple(
+        f"{smem.format(hd, bn)}::{k}" for hd, bn in ((128, 128), (256, 80))
+        for k in ("kOStore", "kOInV"))) == (1, 0, 0, 1)
+    # a tile outside the table gets its own probe (the tile benchmark's)
+    extra = prefill.PrefillConfig("float16", 128, 128, 64, 8, prefill.TC_SOURCE)
+    assert extra not in prefill.SUPPORTED and prefill.layout(extra)[0] > 0
 
 
 def test_names_and_entries():
@@ -209,7 +203,7 @@ def test_names_and_entries():
     s = prefill.kernel_spec("float16", 128, 128, 64, 4, False)
     assert s.name == "fwd_f16_hd128_m128_n64_w4_pf"
     assert s.entry == "cf::flash_fwd_entry<cf::FlashFwd<__half, 128, 128, 64, 4, false, true>, __half>"
-    assert s.smem_bytes == (128 + 2 * 2 * 64) * 136 * 2
+    assert s.smem_bytes == prefill.config_of(s)[0].smem_bytes > 0
     with pytest.raises(ValueError, match="not compiled"):
         prefill.kernel_spec("bfloat16", 128, 128, 48, 4, False)
     s = prefill.kernel_spec("float64", 64, 32, 32, 4, False)
@@ -490,22 +484,3 @@ def test_tma_prepared_launch_passes_an_o_map_where_the_kernel_may_use_it(
     assert isinstance(got["prepare"], _Maps)
 
 
-def test_tma_traits_match_the_host_smem_and_o_store():
-    """HopperFwdTraits (kernels_cu/forward/hopper.cu) agree with the host on every TMA row:
-    kSmemBytes == PrefillConfig.smem_bytes and kOStore == PrefillConfig.o_store (a probe of
-    static_asserts compiled with NVRTC, no GPU)."""
-    checks_ = []
-    for c in prefill.SUPPORTED:
-        if c.isa != "tma":
-            continue
-        t = (f"cf::HopperFwdTraits<{prefill._CTYPE[c.dtype]}, {c.headdim}, {c.block_m}, "
-             f"{c.block_n}, {c.stages}>")
-        checks_.append(f'static_assert({t}::kSmemBytes == {c.smem_bytes}, "smem {c.headdim}");')
-        checks_.append(f'static_assert(({t}::kOStore || {t}::kOInV) == '
-                       f'{str(c.o_store).lower()}, "o_store {c.headdim}");')
-        in_v = prefill.tma_o_in_v(c.headdim, c.block_m, c.block_n, c.stages)
-        checks_.append(f'static_assert({t}::kOInV == {str(in_v).lower()}, "o_in_v {c.headdim}");')
-    assert len(checks_) == 24  # 2 dtypes x 4 rows (hd64 192 and 128 rows, hd128, hd256) x 3
-    code = (jit.preprocess(prefill.TMA_SOURCE) + "\n" + "\n".join(checks_)
-            + "\n__global__ void cf_traits_probe() {}\n")
-    jit._compile_report_cached(code, "cf_traits_probe", "sm_90a", ())

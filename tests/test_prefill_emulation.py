@@ -533,8 +533,7 @@ def _cfg(dtype, hd, bm, bn, nw, prefetch=None):
         if c.isa == "mma" and (c.dtype, c.headdim, c.block_m, c.block_n, c.nwarps) == (dtype, hd, bm, bn, nw):
             if prefetch is None or prefetch == c.prefetch:
                 return c
-    return prefill.PrefillConfig(dtype, hd, bm, bn, nw, prefill.smem_bytes(dtype, hd, bm, bn),
-                                 prefill.TC_SOURCE, prefetch=bool(prefetch))
+    return prefill.PrefillConfig(dtype, hd, bm, bn, nw, prefill.TC_SOURCE, prefetch=bool(prefetch))
 
 
 # Dense (non-varlen) problems have one (seqlen_q, seqlen_k) for the whole batch.

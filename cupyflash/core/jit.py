@@ -30,7 +30,7 @@ from . import deps
 
 __all__ = [
     "KernelSpec", "PtxasReport", "CompileResult", "kernels_dir", "preprocess", "preprocess_text",
-    "check_compiles", "include_dirs",
+    "check_compiles", "constants", "include_dirs",
     "compile_report", "parse_ptxas", "get_kernel", "KernelSourceError",
 ]
 
@@ -182,6 +182,63 @@ def preprocess_text(text: str, name: str = "probe.cu") -> str:
     return _preprocess_cached(str(root), name, _tree_mtime(root), text)
 
 
+_PROBE_RE = re.compile(r"\.global \.align \d+ \.(b8|u64|b64|s64) cf_probe\[(\d+)\] = \{([^}]*)\}")
+
+
+def constants(source: str, exprs: tuple, arch: str = "compute_80") -> tuple:
+    """The values of integral constant expressions over a kernel source's templates, e.g.
+    ``("cf::HopperFwdSmem<...>::kBytes",)``: NVRTC compiles the source with a probe array of
+    them to PTX (no GPU needed) and the values are read from it. The host's one way of learning a
+    kernel's layout (shared-memory sizes, flags): the C++ definition is the only one.
+
+    Cached per process and on disk (beside CuPy's kernel cache, keyed by the preprocessed source,
+    the expressions and the NVRTC version), so a warm call costs a dictionary lookup.
+
+    Raises
+    ------
+    KernelSourceError
+        NVRTC refused the probe (the message holds its log), or the probe is not in its PTX.
+    """
+    code = preprocess(source)
+    return _constants_cached(code, tuple(exprs), arch)
+
+
+@functools.lru_cache(maxsize=None)
+def _constants_cached(code: str, exprs: tuple, arch: str) -> tuple:
+    import json
+    probe = (code + '\nextern "C" __device__ const long long cf_probe[] = {'
+             + ", ".join(f"(long long)({e})" for e in exprs) + "};\n")
+    nvrtc_version = "?"
+    try:
+        nvrtc_version = repr(deps.nvrtc("compiling a probe with NVRTC").getVersion())
+    except Exception:  # noqa: BLE001 - reported by the compile below
+        pass
+    digest = hashlib.sha256("\n".join([probe, arch, nvrtc_version]).encode()).hexdigest()
+    folder = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    path = folder / f"cupyflash_probe_{digest}.json"
+    try:
+        return tuple(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        pass
+    ptx = _compile_ptx(probe, arch)
+    m = _PROBE_RE.search(ptx)
+    if m is None or int(m.group(2)) != (len(exprs) * 8 if m.group(1) == "b8" else len(exprs)):
+        raise KernelSourceError("constants: the probe array is not in the PTX:\n" + ptx[-2000:])
+    vals = [int(x, 0) for x in m.group(3).replace(" ", "").split(",") if x]
+    if m.group(1) == "b8":  # (PTX leaves out the trailing zero bytes)
+        raw = bytes(v & 0xFF for v in vals).ljust(8 * len(exprs), b"\0")
+        vals = [int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True)
+                for i in range(len(exprs))]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(vals))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache folder: compile again next process
+        pass
+    return tuple(vals)
+
+
 def check_compiles(text: str, arch: str = "compute_80") -> str:
     """Compile the source ``text`` (includes from ``kernels_cu/``) to PTX with NVRTC (no GPU
     needed) and return the PTX: compile-time checks such as ``static_assert``s over the kernels'
@@ -191,8 +248,12 @@ def check_compiles(text: str, arch: str = "compute_80") -> str:
     ------
     KernelSourceError
         NVRTC refused the source (the message holds its log)."""
+    return _compile_ptx(preprocess_text(text), arch)
+
+
+def _compile_ptx(code: str, arch: str) -> str:
+    """PTX of a preprocessed source for ``arch`` (NVRTC; KernelSourceError on failure)."""
     nvrtc = deps.nvrtc("compiling a probe with NVRTC")
-    code = preprocess_text(text)
     try:  # the first NVRTC call of the process loads the library
         prog = nvrtc.createProgram(code, "probe.cu", [], [])
     except nvrtc.NVRTCError:

@@ -19,9 +19,8 @@ head dim of 128 or 256 is 2 or 4 boxes); elements outside the tensor are zero-fi
 past a dense sequence or past the packed tensor, columns past the actual head dim).
 
 The output of a dense problem is written the same way: each consumer warpgroup stores its
-64 x headdim tile into shared memory (its O buffer at hd64 / hd128,
-:func:`cupyflash.forward.kernels.tma_o_bytes`; the V ring at hd256, :func:`cupyflash.forward.kernels.tma_o_in_v`)
-and one thread writes it with TMA stores through the O map (:func:`o_map_layout`: box
+64 x headdim tile into shared memory (its O buffer at hd64 / hd128, the V ring at hd256:
+``HopperFwdSmem`` in ``kernels_cu/forward/hopper.cu``) and one thread writes it with TMA stores through the O map (:func:`o_map_layout`: box
 64 x 1 x 64 x 1; elements outside the tensor, rows past seqlen_q and columns past the head dim,
 are not written). A varlen problem (a box would run into the next sequence's rows) or an
 ``out`` whose strides or base a tensor map refuses is written from registers: the launch passes

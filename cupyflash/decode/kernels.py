@@ -55,9 +55,9 @@ decode table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..core import jit
-from ..io_model import itemsize
 
 __all__ = [
     "DTYPES", "COMBINE_DTYPES", "HEADDIMS", "GROUP", "SplitConfig", "SPLIT_CONFIGS",
@@ -133,16 +133,39 @@ def padded_headdim(headdim: int) -> int:
 
 
 def split_smem_bytes(dtype: str, headdim: int, block_n: int, stages: int) -> int:
-    """Dynamic shared memory of the split kernel (mirrors ``DecodeTraits::kSmemBytes``).
+    """Dynamic shared memory of the split kernel, bytes: its ``DecodeTraits::kSmemBytes`` (the Q
+    tile ``GROUP x (headdim + 8)``, ``stages`` x (K and V tiles of ``block_n x headdim``) and a
+    ring of ``stages`` x ``block_n`` int32 page ids), read from the kernel source through an NVRTC
+    probe (:func:`cupyflash.core.jit.constants`, no GPU needed, cached): every tile of
+    :data:`SPLIT_CONFIGS` / :data:`ONE_BLOCK_SPLIT_CONFIGS` at 2 and 3 stages in one probe.
 
-    Q tile ``GROUP x (headdim + 8)`` (rows padded by 16 bytes: conflict-free ``ldmatrix``) plus
-    ``stages`` x (K and V tiles of ``block_n x headdim``, unpadded rows with 16-byte chunks
-    XOR-swizzled inside 128-byte groups), 16-bit elements; then a ring of ``stages`` x
-    ``block_n`` int32 page ids (paged caches; allocated always).
-    """
-    e = itemsize(dtype)  # (by name: a float16 plan needs no ml_dtypes)
-    q_bytes = GROUP * (headdim + 16 // e) * e
-    return q_bytes + stages * 2 * block_n * headdim * e + stages * block_n * 4
+    Raises
+    ------
+    ValueError
+        ``dtype`` not one of :data:`DTYPES`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    key = (dtype, headdim, block_n, stages)
+    table = _split_layouts()
+    if key not in table:
+        table = _split_layouts((key,))
+    return table[key]
+
+
+def _traits(dtype: str, headdim: int, block_n: int, stages: int) -> str:
+    # (the size does not depend on the warps: one warp keeps every traits' assertion true)
+    return f"cf::DecodeTraits<{_CTYPE[dtype]}, {headdim}, {block_n}, 1, {GROUP}, {stages}>::kSmemBytes"
+
+
+@functools.lru_cache(maxsize=None)
+def _split_layouts(keys: tuple = ()) -> dict:
+    """{(dtype, headdim, block_n, stages): kSmemBytes} of ``keys`` (default: every table tile)."""
+    if not keys:
+        keys = tuple((dt, hd, c.block_n, st) for dt in DTYPES for hd in HEADDIMS
+                     for c in {SPLIT_CONFIGS[hd], ONE_BLOCK_SPLIT_CONFIGS.get(hd, SPLIT_CONFIGS[hd])}
+                     for st in (2, 3))
+    vals = jit.constants("decode/split.cu", tuple(_traits(*k) for k in keys))
+    return dict(zip(keys, vals))
 
 
 #: The split kernel's K/V paths (``KvPath`` in decode/split.cu): name suffix, template value.

@@ -30,6 +30,7 @@ Everything here is pure Python except :func:`launch` (which needs CuPy and a GPU
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -38,8 +39,8 @@ from ..core.params import FwdParams, FwdTmaParams, pointer_fields
 
 __all__ = [
     "PrefillConfig", "SUPPORTED", "HEADDIMS", "TC_DTYPES", "SIMT_DTYPES", "MAX_SMEM_BYTES",
-    "TMA_HEADDIMS", "TMA_FIRST_ABOVE", "padded_headdim", "configs_for", "smem_bytes",
-    "tma_o_bytes", "tma_o_in_v", "kernel_spec", "all_specs", "spec_of", "config_of",
+    "TMA_HEADDIMS", "TMA_FIRST_ABOVE", "padded_headdim", "configs_for", "layout",
+    "kernel_spec", "all_specs", "spec_of", "config_of",
     "launch_config", "POINTERS",
     "kernel_params", "params_of", "args_template", "check_pointers", "launch", "prepared_launch",
 ]
@@ -79,7 +80,6 @@ class PrefillConfig:
     block_m, block_n : query rows per CTA (``BLOCK_M``) and keys per K/V tile (``BLOCK_N``).
     nwarps : warps per CTA (tensor cores: each warp owns ``block_m / nwarps`` query rows;
         CUDA cores: always 4, i.e. 128 threads).
-    smem_bytes : dynamic shared memory per CTA, bytes (same formula as the kernel's traits).
     source : kernel file under ``kernels_cu/``.
     stages : K/V tiles in the shared-memory ring (2: double buffering).
     prefetch : mma only: the Q K^T fragments of the next k16 step are loaded before the MMAs of
@@ -93,7 +93,6 @@ class PrefillConfig:
     block_m: int
     block_n: int
     nwarps: int
-    smem_bytes: int
     source: str
     stages: int = 2
     prefetch: bool = False
@@ -104,15 +103,19 @@ class PrefillConfig:
         return 32 * self.nwarps
 
     @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per CTA, bytes: the kernel's own layout constant (``kBytes`` of
+        ``HopperFwdSmem``, ``kSmemBytes`` of ``FwdTraits`` / ``SimtTraits``), read through an
+        NVRTC probe (:func:`layout`)."""
+        return layout(self)[0]
+
+    @property
     def o_store(self) -> bool:
-        """TMA rows whose kernel can write O through shared memory and TMA stores (in its O
-        buffers, :func:`tma_o_bytes`, or through its V ring, :func:`tma_o_in_v`); dense
+        """TMA rows whose kernel can write O through shared memory and TMA stores (in O buffers
+        of its own, or through its V ring at hd256: ``HopperFwdSmem::kOStore || kOInV``); dense
         problems only, and only when the launch passes an O map
         (:func:`cupyflash.core.tma.o_map_layout`)."""
-        if self.isa != "tma":
-            return False
-        dims = (self.headdim, self.block_m, self.block_n, self.stages)
-        return tma_o_bytes(*dims) > 0 or tma_o_in_v(*dims)
+        return self.isa == "tma" and bool(layout(self)[1])
 
     @property
     def arch(self) -> str:
@@ -121,46 +124,38 @@ class PrefillConfig:
         return WG_ARCH if self.isa in HOPPER_ISAS else ""
 
 
-def tma_o_bytes(headdim: int, block_m: int, block_n: int, stages: int = 2) -> int:
-    """Shared memory of the TMA kernel's O buffers, bytes (``HopperFwdTraits::kOBytes``): one
-    64 x ``headdim`` 16-bit tile per consumer warpgroup (``block_m / 64``) where they fit beside
-    Q, the K/V ring and the barriers in :data:`MAX_SMEM_BYTES` (hd64, hd128), else 0 (hd256:
-    :func:`tma_o_in_v`)."""
-    base = (block_m + 2 * stages * block_n) * headdim * 2 + 8 * (4 * stages + 4) + 1024
-    o = (block_m // 64) * 64 * headdim * 2
-    return o if base + o <= MAX_SMEM_BYTES else 0
+def _layout_exprs(cfg: PrefillConfig) -> tuple:
+    """The C++ constants of a row's shared-memory layout: (bytes, O through TMA stores)."""
+    ct = _CTYPE[cfg.dtype]
+    if cfg.isa == "tma":
+        smem = (f"cf::FlashFwdHopper<{ct}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, "
+                f"false>::Smem")
+        return f"{smem}::kBytes", f"{smem}::kOStore || {smem}::kOInV"
+    if cfg.isa == "mma":
+        pf = ", true" if cfg.prefetch else ""
+        return (f"cf::FwdTraits<{ct}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}, "
+                f"{cfg.nwarps}{pf}>::kSmemBytes", "0")
+    return f"cf::SimtTraits<{ct}, {cfg.headdim}, {cfg.block_m}, {cfg.block_n}>::kSmemBytes", "0"
 
 
-def tma_o_in_v(headdim: int, block_m: int, block_n: int, stages: int = 2) -> bool:
-    """Whether the TMA kernel writes its O tiles through its V ring (``HopperFwdTraits::kOInV``,
-    FA3's epilogue at hd256): no room for O buffers (:func:`tma_o_bytes` is 0), and the
-    consumer warpgroups' O tiles fit in the ``stages`` V tiles. Such a kernel has one more
-    mbarrier (8 bytes: :func:`smem_bytes`)."""
-    return (tma_o_bytes(headdim, block_m, block_n, stages) == 0
-            and (block_m // 64) * 64 * headdim <= stages * block_n * headdim)
+@functools.lru_cache(maxsize=None)
+def _layouts(source: str, rows: tuple) -> dict:
+    """{row: (smem bytes, o_store)} of the rows of one kernel source, from one NVRTC probe."""
+    exprs = [e for cfg in rows for e in _layout_exprs(cfg)]
+    vals = jit.constants(source, tuple(exprs))
+    return {cfg: (vals[2 * i], vals[2 * i + 1]) for i, cfg in enumerate(rows)}
 
 
-def smem_bytes(dtype: str, headdim: int, block_m: int, block_n: int, stages: int = 2,
-               isa: str = "mma") -> int:
-    """Dynamic shared memory of a configuration, bytes.
-
-    tma: Q tile + ``stages`` K and ``stages`` V tiles (128-byte swizzled, unpadded), the
-    mbarriers, the handed-over tile index, 1024 bytes to align the base and the O buffers of
-    :func:`tma_o_bytes`, or the V ring's o_free mbarrier (:func:`tma_o_in_v`)
-    (``HopperFwdTraits::kSmemBytes``). mma: Q tile + ``stages`` stages of K
-    and V tiles, rows padded by 16 bytes (``FwdTraits::kSmemBytes``). CUDA cores: Q, K, V tiles
-    and the P tile, rows padded by 16 bytes (``SimtTraits::kSmemBytes``).
-    """
-    isz = _ITEMSIZE[dtype]
-    if isa == "tma":  # HopperFwdTraits::kSmemBytes: 4 * stages + 3 mbarriers, the tile index, O
-        return ((block_m + 2 * stages * block_n) * headdim * isz + 8 * (4 * stages + 4) + 1024
-                + tma_o_bytes(headdim, block_m, block_n, stages)
-                + (8 if tma_o_in_v(headdim, block_m, block_n, stages) else 0))
-    pad = 16 // isz
-    row = headdim + pad
-    if dtype in TC_DTYPES:
-        return (block_m + 2 * stages * block_n) * row * isz
-    return (block_m * row + 2 * block_n * row + block_m * (block_n + pad)) * isz
+def layout(cfg: PrefillConfig) -> tuple:
+    """``(smem_bytes, o_store)`` of a row: its kernel's layout constants (the one definition is
+    the C++ one; read with :func:`cupyflash.core.jit.constants`, no GPU needed, cached). Rows of
+    :data:`SUPPORTED` share one probe per kernel source; any other row (the tile benchmark's)
+    gets its own."""
+    rows = tuple(c for c in SUPPORTED if c.source == cfg.source)
+    table = _layouts(cfg.source, rows)
+    if cfg not in table:
+        table = _layouts(cfg.source, (cfg,))
+    return table[cfg]
 
 
 # Tile shapes per compiled head dim, suggested default first. Tensor cores: (block_m, block_n,
@@ -230,9 +225,8 @@ TMA_FIRST_ABOVE = 32
 
 
 def _tma_row(dtype: str, hd: int, bm: int, bn: int, stages: int) -> PrefillConfig:
-    return PrefillConfig(dtype, hd, bm, bn, 4 * (bm // 64 + 1),
-                         smem_bytes(dtype, hd, bm, bn, stages, isa="tma"), TMA_SOURCE,
-                         stages=stages, isa="tma")
+    return PrefillConfig(dtype, hd, bm, bn, 4 * (bm // 64 + 1), TMA_SOURCE, stages=stages,
+                         isa="tma")
 
 
 def _build_table() -> tuple:
@@ -242,13 +236,13 @@ def _build_table() -> tuple:
             for bm, bn, st in _TMA_TILES.get(hd, ()):
                 rows.append(_tma_row(dtype, hd, bm, bn, st))
             for bm, bn, nw in _TC_TILES[hd]:
-                rows.append(PrefillConfig(dtype, hd, bm, bn, nw, smem_bytes(dtype, hd, bm, bn),
-                                          TC_SOURCE, prefetch=(hd, bm, bn, nw) in _TC_PREFETCH))
+                rows.append(PrefillConfig(dtype, hd, bm, bn, nw, TC_SOURCE,
+                                          prefetch=(hd, bm, bn, nw) in _TC_PREFETCH))
     for dtype in SIMT_DTYPES:
         for hd in HEADDIMS:
             for bm, bn in _SIMT_TILES[dtype][hd]:
-                rows.append(PrefillConfig(dtype, hd, bm, bn, SIMT_THREADS // 32,
-                                          smem_bytes(dtype, hd, bm, bn), SIMT_SOURCE, isa="simt"))
+                rows.append(PrefillConfig(dtype, hd, bm, bn, SIMT_THREADS // 32, SIMT_SOURCE,
+                                          isa="simt"))
     return tuple(rows)
 
 

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")  # tests/gpu/conftest.py skips these without a device
 
 from cupyflash import io_model, reference, testing  # noqa: E402
+from cupyflash.core import jit
 from cupyflash.forward import kernels as prefill
 from cupyflash.forward import dispatch
 from cupyflash.api import flash_attn_func, flash_attn_varlen_func  # noqa: E402
@@ -697,7 +698,8 @@ def test_tma_o_through_the_v_ring_across_many_tiles(dtype, causal):
     problem = check_attention(q, k, v, causal=causal)
     cfg = next(c for c in prefill.SUPPORTED if c.isa == "tma" and c.dtype == dtype
                and c.headdim == 256)
-    assert cfg.o_store and prefill.tma_o_in_v(256, cfg.block_m, cfg.block_n, cfg.stages)
+    smem = f"cf::FlashFwdHopper<{prefill._CTYPE[dtype]}, 256, {cfg.block_m}, {cfg.block_n}, false>::Smem"
+    assert cfg.o_store and jit.constants(prefill.TMA_SOURCE, (f"{smem}::kOInV",)) == (1,)
     spec = prefill.spec_of(cfg, causal)
     runs = []
     for _ in range(2):
