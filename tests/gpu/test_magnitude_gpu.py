@@ -106,7 +106,10 @@ def _mma(case, k, v):
 
     def run(q):
         problem = checks.check_attention(q, k, v, **case.kwargs())
-        spec = prefill.kernel_spec(dt, prefill.padded_headdim(hd), 128, 64, 4, problem.causal)
+        pad = prefill.padded_headdim(hd)  # the 128-row 4-warp mma.sync row of the head dim
+        cfg = next(c for c in prefill.SUPPORTED if c.isa == "mma" and c.dtype == dt
+                   and c.headdim == pad and c.block_m == 128 and c.nwarps == 4)
+        spec = prefill.spec_of(cfg, problem.causal)
         out = _poisoned(q.shape, q.dtype)
         lse = cupy.full((problem.batch, problem.nheads, problem.seqlen_q), np.nan, np.float32)
         prefill.launch(spec, _dev(q), _dev(k), _dev(v), out, lse, problem=problem)
@@ -128,7 +131,7 @@ PREFILL = {"api": _api, "mma": _mma, "baseline": _baseline}
 @pytest.mark.parametrize("family", sorted(PREFILL))
 @given(data=st.data())
 def test_prefill_exact_at_any_magnitude(family, data):
-    mma = family == "mma"  # the 128x64x4 tile: every padded head dim up to 128
+    mma = family == "mma"  # the 128-row 4-warp tiles: every padded head dim up to 128
     case = data.draw(testing.magnitude_cases(
         dtypes=("float16", "bfloat16") if mma else testing.DTYPES,
         headdims_from=(8, 64, 128) if mma else (8, 64, 128, 256)))
