@@ -897,11 +897,11 @@ def _kvcache_cases(draw, *, dtypes, paged, append, max_batch, max_seqlen_q, max_
 
 
 # ----------------------------------------------------------------------------------------------
-# Scores of any finite magnitude (design.md semantics 6)
+# Scores of any finite magnitude (docs/semantics.md, 6)
 # ----------------------------------------------------------------------------------------------
 #: Largest ``|softmax_scale * q . k|`` that :func:`magnitude_cases` draws. Every kernel
-#: accumulates scores in float32 or float64, but the LSE is float32 for every dtype (design.md
-#: semantics 3), and it holds the scaled max score: 1e30 keeps it far inside float32 (3.4e38).
+#: accumulates scores in float32 or float64, but the LSE is float32 for every dtype (docs/semantics.md,
+#: 3), and it holds the scaled max score: 1e30 keeps it far inside float32 (3.4e38).
 MAX_SCORE_MAGNITUDE = 1e30
 #: The shift channel: every key holds this value in its last head-dim channel, so a query whose
 #: last channel is ``a`` has every score of its row raised by ``SHIFT_KEY * a``.

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cupyflash
 from cupyflash.forward.heuristics import choose_prefill_tile  # noqa: E402
 
-#: FwdTileScheduler::kL2Bytes and kTailTilesPerCta
+#: TileScheduler::kL2Bytes and kTailTilesPerCta
 L2_BYTES = 8 << 20
 TAIL_TILES_PER_CTA = 12
 

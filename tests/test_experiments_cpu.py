@@ -290,7 +290,7 @@ def test_bench_overhead_host_us_syncs_before_each_burst_only():
 
 
 def test_sim_schedule_twin_is_a_permutation_and_matches_the_kernels_constants():
-    """experiments/sim_schedule.py's twin of FwdTileScheduler hands out every (m-block, head)
+    """experiments/sim_schedule.py's twin of TileScheduler hands out every (m-block, head)
     tile exactly once, in either causal order, and its constants are the kernel's."""
     import re
 

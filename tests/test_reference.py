@@ -284,7 +284,7 @@ def test_large_logits_overflow_without_running_max():
 
 
 # ----------------------------------------------------------------------------------------------
-# Exact at any finite magnitude (design.md semantics 6): the NumPy counterpart of the kernels'
+# Exact at any finite magnitude (docs/semantics.md, 6): the NumPy counterpart of the kernels'
 # SoftmaxRow, streamed in float32 and float64, against the float64 one-shot reference
 # ----------------------------------------------------------------------------------------------
 @given(T.magnitude_cases(dtypes=("float16", "bfloat16", "float32", "float64")),

@@ -260,8 +260,8 @@ def _new_pool(device_id: int) -> list:
 
 def tile_counter(device_id: int, stream_ptr: int) -> int:
     """Device address of the causal scheduler's counter for one (device, stream): an int32 that
-    is 0 between launches (each launch leaves it 0: ``FwdTileScheduler::next`` in
-    ``kernels_cu/forward/hopper.cu``). One per stream, so that launches on two streams never
+    is 0 between launches (each launch leaves it 0: ``TileScheduler::next`` in
+    ``kernels_cu/common/tile_scheduler.cuh``). One per stream, so that launches on two streams never
     share one; CuPy's per-thread default stream is one handle for a CUDA stream per host thread,
     so there it is one per host thread. Made on first use on the current device, which must be
     ``device_id`` (:func:`_new_counter`). A launch captured in a CUDA graph on a stream without

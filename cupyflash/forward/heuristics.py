@@ -142,7 +142,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # Rule 1b: head dims up to 32 (the mma.sync hd32 rows), keys up to 256, or up to 1024 when
     # causal (the lengths measured): 64x64x4w.
     # Measured (bench_tiles, H200, fp16, 24 sequences x 12 heads, 2026-12-01, recorded in 28aa8d4,
-    # experiments/results/session17/short_tiles.jsonl): causal S = 128 / 256 / 512 / 1024 31 /
+    # results-archive-2026-12-02:experiments/results/session17/short_tiles.jsonl): causal S = 128 / 256 / 512 / 1024 31 /
     # 65 / 109 / 149 TFLOP/s against 22 / 53 / 94 / 135 for 128x128x4w (the first row), 1.10-1.41x;
     # non-causal S = 128 / 256 52 / 108 against 47 / 97, but 143 / 168 against 146 / 189 at
     # S = 512 / 1024. More CTAs of half the rows: at these lengths a 128-row CTA has 1-8 key
@@ -174,7 +174,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
         # seqlen_q in 65..128 and 193..256, where a 192-row tile's third warpgroup, or 128 of
         # its 384 rows, computes rows past the sequence). Measured (bench_tiles --isa tma, H200,
         # bf16, 16k tokens, 2026-12-02, recorded in 7623388,
-        # experiments/results/session18/tiles_rule3c.jsonl):
+        # results-archive-2026-12-02:experiments/results/session18/tiles_rule3c.jsonl):
         # S = 128 168 / 73 TFLOP/s (non-causal / causal) against 136 / 61 for 192 x 128,
         # S = 256 230 / 129 against 187 / 85; at S = 320 (3 m-blocks of 128, 2 of 192) 192 x 128
         # wins non-causal, 216 against 187.
@@ -187,7 +187,7 @@ def choose_prefill_tile(dtype: str, headdim: int, seqlen_q: int, seqlen_k: int, 
     # Rule 3b (after rule 3, which may have stepped down from 192 rows already): the TMA
     # kernel's 192-row tile (hd64, three consumer warpgroups), causal, keys up to 1024: its
     # 128-row tile. Measured (bench_tiles --isa tma, H200, bf16, 16k tokens, hidden 2048,
-    # 2026-12-01, recorded in 4183281 and b2eda86, experiments/results/session18/tiles_v62.jsonl,
+    # 2026-12-01, recorded in 4183281 and b2eda86, results-archive-2026-12-02:experiments/results/session18/tiles_v62.jsonl,
     # tiles_hd64_rule3b.jsonl):
     # causal S = 512 / 1024 200 / 280 TFLOP/s (128 x 128) against 180 / 247 (192 x 128); from
     # S = 2048 192 x 128 wins, causal 357 / 411 / 495 against 346 / 390 / 421 (S 2k / 4k /

@@ -210,7 +210,7 @@ _TC_PREFETCH = {(128, 128, 64, 4)}
 # Listed first: the default on sm_90a. FlashAttention-3's tiles (bf16, its tile_size_fwd) except
 # hd128 non-causal, where its 128 x 176 ran at 0.85-0.96x of 128 x 128 here (no shared memory left
 # for the O buffers). Measured (bench_tiles --isa tma, H200, bf16, 2026-12-01, recorded in 4183281
-# and b2eda86, NOTES v63-v65, experiments/results/session18/tiles_v62.jsonl,
+# and b2eda86, NOTES v63-v65, results-archive-2026-12-02:experiments/results/session18/tiles_v62.jsonl,
 # tiles_hd64_rule3b.jsonl): hd64 192 x 128 1.03-1.20x 128 x 128 except causal S 512 / 1k (0.90x /
 # 0.88x: heuristics rule 3b); hd256 128 x 80 1.01-1.07x 128 x 64 at S 1k-16k.
 _TMA_TILES = {64: ((192, 128, 2), (128, 128, 2)), 128: ((128, 128, 2),), 256: ((128, 80, 2),)}
@@ -218,7 +218,7 @@ _TMA_TILES = {64: ((192, 128, 2), (128, 128, 2)), 128: ((128, 128, 2),), 256: ((
 TMA_HEADDIMS = tuple(sorted(_TMA_TILES))
 #: Head dims up to this one default to the mma.sync kernel's hd32 rows on sm_90a: the TMA
 #: kernel pads them to 64 and does twice the work. Measured (bench_tiles, H200, bf16, 2026-12-01,
-#: recorded in 13267ba, experiments/results/session17/padded_tiles.jsonl): hd32 on TMA hd64 at
+#: recorded in 13267ba, results-archive-2026-12-02:experiments/results/session17/padded_tiles.jsonl): hd32 on TMA hd64 at
 #: 0.78-0.98x of mma.sync hd32 (S 256 and 4k, causal and not); hd72/96 on TMA hd128 at 1.1-1.6x
 #: of mma.sync hd96, hd192 on TMA hd256 at 1.2-2.0x of mma.sync hd192.
 TMA_FIRST_ABOVE = 32

@@ -1,4 +1,4 @@
-// The one definition of which keys a query row may see (design.md, "Semantics" 1, 2, 5).
+// The one definition of which keys a query row may see (docs/semantics.md, 1, 2, 5).
 #pragma once
 
 namespace cf {

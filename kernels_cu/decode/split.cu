@@ -12,7 +12,7 @@
 // last block of a head to finish merges them (fused combine). The kernel waits (common/pdl.cuh)
 // before its first global load: decode.py launches it as a programmatic dependent launch.
 //
-// Masking (common/mask.cuh, design.md semantics 1, 2, 5): a sequence's length is
+// Masking (common/mask.cuh, docs/semantics.md 1, 2, 5): a sequence's length is
 // len = cache_seqlens[b] + seqlen_new (clamped to the capacity); query row i sees key j iff
 // j < len and (not causal or j <= len - seqlen_q + i). Keys at or beyond len are never read
 // (cp.async src_size 0: zero-fill) and their scores are -inf, so a NaN-filled cache tail cannot
@@ -63,7 +63,7 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* counter, int v) {
     return old;
 }
 
-// Compile-time shape of the split kernel; decode.py's smem formula mirrors kSmemBytes.
+// Compile-time shape of the split kernel (cupyflash/decode/kernels.py reads kSmemBytes).
 template <typename T, int HEADDIM, int BLOCK_N, int NWARPS, int GROUP, int STAGES>
 struct DecodeTraits {
     static_assert(sizeof(T) == 2, "tensor-core decode: fp16 / bf16 only");

@@ -1,4 +1,4 @@
-"""GPU: every kernel family is exact at any finite score magnitude (design.md semantics 6).
+"""GPU: every kernel family is exact at any finite score magnitude (docs/semantics.md, 6).
 
 Cases come from :func:`cupyflash.testing.magnitude_cases`: small-integer ``q``/``k`` (so the raw
 scores are exact in every accumulator and equal to the float64 reference's), a ``softmax_scale``

@@ -595,7 +595,7 @@ def test_int_max_window_means_unbounded(dtype_name, window):
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_persistent_scheduler_on_two_streams(causal):
     """The TMA kernel's persistent grid: more work tiles than SMs (every CTA takes several), the
-    causal one from its per-stream counter (kernels_cu/forward/hopper.cu FwdTileScheduler).
+    causal one from its per-stream counter (kernels_cu/common/tile_scheduler.cuh TileScheduler).
     Launches alternate between two CuPy streams; every result matches the reference, repeats are
     bitwise equal, and every counter is back at 0 afterwards (the next launch's start)."""
     from cupyflash.core import tma

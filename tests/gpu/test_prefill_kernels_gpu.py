@@ -246,7 +246,7 @@ def test_varlen(dtype_name, headdim, causal):
 
 
 # ----------------------------------------------------------------------------------------------
-# Varlen, design.md Semantics 5: a tile that runs past a sequence's end reads the next
+# Varlen, docs/semantics.md, 5: a tile that runs past a sequence's end reads the next
 # sequence's rows (the TMA kernel's copies start at the sequence's first row; its producer
 # zeroes such V rows), or the memory after cu_seqlens[-1]. NaN / Inf there must change nothing.
 # ----------------------------------------------------------------------------------------------
