@@ -6,6 +6,11 @@ Writes ``experiments/results/gpu_suite.json`` (commit, date, GPU, counts, failur
     PYTHONPATH=. python experiments/gpu_suite.py                 # GPU tests + quick benchmarks
     PYTHONPATH=. python experiments/gpu_suite.py --tests-only -k decode
     PYTHONPATH=. python experiments/gpu_suite.py --sanitize      # + compute-sanitizer memcheck/racecheck/synccheck
+    PYTHONPATH=. python experiments/gpu_suite.py --tests-only --soak   # + the property tests, thorough
+
+``--soak`` runs the GPU property tests (the Hypothesis ones: ``-m "gpu and hypothesis"``) again
+under ``HYPOTHESIS_PROFILE=thorough`` (1000 examples each, tests/conftest.py) and records them
+under ``soak``: the default profile draws too few examples to be the only evidence.
 """
 from __future__ import annotations
 
@@ -93,6 +98,9 @@ def main() -> int:
     ap.add_argument("--bench-only", action="store_true", help="skip the tests")
     ap.add_argument("--sanitize", action="store_true", help="also run compute-sanitizer memcheck, racecheck, synccheck")
     ap.add_argument("--sanitize-timeout", type=int, default=130, help="seconds per sanitizer tool")
+    ap.add_argument("--soak", action="store_true",
+                    help="also run the GPU property tests under HYPOTHESIS_PROFILE=thorough")
+    ap.add_argument("--soak-timeout", type=float, default=400, help="seconds for the soak")
     ap.add_argument("-k", default=None, help="pytest -k expression")
     ap.add_argument("--test-timeout", type=float, default=300)
     ap.add_argument("--bench", nargs="*", default=["bench_prefill.py --quick", "bench_decode.py --quick"],
@@ -118,6 +126,17 @@ def main() -> int:
         record["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "selection": args.k,
                            **junit_summary(xml)}
 
+    if args.soak:
+        xml = out_dir / "soak_junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu and hypothesis", "tests",
+               "-p", "no:cacheprovider", f"--junitxml={xml}", "-rfE"]
+        t0 = time.time()
+        rc = sh(cmd, args.soak_timeout, out_dir / "soak.log",
+                dict(env, HYPOTHESIS_PROFILE="thorough"))
+        record["soak"] = {"rc": rc, "seconds": round(time.time() - t0, 1),
+                          "profile": "thorough", "selection": "-m 'gpu and hypothesis'",
+                          **junit_summary(xml)}
+
     if args.sanitize:
         record["sanitizer"] = {}
         san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
@@ -140,13 +159,15 @@ def main() -> int:
 
     path = RESULTS / "gpu_suite.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in record.items() if k != "tests"}, indent=1)[:3000])
-    if "tests" in record:
-        t = record["tests"]
-        print(f"GPU tests: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
-              f"{t['skipped']} skipped in {t['seconds']} s")
-        for f in t["failures"][:30]:
-            print("FAIL", f["test"], "|", f["message"][:300])
+    print(json.dumps({k: v for k, v in record.items() if k not in ("tests", "soak")},
+                     indent=1)[:3000])
+    for key, what in (("tests", "GPU tests"), ("soak", "GPU property soak (thorough)")):
+        if key in record:
+            t = record[key]
+            print(f"{what}: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
+                  f"{t['skipped']} skipped in {t['seconds']} s")
+            for f in t["failures"][:30]:
+                print("FAIL", f["test"], "|", f["message"][:300])
     if os.environ.get("OUT"):  # the device tool returns at most 8 files: one bundle + the record
         out = Path(os.environ["OUT"])
         with tarfile.open(out / "bundle.tar.gz", "w:gz") as tar:

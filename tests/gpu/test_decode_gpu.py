@@ -24,6 +24,7 @@ from cupyflash import decode, reference, testing  # noqa: E402
 from cupyflash.core import checks
 from cupyflash.decode import flash_attn_with_kvcache, merge_states  # noqa: E402
 from gpu_arrays import to_device as _dev, to_host as _host  # noqa: E402 (tests/gpu/gpu_arrays.py)
+from profiles import examples  # noqa: E402 (tests/gpu/profiles.py)
 
 NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23}
@@ -211,7 +212,7 @@ def test_edge_cases_empty_and_masked_rows():
 # ----------------------------------------------------------------------------------------------
 # Determinism, batch independence, append-then-attend
 # ----------------------------------------------------------------------------------------------
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(case=testing.kvcache_cases(dtypes=("bfloat16",), append=False, max_batch=3,
                                   max_pages_per_seq=32, max_seqlen_cache=500, max_headdim=128,
                                   max_group=4),
@@ -223,7 +224,7 @@ def test_bitwise_repeatable(case, ns):
     assert np.array_equal(cupy.asnumpy(l1).view(np.uint32), cupy.asnumpy(l2).view(np.uint32))
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(case=testing.kvcache_cases(dtypes=("float16",), append=False, max_batch=4,
                                   max_pages_per_seq=32, max_seqlen_cache=500, max_headdim=128,
                                   max_group=4),

@@ -23,8 +23,6 @@ tile-edge values, GQA ratios, head dims 8..256, all dtypes, causal, windows, sof
 memory layouts); ``max_examples`` is 60 under the ``ci`` profile (``HYPOTHESIS_PROFILE``).
 """
 import math
-import os
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -42,6 +40,7 @@ from cupyflash.forward import dispatch
 from cupyflash.api import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from cupyflash.core.checks import check_attention  # noqa: E402
 from cupyflash.testing import np_dtype  # noqa: E402
+from profiles import examples  # noqa: E402 (tests/gpu/profiles.py)
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
@@ -50,11 +49,6 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0, "float32": 0x7FC00000,
              "float64": 0x7FF8000000000000}
 
-
-def _examples(n):
-    """``n`` examples under the ``ci`` profile; fewer under ``dev``; the profile's under ``thorough``."""
-    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-    return {"dev": max(5, n // 6), "thorough": settings().max_examples}.get(profile, n)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -223,7 +217,7 @@ def dense_cases(draw):
                 causal=causal, window=window, scale=scale, layout=layout, seed=seed)
 
 
-@settings(max_examples=_examples(60))
+@settings(max_examples=examples(60))
 @given(dense_cases())
 def test_dense_matches_reference(case):
     c = case
@@ -406,7 +400,7 @@ def test_gqa_head_mapping(nheads, nheads_k, dtype):
 # ----------------------------------------------------------------------------------------------
 # Variable length: equal to the reference applied to each sequence on its own
 # ----------------------------------------------------------------------------------------------
-@settings(max_examples=_examples(40))
+@settings(max_examples=examples(40))
 @given(testing.varlen_cases(dtypes=DTYPES, max_batch=4, max_len=200, max_headdim=256,
                             max_nheads_k=2, max_group=4))
 def test_varlen_matches_per_sequence_reference(case):
