@@ -81,7 +81,7 @@ def _worker(ops, out_path, prefill=None):
                                                   out=out, validate=False)
             t = common.benchmark(fn, n_warmup=3, n_repeat=30, flush_l2=True)
         res[key] = t["ms"]
-        del q, k, v, out
+        fn = q = k = v = out = None  # free the arrays before the next shape allocates
         common.free_memory()
     Path(out_path).write_text(json.dumps(res))
 

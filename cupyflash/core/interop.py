@@ -397,7 +397,7 @@ class TorchCaller:
         a.fill_(value)
 
 
-def current_device() -> int:
+def current_device() -> int:  # noqa: F811 (rebinds itself on first use)
     """The current CUDA device (CuPy's and torch's: both the runtime's). On first use this name
     is rebound to ``cupy.cuda.runtime.getDevice`` itself (no frame of ours per call)."""
     global current_device

@@ -21,7 +21,6 @@ Oracles (FlashAttention-2 arXiv 2307.08691 is the algorithm under test):
 Outputs are poisoned with NaN before each launch and checked with ``isnan`` first; every case runs
 twice and both results must be bitwise equal.
 """
-import math
 
 import numpy as np
 import pytest
