@@ -47,7 +47,8 @@ The arithmetic the kernel implements (``c = scale_log2``; per row, 4 columns per
         (= SoftmaxRow<float>{m, l}.lse(l, c): the one-split LSE formula)
 
 :func:`merge_raw` is this for one batch (at most kMergeHalf = 8 splits at hd <= 128). The
-public ``merge_states`` (combine.cu, ``LseMerge4``) keeps its ``(o, lse)`` contract.
+public ``merge_states`` (combine.cu: ``lse_weight``, ``merged_lse``) keeps its ``(o, lse)``
+contract.
 
 Correspondence with the kernel (``kernels_cu/decode/split.cu``, ``common/online_softmax.cuh``)
 is given line by line in :func:`emulate_split` and the merge functions. Modelled as exact or
@@ -294,7 +295,8 @@ def normalised(st_: SplitState):
 # Merges (what the last block of a head does: the fused combine)
 # ----------------------------------------------------------------------------------------------
 def merge_lse(parts, c, dtype, fp: Fp32):
-    """The kernel's merge: o_i, lse_i written in float32, LseMerge4::add_batch (one batch: the
+    """The kernel's merge until 2026-12-02 (split.cu at 14c8a20; ``LseMerge4`` has since left
+    online_softmax.cuh): o_i, lse_i written in float32, ``LseMerge4::add_batch`` (one batch: the
     number of splits is at most kMergeHalf = 8 at hd <= 128), then out = from_float(acc * inv),
     lse = merged_lse(m, l) = m + logf(l)."""
     lse = [split_lse(p, c, fp) for p in parts]         # p.lse_part[...] = lse

@@ -116,69 +116,21 @@ __device__ __forceinline__ float merged_lse(float lse_max, float wsum) {
     return wsum == 0.f ? neg_inf<float>() : lse_max + logf(wsum);
 }
 
-// A running merge of normalised parts for 4 output columns, folded a batch of N parts at a
-// time (the fused combine of the split-decode kernel): the batch's max, then each part's weight
+// Merges fold a batch of N parts at a time: the batch's max first, then each part's weight
 // independently (no dependent chain of exponentials through a running max), then one rescale of
-// the running state. Parts past n and empty parts (lse = -inf; their o is unused and may be NaN)
-// are masked by selects, so the N weights are computed back to back without a branch per part
-// (v11-v12). Result: o = acc / l, lse = merged_lse(m, l).
+// the running state. Parts past n and empty parts are masked by selects, so the N weights are
+// computed back to back without a branch per part (v11-v12).
 template <int N> struct MergeBatch { static constexpr int kN = N; };
-
-struct LseMerge4 {
-    float m, l, acc[4];
-    __device__ __forceinline__ void init() {
-        m = neg_inf<float>();
-        l = 0.f;
-        acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-    }
-    template <int N>
-    __device__ __forceinline__ void add_batch(const float (&lse)[N], const float4 (&o)[N], int n) {
-        static_assert(N % 4 == 0, "batch: a multiple of 4 (four max chains)");
-        float m0 = neg_inf<float>(), m1 = m0, m2 = m0, m3 = m0;  // four independent max chains
-#pragma unroll
-        for (int u = 0; u < N; u += 4) {
-            m0 = fmaxf(m0, u < n ? lse[u] : neg_inf<float>());
-            m1 = fmaxf(m1, u + 1 < n ? lse[u + 1] : neg_inf<float>());
-            m2 = fmaxf(m2, u + 2 < n ? lse[u + 2] : neg_inf<float>());
-            m3 = fmaxf(m3, u + 3 < n ? lse[u + 3] : neg_inf<float>());
-        }
-        const float mb = fmaxf(fmaxf(m0, m1), fmaxf(m2, m3));
-        if (mb == neg_inf<float>()) return;  // every part of the batch is empty
-        const float m_new = fmaxf(m, mb);
-        const float f = lse_weight(m, m_new);  // m = -inf (first batch): 0
-        float wt[N];
-        bool ok[N];
-#pragma unroll
-        for (int u = 0; u < N; ++u) {
-            ok[u] = u < n && lse[u] != neg_inf<float>();
-            wt[u] = lse_weight(ok[u] ? lse[u] : neg_inf<float>(), m_new);  // 0 where masked
-        }
-        float lb = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll
-        for (int u = 0; u < N; ++u) {
-            lb = ok[u] ? lb + wt[u] : lb;
-            a0 = ok[u] ? fmaf(wt[u], o[u].x, a0) : a0;
-            a1 = ok[u] ? fmaf(wt[u], o[u].y, a1) : a1;
-            a2 = ok[u] ? fmaf(wt[u], o[u].z, a2) : a2;
-            a3 = ok[u] ? fmaf(wt[u], o[u].w, a3) : a3;
-        }
-        l = fmaf(l, f, lb);
-        acc[0] = fmaf(acc[0], f, a0);
-        acc[1] = fmaf(acc[1], f, a1);
-        acc[2] = fmaf(acc[2], f, a2);
-        acc[3] = fmaf(acc[3], f, a3);
-        m = m_new;
-    }
-};
 
 // The merge of unnormalised partial states of one row over disjoint keys, for 4 output columns:
 // the split kernel's partials (decode/split.cu), each its raw row max m_u (score units, before
 // softmax_scale), its sum l_u = sum exp2((s - m_u) c) and its unnormalised accumulator acc_u.
 // This is the online softmax one level up -- weights exp2((m_u - m) c), the difference taken
 // before the scale (see above) -- so it is exact at any score magnitude: a float32 LSE per part
-// (LseMerge4) rounds ln l_u away once |LSE| reaches ~1e6 (an ulp of 0.06; 1 at 1e7), and with it
-// the relative weight of two parts that share the row's max (experiments/NOTES.md, split merge).
-// Batches of N parts, as LseMerge4. Result: o = acc / l; LSE = SoftmaxRow{m, l}.lse(l, c).
+// (the merge of (o, lse) pairs this replaced on 2026-12-02) rounds ln l_u away once |LSE| reaches
+// ~1e6 (an ulp of 0.06; 1 at 1e7), and with it the relative weight of two parts that share the
+// row's max (experiments/NOTES.md v75). Batches of N parts (MergeBatch). Result: o = acc / l;
+// LSE = SoftmaxRow{m, l}.lse(l, c).
 struct PartialMerge4 {
     float m, l, acc[4];
     __device__ __forceinline__ void init() {
