@@ -19,6 +19,7 @@ readable cache key / log line / profiler label, its ``entry`` the C++ name expre
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -253,25 +254,38 @@ def check_compiles(text: str, arch: str = "compute_80") -> str:
 
 def _compile_ptx(code: str, arch: str) -> str:
     """PTX of a preprocessed source for ``arch`` (NVRTC; KernelSourceError on failure)."""
-    nvrtc = deps.nvrtc("compiling a probe with NVRTC")
-    try:  # the first NVRTC call of the process loads the library
-        prog = nvrtc.createProgram(code, "probe.cu", [], [])
+    with _nvrtc_program(code, "probe.cu", "compiling a probe with NVRTC") as (nvrtc, prog):
+        _nvrtc_compile(nvrtc, prog, [f"--gpu-architecture={arch}"], (), f"({arch})")
+        ptx = nvrtc.getPTX(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+@contextlib.contextmanager
+def _nvrtc_program(code: str, name: str, need: str):
+    """``(nvrtc, program)`` for ``code``, destroyed on exit; the first NVRTC call of a process
+    loads the library, and a failure to load it is raised as :func:`deps.nvrtc_failure`."""
+    nvrtc = deps.nvrtc(need)
+    try:
+        prog = nvrtc.createProgram(code, name, [], [])
     except nvrtc.NVRTCError:
         raise
-    except Exception as e:  # noqa: BLE001 - CuPy found no libnvrtc
+    except Exception as e:  # noqa: BLE001 - CuPy found no libnvrtc (DynamicLibNotFoundError, ...)
         raise deps.nvrtc_failure(e) from e
     try:
-        opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}"]
-        opts += [f"-I{d}" for d in include_dirs()]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            raise KernelSourceError(f"NVRTC failed ({arch}): {e}\n"
-                                    + nvrtc.getProgramLog(prog)) from None
-        ptx = nvrtc.getPTX(prog)
+        yield nvrtc, prog
     finally:
         nvrtc.destroyProgram(prog)
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def _nvrtc_compile(nvrtc, prog, options: list, extra: tuple, what: str) -> None:
+    """Compile ``prog`` with BASE_OPTIONS, ``options``, the include folders and ``extra``;
+    KernelSourceError with NVRTC's log when it refuses."""
+    opts = list(BASE_OPTIONS) + options + [f"-I{d}" for d in include_dirs()] + list(extra)
+    try:
+        nvrtc.compileProgram(prog, opts)
+    except nvrtc.NVRTCError as e:
+        raise KernelSourceError(f"NVRTC failed {what}: {e}\n"
+                                + nvrtc.getProgramLog(prog)) from None
 
 
 def include_dirs() -> list[str]:
@@ -330,28 +344,15 @@ def parse_ptxas(log: str, lowered_name: str | None = None) -> PtxasReport:
 
 @functools.lru_cache(maxsize=None)
 def _compile_report_cached(code: str, entry: str, arch: str, options: tuple) -> tuple:
-    nvrtc = deps.nvrtc("compiling a kernel with NVRTC (explain() does, for its register report)")
-    try:  # the first NVRTC call of the process loads the library
-        prog = nvrtc.createProgram(code, "cupyflash.cu", [], [])
-    except nvrtc.NVRTCError:
-        raise
-    except Exception as e:  # noqa: BLE001 - CuPy found no libnvrtc (DynamicLibNotFoundError, ...)
-        raise deps.nvrtc_failure(e) from e
-    try:
+    need = "compiling a kernel with NVRTC (explain() does, for its register report)"
+    with _nvrtc_program(code, "cupyflash.cu", need) as (nvrtc, prog):
         nvrtc.addNameExpression(prog, entry)
-        opts = list(BASE_OPTIONS) + list(CUPY_IMPLICIT_OPTIONS)
-        opts += [f"--gpu-architecture={arch}", "--ptxas-options=-v"]
-        opts += [f"-I{d}" for d in include_dirs()] + list(options)
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            raise KernelSourceError(f"NVRTC failed for {entry} ({arch}): {e}\n"
-                                    + nvrtc.getProgramLog(prog)) from None
+        _nvrtc_compile(nvrtc, prog, list(CUPY_IMPLICIT_OPTIONS)
+                       + [f"--gpu-architecture={arch}", "--ptxas-options=-v"], options,
+                       f"for {entry} ({arch})")
         log = nvrtc.getProgramLog(prog)
         lowered = nvrtc.getLoweredName(prog, entry)
         cubin = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
     return cubin, lowered, log
 
 
