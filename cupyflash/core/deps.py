@@ -14,6 +14,8 @@ command that installs it, with the original error chained.
 """
 from __future__ import annotations
 
+import importlib
+
 __all__ = ["MissingDependency", "CUDA_EXTRAS_HINT", "cupy", "nvrtc", "nvrtc_failure", "cublas",
            "ml_dtypes", "hypothesis_strategies"]
 
@@ -61,11 +63,15 @@ def nvrtc(need: str = "compiling a kernel"):
     MissingDependency
         CuPy is not installed.
     """
+    return _cupy_lib("nvrtc", need)
+
+
+def _cupy_lib(name: str, need: str):
+    """``cupy_backends.cuda.libs.<name>``, or MissingDependency naming CuPy's package."""
     try:
-        from cupy_backends.cuda.libs import nvrtc as module
+        return importlib.import_module(f"cupy_backends.cuda.libs.{name}")
     except ImportError as e:
         raise _missing("cupy_backends", _CUPY_PACKAGE, need, CUDA_EXTRAS_HINT, e) from e
-    return module
 
 
 def nvrtc_failure(err: BaseException, need: str = "compiling a kernel") -> MissingDependency:
@@ -87,11 +93,7 @@ def cublas(need: str = "the materialising baseline"):
     MissingDependency
         CuPy is not installed.
     """
-    try:
-        from cupy_backends.cuda.libs import cublas as module
-    except ImportError as e:
-        raise _missing("cupy_backends", _CUPY_PACKAGE, need, CUDA_EXTRAS_HINT, e) from e
-    return module
+    return _cupy_lib("cublas", need)
 
 
 def ml_dtypes(need: str = "bfloat16 host arrays"):
