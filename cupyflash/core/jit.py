@@ -442,8 +442,3 @@ def _arch_kernel(spec: KernelSpec, code: str, options: tuple):
             os.replace(tmp, path)  # atomic: concurrent processes never read half a file
     mod = cupy.RawModule(path=str(cubin_path))
     return mod.get_function(name_path.read_text())
-
-
-def source_hash(spec: KernelSpec) -> str:
-    """Short hash of the preprocessed source: recorded in experiment provenance."""
-    return hashlib.sha256(preprocess(spec.source).encode()).hexdigest()[:12]

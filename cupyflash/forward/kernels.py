@@ -146,6 +146,7 @@ def _layouts(source: str, rows: tuple) -> dict:
     return {cfg: (vals[2 * i], vals[2 * i + 1]) for i, cfg in enumerate(rows)}
 
 
+@functools.lru_cache(maxsize=None)
 def layout(cfg: PrefillConfig) -> tuple:
     """``(smem_bytes, o_store)`` of a row: its kernel's layout constants (the one definition is
     the C++ one; read with :func:`cupyflash.core.jit.constants`, no GPU needed, cached). Rows of

@@ -89,19 +89,6 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float x, fl
     return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// ---- exp2 on the MUFU unit, denormal results flushed to +0 ----------------------------------
-// ex2.approx.ftz.f32: the instruction exp2f() itself uses, without exp2f's rescaling of inputs
-// below -126 (an FSETP and two predicated FMULs per call, so that a denormal result is kept).
-// Differs from exp2f only where the result is below 2^-126 (then +0 instead of a denormal):
-// for a probability p = exp2(s - m) <= 1 or a rescale factor that is below every 16-bit P and
-// far below fp32 rounding of the row sum (whose largest term is 1). exp2(-inf) = +0 as before.
-// Not volatile: a pure function, so the compiler may schedule it freely.
-__device__ __forceinline__ float ex2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // ---- cp.async (16 bytes, L2 only: .cg) with zero-fill ---------------------------------------
 // valid = false copies nothing (src_size 0) and writes 16 zero bytes; `src` must still be a
 // valid address (callers pass the tensor base), though no byte of it is read.
