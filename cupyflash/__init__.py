@@ -2,7 +2,9 @@
 
 Public API
 ----------
-flash_attn_func, flash_attn_varlen_func : tiled prefill (FlashAttention-2, arXiv 2307.08691)
+flash_attn_func, flash_attn_varlen_func : tiled prefill (FlashAttention-2, arXiv 2307.08691);
+                                          differentiable for torch callers
+flash_attn_backward, flash_attn_varlen_backward : their gradients (FlashAttention-2 backward)
 flash_attn_with_kvcache, merge_states   : split-KV decode (Flash-Decoding) and its exact merge
 check_errors                            : raise what the decode calls' device-side checks found
 explain, explain_varlen, explain_kvcache : the dispatch plan of a call, as data (no GPU needed)
@@ -14,7 +16,8 @@ io_model                                : HBM bytes and FLOPs of each path (pure
 
 Packages: ``forward`` (the prefill path: kernel table, heuristics, planner), ``decode`` (the
 split-KV path: public calls, kernels, planner, heuristics), ``core`` (checks, interop, JIT,
-launches, tensor maps, plans, the launch cache). A backward path will be ``backward``.
+launches, tensor maps, plans, the launch cache), ``backward`` (the backward pass: kernel table,
+eager calls).
 
 torch_ops                               : the calls as torch.library custom ops (torch.compile,
                                           CUDA graphs); imports torch
@@ -28,11 +31,12 @@ __version__ = "0.1.0"
 import importlib
 
 _LAZY = {"flash_attn_func": "api", "flash_attn_varlen_func": "api", "explain": "api",
+         "flash_attn_backward": "api", "flash_attn_varlen_backward": "api",
          "explain_varlen": "api",
          "flash_attn_with_kvcache": "decode", "merge_states": "decode", "explain_kvcache": "decode",
          "attention_baseline": "baseline", "check_errors": "core.guard",
          "reference": None, "testing": None, "io_model": None, "baseline": None, "api": None,
-         "core": None, "forward": None, "decode": None,
+         "core": None, "forward": None, "decode": None, "backward": None,
          "torch_ops": None, "hf": None}
 
 
@@ -45,9 +49,10 @@ def __getattr__(name):  # PEP 562: submodules load on first use
         return value
     raise AttributeError(f"module 'cupyflash' has no attribute {name!r}")
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_states",
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_backward",
+           "flash_attn_varlen_backward", "flash_attn_with_kvcache", "merge_states",
            "explain", "explain_varlen", "explain_kvcache", "check_errors", "attention_baseline",
-           "reference", "io_model", "core", "forward", "decode", "__version__"]
+           "reference", "io_model", "core", "forward", "decode", "backward", "__version__"]
 
 
 def __dir__():  # tab completion and pydoc: every name that imports without torch

@@ -17,7 +17,7 @@ Every call does its work in this order, so bad input never reaches a kernel:
    ``out`` (``TypeError`` / ``ValueError`` naming the argument);
 3. :func:`cupyflash.forward.dispatch.plan_prefill` picks the specialisation (``ValueError`` listing why
    each candidate was rejected when none fits);
-4. the output (unless given) and the float32 LSE are allocated and the kernel is launched, by the
+4. the output (unless given) and the LSE (float32; float64 for float64 inputs) are allocated and the kernel is launched, by the
    caller's conventions (:mod:`cupyflash.core.interop`): PyTorch CUDA tensors (every array argument a
    tensor) are read through their own attributes, the results are tensors from torch's caching
    allocator and the launch goes to torch's current stream of ``q``'s device; anything else is
@@ -41,7 +41,8 @@ from .core import checks
 from .forward import dispatch, run
 from .forward.run import NO_WINDOW, require_bool
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "explain", "explain_varlen"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_backward",
+           "flash_attn_varlen_backward", "explain", "explain_varlen"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,6 +66,25 @@ def _all_torch(*arrays) -> bool:
     """Every non-None array a torch tensor (torch is imported: the caller is being traced)."""
     tensor = sys.modules["torch"].Tensor
     return all(a is None or isinstance(a, tensor) for a in arrays)
+
+
+def _grad_wanted(q, k, v, out) -> bool:
+    """A torch caller whose q, k or v requires grad, with grad mode on: the call goes through the
+    custom operator, whose registered backward is :func:`flash_attn_backward` (False without
+    torch imported, or for any other caller: no cost beyond a dictionary lookup). ``out=`` is
+    refused then (ValueError): a result written into a given buffer has no gradient."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    tensor = torch.Tensor
+    want = any(isinstance(x, tensor) and x.requires_grad for x in (q, k, v))
+    if want and torch.is_grad_enabled():
+        if out is not None:
+            raise ValueError("out: not allowed when q, k or v requires grad (the result must be "
+                             "a new tensor to carry its gradient); drop out= or call under "
+                             "torch.no_grad()")
+        return True
+    return False
 
 
 def _traced_call(op, args: tuple, kwargs: dict, return_lse, out):
@@ -129,7 +149,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO
     out : torch.Tensor or cupy.ndarray, shape (batch, seqlen_q, nheads, headdim), dtype of ``q``
         A contiguous ``torch.Tensor`` when every array argument is a torch tensor, else a
         ``cupy.ndarray``. Rows with no visible key are 0.
-    lse : torch.Tensor or cupy.ndarray, shape (batch, nheads, seqlen_q), float32
+    lse : torch.Tensor or cupy.ndarray, shape (batch, nheads, seqlen_q), float32 (float64 for float64)
         Only if ``return_lse``: natural log of each row's softmax denominator of the scaled
         scores (``-inf`` for a row with no visible key). Without ``return_lse`` none is
         allocated and the kernel writes none.
@@ -149,6 +169,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO
 
     Notes
     -----
+    Differentiable for torch callers: when ``q``, ``k`` or ``v`` requires grad (and grad mode
+    is on) the call runs the custom operator ``cupyflash::flash_attn``, whose backward is
+    :func:`flash_attn_backward` (``out.backward()`` fills ``q.grad``, ``k.grad``, ``v.grad``;
+    the returned LSE is not differentiated). ``out=`` is refused then.
+
     Runs on torch's current stream of ``q``'s device for torch tensors
     (``torch.cuda.current_stream(q.device)``; inside ``with torch.cuda.stream(s):`` on ``s``),
     else on CuPy's current stream of the device holding ``q`` (``with cupy.cuda.Stream(): ...``).
@@ -159,7 +184,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO
     runs this function on the tensors. ``out=`` is then written by a copy of the operator's
     output.
     """
-    if _torch_compiling() and _all_torch(q, k, v, out):
+    if (_torch_compiling() and _all_torch(q, k, v, out)) or _grad_wanted(q, k, v, out):
         from . import torch_ops
         return _traced_call(torch_ops.flash_attn_func, (q, k, v),
                             dict(softmax_scale=softmax_scale, causal=causal,
@@ -204,7 +229,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : torch.Tensor or cupy.ndarray, shape (total_q, nheads, headdim), dtype of ``q``
         By the caller's kind and on the caller's stream, as in :func:`flash_attn_func`.
-    lse : torch.Tensor or cupy.ndarray, shape (nheads, total_q), float32
+    lse : torch.Tensor or cupy.ndarray, shape (nheads, total_q), float32 (float64 for float64)
         Only if ``return_lse``.
 
     Raises
@@ -221,7 +246,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     in :func:`flash_attn_func`; pass ``validate=False`` there (True reads ``cu_seqlens`` on the
     host when the compiled code runs: a synchronisation, and no CUDA graph).
     """
-    if _torch_compiling() and _all_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, out):
+    if (_torch_compiling() and _all_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, out)) or \
+            _grad_wanted(q, k, v, out):
         from . import torch_ops
         return _traced_call(torch_ops.flash_attn_varlen_func,
                             (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
@@ -229,6 +255,96 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                  window_size=window_size, validate=validate), return_lse, out)
     return run.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  softmax_scale, causal, window_size, return_lse, out, validate)
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients of :func:`flash_attn_func` with respect to ``q``, ``k``, ``v`` (FlashAttention-2
+    backward).
+
+    With ``P = softmax(softmax_scale * q k^T)`` over the visible keys, recomputed from the
+    forward's ``lse`` (never stored): ``dv = P^T dout``, ``dP = dout v^T``,
+    ``dS = P * (dP - D)`` with ``D = rowsum(dout * out)``, ``dq = softmax_scale * dS k``,
+    ``dk = softmax_scale * dS^T q``; under GQA/MQA ``dk``, ``dv`` are summed over the query heads
+    of each KV head. FlashAttention-2, arXiv 2307.08691, Sec. 3.2 and Algorithm 2, as three
+    kernels (``kernels_cu/common/bwd_tile.cuh``): D, then dK/dV (one CTA per key block) and dQ
+    (one CTA per query block), with no atomics, so the gradients are bitwise the same from run
+    to run. float16/bfloat16 on tensor cores (mma.sync, fp32 accumulation), float32/float64 on
+    CUDA cores in their own precision (float64: within rounding of a float64 one-shot backward,
+    so ``torch.autograd.gradcheck`` runs through it). Extra device memory: D, one value per query
+    row (``batch * nheads * seqlen_q`` float32, float64 for float64); never S x S.
+
+    Parameters
+    ----------
+    dout : CUDA array, shape (batch, seqlen_q, nheads, headdim)
+        The gradient of the loss with respect to ``out``; dtype of ``q``.
+    q, k, v : CUDA arrays
+        The forward's inputs, as in :func:`flash_attn_func`.
+    out : CUDA array, shape of ``q``
+        The forward's output.
+    lse : CUDA array, shape (batch, nheads, seqlen_q)
+        The forward's LSE (``return_lse=True``): float32, float64 for float64 inputs.
+    softmax_scale, causal, window_size
+        The forward's, as in :func:`flash_attn_func`.
+    deterministic : bool
+        Accepted for FlashAttention's interface; every call is deterministic (no atomics: each
+        gradient element is reduced in a fixed order), and a sequence's gradients do not depend
+        on the other sequences of its batch.
+    dq, dk, dv : CUDA arrays, optional
+        Buffers for the results, shaped and typed like ``q``, ``k``, ``v`` (any strides with a
+        contiguous last dimension); allocated when None.
+
+    Returns
+    -------
+    (dq, dk, dv) : torch.Tensor or cupy.ndarray, shapes and dtype of q, k, v
+        Torch tensors when every array argument is one (on torch's current stream of q's
+        device), else CuPy arrays (on CuPy's current stream).
+
+    Raises
+    ------
+    TypeError
+        An array argument not on a CUDA device (NumPy: use
+        :func:`cupyflash.reference.attention_backward`), a wrong dtype (``lse`` included),
+        non-bool ``causal`` / ``deterministic``.
+    ValueError
+        Shapes that do not match the forward's (naming the argument), the forward's own errors
+        (:func:`flash_attn_func`).
+    """
+    from .backward import run as bwd
+    return bwd.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
+                                   deterministic, dq, dk, dv)
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, *, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), deterministic=False, dq=None, dk=None,
+                               dv=None, validate=True):
+    """Gradients of :func:`flash_attn_varlen_func` (packed variable-length sequences): as
+    :func:`flash_attn_backward`, each sequence on its own.
+
+    Parameters
+    ----------
+    dout, out : CUDA arrays, shape (total_q, nheads, headdim)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate
+        The forward's, as in :func:`flash_attn_varlen_func`.
+    lse : CUDA array, shape (nheads, total_q)
+        The forward's LSE: float32, float64 for float64 inputs.
+    softmax_scale, causal, window_size, deterministic, dq, dk, dv
+        As in :func:`flash_attn_backward`.
+
+    Returns
+    -------
+    (dq, dk, dv) : shapes of q, k, v (packed).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`flash_attn_backward` and :func:`flash_attn_varlen_func`.
+    """
+    from .backward import run as bwd
+    return bwd.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                          window_size, deterministic, dq, dk, dv, validate)
 
 
 def explain(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -1,6 +1,6 @@
 """cupyflash as PyTorch custom operators, for ``torch.compile`` and CUDA graphs.
 
-Importing this module (it imports torch) registers three operators with ``torch.library``, each
+Importing this module (it imports torch) registers five operators with ``torch.library``, each
 with a fake (meta) implementation that gives the output shapes and dtypes without running
 anything, so that ``torch.compile(fullgraph=True)`` traces a function calling them without a
 graph break and runs the real kernels in the compiled code:
@@ -9,6 +9,12 @@ graph break and runs the real kernels in the compiled code:
   window_right) -> (out, lse)``
 * ``torch.ops.cupyflash.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   max_seqlen_k, softmax_scale, causal, window_left, window_right, validate) -> (out, lse)``
+* ``torch.ops.cupyflash.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal,
+  window_left, window_right, deterministic) -> (dq, dk, dv)`` and
+  ``torch.ops.cupyflash.flash_attn_varlen_backward(...)``: the gradients (FlashAttention-2
+  backward), registered with ``torch.library.register_autograd`` as the backward of the two
+  forward operators, so ``out.backward()`` and ``torch.compile`` trace both passes without a
+  graph break (the LSE output is not differentiated);
 * ``torch.ops.cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
   block_table, out, workspace, softmax_scale, causal, num_splits, split_size, validate) -> lse``;
   writes ``out`` and, with ``k``/``v``, appends to the caches (declared mutated: ``k_cache``,
@@ -45,7 +51,7 @@ def _flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float],
 def _flash_attn_fake(q, k, v, softmax_scale, causal, window_left, window_right):
     b, sq, h, _ = q.shape
     return (q.new_empty(q.shape),  # contiguous, as the call allocates it
-            q.new_empty((b, h, sq), dtype=torch.float32))
+            q.new_empty((b, h, sq), dtype=_lse_dtype(q)))
 
 
 @torch.library.custom_op("cupyflash::flash_attn_varlen", mutates_args=())
@@ -62,7 +68,87 @@ def _flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 def _flash_attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, validate):
     total_q, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=_lse_dtype(q))
+
+
+# ---- the backward (FlashAttention-2 Sec. 3.2), and autograd for the two forward operators ----
+@torch.library.custom_op("cupyflash::flash_attn_backward", mutates_args=())
+def _flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         softmax_scale: Optional[float], causal: bool, window_left: int,
+                         window_right: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    from .backward import run as bwd
+    return bwd.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal,
+                                   (window_left, window_right), deterministic, None, None, None)
+
+
+@_flash_attn_backward.register_fake
+def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                              window_right, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("cupyflash::flash_attn_varlen_backward", mutates_args=())
+def _flash_attn_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                max_seqlen_q: int, max_seqlen_k: int,
+                                softmax_scale: Optional[float], causal: bool, window_left: int,
+                                window_right: int,
+                                deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    from .backward import run as bwd
+    return bwd.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                          (window_left, window_right), deterministic, None, None,
+                                          None, False)
+
+
+@_flash_attn_varlen_backward.register_fake
+def _flash_attn_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                     window_left, window_right, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _grad_out(g, like):
+    """The gradient of ``out`` as the kernels read it: zeros when autograd passes None, a copy
+    when its last dimension is not contiguous (e.g. the expanded gradient of ``out.sum()``)."""
+    if g is None:
+        return torch.zeros_like(like)
+    return g if g.stride(-1) == 1 else g.contiguous()
+
+
+def _setup_dense(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, window_left, window_right = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (softmax_scale, causal, window_left, window_right)
+
+
+def _backward_dense(ctx, grad_out, grad_lse):
+    # The LSE output is not differentiated (as FlashAttention's): its gradient is ignored.
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cupyflash.flash_attn_backward(_grad_out(grad_out, out), q, k, v, out,
+                                                         lse, *ctx.args, False)
+    return dq, dk, dv, None, None, None, None
+
+
+def _setup_varlen(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right,
+     _validate) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, softmax_scale, causal, window_left, window_right)
+
+
+def _backward_varlen(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cupyflash.flash_attn_varlen_backward(
+        _grad_out(grad_out, out), q, k, v, out, lse, cu_q, cu_k, *ctx.args, False)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("cupyflash::flash_attn", _backward_dense, setup_context=_setup_dense)
+torch.library.register_autograd("cupyflash::flash_attn_varlen", _backward_varlen,
+                                setup_context=_setup_varlen)
 
 
 @torch.library.custom_op("cupyflash::flash_attn_with_kvcache",
@@ -86,6 +172,11 @@ def _flash_attn_with_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, bloc
                                   validate):
     b, sq, h, _ = q.shape
     return q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def _lse_dtype(q):
+    """The forward's LSE dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _scale(softmax_scale):

@@ -656,6 +656,54 @@ def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                        causal=window[1] == 0, window_size=window)
 
 
+def lse_dtype(dtype: str) -> str:
+    """The dtype of the forward's LSE for inputs of ``dtype``: float64 for float64 (the CUDA-core
+    kernel computes it in float64, and the float64 backward recomputes P from it), else
+    float32."""
+    return "float64" if str(dtype) == "float64" else "float32"
+
+
+def check_backward(problem: AttnProblem, q, k, dout, out, lse, dq=None, dk=None, dv=None) -> None:
+    """Validate the arrays of a backward call (FlashAttention-2, arXiv 2307.08691, Sec. 3.2)
+    against its forward ``problem`` (from :func:`check_attention` / :func:`check_varlen` on q, k,
+    v): ``dout`` and ``out`` shaped and typed like ``q``; ``lse`` the forward's, (batch, nheads,
+    seqlen_q) or varlen (nheads, total_q), float32 (float64 for float64 inputs); the optional
+    gradient buffers ``dq`` like ``q``, ``dk`` and ``dv`` like ``k``. On the GPU every last
+    dimension must be contiguous.
+
+    Raises
+    ------
+    TypeError
+        A wrong dtype, or host and device arrays mixed (naming the argument).
+    ValueError
+        A wrong shape (naming the argument and the expected shape).
+    """
+    qs, ks, dt = _shape(q, "q"), _shape(k, "k"), problem.dtype
+    for name, x, want, like in (("dout", dout, qs, "q"), ("out", out, qs, "q"),
+                                ("dq", dq, qs, "q"), ("dk", dk, ks, "k"), ("dv", dv, ks, "k")):
+        if x is None:
+            if name in ("dout", "out"):
+                raise TypeError(f"{name}: required (an array shaped like {like})")
+            continue
+        shape = _shape(x, name)
+        if shape != want:
+            raise ValueError(f"{name}: expected shape {want} (same as {like}), got {shape}")
+        _check_same_dtype(x, name, dt, "q")
+    if lse is None:
+        raise TypeError("lse: required (the forward's LSE: return_lse=True)")
+    want = (problem.nheads, qs[0]) if problem.varlen else (problem.batch, problem.nheads,
+                                                            problem.seqlen_q)
+    shape = _shape(lse, "lse")
+    if shape != want:
+        raise ValueError(f"lse: expected shape {want} (the forward's LSE), got {shape}")
+    ldt = dtype_name(lse)
+    if ldt != lse_dtype(dt):
+        raise TypeError(f"lse: expected dtype {lse_dtype(dt)} (the forward's LSE for {dt} "
+                        f"inputs), got {ldt}")
+    _check_device_consistency({"q": q, "dout": dout, "out": out, "lse": lse, "dq": dq, "dk": dk,
+                               "dv": dv})
+
+
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  softmax_scale=None, causal=False, window_size=(-1, -1), out=None,
                  dtypes=SUPPORTED_DTYPES, validate=True) -> AttnProblem:

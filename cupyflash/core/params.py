@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["TensorMap", "FwdParams", "FwdTmaParams", "DecodeParams", "DecodeAppendParams",
+__all__ = ["TensorMap", "FwdParams", "FwdTmaParams", "BwdParams", "DecodeParams", "DecodeAppendParams",
            "MergeParams", "BaselineSoftmaxParams", "STRUCTS", "pointer_fields"]
 
 _P = ctypes.c_uint64
@@ -53,6 +53,15 @@ FwdTmaParams = _padded("FwdTmaParams", [("tq", TensorMap), ("tk", TensorMap), ("
                                         ("tile_counter", _P), ("o_map_ok", _I32)], 64)
 FwdTmaParams.__doc__ = ("``cf::FwdTmaParams``: the Hopper forward's four tensor maps, "
                         ":class:`FwdParams`, the causal scheduler's counter and the O-map flag.")
+
+
+class BwdParams(ctypes.Structure):
+    """``cf::BwdParams``: the backward pass (``backward/*.cu``): its own pointers, the forward's
+    :class:`FwdParams`, then the strides of dout, dq, dk, dv and dsum."""
+    _fields_ = ([(n, _P) for n in ("dout", "dq", "dk", "dv", "dsum")] + [("fwd", FwdParams)]
+                + [(f"{t}_{s}_stride", _I64) for t in ("do", "dq", "dk", "dv")
+                   for s in ("batch", "row", "head")]
+                + [("dsum_batch_stride", _I64), ("dsum_head_stride", _I64)])
 
 
 class DecodeParams(ctypes.Structure):
@@ -101,7 +110,7 @@ class BaselineSoftmaxParams(ctypes.Structure):
 
 
 #: ``{C struct name: ctypes structure}`` of every kernel parameter struct (tests/test_params.py).
-STRUCTS = {"FwdParams": FwdParams, "FwdTmaParams": FwdTmaParams, "DecodeParams": DecodeParams,
+STRUCTS = {"FwdParams": FwdParams, "FwdTmaParams": FwdTmaParams, "BwdParams": BwdParams, "DecodeParams": DecodeParams,
            "DecodeAppendParams": DecodeAppendParams, "MergeParams": MergeParams,
            "BaselineSoftmaxParams": BaselineSoftmaxParams}
 

@@ -256,9 +256,10 @@ class PrefillLaunch:
         From :func:`launch_plan` (no compile report, no I/O model).
     action : str
         ``"launch"``; ``"fill"`` (no keys: out 0, LSE -inf, no launch); ``"none"`` (empty LSE).
-    lse_shape : tuple
-        (batch, nheads, seqlen_q), varlen (nheads, total_q); float32, allocated per call when
-        asked for (``return_lse``; otherwise the kernel gets NULL and writes none).
+    lse_shape, lse_dtype : tuple, str
+        (batch, nheads, seqlen_q), varlen (nheads, total_q); float32 (float64 for float64:
+        :func:`cupyflash.forward.kernels.lse_dtype`), allocated per call when asked for
+        (``return_lse``; otherwise the kernel gets NULL and writes none).
     grid, block, smem : launch geometry.
     tensor_cores : bool
         Base pointers must be 16-byte aligned (checked per call).
@@ -279,7 +280,7 @@ class PrefillLaunch:
         then gives the contiguous output the kernel is built for, at less host cost than
         ``torch.empty``.
     """
-    __slots__ = ("problem", "plan", "action", "lse_shape", "grid", "block", "smem",
+    __slots__ = ("problem", "plan", "action", "lse_shape", "lse_dtype", "grid", "block", "smem",
                  "tensor_cores", "strides", "sizes", "kernel", "prepared", "device",
                  "out_like_q")
 
@@ -290,6 +291,7 @@ class PrefillLaunch:
         self.plan = launch_plan(p)  # raises (every rejection) when no specialisation fits
         spec = self.plan.kernel.spec
         self.lse_shape = (p.nheads, p.total_q) if p.varlen else (p.batch, p.nheads, p.seqlen_q)
+        self.lse_dtype = kernels.lse_dtype(p.dtype)
         n_lse = 1
         for n in self.lse_shape:
             n_lse *= n

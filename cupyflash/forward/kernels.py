@@ -43,6 +43,7 @@ __all__ = [
     "kernel_spec", "all_specs", "spec_of", "config_of",
     "launch_config", "POINTERS",
     "kernel_params", "params_of", "args_template", "check_pointers", "launch", "prepared_launch",
+    "lse_dtype", "fwd_fields",
 ]
 
 #: Compiled (padded) head dims; every multiple of 8 up to 256 maps to the next one of these.
@@ -394,6 +395,16 @@ def launch_config(spec: jit.KernelSpec, problem, num_sms: int | None = None) -> 
     return grid, (cfg.threads, 1, 1), cfg.smem_bytes
 
 
+#: The LSE dtype of a forward of a dtype (float64 for float64, else float32).
+lse_dtype = checks.lse_dtype
+
+
+def _check_lse(cfg: PrefillConfig, lse) -> None:
+    if lse is not None and np.dtype(lse.dtype).name != lse_dtype(cfg.dtype):
+        raise ValueError(f"lse: a {cfg.dtype} forward writes a {lse_dtype(cfg.dtype)} LSE, got "
+                         f"dtype {np.dtype(lse.dtype).name}")
+
+
 def _strides(x, name: str, ndim: int) -> tuple:
     isz = x.dtype.itemsize
     if x.ndim != ndim:
@@ -410,7 +421,7 @@ def kernel_params(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlen
     ``cf::FwdParams`` of kernels_cu/common/params.cuh), with the pointers of these arrays.
 
     Layouts: q/out (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim),
-    lse (batch, nheads, seqlen_q) float32; varlen: q/out (total_q, nheads, headdim), k/v
+    lse (batch, nheads, seqlen_q) of :func:`lse_dtype`; varlen: q/out (total_q, nheads, headdim), k/v
     (total_k, nheads_k, headdim), lse (nheads, total_q). Strides in elements (64-bit); the last
     dim of q/k/v/out and of lse must be contiguous.
 
@@ -421,6 +432,7 @@ def kernel_params(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlen
     varlen = cu_seqlens_q is not None
     if (cu_seqlens_k is not None) != varlen:
         raise ValueError("cu_seqlens_q, cu_seqlens_k: give both or neither")
+    _check_lse(config_of(spec)[0], lse)
     ls = _strides(lse, "lse", 2 if varlen else 3)
     prm = params_of(*args_template(spec, q, k, v, out, ls, problem=problem, varlen=varlen))
     check_pointers(spec, q, k, v, out)
@@ -473,8 +485,17 @@ def args_template(spec: jit.KernelSpec, q, k, v, out, lse_strides: tuple, *, pro
         raise ValueError(f"q: dtype {np.dtype(q.dtype).name} does not match spec {spec.name}")
     if cfg.dtype in TC_DTYPES and any(s % 8 for st in (qs, ks, vs, os_) for s in st[:-1]):
         _check_alignment(spec, q, k, v, out)  # raises, naming the first bad array
-    i64 = np.int64
-    if varlen:
+    return fwd_fields(problem, (qs, ks, vs, os_), ls, varlen)
+
+
+def fwd_fields(problem, strides4: tuple, lse_strides: tuple, varlen: bool) -> tuple:
+    """``(strides, sizes)`` of :class:`~cupyflash.core.params.FwdParams` (its constant fields, in
+    order; :func:`params_of` makes the struct) from the element strides of q, k, v, out
+    (``strides4``) and of the LSE, and the problem: the forward's, and the backward's
+    ``BwdParams.fwd`` (:mod:`cupyflash.backward.kernels`)."""
+    qs, ks, vs, os_ = strides4
+    ls = lse_strides
+    if varlen:  # the batch strides are unused (cu_seqlens give each sequence's start row)
         strides = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
                    0, ls[0])
     else:
@@ -486,7 +507,7 @@ def args_template(spec: jit.KernelSpec, q, k, v, out, lse_strides: tuple, *, pro
              np.int32(problem.seqlen_q), np.int32(problem.seqlen_k), np.int32(problem.headdim),
              np.float32(scale * _LOG2E), np.float64(scale),
              np.int32(left), np.int32(right))
-    return tuple(i64(s) for s in strides), sizes
+    return tuple(np.int64(s) for s in strides), sizes
 
 
 def check_pointers(spec: jit.KernelSpec, q, k, v, out) -> None:
@@ -513,8 +534,8 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
            cu_seqlens_k=None, stream=None) -> None:
     """Launch one prefill specialisation (FlashAttention-2 forward, arXiv 2307.08691 Alg. 1).
 
-    Writes ``out`` (same layout and dtype as q) and ``lse`` (float32, natural log; -inf for a
-    row that sees no key, whose output is 0). Inputs are validated by cupyflash.core.checks
+    Writes ``out`` (same layout and dtype as q) and ``lse`` (natural log, :func:`lse_dtype`:
+    float32, float64 for float64; -inf for a row that sees no key, whose output is 0). Inputs are validated by cupyflash.core.checks
     before this is called; here only what the kernel itself relies on is checked (layouts,
     alignment, spec/problem agreement). The public calls launch through the launch cache
     (:mod:`cupyflash.forward.run`); this builds the same :func:`prepared_launch` each call.
@@ -545,6 +566,7 @@ def launch(spec: jit.KernelSpec, q, k, v, out, lse, *, problem, cu_seqlens_q=Non
     varlen = cu_seqlens_q is not None
     if (cu_seqlens_k is not None) != varlen:
         raise ValueError("cu_seqlens_q, cu_seqlens_k: give both or neither")
+    _check_lse(cfg, lse)
     strides, sizes = args_template(spec, q, k, v, out, _strides(lse, "lse", 2 if varlen else 3),
                                    problem=problem, varlen=varlen)
     check_pointers(spec, q, k, v, out)

@@ -100,7 +100,7 @@ def _execute(entry, caller, dev, want_lse, q, k, v, out, cu_seqlens_q, cu_seqlen
     if out is None:  # (torch: empty_like where it gives what empty would, cheaper)
         out = (caller.empty_like(q) if entry.out_like_q
                else caller.empty(q.shape, entry.problem.dtype, dev))
-    lse = caller.empty(entry.lse_shape, "float32", dev) if want_lse else None
+    lse = caller.empty(entry.lse_shape, entry.lse_dtype, dev) if want_lse else None
     action = entry.action
     if action == "launch":
         ptr = caller.ptr

@@ -81,6 +81,10 @@ struct FwdTile {
         return static_cast<T*>(p.o) + seq.o_off;
     }
     __device__ __forceinline__ float* lse(const FwdParams& p) const { return p.lse + seq.lse_off; }
+    // ... as L: float, or double for the float64 kernel (cupyflash.forward.kernels.lse_dtype)
+    template <typename L> __device__ __forceinline__ L* lse_as(const FwdParams& p) const {
+        return reinterpret_cast<L*>(p.lse) + seq.lse_off;
+    }
 };
 
 // The tile of a CTA of the kernels of one CTA per tile: (m-block, head, batch) from the grid,

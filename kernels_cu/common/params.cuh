@@ -24,6 +24,7 @@ struct FwdParams {
     const void* __restrict__ v;
     void* __restrict__ o;
     float* __restrict__ lse;           // (batch, nheads, seqlen_q); varlen: (nheads, total_q);
+                                       // double for the float64 kernel (FwdTile::lse_as);
                                        // nullptr: not written (return_lse=False)
     const int* __restrict__ cu_seqlens_q;  // nullptr unless varlen
     const int* __restrict__ cu_seqlens_k;
@@ -46,6 +47,26 @@ struct FwdParams {
     // Sliding window, bottom-right aligned like causal: with shift = seqlen_k - seqlen_q, query
     // row i sees key j iff  i + shift - window_left <= j <= i + shift + window_right ; -1 = unbounded.
     int window_left, window_right;
+};
+
+// The backward pass (backward/*.cu; FlashAttention-2, arXiv 2307.08691, Sec. 3.2 and
+// Algorithm 2): the forward's problem (`fwd`: q, k, v, o, its lse, cu_seqlens, strides, sizes,
+// scale, window) and the backward's own arrays. dout and dq like q (dq: T), dk and dv like k
+// (T), dsum: D = rowsum(dout * o) per query row, laid out like a contiguous lse ((batch, nheads,
+// seqlen_q) or varlen (nheads, total_q)), in the accumulator type (float; double for float64).
+// The pointers come first, then fwd's, one block of 12 (the per-call fields).
+struct BwdParams {
+    const void* __restrict__ dout;
+    void* __restrict__ dq;
+    void* __restrict__ dk;
+    void* __restrict__ dv;
+    void* __restrict__ dsum;
+    FwdParams fwd;
+    int64_t do_batch_stride, do_row_stride, do_head_stride;
+    int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+    int64_t dsum_batch_stride, dsum_head_stride;
 };
 
 // The Hopper forward (forward/hopper.cu): four tensor maps, q, k, v and o as 4-D (headdim,

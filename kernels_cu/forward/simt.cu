@@ -18,6 +18,7 @@
 #include "common/mask.cuh"
 #include "common/online_softmax.cuh"
 #include "common/fwd_tile.cuh"
+#include "common/simt_tile.cuh"
 
 namespace cf {
 
@@ -38,26 +39,6 @@ struct SimtTraits {
     static_assert(BLOCK_M % kTR == 0 && BLOCK_N % kTC == 0 && BLOCK_N % kVec == 0, "tile shape");
     static_assert(HEADDIM % (kTC * kVec) == 0 && HEADDIM % 32 == 0, "padded head dim");
 };
-
-template <typename T, int N>
-struct __align__(16) VecN { T v[N]; };
-
-// Plain coalesced copy of a [ROWS x HEADDIM] tile into smem: one warp per row, lanes along the
-// head dim; rows >= rows_valid and columns >= cols_valid are written as zeros (never read).
-template <typename Tr, typename T, int ROWS, int HEADDIM>
-__device__ __forceinline__ void load_tile_simt(T* s_tile, const T* g_tile, int64_t row_stride,
-                                               int rows_valid, int cols_valid, int warp, int lane) {
-    constexpr int kWarps = Tr::kThreads / 32;
-#pragma unroll 4
-    for (int r = warp; r < ROWS; r += kWarps) {
-        const T* g_row = g_tile + (int64_t)r * row_stride;
-#pragma unroll
-        for (int c0 = 0; c0 < HEADDIM; c0 += 32) {
-            const int c = c0 + lane;
-            s_tile[r * Tr::kRow + c] = (r < rows_valid && c < cols_valid) ? g_row[c] : T(0);
-        }
-    }
-}
 
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, bool CAUSAL>
 __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
@@ -82,7 +63,7 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
     const T* k_base = cta.template k<T>(p);
     const T* v_base = cta.template v<T>(p);
     T* o_base = cta.template o<T>(p);
-    float* lse_base = cta.lse(p);
+    T* lse_base = cta.template lse_as<T>(p);  // the LSE in T: float64 for float64
     const KeyTiles<BLOCK_N>& tiles = cta.tiles;
     // scale * log2(e), in T: the float64 path takes it from the float64 softmax_scale.
     const T scale_log2 = sizeof(T) == 8 ? T(p.softmax_scale_d * 1.4426950408889634073599246810019)
@@ -198,7 +179,8 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
         }
     }
 
-    // Epilogue: l summed over the 8 lanes of the row; out = acc / l; LSE = m * scale + ln l.
+    // Epilogue: l summed over the 8 lanes of the row; out = acc / l; LSE = m * scale + ln l (in T:
+    // the backward recomputes P from it, exactly in float64).
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
         T l = row[i].l;
@@ -215,7 +197,7 @@ __device__ __forceinline__ void flash_fwd_simt_block(const FwdParams& p) {
                     const int col = (tc + TC * c) * VEC + x;
                     if (col < p.headdim) o_row[col] = acc[i][c][x] * inv;
                 }
-            if (tc == 0 && p.lse != nullptr) lse_base[r] = (float)row[i].lse(l, scale_log2);
+            if (tc == 0 && p.lse != nullptr) lse_base[r] = row[i].lse(l, scale_log2);
         }
     }
 }

@@ -233,7 +233,8 @@ def test_dense_matches_reference(case):
         out, obuf = out_buffer(q.shape, c["dtype"], c["layout"])
         res, lse = flash_attn_func(qd, kd, vd, return_lse=True, out=out, **kw)
         assert res is out, "the result must be the given out buffer"
-        assert lse.dtype == np.float32 and lse.shape == (c["batch"], c["nheads"], c["sq"])
+        assert lse.dtype == prefill.lse_dtype(c["dtype"])
+        assert lse.shape == (c["batch"], c["nheads"], c["sq"])
         if obuf is not None:  # nothing written outside the view (padding stays NaN)
             pad = to_host(obuf)
             assert np.isnan(pad[:, c["sq"]:].astype(np.float64)).all()
@@ -276,7 +277,7 @@ def test_every_element_written_lse_too(dtype, causal, window):
     prob = check_attention(q, k, v, **kw)
     plan = dispatch.launch_plan(prob)
     out = nan_buffer(q.shape, dtype)
-    lse = cupy.full((b, h, sq), np.nan, dtype=cupy.float32)
+    lse = cupy.full((b, h, sq), np.nan, dtype=prefill.lse_dtype(dtype))
     prefill.launch(plan.kernel.spec, to_dev(q), to_dev(k), to_dev(v), out, lse, problem=prob,
                    stream=current_stream())
     assert_matches_reference(to_host(out), to_host(lse), q, k, v, dtype=dtype,
@@ -303,7 +304,7 @@ def test_every_specialisation(spec):
     q, k, v = host_inputs(rng, b, sq, sk, h, hk, d, cfg.dtype)
     prob = check_attention(q, k, v, causal=causal)
     out = nan_buffer(q.shape, cfg.dtype)
-    lse = cupy.full((b, h, sq), np.nan, dtype=cupy.float32)
+    lse = cupy.full((b, h, sq), np.nan, dtype=prefill.lse_dtype(cfg.dtype))
     prefill.launch(spec, to_dev(q), to_dev(k), to_dev(v), out, lse, problem=prob,
                    stream=current_stream())
     assert_matches_reference(to_host(out), to_host(lse), q, k, v, dtype=cfg.dtype,

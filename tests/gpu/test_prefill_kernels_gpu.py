@@ -90,7 +90,7 @@ def _launch(spec, q, k, v, problem, cu_q=None, cu_k=None, out=None):
         out = _nan_array(q.shape, problem.dtype)
     lse_shape = (problem.nheads, q.shape[0]) if problem.varlen else \
         (problem.batch, problem.nheads, problem.seqlen_q)
-    lse = cupy.full(lse_shape, np.nan, dtype=np.float32)
+    lse = cupy.full(lse_shape, np.nan, dtype=prefill.lse_dtype(problem.dtype))
     prefill.launch(spec, q, k, v, out, lse, problem=problem, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     cupy.cuda.get_current_stream().synchronize()
     return out, lse

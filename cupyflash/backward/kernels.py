@@ -1,0 +1,255 @@
+"""The backward kernels: the compiled tiles per (dtype, head dim), their names and shared memory,
+their launch geometry and parameter struct.
+
+FlashAttention-2 (Dao, arXiv 2307.08691), Sec. 3.2 and Algorithm 2, as three kernels without
+atomics (``kernels_cu/common/bwd_tile.cuh`` says why and how):
+
+* ``dsum``: D = rowsum(dO * O) per query row (float32; float64 for float64);
+* ``dkdv``: one CTA per (key block, KV head, batch): dK and dV, summed over the query heads of a
+  GQA group in registers (``part`` 0; above head dim 128 two launches, ``part`` 1 dK and 2 dV,
+  as both accumulators do not fit in registers together);
+* ``dq``: one CTA per (query block, head, batch): dQ.
+
+Float16/bfloat16 run ``kernels_cu/backward/mma.cu`` (mma.sync m16n8k16, fp32 accumulation, sm_80+),
+float32/float64 ``kernels_cu/backward/simt.cu`` (CUDA cores, computed in the dtype). Pure Python
+but for :func:`layout` (an NVRTC probe of the shared-memory sizes, no GPU needed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from ..core import jit
+from ..core.params import BwdParams, FwdParams
+from ..forward import kernels as fwd
+
+__all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "plan_backward", "all_kernels",
+           "launch_geometry", "bwd_fields", "params_of", "POINTERS", "ACC_DTYPE"]
+
+MMA_SOURCE = "backward/mma.cu"
+SIMT_SOURCE = "backward/simt.cu"
+#: Rows per CTA of the dsum pre-pass (``cf::kDsumRows``), 128 threads.
+DSUM_ROWS = 16
+#: The accumulator dtype of each input dtype (D, and the CUDA-core kernels' arithmetic).
+ACC_DTYPE = {"float16": "float32", "bfloat16": "float32", "float32": "float32",
+             "float64": "float64"}
+_SHORT, _CTYPE = fwd._SHORT, fwd._CTYPE
+
+# Tiles per compiled head dim: dK/dV launches (block_m query rows per step, block_n keys per CTA,
+# nwarps, part) and the dQ tile (block_m rows per CTA, block_n keys per step, nwarps). Chosen by
+# the ptxas report (sm_90a, no spills): hd128 dK/dV with 64-row query steps spills 32 bytes (254
+# registers), with 32 it does not (249); above hd128 dK and dV together spill 1.7-4 KB, so they
+# run as two launches (dK with 32-row steps: 64 spilled 88 bytes).
+_MMA_TILES = {
+    32: (((64, 128, 8, 0),), (128, 64, 8)),
+    64: (((64, 128, 8, 0),), (128, 64, 8)),
+    96: (((32, 128, 8, 0),), (128, 64, 8)),
+    128: (((32, 128, 8, 0),), (128, 64, 8)),
+}
+for _hd in (160, 192, 224, 256):
+    _MMA_TILES[_hd] = (((32, 128, 8, 1), (64, 128, 8, 2)), (128, 32, 8))
+# CUDA cores, 128 threads (16 row groups x 8 lanes): (block_m, block_n) of both kernels.
+_SIMT_TILES = {"float32": {hd: (32, 32) if hd <= 128 else (32, 16) for hd in fwd.HEADDIMS},
+               "float64": {hd: (32, 32) if hd <= 128 else (16, 16) for hd in fwd.HEADDIMS}}
+del _hd
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdKernel:
+    """One compiled backward kernel.
+
+    role : ``"dsum"``, ``"dkdv"`` or ``"dq"``.
+    dtype, headdim : input dtype and compiled (padded) head dim (0 for dsum: any).
+    block_m, block_n : query rows and keys of its tile (dkdv: keys per CTA = block_n).
+    nwarps : warps per CTA (CUDA cores and dsum: 4).
+    causal : the mask's compile-time flag (windows are runtime values).
+    part : dkdv only: 0 dK and dV, 1 dK, 2 dV.
+    """
+    role: str
+    dtype: str
+    headdim: int = 0
+    block_m: int = 0
+    block_n: int = 0
+    nwarps: int = 4
+    causal: bool = False
+    part: int = 0
+
+    @property
+    def isa(self) -> str:
+        return "mma" if self.dtype in fwd.TC_DTYPES else "simt"
+
+    @property
+    def source(self) -> str:
+        return MMA_SOURCE if self.isa == "mma" else SIMT_SOURCE
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.nwarps
+
+    @property
+    def name(self) -> str:
+        d = _SHORT[self.dtype]
+        if self.role == "dsum":
+            return f"bwd_dsum_{d}"
+        pre = "bwd" if self.isa == "mma" else "bwdsimt"
+        w = f"_w{self.nwarps}" if self.isa == "mma" else ""
+        part = {0: "", 1: "_dk", 2: "_dv"}[self.part]
+        return (f"{pre}_{self.role}_{d}_hd{self.headdim}_m{self.block_m}_n{self.block_n}{w}"
+                f"{part}{'_causal' if self.causal else ''}")
+
+    @property
+    def entry(self) -> str:
+        t, c = _CTYPE[self.dtype], ("true" if self.causal else "false")
+        if self.role == "dsum":
+            return f"cf::bwd_dsum_entry<{t}, {_CTYPE[ACC_DTYPE[self.dtype]]}>"
+        tile = f"{t}, {self.headdim}, {self.block_m}, {self.block_n}"
+        if self.isa == "simt":
+            return f"cf::bwd_{self.role}_simt_entry<{tile}, {c}>"
+        if self.role == "dkdv":
+            return f"cf::bwd_dkdv_mma_entry<{tile}, {self.nwarps}, {c}, {self.part}>"
+        return f"cf::bwd_dq_mma_entry<{tile}, {self.nwarps}, {c}>"
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory, bytes: the kernel's own constant (``kSmemBytes`` of
+        ``BwdMmaTraits``, ``kDkdvSmemBytes`` / ``kDqSmemBytes`` of ``SimtBwdTraits``), read by an
+        NVRTC probe (:func:`layout`); 0 for dsum."""
+        return 0 if self.role == "dsum" else layout(self.source, self._smem_expr())
+
+    def _smem_expr(self) -> str:
+        t = _CTYPE[self.dtype]
+        if self.isa == "simt":
+            which = "kDkdvSmemBytes" if self.role == "dkdv" else "kDqSmemBytes"
+            return (f"cf::SimtBwdTraits<{t}, {self.headdim}, {self.block_m}, {self.block_n}>::"
+                    f"{which}")
+        rows, cols = ((self.block_n, self.block_m) if self.role == "dkdv"
+                      else (self.block_m, self.block_n))
+        return f"cf::BwdMmaTraits<{t}, {self.headdim}, {rows}, {cols}, {self.nwarps}>::kSmemBytes"
+
+    @property
+    def spec(self) -> jit.KernelSpec:
+        return jit.KernelSpec(name=self.name, source=self.source, entry=self.entry,
+                              smem_bytes=self.smem_bytes)
+
+
+def _probe_exprs(source: str) -> tuple:
+    """The shared-memory expressions of every kernel of ``source`` (one probe per source)."""
+    return tuple(sorted({k._smem_expr() for k in all_kernels() if k.source == source
+                         and k.role != "dsum"}))
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(source: str) -> dict:
+    exprs = _probe_exprs(source)
+    return dict(zip(exprs, jit.constants(source, exprs)))
+
+
+def layout(source: str, expr: str) -> int:
+    """The value of a shared-memory constant of ``source`` (cached NVRTC probe, no GPU)."""
+    table = _layouts(source)
+    if expr not in table:
+        return jit.constants(source, (expr,))[0]
+    return table[expr]
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPlan:
+    """The kernels of one backward call, in launch order: dsum, the dK/dV launches, dQ."""
+    dsum: BwdKernel
+    dkdv: tuple
+    dq: BwdKernel
+
+    @property
+    def kernels(self) -> tuple:
+        return (self.dsum,) + self.dkdv + (self.dq,)
+
+
+@functools.lru_cache(maxsize=None)
+def plan_backward(dtype: str, headdim: int, causal: bool) -> BwdPlan:
+    """The backward kernels of a problem's dtype, actual head dim (a multiple of 8 up to 256,
+    run on the next compiled one) and causal flag.
+
+    Raises
+    ------
+    ValueError
+        An unsupported dtype or head dim."""
+    if dtype not in ACC_DTYPE:
+        raise ValueError(f"dtype: the backward takes {tuple(ACC_DTYPE)}, got {dtype}")
+    hd = fwd.padded_headdim(headdim)
+    dsum = BwdKernel("dsum", dtype)
+    if dtype in fwd.TC_DTYPES:
+        dkdv_tiles, (qm, qn, qw) = _MMA_TILES[hd]
+        dkdv = tuple(BwdKernel("dkdv", dtype, hd, bm, bn, nw, causal, part)
+                     for bm, bn, nw, part in dkdv_tiles)
+        dq = BwdKernel("dq", dtype, hd, qm, qn, qw, causal)
+    else:
+        bm, bn = _SIMT_TILES[dtype][hd]
+        dkdv = (BwdKernel("dkdv", dtype, hd, bm, bn, 4, causal),)
+        dq = BwdKernel("dq", dtype, hd, bm, bn, 4, causal)
+    return BwdPlan(dsum, dkdv, dq)
+
+
+def all_kernels() -> tuple:
+    """Every backward kernel a call can run (each dtype, compiled head dim, causal flag)."""
+    seen = {}
+    for dtype in ACC_DTYPE:
+        for hd in fwd.HEADDIMS:
+            for causal in (False, True):
+                for k in plan_backward(dtype, hd, causal).kernels:
+                    seen[k] = None
+    return tuple(seen)
+
+
+def launch_geometry(kernel: BwdKernel, problem) -> tuple:
+    """``(grid, block)`` of ``kernel`` for ``problem`` (varlen: seqlen_* are the maxima and
+    ``batch`` the number of sequences; CTAs past a sequence's end return at once)."""
+    p = problem
+    if kernel.role == "dsum":
+        grid = (-(-p.seqlen_q // DSUM_ROWS), p.nheads, p.batch)
+    elif kernel.role == "dkdv":
+        grid = (-(-p.seqlen_k // kernel.block_n), p.nheads_k, p.batch)
+    else:
+        grid = (-(-p.seqlen_q // kernel.block_m), p.nheads, p.batch)
+    return grid, (kernel.threads, 1, 1)
+
+
+#: The per-call pointer fields of :class:`~cupyflash.core.params.BwdParams`, in order: its own
+#: five, then those of ``fwd`` (one consecutive block).
+POINTERS = ("dout", "dq", "dk", "dv", "dsum") + fwd.POINTERS
+_OWN_STRIDES = tuple(f"{t}_{s}_stride" for t in ("do", "dq", "dk", "dv")
+                     for s in ("batch", "row", "head")) + ("dsum_batch_stride",
+                                                           "dsum_head_stride")
+
+
+def pointer_block() -> tuple:
+    """``(byte offset, count)`` of :data:`POINTERS` in :class:`BwdParams`."""
+    if BwdParams.fwd.offset != 8 * 5 or FwdParams.q.offset != 0 or \
+            FwdParams.cu_seqlens_k.offset != 8 * (len(fwd.POINTERS) - 1):
+        raise ValueError("BwdParams: the pointers are not one consecutive block")
+    return 0, len(POINTERS)
+
+
+def bwd_fields(problem, strides: dict, varlen: bool) -> tuple:
+    """``(fwd strides, fwd sizes, own strides)``: the constant fields of :class:`BwdParams` from
+    the element strides of q, k, v, out, lse, dout, dq, dk, dv and dsum (``strides[name]``)."""
+    fs, sizes = fwd.fwd_fields(problem, tuple(strides[n] for n in ("q", "k", "v", "out")),
+                               strides["lse"], varlen)
+    own = []
+    for n in ("dout", "dq", "dk", "dv"):
+        st = strides[n]
+        own += [0, st[0], st[1]] if varlen else list(st[:3])
+    ds = strides["dsum"]
+    own += [0, ds[0]] if varlen else list(ds[:2])
+    return fs, sizes, tuple(np.int64(x) for x in own)
+
+
+def params_of(fields: tuple) -> BwdParams:
+    """A :class:`BwdParams` with the constant fields of :func:`bwd_fields` and NULL pointers."""
+    fs, sizes, own = fields
+    prm = BwdParams()
+    prm.fwd = fwd.params_of(fs, sizes)
+    for name, x in zip(_OWN_STRIDES, own):
+        setattr(prm, name, int(x))
+    return prm

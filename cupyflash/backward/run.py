@@ -1,0 +1,115 @@
+"""The eager execution of the backward calls (:func:`cupyflash.flash_attn_backward`,
+:func:`cupyflash.flash_attn_varlen_backward`): the checks (:mod:`cupyflash.core.checks`), the
+plan (:func:`cupyflash.backward.kernels.plan_backward`), the allocation of the gradients and of
+D, and the launches, by the caller's conventions (:mod:`cupyflash.core.interop`).
+"""
+from __future__ import annotations
+
+import collections
+
+from ..core import checks, interop
+from ..core.interop import TorchCaller, as_cupy, caller_of, describe_torch
+from ..forward.run import _device_of, _require_device, _same_device, require_bool
+from . import kernels
+
+__all__ = ["flash_attn_backward", "flash_attn_varlen_backward"]
+
+_HINT = {"dense": "; for NumPy arrays use cupyflash.reference.attention_backward",
+         "varlen": "; for NumPy arrays use cupyflash.reference.varlen_attention_backward"}
+
+#: Prepared launches, keyed by (kernel, constant fields, grid, device); least recently used out.
+_LAUNCHES: collections.OrderedDict = collections.OrderedDict()
+_MAX_LAUNCHES = 512
+
+
+def _elem_strides(x, caller) -> tuple:
+    """Element strides of a CuPy array or a torch tensor's descriptor."""
+    if caller is TorchCaller:
+        return tuple(x.stride())
+    return tuple(s // x.dtype.itemsize for s in x.strides)
+
+
+def _launch(kernel, fields, grid, block, dev, pointers, stream) -> None:
+    from ..core import jit, launch
+    key = (kernel, fields, grid, dev)
+    run = _LAUNCHES.get(key)
+    if run is None:
+        spec = kernel.spec
+        run = launch.Launch(jit.get_kernel(spec), kernels.params_of(fields), grid, block,
+                            pointers=kernels.pointer_block(), shared_mem=spec.smem_bytes)
+        _LAUNCHES[key] = run
+        if len(_LAUNCHES) > _MAX_LAUNCHES:
+            _LAUNCHES.popitem(last=False)
+    else:
+        _LAUNCHES.move_to_end(key)
+    run(pointers, stream)
+
+
+def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k):
+    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk,
+             "dv": dv, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    caller = caller_of(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
+    dt = problem.dtype
+    dtypes = {"lse": checks.lse_dtype(dt), "cu_seqlens_q": "int32", "cu_seqlens_k": "int32"}
+    if caller is TorchCaller:
+        views = {n: describe_torch(a) if a is not None else None for n, a in named.items()}
+        arrays = dict(named)
+    else:
+        views = {n: as_cupy(a, n, dtypes.get(n, dt)) if a is not None else None
+                 for n, a in named.items()}
+        arrays = views
+    _same_device(views)
+    dev = _device_of(views["q"])
+    device = interop.on_device(dev) if caller is TorchCaller else views["q"].device
+    with device:
+        for n, like in (("dq", "q"), ("dk", "k"), ("dv", "k")):
+            if arrays[n] is None:
+                arrays[n] = caller.empty(tuple(views[like].shape), dt, dev)
+        dsum = caller.empty(tuple(views["lse"].shape), kernels.ACC_DTYPE[dt], dev)
+        strides = {n: _elem_strides(arrays[n], caller) for n in
+                   ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")}
+        strides["dsum"] = _elem_strides(dsum, caller)
+        fields = kernels.bwd_fields(problem, strides, problem.varlen)
+        ptr = caller.ptr
+        pointers = tuple(ptr(arrays[n]) if arrays[n] is not None else 0 for n in
+                         ("dout", "dq", "dk", "dv")) + (ptr(dsum),) + tuple(
+            ptr(arrays[n]) if arrays[n] is not None else 0 for n in
+            ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"))
+        stream = caller.stream(dev)
+        plan = kernels.plan_backward(dt, problem.headdim, problem.causal)
+        for kern in plan.kernels:
+            grid, block = kernels.launch_geometry(kern, problem)
+            if 0 in grid:
+                continue  # no rows (dsum, dq) or no keys (dkdv): nothing to write
+            if grid[1] > 65535 or grid[2] > 65535:
+                raise ValueError(f"problem: nheads ({grid[1]}) and batch ({grid[2]}) must be "
+                                 f"<= 65535")
+            _launch(kern, fields, grid, block, dev, pointers, stream)
+    return arrays["dq"], arrays["dk"], arrays["dv"]
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size,
+                        deterministic, dq, dk, dv):
+    """The eager call of :func:`cupyflash.api.flash_attn_backward` (its documentation)."""
+    require_bool(deterministic, "deterministic")
+    _require_device({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq,
+                     "dk": dk, "dv": dv}, _HINT["dense"])
+    problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size)
+    checks.check_backward(problem, q, k, dout, out, lse, dq, dk, dv)
+    return _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, None, None)
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, softmax_scale, causal, window_size, deterministic,
+                               dq, dk, dv, validate):
+    """The eager call of :func:`cupyflash.api.flash_attn_varlen_backward` (its documentation)."""
+    require_bool(deterministic, "deterministic")
+    _require_device({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                     "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "dq": dq,
+                     "dk": dk, "dv": dv}, _HINT["varlen"])
+    problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, validate=validate)
+    checks.check_backward(problem, q, k, dout, out, lse, dq, dk, dv)
+    return _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)

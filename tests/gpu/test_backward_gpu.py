@@ -1,0 +1,199 @@
+"""GPU tests of the backward pass (``pytest -m gpu tests/gpu/test_backward_gpu.py``).
+
+Oracle: the float64 one-shot backward (:func:`cupyflash.reference.attention_backward`) on the
+same inputs rounded to the dtype (q, k, v, dout), with the forward's ``out`` and ``lse`` from
+cupyflash's own forward. Bound per dtype, on the normwise relative error
+(:func:`cupyflash.testing.rel_error`) of each of dq, dk, dv: :data:`BOUND`. float16/bfloat16
+round P and dS to the dtype before the three products that read them (as every FlashAttention
+backward does) and the gradients to the dtype at the end; float32 computes in float32 from a
+float32 LSE; float64 must agree to 1e-12.
+
+Every gradient buffer is NaN before the launch (``dq=``, ``dk=``, ``dv=`` given) and checked with
+``isnan`` first; every problem runs twice and the results must be bitwise equal (no atomics).
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+from cupyflash import reference, testing  # noqa: E402
+from cupyflash.api import (flash_attn_backward, flash_attn_func,  # noqa: E402
+                           flash_attn_varlen_backward, flash_attn_varlen_func)
+from cupyflash.backward import kernels as bwd_kernels  # noqa: E402
+from cupyflash.core.interop import np_dtype  # noqa: E402
+from gpu_arrays import to_device, to_host  # noqa: E402
+
+#: Normwise relative error bound per dtype (dq, dk, dv each).
+BOUND = {"float64": 1e-12, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+_NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+def nan_like(shape, dtype):
+    dt = np_dtype(dtype)
+    if dt.itemsize == 2:
+        buf = cupy.empty(shape, dtype=dt)
+        buf.view(cupy.uint16).fill(_NAN_BITS[dtype])
+        return buf
+    return cupy.full(shape, np.nan, dtype=dt)
+
+
+def inputs(rng, shape_q, shape_k, dtype, scale=1.0):
+    q = testing.random_normal(rng, shape_q, dtype, scale)
+    k = testing.random_normal(rng, shape_k, dtype, scale)
+    v = testing.random_normal(rng, shape_k, dtype)
+    dout = testing.random_normal(rng, shape_q, dtype)
+    return q, k, v, dout
+
+
+def run_backward(q, k, v, dout, **kw):
+    """Forward (out, lse) then backward into NaN-poisoned buffers, twice; returns host dq, dk, dv
+    of the first run after checking the second is bitwise equal."""
+    qd, kd, vd, dod = (to_device(x) for x in (q, k, v, dout))
+    out, lse = flash_attn_func(qd, kd, vd, return_lse=True, **kw)
+    runs = []
+    for _ in range(2):
+        bufs = [nan_like(x.shape, q.dtype.name) for x in (q, k, v)]
+        dq, dk, dv = flash_attn_backward(dod, qd, kd, vd, out, lse, dq=bufs[0], dk=bufs[1],
+                                         dv=bufs[2], **kw)
+        assert dq is bufs[0] and dk is bufs[1] and dv is bufs[2]
+        runs.append([to_host(x) for x in (dq, dk, dv)])
+    for a, b in zip(*runs):
+        assert a.tobytes() == b.tobytes(), "two runs differ: a race or an atomic"
+    return runs[0]
+
+
+def assert_grads(got, q, k, v, dout, dtype, what="", bound=None, **kw):
+    ref = reference.attention_backward(dout, q, k, v, **kw)
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        g64 = np.asarray(g, dtype=np.float64)
+        assert not np.isnan(g64).any(), f"{what} {name}: NaN (an element not written)"
+        err = testing.rel_error(g64, r)
+        assert err <= (bound or BOUND[dtype]), f"{what} {name}: rel error {err:.3g} > {bound or BOUND[dtype]}"
+
+
+CASES = [  # (b, sq, sk, h, hk, d, causal, window)
+    (2, 100, 100, 4, 4, 64, False, (-1, -1)),
+    (2, 131, 67, 4, 2, 72, True, (-1, -1)),     # queries with no visible key (causal, sq > sk)
+    (1, 67, 250, 6, 2, 128, True, (-1, -1)),
+    (2, 200, 200, 2, 1, 40, False, (30, 10)),   # MQA, sliding window
+    (1, 257, 129, 4, 2, 256, False, (-1, -1)),
+    (1, 150, 150, 3, 3, 200, True, (64, -1)),
+    (1, 33, 33, 2, 2, 16, False, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}_{}_d{}_{}_{}".format(*c))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_backward_matches_reference(dtype, case):
+    b, sq, sk, h, hk, d, causal, window = case
+    rng = np.random.default_rng([b, sq, sk, h, d])
+    q, k, v, dout = inputs(rng, (b, sq, h, d), (b, sk, hk, d), dtype)
+    kw = dict(causal=causal, window_size=window)
+    got = run_backward(q, k, v, dout, **kw)
+    assert_grads(got, q, k, v, dout, dtype, what=f"{dtype} {case}", **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hd", bwd_kernels.fwd.HEADDIMS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_every_backward_kernel(dtype, hd, causal):
+    """Every compiled head dim (its kernels: bwd_kernels.plan_backward), a head dim 8 below it,
+    lengths that are no tile multiple (two and a bit key blocks), GQA."""
+    d = hd - 8
+    plan = bwd_kernels.plan_backward(dtype, d, causal)
+    bn = plan.dkdv[0].block_n
+    sq, sk = plan.dq.block_m + 19, 2 * bn + 7
+    rng = np.random.default_rng([hd, int(causal), len(dtype)])
+    q, k, v, dout = inputs(rng, (2, sq, 4, d), (2, sk, 2, d), dtype)
+    got = run_backward(q, k, v, dout, causal=causal)
+    assert_grads(got, q, k, v, dout, dtype, what=str([kern.name for kern in plan.kernels]),
+                 causal=causal)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_varlen_backward_and_batch_independence(dtype):
+    """Packed sequences (one empty, one with no keys, one with fewer keys than queries) against
+    the per-sequence reference; a sequence's gradients are bitwise the same alone and packed
+    with others (no atomics, fixed reduction order)."""
+    rng = np.random.default_rng(7)
+    lq, lk = [37, 0, 5, 130], [50, 9, 0, 64]
+    h, hk, d = 4, 2, 64
+    cu_q, cu_k = testing.cu_seqlens_from_lengths(lq), testing.cu_seqlens_from_lengths(lk)
+    q, k, v, dout = inputs(rng, (sum(lq), h, d), (sum(lk), hk, d), dtype)
+    kw = dict(causal=True)
+
+    def varlen(q, k, v, dout, cu_q, cu_k, mq, mk):
+        qd, kd, vd, dod = (to_device(x) for x in (q, k, v, dout))
+        cq, ck = to_device(cu_q.astype(np.int32)), to_device(cu_k.astype(np.int32))
+        out, lse = flash_attn_varlen_func(qd, kd, vd, cq, ck, mq, mk, return_lse=True, **kw)
+        bufs = [nan_like(x.shape, dtype) for x in (q, k, v)]
+        g = flash_attn_varlen_backward(dod, qd, kd, vd, out, lse, cq, ck, mq, mk, dq=bufs[0],
+                                       dk=bufs[1], dv=bufs[2], **kw)
+        return [to_host(x) for x in g]
+
+    got = varlen(q, k, v, dout, cu_q, cu_k, max(lq), max(lk))
+    ref = reference.varlen_attention_backward(dout, q, k, v, cu_q, cu_k, **kw)
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert not np.isnan(np.asarray(g, np.float64)).any(), name
+        assert testing.rel_error(np.asarray(g, np.float64), r) <= BOUND[dtype], name
+    # the last sequence alone: bitwise the same gradients
+    sl_q, sl_k = slice(cu_q[3], cu_q[4]), slice(cu_k[3], cu_k[4])
+    alone = varlen(q[sl_q], k[sl_k], v[sl_k], dout[sl_q], np.array([0, lq[3]]),
+                   np.array([0, lk[3]]), lq[3], lk[3])
+    for name, a, g, sl in zip(("dq", "dk", "dv"), alone, got, (sl_q, sl_k, sl_k)):
+        assert a.tobytes() == np.ascontiguousarray(g[sl]).tobytes(), name
+
+
+def test_float64_exact_and_large_magnitudes():
+    """float64 within 1e-12 of the float64 reference, also when the scores reach 1e6."""
+    rng = np.random.default_rng(11)
+    for scale in (1.0, 30.0, 1e3):
+        q, k, v, dout = inputs(rng, (1, 90, 2, 64), (1, 70, 1, 64), "float64", scale=scale)
+        got = run_backward(q, k, v, dout, causal=True)
+        assert_grads(got, q, k, v, dout, "float64", what=f"scale {scale}", causal=True)
+
+
+@settings(deadline=None)
+@given(case=testing.attention_cases(dtypes=("float64", "float32", "bfloat16", "float16"),
+                                    max_seqlen_q=160, max_seqlen_k=160, max_headdim=256,
+                                    min_seqlen=1))
+def test_backward_property(case):
+    """Random shapes, GQA ratios, head dims, masks, scales and dtypes against the reference."""
+    rng = np.random.default_rng(case.seed)
+    dout = testing.random_normal(rng, case.q.shape, case.q.dtype.name)
+    got = run_backward(case.q, case.k, case.v, dout, **case.kwargs())
+    assert_grads(got, case.q, case.k, case.v, dout, case.q.dtype.name, **case.kwargs())
+
+
+def test_torch_autograd_gradcheck_and_compile():
+    """torch callers: out.backward() gives flash_attn_backward's gradients; gradcheck in float64
+    through the library's own kernels; torch.compile(fullgraph=True) traces forward and
+    backward."""
+    torch = pytest.importorskip("torch")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(2, 40, 4, 32, device=dev, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 30, 2, 32, device=dev, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 30, 2, 32, device=dev, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: flash_attn_func(a, b, c, causal=True),
+                                    (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6)
+    qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+    out = flash_attn_func(qb, kb, vb, causal=True)
+    assert out.grad_fn is not None
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    o2, lse = flash_attn_func(qb.detach(), kb.detach(), vb.detach(), causal=True, return_lse=True)
+    ref = flash_attn_backward(dout, qb.detach(), kb.detach(), vb.detach(), o2, lse, causal=True)
+    for a, b in zip((qb.grad, kb.grad, vb.grad), ref):
+        assert torch.equal(a, b)
+    f = torch.compile(lambda a, b, c: flash_attn_func(a, b, c, causal=True).float().square().sum(),
+                      fullgraph=True)
+    qc, kc, vc = (x.detach().clone().requires_grad_() for x in (qb, kb, vb))
+    f(qc, kc, vc).backward()
+    qe, ke, ve = (x.detach().clone().requires_grad_() for x in (qb, kb, vb))
+    flash_attn_func(qe, ke, ve, causal=True).float().square().sum().backward()
+    for a, b in zip((qc.grad, kc.grad, vc.grad), (qe.grad, ke.grad, ve.grad)):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-2)
