@@ -1,4 +1,5 @@
-"""A reduced set of launches for compute-sanitizer (memcheck, racecheck): every kernel family,
+"""A reduced set of launches for compute-sanitizer (memcheck, racecheck): every kernel family
+(prefill, decode, backward),
 tails that are not multiples of the tiles, causal/window, GQA, paged cache with a shuffled table.
 
     compute-sanitizer --tool memcheck python experiments/sanitize_cases.py
@@ -99,6 +100,26 @@ def main():
     qm = rand((3 * 2 * 8 * 128 + 1,), bf16)[1:].reshape(3, 2, 8, 128)
     for ns in (1, 3):
         cf.flash_attn_with_kvcache(qm, kc, vc, cache_seqlens=lens, num_splits=ns)
+    # backward: every kernel family (mma.sync dK/dV in one and in two parts, CUDA cores), tails,
+    # causal with queries that see no key, a window, GQA, varlen with empty sequences
+    for dt in dtypes:
+        for d in ((64, 200) if small else (64, 128, 200)):
+            q, k, v = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt), rand((2, 133, 2, d), dt)
+            for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
+                out, lse = cf.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                              return_lse=True)
+                cf.flash_attn_backward(rand(q.shape, dt), q, k, v, out, lse, causal=causal,
+                                       window_size=window)
+            qs = q[:, :50]  # causal with seqlen_q < seqlen_k, and seqlen_q > seqlen_k
+            for qq, kk in ((qs, k), (rand((2, 150, 4, d), dt), k[:, :30])):
+                out, lse = cf.flash_attn_func(qq, kk, kk, causal=True, return_lse=True)
+                cf.flash_attn_backward(rand(qq.shape, dt), qq, kk, kk, out, lse, causal=True)
+    cu_q = cp.asarray(np.array([0, 5, 5, 70, 71], dtype=np.int32))
+    cu_k = cp.asarray(np.array([0, 9, 40, 40, 130], dtype=np.int32))
+    q, k = rand((71, 4, 64), bf16), rand((130, 2, 64), bf16)
+    out, lse = cf.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 65, 90, causal=True, return_lse=True)
+    cf.flash_attn_varlen_backward(rand(q.shape, bf16), q, k, k, out, lse, cu_q, cu_k, 65, 90,
+                                  causal=True)
     cp.cuda.runtime.deviceSynchronize()
     print("sanitize cases: done")
 
