@@ -18,6 +18,8 @@ Figures (issue 6):
   fig5_decode            decode bandwidth vs num_splits, cache length and batch
   fig6_numerics          online vs one-shot error; overflow without the running max
   fig7_tiles             prefill tile-size sweep
+  backward               backward TFLOP/s vs S (bench_backward): cupyflash (deterministic
+                         dashed) beside cuDNN, FA2 and FlexAttention; a panel per head dim and mask
 """
 from __future__ import annotations
 
@@ -36,9 +38,12 @@ IMPL_STYLE = {
     "cupyflash_wgmma": dict(color="C9", marker="o", linestyle="--", mfc="none",
                             label="cupyflash, wgmma kernel (before TMA)"),
     "cupyflash_unsplit": dict(color="C9", marker="v", label="cupyflash, num_splits=1"),
+    "cupyflash_kernel": dict(color="C9", marker="o", mfc="none",
+                             label="cupyflash flash_attn_backward (no autograd)"),
     "torch_flash": dict(color="C1", marker="s", label="torch SDPA flash (FA2)"),
     "torch_cudnn": dict(color="C2", marker="^", label="torch SDPA cuDNN"),
     "torch_efficient": dict(color="C4", marker="D", label="torch SDPA efficient"),
+    "flex": dict(color="C5", marker="v", label="FlexAttention (torch.compile)"),
     "baseline": dict(color="C3", marker="x", label="materialising baseline"),
 }
 
@@ -505,8 +510,51 @@ def fig7_tiles(results: Path, figures: Path) -> list:
     return [_save(fig, figures / "fig7_tiles.png", recs)]
 
 
+# ------------------------------------------------------------------------------------------------
+def backward(results: Path, figures: Path, dtype: str = "bfloat16") -> list:
+    """Backward TFLOP/s (2.5 x the forward's FLOPs over ``ms_bwd``) vs S from
+    bench_backward.jsonl: a panel per (head dim, causal), a line per impl, cupyflash's
+    deterministic backward dashed."""
+    recs = load(results, "bench_backward", "backward", need=("tflops_bwd", "seqlen", "headdim"))
+    recs = [r for r in recs if r.get("dtype") == dtype]
+    if not recs:
+        raise SkipFigure(f"bench_backward: no {dtype} records")
+    recs = latest(recs, lambda r: (r["impl"], bool(r.get("deterministic")), r["headdim"],
+                                   r["seqlen"], bool(r.get("causal"))))
+    hds = sorted({r["headdim"] for r in recs})
+    plt = _plt()
+    fig, axes = plt.subplots(len(hds), 2, figsize=(11, 3.6 * len(hds)), squeeze=False)
+    for i, hd in enumerate(hds):
+        for j, causal in enumerate((False, True)):
+            ax = axes[i][j]
+            sub = [r for r in recs if r["headdim"] == hd and bool(r.get("causal")) == causal]
+            lines = sorted({(r["impl"], bool(r.get("deterministic"))) for r in sub},
+                           key=lambda x: (_impl_order(x[0]), x[1]))
+            for impl, det in lines:
+                pts = sorted((r["seqlen"], r["tflops_bwd"]) for r in sub
+                             if r["impl"] == impl and bool(r.get("deterministic")) == det)
+                st = _style(impl)
+                if det:
+                    st.update(linestyle="--", label=f"{st['label']}, deterministic")
+                ax.plot(*zip(*pts), **st)
+            if sub:
+                _log2_xticks(ax, [r["seqlen"] for r in sub])
+            b = sub[0] if sub else {}
+            ax.set_title(f"{dtype}, hd{hd}, {'causal' if causal else 'not causal'}"
+                         + (f" (H={b.get('nheads')}, B=16k/S)" if b else ""), fontsize=10)
+            ax.set_xlabel("sequence length S")
+            ax.set_ylabel("backward TFLOP/s (2.5 x forward FLOPs)")
+            ax.set_ylim(bottom=0)
+            ax.grid(True, which="both", alpha=0.3)
+            if lines:
+                ax.legend(fontsize=7)
+    fig.suptitle("Backward pass: (forward + backward) - forward, 16k tokens per batch, hidden 2048",
+                 fontsize=11)
+    return [_save(fig, figures / "backward.png", recs)]
+
+
 FIGURES = {f.__name__: f for f in (fig1_prefill_runtime, fig2_memory, fig3_hbm_bytes, fig4_roofline,
-                                   fig5_decode, fig6_numerics, fig7_tiles)}
+                                   fig5_decode, fig6_numerics, fig7_tiles, backward)}
 
 
 def main(argv=None) -> int:

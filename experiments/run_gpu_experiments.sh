@@ -21,6 +21,13 @@
 #   bench_power         bench_power.py: each impl back to back for 2 s while nvidia-smi samples
 #                       the SM clock, power and throttle reasons (quick: hd128 S 16k; full:
 #                       hd 64/128/256, S 4k and 16k, causal and not, three rounds; ~250 s)
+#   bench_backward      bench_backward.py: forward + backward of cupyflash (autograd and
+#                       flash_attn_backward alone, deterministic or not) beside torch SDPA cuDNN,
+#                       FA2 and FlexAttention (torch.compile), bf16, hd 64/128/256, causal and not;
+#                       quick: S 1k/4k (~5 min, mostly Flex compiles), full: S 512 .. 32k, which
+#                       needs ~15-20 min: give each head dim its own device call instead:
+#   bench_backward_hd64, bench_backward_hd128, bench_backward_hd256
+#                       the same for one head dim (quick: ~2 min; full: ~5-7 min each)
 #   experiments/run_gpu_experiments.sh quick bench_prefill_fa3 ncu_prefill   # limits 200 + 120 s
 #   experiments/run_gpu_experiments.sh full ncu_prefill                      # limit 235 s
 #
@@ -50,12 +57,20 @@ STAMP=$(mktemp); touch "$STAMP"
 # script and its time limit (seconds) in quick / full mode; quick limits add up to 8.5 minutes
 declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [exp_memory]=50
                   [bench_tiles]=80 [exp_hbm]=100 [bench_overhead]=90
-                  [bench_prefill_fa3]=200 [ncu_prefill]=120 [bench_power]=60)
+                  [bench_prefill_fa3]=200 [ncu_prefill]=120 [bench_power]=60
+                  [bench_backward]=540 [bench_backward_hd64]=240 [bench_backward_hd128]=240
+                  [bench_backward_hd256]=240)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
                  [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90
-                 [bench_prefill_fa3]=240 [ncu_prefill]=235 [bench_power]=400)
+                 [bench_prefill_fa3]=240 [ncu_prefill]=235 [bench_power]=400
+                 [bench_backward]=570 [bench_backward_hd64]=570 [bench_backward_hd128]=570
+                 [bench_backward_hd256]=570)
 # entries that run another script with arguments of their own (after $FLAG)
-declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill)
+declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill [bench_backward_hd64]=bench_backward
+                   [bench_backward_hd128]=bench_backward [bench_backward_hd256]=bench_backward)
+# arguments in both modes, and in full mode only
+declare -A ARGS=([bench_backward_hd64]="--headdims 64" [bench_backward_hd128]="--headdims 128"
+                 [bench_backward_hd256]="--headdims 256")
 declare -A ARGS_FULL=([bench_prefill_fa3]="--dtypes bfloat16 --rounds 3")
 ORDER=(bench_ceilings bench_prefill bench_decode exp_memory bench_tiles exp_hbm bench_overhead)
 [ $# -gt 0 ] && ORDER=("$@")
@@ -78,7 +93,7 @@ T0=$(date +%s)
 for s in "${ORDER[@]}"; do
   if [ "$MODE" = quick ]; then LIMIT=${QUICK[$s]:-120}; else LIMIT=${FULL[$s]:-540}; fi
   t=$(date +%s)
-  EXTRA=""; [ "$MODE" = full ] && EXTRA=${ARGS_FULL[$s]:-}
+  EXTRA=${ARGS[$s]:-}; [ "$MODE" = full ] && EXTRA="$EXTRA ${ARGS_FULL[$s]:-}"
   echo "=== $s: ${SCRIPT[$s]:-$s}.py $FLAG $EXTRA (timeout ${LIMIT}s)" | tee -a "$SUMMARY"
   # shellcheck disable=SC2086
   timeout --kill-after=15 "$LIMIT" "$PY" "experiments/${SCRIPT[$s]:-$s}.py" $FLAG $EXTRA > "$LOGS/$s.log" 2>&1

@@ -460,3 +460,258 @@ def test_bench_tiles_extra_tiles_stay_out_of_the_table():
         with bench_tiles.launchable([prefill.SUPPORTED[0]]):
             pass
     assert bench_tiles.extra_rows("float32") == [] and bench_tiles.extra_specs("float64") == []
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_backward: the sweep, the FLOP count, the records, one shape end to end on the CPU (a
+# stand-in cupyflash, timings faked), and its figure
+# ----------------------------------------------------------------------------------------------
+def test_bench_backward_arguments_and_shapes():
+    import bench_backward as bb
+    a = bb.parse_args(["--quick"])
+    assert a.dtypes == ["bfloat16"] and a.seqlens == [1024, 4096] and a.n_repeat == 10
+    assert a.headdims == [64, 128, 256] and a.causals == [False, True]
+    assert a.deterministics == [False, True] and a.impls == list(bb.IMPLS) and a.rounds == 1
+    assert a.out.name == "bench_backward.jsonl" and not a.flex_dynamic
+    a = bb.parse_args(["--fp16", "--deterministic", "true", "--causal", "false"])
+    assert a.dtypes == ["bfloat16", "float16"] and a.n_repeat == 20
+    assert a.seqlens == [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert a.deterministics == [True] and a.causals == [False]
+    assert bb.parse_args(["--dtypes", "float16", "--fp16"]).dtypes == ["float16"]
+    shapes = bb.shape_list(bb.parse_args([]))
+    assert len(shapes) == 3 * 7 * 2
+    for s in shapes:  # 16k tokens per batch, hidden 2048
+        assert s["batch"] == max(1, 16384 // s["seqlen"]) and s["nheads"] * s["headdim"] == 2048
+    assert shapes[0] == {"dtype": "bfloat16", "headdim": 64, "batch": 32, "nheads": 32,
+                         "seqlen": 512, "causal": False}
+    assert shapes[-1] == {"dtype": "bfloat16", "headdim": 256, "batch": 1, "nheads": 8,
+                          "seqlen": 32768, "causal": True}
+    assert bb.configs(["cupyflash", "torch_cudnn", "cupyflash_kernel"], [False, True]) == [
+        ("cupyflash", False), ("cupyflash", True), ("torch_cudnn", False),
+        ("cupyflash_kernel", False), ("cupyflash_kernel", True)]
+    for bad in (["--rounds", "0"], ["--headdims", "96"], ["--impls", "fa3"], ["--dtypes", "float32"]):
+        with pytest.raises(SystemExit):
+            bb.parse_args(bad)
+
+
+def test_bench_backward_flops():
+    import bench_backward as bb
+    assert bb.fwd_flops(2, 16, 4096, 128, False) == 4 * 2 * 16 * 4096 ** 2 * 128
+    assert bb.fwd_flops(2, 16, 4096, 128, True) == 2 * 2 * 16 * 4096 ** 2 * 128
+    assert bb.bwd_flops(2, 16, 4096, 128, True) == 2.5 * bb.fwd_flops(2, 16, 4096, 128, True)
+    # at 16k tokens per batch the work grows as S: twice the length, half the batch, twice the FLOPs
+    assert bb.fwd_flops(8, 16, 2048, 128, False) * 2 == bb.fwd_flops(4, 16, 4096, 128, False)
+    assert bb.ref_heads(32, 1024, 8.0) == 32 and bb.ref_heads(16, 32768, 8.0) == 1
+    assert bb.ref_heads(16, 8192, 8.0) == 5  # 6 float32 S x S matrices per head in 8 GiB
+
+
+def _timing(ms):
+    return {"ms": ms, "ms_min": 0.9 * ms, "ms_p20": 0.95 * ms, "ms_p80": 1.05 * ms, "n_repeat": 20,
+            "host_ms": 0.2}
+
+
+def test_bench_backward_records_and_ratios():
+    import bench_backward as bb
+    shape = {"dtype": "bfloat16", "headdim": 128, "batch": 4, "nheads": 16, "seqlen": 4096,
+             "causal": True}
+    recs = []
+    for impl, det, fwd, fb, bwd in (("cupyflash", False, 1.0, 4.0, None),
+                                    ("cupyflash", True, 1.0, 5.0, None),
+                                    ("cupyflash_kernel", False, 0.9, 3.8, 2.7),
+                                    ("torch_cudnn", False, 0.8, 3.8, None),
+                                    ("torch_flash", False, 1.2, 7.2, None)):
+        r = bb.base_record(shape, impl, det)
+        r.update(bb.timed_fields(r, _timing(fwd), _timing(fb), bwd and _timing(bwd)))
+        recs.append(r)
+    recs.append(dict(bb.base_record(shape, "flex", False), error="RuntimeError: no"))
+    bb.add_ratios(recs)
+    cf, det, kern, cudnn, fa2, flex = recs
+    for r in recs:
+        assert {"impl", "dtype", "headdim", "batch", "seqlen", "nheads", "causal",
+                "deterministic"} <= set(r) and r["what"] == "backward"
+    for r in recs[:5]:
+        assert {"ms_fwd", "ms_fwd_bwd", "ms_bwd", "tflops_bwd"} <= set(r)
+    assert cf["flops_fwd"] == 2 * 4 * 16 * 4096 ** 2 * 128 and cf["flops_bwd"] == 2.5 * cf["flops_fwd"]
+    assert cf["ms_bwd"] == pytest.approx(3.0) and cf["bwd_timing"] == "difference"
+    assert cf["tflops_bwd"] == pytest.approx(cf["flops_bwd"] / 3e-3 / 1e12)
+    assert cf["tflops_fwd_bwd"] == pytest.approx(3.5 * cf["flops_fwd"] / 4e-3 / 1e12)
+    assert cf["ms_fwd_bwd_p80"] == pytest.approx(4.2) and cf["n_repeat"] == 20
+    assert kern["ms_bwd"] == 2.7 and kern["bwd_timing"] == "direct"
+    assert kern["ms_bwd_diff"] == pytest.approx(2.9) and kern["ms_bwd_min"] == pytest.approx(2.43)
+    # ratio = peer ms_bwd / cupyflash ms_bwd: cuDNN's backward 3.0 ms, FA2's 6.0 ms
+    assert cf["ratio_vs_torch_cudnn"] == pytest.approx(1.0)
+    assert cf["ratio_vs_torch_flash"] == pytest.approx(2.0)
+    assert det["ratio_vs_torch_flash"] == pytest.approx(1.5) and det["deterministic"] is True
+    assert cf["ratio_fwd_bwd_vs_torch_flash"] == pytest.approx(1.8)
+    assert kern["ratio_vs_torch_cudnn"] == pytest.approx(3.0 / 2.7)
+    assert not any(k.startswith("ratio") for r in (cudnn, fa2, flex) for k in r)
+    assert "ratio_vs_flex" not in cf  # flex failed on this shape
+    line = bb.summary_line(shape, recs)
+    assert "cupyflash[det]=" in line and "cupyflash/torch_flash=x2.00" in line
+    json.loads(json.dumps(recs, default=common.jsonable))
+
+
+class _FakeCupyflash:
+    """cupyflash's backward contract, computed by torch on the CPU (float32 inside)."""
+    calls = []
+
+    @staticmethod
+    def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        deterministic=False, return_lse=False):
+        import math
+        import torch
+        _FakeCupyflash.calls.append(("fwd", deterministic, return_lse))
+        qt, kt, vt = (x.transpose(1, 2).float() for x in (q, k, v))
+        s = qt @ kt.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if causal:
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out = (torch.softmax(s, -1) @ vt).to(q.dtype).transpose(1, 2)
+        return (out, torch.logsumexp(s, -1)) if return_lse else out
+
+    @staticmethod
+    def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), deterministic=False):
+        import torch
+        _FakeCupyflash.calls.append(("bwd", deterministic))
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        o = _FakeCupyflash.flash_attn_func(*leaves, causal=causal)
+        return torch.autograd.grad(o, leaves, dout)
+
+
+def test_bench_backward_one_shape_end_to_end_on_the_cpu(monkeypatch):
+    """run_shape on CPU tensors: every configuration set up, timed in interleaved rounds
+    (common.benchmark faked), checked against the float32 math reference; a backend that
+    cannot run (cuDNN on the CPU) is an error record and the others go on."""
+    import bench_backward as bb
+    monkeypatch.setattr(bb, "_cupyflash", lambda: _FakeCupyflash)
+    _FakeCupyflash.calls = []
+    timed = []
+
+    def fake_benchmark(fn, **kw):
+        timed.append(fn)
+        fn()
+        return _timing(2.0 if fn.__name__ == "fwd_bwd" else 0.5)
+    monkeypatch.setattr(common, "benchmark", fake_benchmark)
+    args = bb.parse_args(["--quick", "--rounds", "2", "--impls", "cupyflash", "cupyflash_kernel",
+                          "torch_cudnn", "torch_flash"])
+    shape = {"dtype": "bfloat16", "headdim": 32, "batch": 2, "nheads": 3, "seqlen": 96,
+             "causal": True}
+    recs = bb.run_shape(shape, args, args.impls, device="cpu")
+    assert [(r["impl"], r["deterministic"]) for r in recs] == [
+        ("cupyflash", False), ("cupyflash", True), ("cupyflash_kernel", False),
+        ("cupyflash_kernel", True), ("torch_cudnn", False), ("torch_flash", False)]
+    cudnn = recs[4]
+    assert cudnn["error"].startswith("RuntimeError: torch_cudnn: bshd_view:")
+    assert "bhsd_contiguous" in cudnn["error"] and "ms_bwd" not in cudnn
+    # 2 rounds x (3 autograd configs x 2 phases + 2 kernel configs x 3 phases)
+    assert len(timed) == 2 * (3 * 2 + 2 * 3)
+    for r in recs[:4] + recs[5:]:
+        assert r["ms_fwd"] == 0.5 and r["ms_fwd_bwd"] == 2.0 and r["ms_fwd_rounds"] == [0.5, 0.5]
+        assert r["ref"] == "torch_math_float32" and r["ref_heads"] == 3
+        for g in ("out", "dq", "dk", "dv"):
+            assert 0 < r[f"rel_err_{g}"] < 2e-2, (r["impl"], g, r[f"rel_err_{g}"])
+        assert r["first_call_s"] >= 0 and r["inputs_bytes"] == 4 * 2 * 96 * 3 * 32 * 2
+    assert recs[0]["ms_bwd"] == 1.5 and recs[2]["ms_bwd"] == 0.5
+    assert recs[0]["ratio_vs_torch_flash"] == 1.0 and "ratio_vs_torch_cudnn" not in recs[0]
+    assert recs[5]["torch_layout"] == "bshd_view"
+    assert all(recs[i]["bitwise_repeatable"] is True for i in range(4))
+    # cupyflash called as the contract says: deterministic reaches the backward
+    assert ("fwd", True, False) in _FakeCupyflash.calls and ("bwd", True) in _FakeCupyflash.calls
+    json.loads(json.dumps(recs, default=common.jsonable))
+
+
+def test_bench_backward_skips_a_cupyflash_without_backward(monkeypatch):
+    import types
+
+    import bench_backward as bb
+    monkeypatch.setattr(bb, "_cupyflash", lambda: types.SimpleNamespace(flash_attn_func=None))
+    ok, why = bb.impl_available("cupyflash_kernel")
+    assert not ok and "no backward pass" in why
+    monkeypatch.setattr(bb, "_cupyflash", lambda: _FakeCupyflash)
+    assert bb.impl_available("cupyflash") == (True, "")
+    assert bb.impl_available("flex")[0] is False  # no CUDA here: torch sees no device
+
+
+def test_bench_backward_no_gpu_exits_zero(tmp_path):
+    out = tmp_path / "b.jsonl"
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_backward.py"), "--quick",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU" in r.stdout and not out.exists()
+
+
+def test_run_gpu_experiments_names_bench_backward_per_head_dim():
+    """The runner's named-only entries: bench_backward and one per head dim, each with a time
+    limit in both modes, its arguments accepted by the script."""
+    import bench_backward as bb
+    sh = ROOT / "experiments" / "run_gpu_experiments.sh"
+    script = ("eval \"$(sed -n '/^declare -A QUICK/,/^ORDER=/p' " + str(sh) + " | grep -v '^ORDER')\"; "
+              "for s in bench_backward bench_backward_hd64 bench_backward_hd128 bench_backward_hd256; do "
+              "echo \"$s|${SCRIPT[$s]:-$s}|${ARGS[$s]:-}|${QUICK[$s]:-}|${FULL[$s]:-}\"; done")
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in r.stdout.splitlines()]
+    assert [row[0] for row in rows] == ["bench_backward", "bench_backward_hd64",
+                                        "bench_backward_hd128", "bench_backward_hd256"]
+    for name, target, extra, quick, full in rows:
+        assert target == "bench_backward" and (ROOT / "experiments" / f"{target}.py").is_file()
+        assert 0 < int(quick) <= 590 and 0 < int(full) <= 590
+        a = bb.parse_args(extra.split())
+        assert a.headdims == ([int(name[len("bench_backward_hd"):])] if "_hd" in name
+                              else [64, 128, 256])
+
+
+def _backward_results(d: Path) -> None:
+    import bench_backward as bb
+    recs = []
+    for hd in (64, 128):
+        for S in (1024, 4096, 16384):
+            for causal in (False, True):
+                shape = {"dtype": "bfloat16", "headdim": hd, "batch": max(1, 16384 // S),
+                         "nheads": 2048 // hd, "seqlen": S, "causal": causal}
+                for impl, det, tf in (("cupyflash", False, 300), ("cupyflash", True, 250),
+                                      ("cupyflash_kernel", False, 310), ("torch_cudnn", False, 400),
+                                      ("torch_flash", False, 330), ("flex", False, 280)):
+                    r = bb.base_record(shape, impl, det)
+                    ms_bwd = r["flops_bwd"] / (tf * 1e12) * 1e3
+                    r.update(bb.timed_fields(r, _timing(ms_bwd / 2), _timing(1.5 * ms_bwd)))
+                    recs.append(dict(r, gpu="NVIDIA H200", commit="0123456789abcdef"))
+    recs.append(dict(bb.base_record(shape, "flex", False), error="RuntimeError: hd256"))
+    recs.append({"what": "skipped", "impl": "flex", "reason": "no triton"})
+    common.append_jsonl(d / "bench_backward.jsonl", recs)
+
+
+def test_plot_backward_from_synthetic_results(tmp_path, monkeypatch):
+    import plot
+    res, figs = tmp_path / "results", tmp_path / "figures"
+    res.mkdir()
+    figs.mkdir()
+    with pytest.raises(plot.SkipFigure, match="bench_backward.jsonl missing"):
+        plot.backward(res, figs)
+    assert plot.main(["--results", str(res), "--figures", str(figs), "--only", "backward"]) == 0
+    assert not (figs / "backward.png").exists()
+    _backward_results(res)
+    seen = {}
+    orig = plot._save
+
+    def spy(fig, path, recs=None):
+        seen[path.name] = [(ax.get_title(), [(ln.get_label(), ln.get_linestyle()) for ln in ax.get_lines()])
+                           for ax in fig.axes]
+        return orig(fig, path, recs)
+    monkeypatch.setattr(plot, "_save", spy)
+    assert plot.main(["--results", str(res), "--figures", str(figs), "--only", "backward"]) == 0
+    p = figs / "backward.png"
+    assert p.is_file() and p.stat().st_size > 5000 and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = seen["backward.png"]
+    assert [t.split(",")[1:3] for t, _ in axes] == [[" hd64", " not causal (H=32"], [" hd64", " causal (H=32"],
+                                                    [" hd128", " not causal (H=16"], [" hd128", " causal (H=16"]]
+    for _, lines in axes:
+        labels = dict(lines)
+        assert list(labels)[:3] == ["cupyflash", "cupyflash, deterministic",
+                                    plot.IMPL_STYLE["cupyflash_kernel"]["label"]]
+        assert labels["cupyflash"] == "-" and labels["cupyflash, deterministic"] == "--"
+        assert {plot.IMPL_STYLE[i]["label"] for i in ("torch_cudnn", "torch_flash", "flex")} <= set(labels)
+    with pytest.raises(plot.SkipFigure, match="no float16 records"):
+        plot.backward(res, figs, dtype="float16")
