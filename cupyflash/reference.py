@@ -9,6 +9,12 @@
 * :func:`varlen_attention_reference`: packed variable-length batches (``cu_seqlens``).
 * :func:`kvcache_attention_reference`: decode against a contiguous or paged KV cache, with
   optional new tokens appended at ``cache_seqlens``.
+* :func:`attention_backward`: the gradients ``(dq, dk, dv)`` of attention, one-shot in float64
+  (materialises the probabilities).
+* :func:`streaming_attention_backward`: the same gradients by FlashAttention-2's backward
+  algorithm (blocks of queries and keys, probabilities recomputed from the forward's LSE), as the
+  kernels compute it, in float64 or float32.
+* :func:`varlen_attention_backward`: the gradients over a packed variable-length batch.
 
 The online-softmax update exists in exactly one function, :func:`online_softmax_update`;
 streaming attention, split-KV partials and the merge all call it. The masking rule exists in
@@ -33,7 +39,8 @@ __all__ = [
     "visible", "attention_mask", "attention_reference", "online_softmax_update",
     "online_softmax_finalize", "online_softmax_attention", "split_boundaries",
     "split_kv_partials", "merge_states", "varlen_attention_reference", "KVCacheResult",
-    "kvcache_attention_reference",
+    "kvcache_attention_reference", "attention_backward", "streaming_attention_backward",
+    "varlen_attention_backward",
 ]
 
 _NEG_INF = -np.inf
@@ -193,16 +200,23 @@ def _compute_dtype(dtype, like):
     return dt
 
 
-def _one_shot(qh, kh, vh, vis, scale):
-    """Float64 softmax(scale * s) v with the whole raw score matrix s = q k^T; vis broadcasts to
-    (b, h, sq, sk). The max is taken on the raw scores and subtracted before the scale (as the
-    kernels do), so the result is exact at any finite magnitude of the scores."""
+def _exp_scores(qh, kh, vis, scale):
+    """Float64 ``p = exp((s - m) * scale)`` of the raw scores ``s = q k^T`` (-inf where ``vis`` is
+    False), the row max ``m`` of the raw scores (0 for a row with nothing visible, whose ``p`` is
+    all 0) and ``l = rowsum(p)``: the unnormalised softmax, exact at any finite magnitude."""
     s = qh @ kh.swapaxes(-1, -2)
     s = np.where(vis, s, _NEG_INF)
     m = s.max(axis=-1) if s.shape[-1] else np.full(s.shape[:-1], _NEG_INF)
     m_ref = np.where(m == _NEG_INF, 0.0, m)
     p = np.exp((s - m_ref[..., None]) * scale)
-    l = p.sum(axis=-1)
+    return p, m_ref, p.sum(axis=-1)
+
+
+def _one_shot(qh, kh, vh, vis, scale):
+    """Float64 softmax(scale * s) v with the whole raw score matrix s = q k^T; vis broadcasts to
+    (b, h, sq, sk). The max is taken on the raw scores and subtracted before the scale (as the
+    kernels do), so the result is exact at any finite magnitude of the scores."""
+    p, m_ref, l = _exp_scores(qh, kh, vis, scale)
     empty = l == 0
     safe_l = np.where(empty, 1.0, l)
     out = np.where(empty[..., None], 0.0, (p @ vh) / safe_l[..., None])
@@ -229,12 +243,12 @@ def _stream(qh, kh, vh, vis, scale, block_size_k, dtype, key_start=0, key_stop=N
     return m, l, acc
 
 
-def _check_block_size(block_size_k):
-    if not checks._is_int(block_size_k):
-        raise TypeError(f"block_size_k: expected an int >= 1, got {block_size_k!r}")
-    if block_size_k < 1:
-        raise ValueError(f"block_size_k: expected an int >= 1, got {block_size_k}")
-    return int(block_size_k)
+def _check_block_size(block_size, name="block_size_k"):
+    if not checks._is_int(block_size):
+        raise TypeError(f"{name}: expected an int >= 1, got {block_size!r}")
+    if block_size < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {block_size}")
+    return int(block_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,6 +467,33 @@ def merge_states(o_parts, lse_parts, *, dtype=np.float64):
 # ----------------------------------------------------------------------------------------------
 # Variable length
 # ----------------------------------------------------------------------------------------------
+def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size):
+    """Validated host ``q, k, v``, the :class:`~cupyflash.core.checks.AttnProblem` and the
+    block-diagonal (total_q, total_k) mask of a packed batch (see
+    :func:`varlen_attention_reference`)."""
+    q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    cq_arr = checks.host_array(cu_seqlens_q, "cu_seqlens_q")
+    ck_arr = checks.host_array(cu_seqlens_k, "cu_seqlens_k")
+    if max_seqlen_q is None and cq_arr.ndim == 1 and cq_arr.size >= 1:
+        max_seqlen_q = int(np.diff(cq_arr.astype(np.int64)).max(initial=0))
+    if max_seqlen_k is None and ck_arr.ndim == 1 and ck_arr.size >= 1:
+        max_seqlen_k = int(np.diff(ck_arr.astype(np.int64)).max(initial=0))
+    p = checks.check_varlen(q, k, v, cq_arr, ck_arr, max_seqlen_q, max_seqlen_k,
+                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            validate=True)
+    cq, ck = cq_arr.astype(np.int64), ck_arr.astype(np.int64)
+    len_q, len_k = np.diff(cq), np.diff(ck)
+    seg_q = np.repeat(np.arange(p.batch), len_q)           # sequence of each packed row
+    seg_k = np.repeat(np.arange(p.batch), len_k)
+    pos_q = np.arange(p.total_q) - cq[seg_q]               # position within its sequence
+    pos_k = np.arange(p.total_k) - ck[seg_k]
+    vis = (seg_q[:, None] == seg_k[None, :]) & visible(
+        pos_q[:, None], pos_k[None, :], len_q[seg_q][:, None], len_k[seg_q][:, None],
+        p.window_size)
+    return q, k, v, p, vis
+
+
 def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                                max_seqlen_k=None, *, softmax_scale=None, causal=False,
                                window_size=(-1, -1)):
@@ -485,25 +526,8 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     TypeError, ValueError
         From :func:`cupyflash.core.checks.check_varlen` (``validate=True``).
     """
-    q, k, v = (checks.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    cq_arr = checks.host_array(cu_seqlens_q, "cu_seqlens_q")
-    ck_arr = checks.host_array(cu_seqlens_k, "cu_seqlens_k")
-    if max_seqlen_q is None and cq_arr.ndim == 1 and cq_arr.size >= 1:
-        max_seqlen_q = int(np.diff(cq_arr.astype(np.int64)).max(initial=0))
-    if max_seqlen_k is None and ck_arr.ndim == 1 and ck_arr.size >= 1:
-        max_seqlen_k = int(np.diff(ck_arr.astype(np.int64)).max(initial=0))
-    p = checks.check_varlen(q, k, v, cq_arr, ck_arr, max_seqlen_q, max_seqlen_k,
-                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                            validate=True)
-    cq, ck = cq_arr.astype(np.int64), ck_arr.astype(np.int64)
-    len_q, len_k = np.diff(cq), np.diff(ck)
-    seg_q = np.repeat(np.arange(p.batch), len_q)           # sequence of each packed row
-    seg_k = np.repeat(np.arange(p.batch), len_k)
-    pos_q = np.arange(p.total_q) - cq[seg_q]               # position within its sequence
-    pos_k = np.arange(p.total_k) - ck[seg_k]
-    vis = (seg_q[:, None] == seg_k[None, :]) & visible(
-        pos_q[:, None], pos_k[None, :], len_q[seg_q][:, None], len_k[seg_q][:, None],
-        p.window_size)
+    q, k, v, p, vis = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, softmax_scale, causal, window_size)
     f = np.float64
     out, lse = _one_shot(_heads_first(q[None].astype(f), p.nheads),
                          _heads_first(k[None].astype(f), p.nheads),
@@ -606,3 +630,228 @@ def kvcache_attention_reference(q, k_cache, v_cache, k=None, v=None, cache_seqle
         out[b] = o[0].transpose(1, 0, 2)
         lse[b] = s[0]
     return KVCacheResult(out, lse, k_cache, v_cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: gradients of attention
+# ----------------------------------------------------------------------------------------------
+def _check_dout(dout, q_shape, dt):
+    shape = checks._shape(dout, "dout")
+    if shape != q_shape:
+        raise ValueError(f"dout: expected shape {q_shape} (same as q), got {shape}")
+    checks._check_same_dtype(dout, "dout", dt, "q")
+
+
+def _check_lse(lse, want, layout):
+    shape = checks._shape(lse, "lse")
+    if shape != want:
+        raise ValueError(f"lse: expected shape {want} ({layout}), got {shape}")
+    checks._check_dtype(lse, "lse", ("float32", "float64"))
+
+
+def _sum_groups(xh, nheads_k):
+    """(batch, nheads, seqlen, d) per query head -> (batch, seqlen, nheads_k, d): the gradient of
+    KV head g is the sum over the query heads that read it (``h // (nheads // nheads_k) == g``,
+    consecutive heads, as :func:`_heads_first` repeats them)."""
+    b, h, s, d = xh.shape
+    return xh.reshape(b, nheads_k, h // nheads_k, s, d).sum(axis=2).transpose(0, 2, 1, 3)
+
+
+def _backward_one_shot(doh, qh, kh, vh, vis, scale):
+    """Float64 gradients per query head (heads first, KV heads repeated), with the whole
+    probability matrix P = softmax(scale * q k^T) over the visible keys (from
+    :func:`_exp_scores`, so exact at any finite magnitude). Rows with nothing visible have P = 0
+    and so contribute nothing."""
+    p, _, l = _exp_scores(qh, kh, vis, scale)
+    prob = p / np.where(l == 0, 1.0, l)[..., None]        # P (0 on empty rows)
+    dv = prob.swapaxes(-1, -2) @ doh                      # dV = P^T dO
+    dp = doh @ vh.swapaxes(-1, -2)                        # dP = dO V^T
+    delta = (prob * dp).sum(axis=-1, keepdims=True)       # D = rowsum(P * dP) = rowsum(dO * O)
+    ds = prob * (dp - delta)                              # dS = P * (dP - D)
+    dq = scale * (ds @ kh)                                # dQ = scale dS K
+    dk = scale * (ds.swapaxes(-1, -2) @ qh)               # dK = scale dS^T Q
+    return dq, dk, dv
+
+
+def _stream_backward(doh, qh, kh, vh, oh, lse, vis, scale, block_size_m, block_size_k, dt):
+    """FlashAttention-2's backward over blocks in ``dt`` (heads first, KV heads repeated): the
+    gradients per query head. ``vis`` is the full (seqlen_q, seqlen_k) mask."""
+    sq, sk = qh.shape[2], kh.shape[2]
+    scale_ = dt.type(scale)
+    delta = (doh * oh).sum(axis=-1).astype(dt)            # pre-pass: D_i = rowsum(dO_i * O_i)
+    has_lse = np.isfinite(lse)                            # -inf: the row sees nothing
+    lse = np.where(has_lse, lse, 0).astype(dt)
+    dq = np.zeros_like(qh)
+    dk = np.zeros_like(kh)
+    dv = np.zeros_like(vh)
+    for j0 in range(0, sk, block_size_k):                 # key blocks (one CTA each, on a GPU)
+        j1 = min(j0 + block_size_k, sk)
+        k_j, v_j = kh[:, :, j0:j1], vh[:, :, j0:j1]
+        dk_j = np.zeros_like(k_j)
+        dv_j = np.zeros_like(v_j)
+        for i0 in range(0, sq, block_size_m):             # query blocks
+            i1 = min(i0 + block_size_m, sq)
+            vis_ij = vis[i0:i1, j0:j1]
+            if not vis_ij.any():                          # fully masked block pair: skipped
+                continue
+            q_i, do_i = qh[:, :, i0:i1], doh[:, :, i0:i1]
+            ok = vis_ij & has_lse[:, :, i0:i1, None]
+            s = (q_i @ k_j.swapaxes(-1, -2)).astype(dt)                    # S = Q_i K_j^T
+            arg = np.where(ok, scale_ * s - lse[:, :, i0:i1, None], _NEG_INF).astype(dt)
+            p = np.exp(arg)                                                # P = exp(scale S - L)
+            dv_j += (p.swapaxes(-1, -2) @ do_i).astype(dt)                 # dV_j += P^T dO_i
+            dp = (do_i @ v_j.swapaxes(-1, -2)).astype(dt)                  # dP = dO_i V_j^T
+            ds = (p * (dp - delta[:, :, i0:i1, None])).astype(dt)          # dS = P (dP - D_i)
+            dk_j += (scale_ * (ds.swapaxes(-1, -2) @ q_i)).astype(dt)      # dK_j += s dS^T Q_i
+            dq[:, :, i0:i1] += (scale_ * (ds @ k_j)).astype(dt)            # dQ_i += s dS K_j
+        dk[:, :, j0:j1] = dk_j
+        dv[:, :, j0:j1] = dv_j
+    return dq, dk, dv
+
+
+def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """Exact gradients of attention, one-shot in float64 (the oracle for backward kernels).
+
+    With ``P = softmax(softmax_scale * q k^T + mask)`` materialised and ``out = P v``, the
+    gradients of a loss with ``dL/dout = dout`` are (FlashAttention-2, arXiv 2307.08691,
+    Sec. 3.2 / Algorithm 2; the softmax Jacobian of FlashAttention, arXiv 2205.14135, App. B.2):
+    ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(P * dP)`` (= ``rowsum(dO * out)``),
+    ``dS = P * (dP - D)``, ``dQ = softmax_scale dS K``, ``dK = softmax_scale dS^T Q``.
+
+    Parameters
+    ----------
+    dout : array, shape (batch, seqlen_q, nheads, headdim)
+        Gradient of the loss with respect to the output; same dtype as ``q``.
+    q, k, v, softmax_scale, causal, window_size
+        As in :func:`attention_reference` (upcast to float64).
+
+    Returns
+    -------
+    dq : float64 array, shape (batch, seqlen_q, nheads, headdim)
+        0 on rows with no visible key (their output is the constant 0).
+    dk, dv : float64 arrays, shape (batch, seqlen_k, nheads_k, headdim)
+        For GQA/MQA the sum over the query heads of each group (query head ``h`` reads KV head
+        ``h // (nheads // nheads_k)``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.core.checks.check_attention`; ``dout`` not an array, of another
+        shape or dtype than ``q`` (the message starts with the argument's name).
+    """
+    dout, q, k, v = (checks.host_array(x, n)
+                     for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))
+    p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
+    _check_dout(dout, q.shape, p.dtype)
+    vis = attention_mask(p.seqlen_q, p.seqlen_k, window_size=p.window_size)
+    f = np.float64
+    dq, dk, dv = _backward_one_shot(*(_heads_first(x.astype(f), p.nheads) for x in (dout, q, k, v)),
+                                    vis, p.softmax_scale)
+    return dq.transpose(0, 2, 1, 3), _sum_groups(dk, p.nheads_k), _sum_groups(dv, p.nheads_k)
+
+
+def streaming_attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
+                                 window_size=(-1, -1), block_size_m=64, block_size_k=64,
+                                 dtype=None):
+    """Gradients of attention by FlashAttention-2's backward algorithm, as the kernels compute it.
+
+    FlashAttention-2 (arXiv 2307.08691) Sec. 3.2 / Algorithm 2, vectorised over batch, heads and
+    the rows of a block: a pre-pass ``D = rowsum(dout * out)`` per query row; then for each block
+    ``j`` of ``block_size_k`` keys (accumulators ``dK_j``, ``dV_j``) and each block ``i`` of
+    ``block_size_m`` queries: ``P_ij = exp(softmax_scale * Q_i K_j^T - lse_i)`` where visible,
+    else 0 (and 0 on a row with ``lse = -inf``), ``dV_j += P_ij^T dO_i``, ``dP = dO_i V_j^T``,
+    ``dS = P_ij * (dP - D_i)``, ``dK_j += softmax_scale dS^T Q_i``, ``dQ_i += softmax_scale dS
+    K_j``. Block pairs with no visible entry (:func:`attention_mask`) are skipped. P is never
+    stored whole: it is recomputed from the forward's LSE.
+
+    Parameters
+    ----------
+    dout : array, shape (batch, seqlen_q, nheads, headdim)
+        Gradient of the loss with respect to ``out``; same dtype as ``q``.
+    q, k, v, softmax_scale, causal, window_size
+        As in :func:`attention_reference`.
+    out : array, shape (batch, seqlen_q, nheads, headdim)
+        The forward's output (same dtype as ``q``), e.g. from :func:`attention_reference`.
+    lse : array, shape (batch, nheads, seqlen_q)
+        The forward's natural-log LSE, float32 or float64; -inf on rows with no visible key.
+    block_size_m, block_size_k : int
+        Query rows and keys per block (>= 1); the result is independent of them up to rounding.
+    dtype : numpy dtype or None
+        Arithmetic precision (float16, bfloat16, float32, float64); None = float64. float32
+        emulates the kernels' float32 accumulation (the inputs are rounded to it first).
+
+    Returns
+    -------
+    dq : array of ``dtype``, shape (batch, seqlen_q, nheads, headdim)
+    dk, dv : arrays of ``dtype``, shape (batch, seqlen_k, nheads_k, headdim)
+        As in :func:`attention_backward` (GQA: summed over each group of query heads).
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.core.checks.check_attention` (which also checks ``out``: shape and
+        dtype of ``q``); ``dout`` not of ``q``'s shape and dtype; ``lse`` not of shape (batch,
+        nheads, seqlen_q) or not float32/float64; bad ``block_size_m``, ``block_size_k`` or
+        ``dtype``. Each message starts with the argument's name.
+
+    Notes
+    -----
+    Unlike the forward (exact at any finite score magnitude), recomputing P from the LSE is
+    not: ``softmax_scale * s - lse`` is a difference of two numbers of the size ``M`` of the
+    largest scaled score, and ``lse`` itself is rounded to ``eps * M``, so every P of a row
+    carries a relative error of a few ``eps * M`` (float64: about 1e-12 at ``M = 1e4``, 1e-10
+    at ``M = 1e6``; a float32 LSE: about 1e-3 at ``M = 1e4``).
+    """
+    dout, q, k, v, out, lse = (checks.host_array(x, n) for x, n in (
+        (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")))
+    p = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, out=out)
+    _check_dout(dout, q.shape, p.dtype)
+    _check_lse(lse, (p.batch, p.nheads, p.seqlen_q), "batch, nheads, seqlen_q")
+    block_size_m = _check_block_size(block_size_m, "block_size_m")
+    block_size_k = _check_block_size(block_size_k, "block_size_k")
+    dt = _compute_dtype(np.float64 if dtype is None else dtype, q)
+    vis = attention_mask(p.seqlen_q, p.seqlen_k, window_size=p.window_size)
+    doh, qh, kh, vh, oh = (_heads_first(x, p.nheads).astype(dt) for x in (dout, q, k, v, out))
+    dq, dk, dv = _stream_backward(doh, qh, kh, vh, oh, lse.astype(dt), vis, p.softmax_scale,
+                                  block_size_m, block_size_k, dt)
+    return dq.transpose(0, 2, 1, 3), _sum_groups(dk, p.nheads_k), _sum_groups(dv, p.nheads_k)
+
+
+def varlen_attention_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None,
+                              causal=False, window_size=(-1, -1)):
+    """Exact float64 gradients of attention over a packed batch of variable-length sequences.
+
+    :func:`attention_backward` of each sequence on its own, computed at once with the
+    block-diagonal mask of :func:`varlen_attention_reference` (FlashAttention-2, arXiv
+    2307.08691, Sec. 3.2 / Algorithm 2, per sequence).
+
+    Parameters
+    ----------
+    dout : array, shape (total_q, nheads, headdim)
+        Gradient of the loss with respect to the output; same dtype as ``q``.
+    q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size
+        As in :func:`varlen_attention_reference`.
+
+    Returns
+    -------
+    dq : float64 array, shape (total_q, nheads, headdim)
+        0 on rows with no visible key (e.g. a sequence with no keys).
+    dk, dv : float64 arrays, shape (total_k, nheads_k, headdim)
+        GQA/MQA: summed over each group of query heads; 0 for keys no query sees.
+
+    Raises
+    ------
+    TypeError, ValueError
+        From :func:`cupyflash.core.checks.check_varlen` (``validate=True``); ``dout`` not of
+        ``q``'s shape and dtype (the message starts with the argument's name).
+    """
+    dout = checks.host_array(dout, "dout")
+    q, k, v, p, vis = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None,
+                                      softmax_scale, causal, window_size)
+    _check_dout(dout, q.shape, p.dtype)
+    f = np.float64
+    dq, dk, dv = _backward_one_shot(*(_heads_first(x[None].astype(f), p.nheads)
+                                      for x in (dout, q, k, v)), vis, p.softmax_scale)
+    return dq[0].transpose(1, 0, 2), _sum_groups(dk, p.nheads_k)[0], _sum_groups(dv, p.nheads_k)[0]
