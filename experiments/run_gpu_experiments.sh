@@ -21,6 +21,10 @@
 #   bench_power         bench_power.py: each impl back to back for 2 s while nvidia-smi samples
 #                       the SM clock, power and throttle reasons (quick: hd128 S 16k; full:
 #                       hd 64/128/256, S 4k and 16k, causal and not, three rounds; ~250 s)
+#   train_llama         train_llama.py: a 6-layer Llama (hidden 512, GQA 8/2 x 64, bf16) trained
+#                       from the same weights on the same batches with SDPA, cupyflash ("cupyfa")
+#                       and a second SDPA backend (the noise floor); quick: 30 steps, full: 300
+#                       (estimated 1-3 min on an H200, not yet measured); needs transformers
 #   experiments/run_gpu_experiments.sh quick bench_prefill_fa3 ncu_prefill   # limits 200 + 120 s
 #   experiments/run_gpu_experiments.sh full ncu_prefill                      # limit 235 s
 #
@@ -50,10 +54,10 @@ STAMP=$(mktemp); touch "$STAMP"
 # script and its time limit (seconds) in quick / full mode; quick limits add up to 8.5 minutes
 declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [exp_memory]=50
                   [bench_tiles]=80 [exp_hbm]=100 [bench_overhead]=90
-                  [bench_prefill_fa3]=200 [ncu_prefill]=120 [bench_power]=60)
+                  [bench_prefill_fa3]=200 [ncu_prefill]=120 [bench_power]=60 [train_llama]=240)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
                  [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90
-                 [bench_prefill_fa3]=240 [ncu_prefill]=235 [bench_power]=400)
+                 [bench_prefill_fa3]=240 [ncu_prefill]=235 [bench_power]=400 [train_llama]=540)
 # entries that run another script with arguments of their own (after $FLAG)
 declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill)
 declare -A ARGS_FULL=([bench_prefill_fa3]="--dtypes bfloat16 --rounds 3")
