@@ -105,7 +105,7 @@ def _traced_call(op, args: tuple, kwargs: dict, return_lse, out):
 # Public functions
 # ----------------------------------------------------------------------------------------------
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO_WINDOW,
-                    return_lse=False, out=None):
+                    return_lse=False, out=None, deterministic=False):
     """Exact softmax attention, tiled on chip (FlashAttention-2 forward).
 
     ``out[b, i, h] = sum_j softmax_j(softmax_scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]``
@@ -143,6 +143,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO
         Output buffer, same shape, dtype and device as ``q``; written in place and returned
         (itself for a torch caller, else as a CuPy view of the same memory). Allocated when
         None.
+    deterministic : bool
+        FlashAttention's flag for the backward pass: accepted and checked; cupyflash's backward
+        is always deterministic (:func:`flash_attn_backward`).
 
     Returns
     -------
@@ -184,6 +187,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO
     runs this function on the tensors. ``out=`` is then written by a copy of the operator's
     output.
     """
+    if deterministic is not False:
+        require_bool(deterministic, "deterministic")
     if (_torch_compiling() and _all_torch(q, k, v, out)) or _grad_wanted(q, k, v, out):
         from . import torch_ops
         return _traced_call(torch_ops.flash_attn_func, (q, k, v),
@@ -194,7 +199,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           return_lse=False, out=None, validate=True):
+                           return_lse=False, out=None, validate=True, deterministic=False):
     """Exact attention over a packed batch of variable-length sequences (FlashAttention-2 forward).
 
     Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows
@@ -224,6 +229,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         When True (default) the ``cu_seqlens`` values are copied to the host and checked (this
         synchronises with the device); False checks shapes and dtypes only, and the caller
         guarantees the values (wrong values then read out of bounds).
+    deterministic : bool
+        As in :func:`flash_attn_func` (the backward is always deterministic).
 
     Returns
     -------
@@ -246,6 +253,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     in :func:`flash_attn_func`; pass ``validate=False`` there (True reads ``cu_seqlens`` on the
     host when the compiled code runs: a synchronisation, and no CUDA graph).
     """
+    if deterministic is not False:
+        require_bool(deterministic, "deterministic")
     if (_torch_compiling() and _all_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, out)) or \
             _grad_wanted(q, k, v, out):
         from . import torch_ops

@@ -20,6 +20,8 @@ Figures (issue 6):
   fig7_tiles             prefill tile-size sweep
   backward               backward TFLOP/s vs S (bench_backward): cupyflash (deterministic
                          dashed) beside cuDNN, FA2 and FlexAttention; a panel per head dim and mask
+  train_llama            a small Llama's training loss per step with cupyflash and with SDPA
+                         attention, and their difference (experiments/train_llama.py)
 """
 from __future__ import annotations
 
@@ -553,8 +555,103 @@ def backward(results: Path, figures: Path, dtype: str = "bfloat16") -> list:
     return [_save(fig, figures / "backward.png", recs)]
 
 
+
+TRAIN_STYLE = {
+    "sdpa": dict(color="C1", lw=1.4, label="SDPA (reference)"),
+    "cupyflash": dict(color="C0", lw=1.4, label="cupyflash (attn_implementation=\"cupyfa\")"),
+    "sdpa_alt": dict(color="0.45", lw=1.0, ls="--", label="SDPA, another backend (noise floor)"),
+}
+
+
+def train_llama(results: Path, figures: Path) -> list:
+    """Loss per step of the last train_llama.py run in the file, every attention (upper panel),
+    and each run's loss minus SDPA's (lower panel: per step, thin; its moving-average difference,
+    thick; shaded: the agreement band +-tol x SDPA's moving average)."""
+    from train_llama import moving_average
+    path = results / "train_llama.jsonl"
+    recs = common.read_results(path)
+    if not recs:
+        raise SkipFigure(f"{path} missing or empty")
+    runs = [r for r in recs if r.get("what") == "train" and r.get("loss")]
+    if not runs:
+        raise SkipFigure(f"{path}: no train record with losses")
+    last = runs[-1].get("run")
+    runs = [r for r in runs if r.get("run") == last]
+    failed = [r for r in recs if r.get("what") == "train" and r.get("run") == last
+              and not r.get("loss")]
+    comps = {c["impl"]: c for c in recs if c.get("what") == "compare" and c.get("run") == last}
+    ref = next((r for r in runs if r["impl"] == "sdpa"), None)
+    window = next(iter(comps.values()), {}).get("ma_window", 10)
+    tol = next(iter(comps.values()), {}).get("tol", 0.02)
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7.2), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 2]})
+
+    def label(r):
+        st = dict(TRAIN_STYLE.get(r["impl"], dict(color="k", label=r["impl"])))
+        extra = []
+        if r.get("tokens_per_s"):
+            extra.append(f"{r['tokens_per_s'] / 1e3:,.0f}k tok/s")
+        if r.get("error"):
+            extra.append(f"raised at step {r.get('failed_step')} ({r.get('failed_phase')})")
+        return st, st.pop("label") + (f" [{', '.join(extra)}]" if extra else "")
+
+    for r in runs:
+        st, lab = label(r)
+        ax.plot(range(len(r["loss"])), r["loss"], label=lab,
+                marker="o" if len(r["loss"]) < 3 else None, **st)
+    floor = (runs[0].get("data") or {}).get("loss_floor")
+    if floor:
+        ax.axhline(floor, color="0.6", lw=0.8, ls=":",
+                   label=f"loss floor of the data ({floor:.2f})")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    m = runs[0].get("model") or {}
+    d = runs[0].get("data") or {}
+    ax.set_title(f"Llama {m.get('layers', '?')} layers, hidden {m.get('hidden', '?')}, "
+                 f"{m.get('heads', '?')}/{m.get('kv_heads', '?')} heads x "
+                 f"{m.get('head_dim', '?')}, "
+                 f"{runs[0].get('precision', '')}; {d.get('batch', '?')} x {d.get('seqlen', '?')} "
+                 "tokens per step", fontsize=10)
+    if ref is not None:
+        ma_ref = moving_average(ref["loss"], window)
+        xs = range(window - 1, len(ma_ref))
+        ax2.fill_between(xs, [-tol * ma_ref[i] for i in xs], [tol * ma_ref[i] for i in xs],
+                         color="C2", alpha=0.12, label=f"agreement band: ±{tol:.0%} of SDPA's "
+                         f"{window}-step moving average")
+        for r in runs:
+            if r is ref:
+                continue
+            n = min(len(r["loss"]), len(ref["loss"]))
+            st, lab = label(r)
+            st.pop("lw", None)
+            diff = [r["loss"][i] - ref["loss"][i] for i in range(n)]
+            ax2.plot(range(n), diff, lw=0.6, alpha=0.45, **st)
+            ma = moving_average(r["loss"][:n], window)
+            c = comps.get(r["impl"], {})
+            verdict = {True: "agree", False: "differ"}.get(c.get("agree"), "not judged")
+            stat = (f"max {c['max_ma_rel_diff']:.2%}, " if c.get("max_ma_rel_diff") is not None
+                    else "")
+            ax2.plot(range(n), [a - b for a, b in zip(ma, ma_ref[:n])], lw=1.8,
+                     label=f"{r['impl']} - sdpa, moving average ({stat}{verdict})", **st)
+    ax2.axhline(0, color="k", lw=0.6)
+    notes = [f"{r['impl']}: {str(r.get('error', 'no steps'))[:90]}" for r in failed]
+    if ref is None:
+        notes.append("no sdpa run: no difference to draw")
+    if notes:
+        ax2.text(0.01, 0.03, "\n".join(notes), transform=ax2.transAxes, fontsize=7, color="C3",
+                 va="bottom")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("loss - SDPA's loss")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=7, loc="upper right")
+    return [_save(fig, figures / "train_llama.png", runs)]
+
+
 FIGURES = {f.__name__: f for f in (fig1_prefill_runtime, fig2_memory, fig3_hbm_bytes, fig4_roofline,
-                                   fig5_decode, fig6_numerics, fig7_tiles, backward)}
+                                   fig5_decode, fig6_numerics, fig7_tiles, backward,
+                                   train_llama)}
 
 
 def main(argv=None) -> int:

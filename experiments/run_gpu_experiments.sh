@@ -28,6 +28,10 @@
 #                       needs ~15-20 min: give each head dim its own device call instead:
 #   bench_backward_hd64, bench_backward_hd128, bench_backward_hd256
 #                       the same for one head dim (quick: ~2 min; full: ~5-7 min each)
+#   train_llama         train_llama.py: a 6-layer Llama (hidden 512, GQA 8/2 x 64, bf16) trained
+#                       from the same weights on the same batches with SDPA, cupyflash ("cupyfa")
+#                       and a second SDPA backend (the noise floor); quick: 30 steps, full: 300
+#                       (estimated 1-3 min on an H200, not yet measured); needs transformers
 #   experiments/run_gpu_experiments.sh quick bench_prefill_fa3 ncu_prefill   # limits 200 + 120 s
 #   experiments/run_gpu_experiments.sh full ncu_prefill                      # limit 235 s
 #
@@ -59,12 +63,12 @@ declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [ex
                   [bench_tiles]=80 [exp_hbm]=100 [bench_overhead]=90
                   [bench_prefill_fa3]=200 [ncu_prefill]=120 [bench_power]=60
                   [bench_backward]=540 [bench_backward_hd64]=240 [bench_backward_hd128]=240
-                  [bench_backward_hd256]=240)
+                  [bench_backward_hd256]=240 [train_llama]=240)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
                  [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90
                  [bench_prefill_fa3]=240 [ncu_prefill]=235 [bench_power]=400
                  [bench_backward]=570 [bench_backward_hd64]=570 [bench_backward_hd128]=570
-                 [bench_backward_hd256]=570)
+                 [bench_backward_hd256]=570 [train_llama]=540)
 # entries that run another script with arguments of their own (after $FLAG)
 declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill [bench_backward_hd64]=bench_backward
                    [bench_backward_hd128]=bench_backward [bench_backward_hd256]=bench_backward)

@@ -350,7 +350,7 @@ def test_kernel_params_varlen_and_checks():
     k = _Fake((90, 2, 120), np.float64)
     v = _Fake((90, 2, 120), np.float64)
     out = _Fake((50, 8, 120), np.float64)
-    lse = _Fake((8, 50), np.float32)
+    lse = _Fake((8, 50), np.float64)  # the float64 forward's LSE is float64
     cu_q, cu_k = _Fake((4,), np.int32, ptr=0x60000), _Fake((4,), np.int32, ptr=0x70000)
     a = prefill.kernel_params(spec, q, k, v, out, lse, problem=p, cu_seqlens_q=cu_q,
                               cu_seqlens_k=cu_k)
@@ -365,6 +365,9 @@ def test_kernel_params_varlen_and_checks():
                               lse, problem=p, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     with pytest.raises(ValueError, match="cu_seqlens_q, cu_seqlens_k"):
         prefill.kernel_params(spec, q, k, v, out, lse, problem=p, cu_seqlens_q=cu_q)
+    with pytest.raises(ValueError, match="lse: a float64 forward writes a float64 LSE"):
+        prefill.kernel_params(spec, q, k, v, out, _Fake((8, 50), np.float32), problem=p,
+                              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     p16 = _problem()
     spec16 = prefill.kernel_spec("float16", 128, 128, 64, 4, True)
     qd = _Fake((2, 100, 8, 120), np.float16, ptr=0x10002)

@@ -715,3 +715,159 @@ def test_plot_backward_from_synthetic_results(tmp_path, monkeypatch):
         assert {plot.IMPL_STYLE[i]["label"] for i in ("torch_cudnn", "torch_flash", "flex")} <= set(labels)
     with pytest.raises(plot.SkipFigure, match="no float16 records"):
         plot.backward(res, figs, dtype="float16")
+
+
+# ------------------------------------------------------------------------------------------------
+# experiments/train_llama.py: the model builder, the token stream, SDPA training steps on the CPU,
+# the comparison, a backend that raises (as cupyflash does until it has a backward)
+# ------------------------------------------------------------------------------------------------
+TINY_ARGS = ["--device", "cpu", "--vocab", "128", "--hidden", "64", "--layers", "2", "--heads",
+             "4", "--kv-heads", "2", "--head-dim", "16", "--intermediate", "128",
+             "--max-positions", "128", "--batch", "4", "--seqlen", "64"]
+
+
+def _train_llama():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import train_llama
+    return train_llama
+
+
+def _tiny_config(tl):
+    return tl.llama_config(**{k: v for k, v in tl.TINY.items() if k in tl.MODEL})
+
+
+def test_train_llama_config_model_and_stream_are_deterministic():
+    tl = _train_llama()
+    import numpy as np
+    import torch
+    cfg = tl.llama_config()  # the experiment's model (not built here)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings) == (
+        512, 6, 8, 2, 64, 2048)
+    assert cfg.attention_dropout == 0.0 and not cfg.use_cache
+    tiny = _tiny_config(tl)
+    a, b, c = tl.initial_state(tiny, 0), tl.initial_state(tiny, 0), tl.initial_state(tiny, 1)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(v.dtype == torch.float32 for v in a.values())
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+    s, s2 = tl.MarkovStream(128, 64, 4, seed=0), tl.MarkovStream(128, 64, 4, seed=0)
+    x = s.batch(3)
+    assert x.shape == (4, 64) and x.dtype == np.int64 and 0 <= x.min() and x.max() < 128
+    assert np.array_equal(x, s2.batch(3))
+    assert not np.array_equal(x, s.batch(4))
+    assert not np.array_equal(x, tl.MarkovStream(128, 64, 4, seed=1).batch(3))
+    assert s.period == 32 and np.array_equal(x[:, 32:], x[:, :32])  # the walk, repeated
+    for row in x:  # every transition of the walk is one of the chain's
+        assert all(row[t + 1] in s.succ[row[t]] for t in range(31))
+    h = s.entropy_rate()
+    assert 1.0 < h < np.log(8)
+    assert s.loss_floor() == pytest.approx(31 * h / 63)
+    assert s.describe()["loss_floor"] == round(s.loss_floor(), 4)
+
+
+def test_train_llama_sdpa_trains_on_the_cpu():
+    tl = _train_llama()
+    cfg = _tiny_config(tl)
+    init = tl.initial_state(cfg, 0)
+    stream = tl.MarkovStream(128, 64, 4, seed=0)
+    rec = tl.train_run("sdpa", cfg, init, stream, 8, lr=1e-2, warmup=0, min_lr_ratio=1.0)
+    assert "error" not in rec, rec.get("error")
+    assert rec["steps_done"] == 8 and all(len(rec[k]) == 8
+                                          for k in ("loss", "grad_norm", "lr", "step_ms"))
+    loss = rec["loss"]
+    assert all(map(lambda v: v == v and abs(v) < 1e3, loss + rec["grad_norm"]))
+    assert abs(loss[0] - __import__("math").log(128)) < 0.2  # starts near ln(vocab)
+    assert sum(loss[-3:]) / 3 < loss[0] - 0.1 and min(loss) < loss[0]  # and falls
+    assert rec["tokens_per_s"] > 0 and rec["attn_implementation"] == "sdpa"
+    # the same run again: the same losses (fixed weights, fixed batches)
+    again = tl.train_run("sdpa", cfg, init, stream, 2, lr=1e-2, warmup=0, min_lr_ratio=1.0)
+    assert again["loss"] == loss[:2]
+    # fp32 weights under autocast: finite too
+    ac = tl.train_run("sdpa", cfg, init, stream, 2, precision="autocast", lr=1e-2, warmup=0)
+    assert "error" not in ac and ac["steps_done"] == 2
+    assert abs(ac["loss"][0] - loss[0]) < 0.05
+
+
+def test_train_llama_compare_criterion():
+    tl = _train_llama()
+    ref_loss = [8.0 * 0.99 ** i + 1 for i in range(40)]
+
+    def rec(impl, loss, steps=40, **kw):
+        return {"impl": impl, "loss": loss, "steps": steps, "steps_done": len(loss), **kw}
+    ref = rec("sdpa", ref_loss)
+    ok = tl.compare(rec("cupyflash", [x * 1.01 for x in ref_loss]), ref)
+    assert ok["agree"] is True and ok["max_ma_rel_diff"] == pytest.approx(0.01)
+    assert ok["max_abs_loss_diff"] == pytest.approx(0.09) and ok["max_abs_loss_diff_step"] == 0
+    bad = tl.compare(rec("cupyflash", ref_loss[:30] + [x * 1.05 for x in ref_loss[30:]]), ref)
+    assert bad["agree"] is False and bad["max_ma_rel_diff_step"] == 39
+    cut = tl.compare(rec("cupyflash", ref_loss[:1], steps_done=0, error="RuntimeError: x"), ref)
+    assert cut["agree"] is None and cut["error"] == "RuntimeError: x"
+    assert cut["steps_compared"] == 1 and cut["first_loss_diff"] == 0
+    assert tl.moving_average([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
+    comps = tl.comparisons([ref, rec("sdpa_alt", [x * 1.004 for x in ref_loss]),
+                            rec("cupyflash", [x * 1.006 for x in ref_loss])], 10, 0.02)
+    cf = next(c for c in comps if c["impl"] == "cupyflash")
+    assert cf["noise_max_ma_rel_diff"] == pytest.approx(0.004) and cf["within_2x_noise"] is True
+    assert tl.lr_at(0, 100, 1e-3, 10) == pytest.approx(1e-4)
+    assert tl.lr_at(10, 100, 1e-3, 10) == pytest.approx(1e-3)
+    assert tl.lr_at(99, 100, 1e-3, 10) == pytest.approx(1e-4)
+
+
+def test_train_llama_records_a_backend_that_raises(tmp_path, monkeypatch):
+    """A backend whose backward raises (cupyflash before it has one) is recorded with the
+    message, the step and phase, and its forward's loss; the other runs go on and the records
+    are written; the plot draws the run."""
+    tl = _train_llama()
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class NoBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("no backward yet")
+
+    def attention(module, q, k, v, mask, **kw):
+        out, w = sdpa_attention_forward(module, q, k, v, mask, **kw)
+        return NoBackward.apply(out), w
+    AttentionInterface.register("nobwd_test", attention)
+    orig = tl.attn_implementation
+    monkeypatch.setattr(tl, "attn_implementation",
+                        lambda run: "nobwd_test" if run == "cupyflash" else orig(run))
+    out = tmp_path / "results" / "train_llama.jsonl"
+    assert tl.main(TINY_ARGS + ["--steps", "12", "--lr", "1e-2", "--out", str(out)]) == 0
+    import common
+    recs = common.read_results(out)
+    train = {r["impl"]: r for r in recs if r["what"] == "train"}
+    assert list(train) == ["sdpa", "cupyflash", "sdpa_alt"]
+    cf = train["cupyflash"]
+    assert cf["error"] == "RuntimeError: no backward yet"
+    assert (cf["failed_step"], cf["failed_phase"], cf["steps_done"]) == (0, "backward", 0)
+    assert cf["loss"] == train["sdpa"]["loss"][:1]  # same forward
+    assert train["sdpa"]["steps_done"] == 12 and train["sdpa_alt"]["steps_done"] == 12
+    assert train["sdpa"]["model"]["params"] > 0 and train["sdpa"]["data"]["period"] == 32
+    comps = {r["impl"]: r for r in recs if r["what"] == "compare"}
+    assert comps["cupyflash"]["agree"] is None and "no backward" in comps["cupyflash"]["error"]
+    assert comps["sdpa_alt"]["agree"] is True  # two SDPA backends: within the noise
+    head = json.loads(out.read_text().splitlines()[0])
+    assert head["provenance"]["machine"] == "cpu" and "gpu" not in head["provenance"]
+    import plot
+    paths = plot.train_llama(out.parent, tmp_path)
+    assert paths[0].stat().st_size > 5000
+
+
+def test_train_llama_without_a_gpu_trains_a_tiny_model_and_writes_nothing(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "t.jsonl"
+    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "train_llama.py"), "--quick",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU" in r.stdout and "sdpa_alt vs sdpa" in r.stdout and not out.exists()

@@ -1,0 +1,122 @@
+"""The backward kernels compile (NVRTC, no GPU), their plan and launch geometry, and the
+backward call's argument checks (before any launch).
+
+* Every backward kernel a call can run (``kernels.all_kernels()``: each dtype, compiled head dim
+  and causal flag) compiles for ``sm_90a``; the tensor-core ones (fp16/bf16) have zero spill
+  bytes, the CUDA-core ones spill at most 64 bytes (float64 hd > 128 dK/dV: 64, printed), and the
+  shared memory of each fits 227 KiB and equals its traits' constant.
+* Plans: mma.sync for 16-bit dtypes with dK/dV in one launch up to hd128 and two above;
+  CUDA cores for float32/float64; names are unique.
+"""
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from cupyflash.backward import kernels
+from cupyflash.core import checks, jit
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+
+@pytest.fixture(scope="module")
+def reports():
+    ks = kernels.all_kernels()
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        return dict(zip(ks, pool.map(lambda k: jit.compile_report(k.spec, "sm_90a"), ks)))
+
+
+def test_every_backward_kernel_compiles_without_spills(reports):
+    assert len(reports) == len(kernels.all_kernels()) > 100
+    for k, r in reports.items():
+        assert r.ptxas.registers > 0, k.name
+        if k.isa == "mma" or k.role == "dsum":
+            assert r.ptxas.spill_bytes == 0, (k.name, r.ptxas)
+        else:
+            assert r.ptxas.spill_bytes <= 64, (k.name, r.ptxas)
+            if r.ptxas.spill_bytes:
+                print(k.name, "spills", r.ptxas.spill_bytes, "bytes")
+        assert k.smem_bytes <= 227 * 1024, k.name
+
+
+def test_shared_memory_is_the_traits_constant():
+    k = kernels.plan_backward("bfloat16", 128, False).dkdv[0]
+    # BwdMmaTraits<bf16, 128, ROWS = 128 keys, COLS = 32 query rows>: four tiles of 136-element
+    # rows and the two float rows (LSE, D) of the larger side
+    assert (k.block_m, k.block_n) == (32, 128)
+    assert k.smem_bytes == (2 * 128 + 2 * 32) * 136 * 2 + 8 * 128
+    s = kernels.plan_backward("float64", 64, True).dq
+    assert s.smem_bytes == (2 * 32 * 66 + 2 * 32 * 66 + 32 * 34 + 64) * 8
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("d", [8, 40, 64, 72, 128, 136, 200, 256])
+def test_plans(dtype, d):
+    plan = kernels.plan_backward(dtype, d, True)
+    hd = plan.dq.headdim
+    assert hd >= d and hd - d < 32
+    assert [k.role for k in plan.kernels] == ["dsum"] + ["dkdv"] * len(plan.dkdv) + ["dq"]
+    if dtype in ("float16", "bfloat16"):
+        assert {k.isa for k in plan.kernels} == {"mma"}
+        assert [k.part for k in plan.dkdv] == ([0] if hd <= 128 else [1, 2])
+    else:
+        assert {k.isa for k in plan.kernels} == {"simt"}
+    assert all(k.causal for k in plan.dkdv + (plan.dq,))
+    names = [k.name for k in kernels.all_kernels()]
+    assert len(names) == len(set(names))
+
+
+def test_launch_geometry_dense_and_gqa():
+    q = np.empty((3, 1000, 8, 128), np.float16)
+    k = np.empty((3, 700, 2, 128), np.float16)
+    p = checks.check_attention(q, k, k, causal=True)
+    plan = kernels.plan_backward("float16", 128, True)
+    assert kernels.launch_geometry(plan.dsum, p) == ((63, 8, 3), (128, 1, 1))
+    assert kernels.launch_geometry(plan.dkdv[0], p) == ((6, 2, 3), (256, 1, 1))  # KV heads
+    assert kernels.launch_geometry(plan.dq, p) == ((8, 8, 3), (256, 1, 1))
+
+
+def test_params_fields_and_pointer_block():
+    q = np.empty((2, 10, 4, 64), np.float32)
+    k = np.empty((2, 12, 2, 64), np.float32)
+    p = checks.check_attention(q, k, k, window_size=(3, 2))
+    st = {n: (2560, 256, 64, 1) for n in ("q", "out", "dout", "dq")}
+    st.update({n: (1536, 128, 64, 1) for n in ("k", "v", "dk", "dv")})
+    st["lse"], st["dsum"] = (40, 10, 1), (40, 10, 1)
+    prm = kernels.params_of(kernels.bwd_fields(p, st, False))
+    assert (prm.fwd.h_per_kv, prm.fwd.window_left, prm.fwd.window_right) == (2, 3, 2)
+    assert (prm.dk_batch_stride, prm.dk_row_stride, prm.dsum_head_stride) == (1536, 128, 10)
+    assert kernels.pointer_block() == (0, 12)
+
+
+def test_check_backward_names_the_argument():
+    q = np.zeros((2, 10, 4, 64), np.float32)
+    k = np.zeros((2, 12, 2, 64), np.float32)
+    p = checks.check_attention(q, k, k)
+    lse = np.zeros((2, 4, 10), np.float32)
+    checks.check_backward(p, q, k, q, q, lse)
+    with pytest.raises(ValueError, match="dout: expected shape"):
+        checks.check_backward(p, q, k, q[:, :9], q, lse)
+    with pytest.raises(TypeError, match="dout: dtype float64"):
+        checks.check_backward(p, q, k, q.astype(np.float64), q, lse)
+    with pytest.raises(ValueError, match="lse: expected shape"):
+        checks.check_backward(p, q, k, q, q, lse[:, :3])
+    with pytest.raises(TypeError, match="lse: expected dtype float32"):
+        checks.check_backward(p, q, k, q, q, lse.astype(np.float64))
+    with pytest.raises(ValueError, match="dk: expected shape"):
+        checks.check_backward(p, q, k, q, q, lse, dk=q)
+    with pytest.raises(TypeError, match="lse: required"):
+        checks.check_backward(p, q, k, q, q, None)
+    q64, k64 = q.astype(np.float64), k.astype(np.float64)
+    p64 = checks.check_attention(q64, k64, k64)
+    checks.check_backward(p64, q64, k64, q64, q64, lse.astype(np.float64))  # float64 LSE
+
+
+def test_backward_refuses_host_arrays_before_any_launch():
+    import cupyflash
+    q = np.zeros((1, 4, 1, 8))
+    with pytest.raises(TypeError, match="dout: expected a CUDA array"):
+        cupyflash.flash_attn_backward(q, q, q, q, q, np.zeros((1, 1, 4)))
+    with pytest.raises(TypeError, match="deterministic: expected a bool"):
+        cupyflash.flash_attn_backward(q, q, q, q, q, np.zeros((1, 1, 4)), deterministic="yes")
