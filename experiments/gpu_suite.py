@@ -130,11 +130,14 @@ def main() -> int:
         xml = out_dir / "soak_junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu and hypothesis", "tests",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "-rfE"]
+        if args.k:  # the same selection as the tests
+            cmd += ["-k", args.k]
         t0 = time.time()
         rc = sh(cmd, args.soak_timeout, out_dir / "soak.log",
                 dict(env, HYPOTHESIS_PROFILE="thorough"))
         record["soak"] = {"rc": rc, "seconds": round(time.time() - t0, 1),
-                          "profile": "thorough", "selection": "-m 'gpu and hypothesis'",
+                          "profile": "thorough",
+                          "selection": "-m 'gpu and hypothesis'" + (f" -k '{args.k}'" if args.k else ""),
                           **junit_summary(xml)}
 
     if args.sanitize:

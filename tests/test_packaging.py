@@ -51,7 +51,8 @@ def wheel(tmp_path_factory):
 def test_wheel_contains_kernel_sources(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "cupyflash/kernels_cu/common/params.cuh" in names
-    assert {"cupyflash/core/jit.py", "cupyflash/forward/kernels.py", "cupyflash/decode/plan.py"} <= names
+    assert {"cupyflash/core/jit.py", "cupyflash/forward/kernels.py", "cupyflash/decode/plan.py",
+            "cupyflash/backward/run.py"} <= names
     src = {p.relative_to(REPO).as_posix() for p in (REPO / "kernels_cu").rglob("*.cu*")}
     shipped = {n.replace("cupyflash/", "", 1) for n in names
                if n.startswith("cupyflash/kernels_cu/")}
