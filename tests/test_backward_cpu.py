@@ -42,10 +42,10 @@ def test_every_backward_kernel_compiles_without_spills(reports):
 
 def test_shared_memory_is_the_traits_constant():
     k = kernels.plan_backward("bfloat16", 128, False).dkdv[0]
-    # BwdMmaTraits<bf16, 128, ROWS = 128 keys, COLS = 32 query rows>: four tiles of 136-element
-    # rows and the two float rows (LSE, D) of the larger side
+    # BwdMmaTraits<bf16, 128, ROWS = 128 keys, COLS = 32 query rows>: K and V, Q and dO twice
+    # (double-buffered), rows of 136 elements, and two float rows (LSE, D) per stage
     assert (k.block_m, k.block_n) == (32, 128)
-    assert k.smem_bytes == (2 * 128 + 2 * 32) * 136 * 2 + 8 * 128
+    assert k.smem_bytes == (2 * 128 + 2 * 2 * 32) * 136 * 2 + 2 * 2 * 4 * 32
     s = kernels.plan_backward("float64", 64, True).dq
     assert s.smem_bytes == (2 * 32 * 66 + 2 * 32 * 66 + 32 * 34 + 64) * 8
 

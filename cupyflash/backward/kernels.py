@@ -41,7 +41,8 @@ _SHORT, _CTYPE = fwd._SHORT, fwd._CTYPE
 # nwarps, part) and the dQ tile (block_m rows per CTA, block_n keys per step, nwarps). Chosen by
 # the ptxas report (sm_90a, no spills): hd128 dK/dV with 64-row query steps spills 32 bytes (254
 # registers), with 32 it does not (249); above hd128 dK and dV together spill 1.7-4 KB, so they
-# run as two launches (dK with 32-row steps: 64 spilled 88 bytes).
+# run as two launches (dK with 32-row steps: 64 spilled 88 bytes; dV with 32-row steps: 64 would
+# need 270 KB of shared memory with the double-buffered Q and dO).
 _MMA_TILES = {
     32: (((64, 128, 8, 0),), (128, 64, 8)),
     64: (((64, 128, 8, 0),), (128, 64, 8)),
@@ -49,7 +50,7 @@ _MMA_TILES = {
     128: (((32, 128, 8, 0),), (128, 64, 8)),
 }
 for _hd in (160, 192, 224, 256):
-    _MMA_TILES[_hd] = (((32, 128, 8, 1), (64, 128, 8, 2)), (128, 32, 8))
+    _MMA_TILES[_hd] = (((32, 128, 8, 1), (32, 128, 8, 2)), (128, 32, 8))
 # CUDA cores, 128 threads (16 row groups x 8 lanes): (block_m, block_n) of both kernels.
 _SIMT_TILES = {"float32": {hd: (32, 32) if hd <= 128 else (32, 16) for hd in fwd.HEADDIMS},
                "float64": {hd: (32, 32) if hd <= 128 else (16, 16) for hd in fwd.HEADDIMS}}

@@ -11,7 +11,8 @@
 //          order, dV += P^T dO and dK += dS^T Q (dO and Q read transposed by ldmatrix.trans);
 //   dQ:    each warp owns 16 query rows; S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
 // PART splits the dK/dV kernel where both accumulators do not fit in registers (head dims above
-// 128): 0 computes both, 1 dK only, 2 dV only (one more S^T per part).
+// 128): 0 computes both, 1 dK only, 2 dV only (one more S^T per part). The streamed tiles are
+// double-buffered with cp.async (BwdMmaTraits::kStages).
 //
 // Shared-memory tiles have rows padded by 16 bytes (HEADDIM + 8 elements), as in the forward:
 // conflict-free ldmatrix for every compiled head dim.
@@ -40,8 +41,13 @@ struct BwdMmaTraits {
     static constexpr int kPSteps = COLS / 16;                // k16 steps of the P product
     static constexpr int kChunks = HEADDIM / 8;              // 16-byte chunks per row
     static constexpr int kRow = HEADDIM + 8;                 // padded smem row, elements
-    // Four tiles (K, V, Q, dO: ROWS + ROWS + COLS + COLS rows) and two float rows (LSE, D).
-    static constexpr int kSmemBytes = (2 * ROWS + 2 * COLS) * kRow * (int)sizeof(T) + 2 * 4 * (ROWS > COLS ? ROWS : COLS);
+    // The streamed tiles (COLS rows: Q and dO of the dK/dV kernel, K and V of the dQ kernel) are
+    // double-buffered: the copies of step j + 1 are in flight while step j computes.
+    static constexpr int kStages = 2;
+    // Two resident tiles of ROWS rows, two streamed tiles of COLS rows per stage, and two float
+    // rows of COLS per stage (the dK/dV kernel's LSE and D of its query rows).
+    static constexpr int kSmemBytes =
+        (2 * ROWS + 2 * kStages * COLS) * kRow * (int)sizeof(T) + 2 * kStages * 4 * COLS;
 
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(HEADDIM % 32 == 0 && HEADDIM <= 256, "padded head dim");
@@ -76,10 +82,10 @@ __device__ __forceinline__ void bwd_dkdv_mma_block(const BwdParams& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);                 // [BLOCK_N][kRow]
     T* sV = sK + BLOCK_N * Tr::kRow;                        // [BLOCK_N][kRow]
-    T* sQ = sV + BLOCK_N * Tr::kRow;                        // [BLOCK_M][kRow]
-    T* sdO = sQ + BLOCK_M * Tr::kRow;                       // [BLOCK_M][kRow]
-    float* sL = reinterpret_cast<float*>(sdO + BLOCK_M * Tr::kRow);  // [BLOCK_M]: lse log2(e)
-    float* sD = sL + BLOCK_M;                                         // [BLOCK_M]: D
+    T* sQ = sV + BLOCK_N * Tr::kRow;                        // [kStages][BLOCK_M][kRow]
+    T* sdO = sQ + Tr::kStages * BLOCK_M * Tr::kRow;         // [kStages][BLOCK_M][kRow]
+    float* sL = reinterpret_cast<float*>(sdO + Tr::kStages * BLOCK_M * Tr::kRow);  // [kStages][BLOCK_M]: lse log2(e)
+    float* sD = sL + Tr::kStages * BLOCK_M;                                         // [kStages][BLOCK_M]: D
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const FwdParams& f = p.fwd;
@@ -114,32 +120,46 @@ __device__ __forceinline__ void bwd_dkdv_mma_block(const BwdParams& p) {
             if constexpr (kDV) dv[mt][i] = 0.f;
         }
 
-    // ---- main loop: every query head of the group, every query block that sees the keys ----
-    for (int hh = 0; hh < f.h_per_kv; ++hh) {
-        const BwdSeq s = bwd_seq(p, b, hk * f.h_per_kv + hh);
-        const T* q = static_cast<const T*>(f.q) + s.f.q_off;
-        const T* dout = static_cast<const T*>(p.dout) + s.do_off;
-        const float* lse = f.lse + s.f.lse_off;
-        const float* dsum = static_cast<const float*>(p.dsum) + s.dsum_off;
-        for (int mb = qt.m_block_min; mb < qt.m_block_max; ++mb) {
-            const int m0 = mb * BLOCK_M;
-            __syncthreads();  // every warp is done with the previous Q, dO, LSE, D
-            q_loader.load(sQ_base, q + (int64_t)m0 * f.q_row_stride, f.q_row_stride, seqlen_q - m0, chunks_valid, q);
-            q_loader.load(sdO_base, dout + (int64_t)m0 * p.do_row_stride, p.do_row_stride, seqlen_q - m0,
-                          chunks_valid, dout);
-            cp_async_commit();
+    // ---- main loop: every query head of the group, every query block that sees the keys;
+    //      step j computes on stage j % 2 while the copies of step j + 1 fill the other ----
+    const int n_m = qt.m_block_max - qt.m_block_min, n_steps = f.h_per_kv * n_m;
+    constexpr uint32_t kStageBytes = BLOCK_M * Tr::kRow * sizeof(T);
+    auto load_step = [&](int j) {  // Q, dO (cp.async) and LSE, D (plain) of step j, if any
+        if (j < n_steps) {
+            const int st = j & 1, m0 = (qt.m_block_min + j % n_m) * BLOCK_M;
+            const BwdSeq s = bwd_seq(p, b, hk * f.h_per_kv + j / n_m);
+            const T* q = static_cast<const T*>(f.q) + s.f.q_off;
+            const T* dout = static_cast<const T*>(p.dout) + s.do_off;
+            q_loader.load(sQ_base + st * kStageBytes, q + (int64_t)m0 * f.q_row_stride, f.q_row_stride,
+                          seqlen_q - m0, chunks_valid, q);
+            q_loader.load(sdO_base + st * kStageBytes, dout + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
+                          seqlen_q - m0, chunks_valid, dout);
+            const float* lse = f.lse + s.f.lse_off;
+            const float* dsum = static_cast<const float*>(p.dsum) + s.dsum_off;
             for (int i = tid; i < BLOCK_M; i += Tr::kThreads) {
-                sL[i] = bwd_lse_log2<float>(lse, m0 + i, seqlen_q);
-                sD[i] = m0 + i < seqlen_q ? dsum[m0 + i] : 0.f;
+                sL[st * BLOCK_M + i] = bwd_lse_log2<float>(lse, m0 + i, seqlen_q);
+                sD[st * BLOCK_M + i] = m0 + i < seqlen_q ? dsum[m0 + i] : 0.f;
             }
-            cp_async_wait<0>();
-            __syncthreads();
+        }
+        cp_async_commit();  // (an empty group past the last step keeps the wait count uniform)
+    };
+    load_step(0);
+    for (int j = 0; j < n_steps; ++j) {
+        const int stage = j & 1, m0 = (qt.m_block_min + j % n_m) * BLOCK_M;
+        __syncthreads();      // every warp is done with step j - 1: its stage may be refilled
+        load_step(j + 1);
+        cp_async_wait<1>();   // this thread's copies of step j (and K, V) have landed
+        __syncthreads();      // ... and everyone's, LSE and D included
+        const uint32_t sQ_st = sQ_base + stage * kStageBytes, sdO_st = sdO_base + stage * kStageBytes;
+        const float* sL_st = sL + stage * BLOCK_M;
+        const float* sD_st = sD + stage * BLOCK_M;
+        {
             const bool mask = bwd_tile_needs_mask<BLOCK_M, BLOCK_N>(f, m0, n0, seqlen_q, seqlen_k, CAUSAL);
             float st[MT][4 * NT];
-            mma_scores<T, Tr>(st, 0, sK_base + (uint32_t)(lanes.q * 2), sQ_base + (uint32_t)(lanes.k * 2));
+            mma_scores<T, Tr>(st, 0, sK_base + (uint32_t)(lanes.q * 2), sQ_st + (uint32_t)(lanes.k * 2));
             float dpt[kDK ? MT : 1][kDK ? 4 * NT : 1];
             if constexpr (kDK)
-                mma_scores<T, Tr>(dpt, 0, sV_base + (uint32_t)(lanes.q * 2), sdO_base + (uint32_t)(lanes.k * 2));
+                mma_scores<T, Tr>(dpt, 0, sV_base + (uint32_t)(lanes.q * 2), sdO_st + (uint32_t)(lanes.k * 2));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 // P^T and dS^T of this warp's keys (rows) against the block's queries (columns)
@@ -148,30 +168,31 @@ __device__ __forceinline__ void bwd_dkdv_mma_block(const BwdParams& p) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int col = frag_col(nt, t, e), i = 4 * nt + e;
-                        float pr = exp2f(fmaf(st[mt][i], f.scale_log2, -sL[col]));
+                        float pr = exp2f(fmaf(st[mt][i], f.scale_log2, -sL_st[col]));
                         if (mask) {
                             const KeyRange r = visible_keys(m0 + col, seqlen_q, seqlen_k, CAUSAL,
                                                             f.window_left, f.window_right);
                             if (!key_visible(r, n0 + warp_row0 + 16 * mt + frag_row(g, e))) pr = 0.f;
                         }
                         st[mt][i] = pr;
-                        if constexpr (kDK) dpt[mt][i] = pr * (dpt[mt][i] - sD[col]);
+                        if constexpr (kDK) dpt[mt][i] = pr * (dpt[mt][i] - sD_st[col]);
                     }
             }
             if constexpr (kDV) {
                 uint32_t pt_frag[MT][NT / 2][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) pack_a_fragments<T, NT>(pt_frag[mt], st[mt]);
-                mma_pv<T, Tr>(dv, pt_frag, sdO_base + (uint32_t)(lanes.v * 2));   // dV += P^T dO
+                mma_pv<T, Tr>(dv, pt_frag, sdO_st + (uint32_t)(lanes.v * 2));   // dV += P^T dO
             }
             if constexpr (kDK) {
                 uint32_t dst_frag[MT][NT / 2][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) pack_a_fragments<T, NT>(dst_frag[mt], dpt[mt]);
-                mma_pv<T, Tr>(dk, dst_frag, sQ_base + (uint32_t)(lanes.v * 2));   // dK += dS^T Q
+                mma_pv<T, Tr>(dk, dst_frag, sQ_st + (uint32_t)(lanes.v * 2));   // dK += dS^T Q
             }
         }
     }
+    cp_async_wait<0>();  // nothing may still be writing to smem when the CTA retires
 
     // ---- epilogue: dK = softmax_scale dS^T Q, dV, rounded to T (zeros for unseen keys) ----
     const float scale = (float)f.softmax_scale_d;
@@ -204,8 +225,8 @@ __device__ __forceinline__ void bwd_dq_mma_block(const BwdParams& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);                 // [BLOCK_M][kRow]
     T* sdO = sQ + BLOCK_M * Tr::kRow;                       // [BLOCK_M][kRow]
-    T* sK = sdO + BLOCK_M * Tr::kRow;                       // [BLOCK_N][kRow]
-    T* sV = sK + BLOCK_N * Tr::kRow;                        // [BLOCK_N][kRow]
+    T* sK = sdO + BLOCK_M * Tr::kRow;                       // [kStages][BLOCK_N][kRow]
+    T* sV = sK + Tr::kStages * BLOCK_N * Tr::kRow;          // [kStages][BLOCK_N][kRow]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const FwdParams& f = p.fwd;
@@ -251,18 +272,32 @@ __device__ __forceinline__ void bwd_dq_mma_block(const BwdParams& p) {
 #pragma unroll
         for (int i = 0; i < 4 * DT; ++i) dq[mt][i] = 0.f;
 
-    // ---- main loop over the key tiles ----
+    // ---- main loop over the key tiles; tile j computes on stage j % 2 while the copies of
+    //      tile j + 1 fill the other ----
+    constexpr uint32_t kStageBytes = BLOCK_N * Tr::kRow * sizeof(T);
+    auto load_tile = [&](int nb) {  // K, V of key tile nb, if any
+        if (nb < tiles.n_block_max) {
+            const int n0 = nb * BLOCK_N;
+            const uint32_t off = ((nb - tiles.n_block_min) & 1) * kStageBytes;
+            kv_loader.load(sK_base + off, k_base + (int64_t)n0 * f.k_row_stride, f.k_row_stride, seqlen_k - n0,
+                           chunks_valid, k_base);
+            kv_loader.load(sV_base + off, v_base + (int64_t)n0 * f.v_row_stride, f.v_row_stride, seqlen_k - n0,
+                           chunks_valid, v_base);
+        }
+        cp_async_commit();
+    };
+    load_tile(tiles.n_block_min);
     for (int nb = tiles.n_block_min; nb < tiles.n_block_max; ++nb) {
         const int n0 = nb * BLOCK_N;
-        __syncthreads();  // every warp is done with the previous K, V
-        kv_loader.load(sK_base, k_base + (int64_t)n0 * f.k_row_stride, f.k_row_stride, seqlen_k - n0, chunks_valid, k_base);
-        kv_loader.load(sV_base, v_base + (int64_t)n0 * f.v_row_stride, f.v_row_stride, seqlen_k - n0, chunks_valid, v_base);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
+        const uint32_t off = ((nb - tiles.n_block_min) & 1) * kStageBytes;
+        __syncthreads();      // every warp is done with tile nb - 1: its stage may be refilled
+        load_tile(nb + 1);
+        cp_async_wait<1>();   // this thread's copies of tile nb (and Q, dO) have landed
+        __syncthreads();      // ... and everyone's
+        const uint32_t sK_st = sK_base + off, sV_st = sV_base + off;
         float st[MT][4 * NT], dp[MT][4 * NT];
-        mma_scores<T, Tr>(st, 0, sQ_base + (uint32_t)(lanes.q * 2), sK_base + (uint32_t)(lanes.k * 2));
-        mma_scores<T, Tr>(dp, 0, sdO_base + (uint32_t)(lanes.q * 2), sV_base + (uint32_t)(lanes.k * 2));
+        mma_scores<T, Tr>(st, 0, sQ_base + (uint32_t)(lanes.q * 2), sK_st + (uint32_t)(lanes.k * 2));
+        mma_scores<T, Tr>(dp, 0, sdO_base + (uint32_t)(lanes.q * 2), sV_st + (uint32_t)(lanes.k * 2));
         const bool mask = tiles.needs_mask(nb);
         uint32_t ds_frag[MT][NT / 2][4];
 #pragma unroll
@@ -278,8 +313,9 @@ __device__ __forceinline__ void bwd_dq_mma_block(const BwdParams& p) {
                 }
             pack_a_fragments<T, NT>(ds_frag[mt], dp[mt]);
         }
-        mma_pv<T, Tr>(dq, ds_frag, sK_base + (uint32_t)(lanes.v * 2));   // dQ += dS K
+        mma_pv<T, Tr>(dq, ds_frag, sK_st + (uint32_t)(lanes.v * 2));   // dQ += dS K
     }
+    cp_async_wait<0>();
 
     // ---- epilogue: dQ = softmax_scale dS K, rounded to T ----
     const float scale = (float)f.softmax_scale_d;
