@@ -16,8 +16,10 @@ cache; both are torch custom operators, so a compiled model traces them. Causal 
 aligned bottom-right (the query tokens are the last of the keys), as a cache needs.
 
 Supported: float16 / bfloat16 (float32 prefill too), head dims that are multiples of 8 up to
-256, GQA/MQA, sliding windows (``sliding_window``), no dropout, no soft-capping, and batches
-without padding: a padded batch (an attention mask with zeros) raises NotImplementedError.
+256, GQA/MQA, sliding windows (``sliding_window``), training (the operators' backward is
+:func:`cupyflash.flash_attn_backward`; under ``torch.autocast`` q, k, v are cast to autocast's
+dtype), no dropout, no soft-capping, and batches without padding: a padded batch (an attention
+mask with zeros) raises NotImplementedError.
 Installed with the ``transformers`` extra (``pip install cupyflash[transformers]``).
 """
 from __future__ import annotations
@@ -74,6 +76,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NotImplementedError("cupyflash attention: no logit soft-capping")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if not (q.dtype == k.dtype == v.dtype):
+        # under torch.autocast the rotary embedding hands over float32 q, k beside a bf16 / fp16
+        # v: one dtype for the kernel, autocast's when it is on (as transformers' own
+        # FlashAttention integration does), else v's
+        dt = (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda")
+              else v.dtype)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     window = (-1, -1)
     if sliding_window is not None:  # the last `sliding_window` keys, this one included
         window = (int(sliding_window) - 1, 0 if causal else -1)

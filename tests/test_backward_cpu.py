@@ -120,3 +120,31 @@ def test_backward_refuses_host_arrays_before_any_launch():
         cupyflash.flash_attn_backward(q, q, q, q, q, np.zeros((1, 1, 4)))
     with pytest.raises(TypeError, match="deterministic: expected a bool"):
         cupyflash.flash_attn_backward(q, q, q, q, q, np.zeros((1, 1, 4)), deterministic="yes")
+
+
+def test_torch_callers_that_need_grad_go_through_the_operator():
+    """requires_grad routes the call to the custom operator (whose backward is registered):
+    CPU tensors then fail inside it with the device error, ``out=`` is refused, and under
+    no_grad the plain path runs (the same device error, from the eager call)."""
+    torch = pytest.importorskip("torch")
+    import cupyflash
+    from cupyflash import api, torch_ops
+    q = torch.zeros(1, 4, 1, 8, requires_grad=True)
+    assert api._grad_wanted(q, q, q, None) is True
+    with torch.no_grad():
+        assert api._grad_wanted(q, q, q, None) is False
+    assert api._grad_wanted(q.detach(), q.detach(), q.detach(), None) is False
+    with pytest.raises(ValueError, match="out: not allowed when q, k or v requires grad"):
+        cupyflash.flash_attn_func(q, q, q, out=torch.zeros(1, 4, 1, 8))
+    with pytest.raises(TypeError, match="q: expected a CUDA array"):
+        cupyflash.flash_attn_func(q, q, q)
+    # the fake (meta) implementations give the gradients' shapes and the LSE's dtype
+    k = torch.zeros(1, 6, 1, 8, dtype=torch.float64)
+    dq, dk, dv = torch_ops._flash_attn_backward_fake(None, q, k, k, None, None, None, False, -1,
+                                                     -1, False)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    _, lse = torch_ops._flash_attn_fake(k, k, k, None, False, -1, -1)
+    assert lse.dtype == torch.float64 and lse.shape == (1, 1, 6)
+    assert torch_ops._grad_out(None, k).shape == k.shape
+    g = torch.ones(1, 1, 1, 1).expand(1, 6, 1, 8)  # the expanded gradient of out.sum()
+    assert torch_ops._grad_out(g, k).stride(-1) == 1
