@@ -41,6 +41,7 @@ from .core.interop import np_dtype  # the one name -> NumPy dtype map ('bfloat16
 st = deps.hypothesis_strategies("cupyflash.testing")
 
 __all__ = [
+    "backward_magnitudes", "backward_error",
     "DTYPES", "BLOCK_SIZES", "np_dtype", "rel_error", "streaming_error_bound",
     "dtypes", "headdims", "head_counts", "seqlens", "window_sizes", "softmax_scales",
     "segment_lengths", "cu_seqlens_from_lengths", "random_normal",
@@ -192,6 +193,62 @@ def streaming_error_bound(q, k, v, *, softmax_scale=None, causal=False, window_s
 # ----------------------------------------------------------------------------------------------
 # Argument checks of the strategies (run when a strategy is built)
 # ----------------------------------------------------------------------------------------------
+def backward_magnitudes(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """Norms of the componentwise magnitudes of the gradients of attention (NumPy, float64):
+    ``|P|^T |dO|`` (dv), ``scale |dS|~ |K|`` and ``scale |dS|~^T |Q|`` (dq, dk) with
+    ``|dS|~ = P (|dP| + |D|)``, KV terms summed over each GQA group. Each bounds its gradient
+    elementwise and does not vanish where the gradient cancels to 0 (e.g. a row that sees one
+    key: dS = 0 exactly), so it is the scale that rounding errors are measured against."""
+    from . import reference
+    f = np.float64
+    group = q.shape[2] // k.shape[2]
+    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    qh, doh = (np.asarray(x, dtype=f).transpose(0, 2, 1, 3) for x in (q, dout))
+    kh, vh = (np.repeat(np.asarray(x, dtype=f), group, axis=2).transpose(0, 2, 1, 3) for x in (k, v))
+    mask = reference.attention_mask(q.shape[1], k.shape[1], causal=causal, window_size=window_size)
+    s = np.where(mask, scale * qh @ kh.swapaxes(-1, -2), -np.inf)
+    row_max = np.where(mask.any(-1), s.max(-1, initial=-np.inf), 0.0)[..., None]
+    e = np.exp(s - row_max)
+    p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+    dp = doh @ vh.swapaxes(-1, -2)
+    ds_abs = p * (np.abs(dp) + np.abs((p * dp).sum(-1, keepdims=True)))
+
+    def kv_sum(x):  # (b, h, s, d) -> summed over each group
+        return x.reshape(x.shape[0], k.shape[2], group, *x.shape[2:]).sum(2)
+    return (np.linalg.norm(scale * ds_abs @ np.abs(kh)),
+            np.linalg.norm(kv_sum(scale * ds_abs.swapaxes(-1, -2) @ np.abs(qh))),
+            np.linalg.norm(kv_sum(p.swapaxes(-1, -2) @ np.abs(doh))))
+
+
+def backward_error(got, dout, q, k, v, **kwargs) -> tuple:
+    """Errors of computed gradients ``got = (dq, dk, dv)`` against the float64 one-shot backward
+    (:func:`cupyflash.reference.attention_backward` on the same inputs), each as
+    ``||got - ref||_2 / m`` with ``m`` its :func:`backward_magnitudes` (so a gradient that cancels
+    to 0 is still measured against the size of its terms), and the largest finite ``|LSE|``
+    of the rows (recomputing ``P = exp(s - LSE)`` from a stored LSE costs a relative error of
+    about ``eps(LSE dtype) * |LSE|`` per probability, whatever the kernel).
+
+    Returns
+    -------
+    (errors, max_abs_lse) : ((float, float, float), float)
+        ``inf`` for a gradient with a NaN or infinity.
+    """
+    from . import reference
+    ref = reference.attention_backward(dout, q, k, v, **kwargs)
+    mags = backward_magnitudes(dout, q, k, v, **kwargs)
+    errs = []
+    for g, r, m in zip(got, ref, mags):
+        g = np.asarray(g, dtype=np.float64)
+        if not np.isfinite(g).all():
+            errs.append(math.inf)
+            continue
+        e = float(np.linalg.norm(g - r))
+        errs.append(0.0 if e == 0 else (e / m if m > 0 else math.inf))
+    _, lse = reference.attention_reference(q, k, v, **kwargs)
+    fin = np.isfinite(lse)
+    return tuple(errs), float(np.abs(lse[fin]).max()) if fin.any() else 0.0
+
+
 def _int(x, name: str, lo: int | None = None, hi: int | None = None) -> int:
     """``x`` as an int in ``[lo, hi]`` (None: unbounded); bools are not ints here."""
     want = ("an int" + (f" >= {lo}" if hi is None and lo is not None else "")

@@ -22,11 +22,20 @@ def rand(shape, dtype):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--small", action="store_true", help="fewer prefill cases (racecheck is slow)")
+    ap.add_argument("--backward-only", action="store_true", help="the backward cases alone")
     args = ap.parse_args()
     small = args.small
     import ml_dtypes
     bf16 = np.dtype(ml_dtypes.bfloat16)
     dtypes = [bf16, cp.float64] if small else [cp.float16, bf16, cp.float32, cp.float64]
+    if not args.backward_only:
+        forward_and_decode(dtypes, small, bf16)
+    backward(dtypes, small, bf16)
+    cp.cuda.runtime.deviceSynchronize()
+    print("sanitize cases: done")
+
+
+def forward_and_decode(dtypes, small, bf16):
     for dt in dtypes:
         for d in ((64, 40) if small else (64, 128, 40)):
             q, k, v = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt), rand((2, 133, 2, d), dt)
@@ -100,6 +109,9 @@ def main():
     qm = rand((3 * 2 * 8 * 128 + 1,), bf16)[1:].reshape(3, 2, 8, 128)
     for ns in (1, 3):
         cf.flash_attn_with_kvcache(qm, kc, vc, cache_seqlens=lens, num_splits=ns)
+
+
+def backward(dtypes, small, bf16):
     # backward: every kernel family (mma.sync dK/dV in one and in two parts, CUDA cores), tails,
     # causal with queries that see no key, a window, GQA, varlen with empty sequences
     for dt in dtypes:
@@ -120,8 +132,6 @@ def main():
     out, lse = cf.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 65, 90, causal=True, return_lse=True)
     cf.flash_attn_varlen_backward(rand(q.shape, bf16), q, k, k, out, lse, cu_q, cu_k, 65, 90,
                                   causal=True)
-    cp.cuda.runtime.deviceSynchronize()
-    print("sanitize cases: done")
 
 
 if __name__ == "__main__":

@@ -34,30 +34,7 @@ def dout_for(q, seed):
     return np.random.default_rng(seed + 1).standard_normal(q.shape).astype(q.dtype)
 
 
-def gradient_magnitudes(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
-    """Norms of the componentwise magnitudes of the gradients, computed independently here:
-    ``|P|^T |dO|`` (dv), ``scale |dS|~ |K|`` and ``scale |dS|~^T |Q|`` (dq, dk) with
-    ``|dS|~ = P (|dP| + |D|)``, KV terms summed over each GQA group. Each bounds its gradient
-    elementwise and does not vanish where the gradient cancels to 0 (e.g. a row that sees one
-    key: dS = 0 exactly), so it is the scale that rounding errors are measured against."""
-    f = np.float64
-    group = q.shape[2] // k.shape[2]
-    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    qh, doh = (x.astype(f).transpose(0, 2, 1, 3) for x in (q, dout))
-    kh, vh = (np.repeat(x.astype(f), group, axis=2).transpose(0, 2, 1, 3) for x in (k, v))
-    mask = R.attention_mask(q.shape[1], k.shape[1], causal=causal, window_size=window_size)
-    s = np.where(mask, scale * qh @ kh.swapaxes(-1, -2), -np.inf)
-    row_max = np.where(mask.any(-1), s.max(-1, initial=-np.inf), 0.0)[..., None]
-    e = np.exp(s - row_max)
-    p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
-    dp = doh @ vh.swapaxes(-1, -2)
-    ds_abs = p * (np.abs(dp) + np.abs((p * dp).sum(-1, keepdims=True)))
-
-    def kv_sum(x):  # (b, h, s, d) -> summed over each group
-        return x.reshape(x.shape[0], k.shape[2], group, *x.shape[2:]).sum(2)
-    return (np.linalg.norm(scale * ds_abs @ np.abs(kh)),
-            np.linalg.norm(kv_sum(scale * ds_abs.swapaxes(-1, -2) @ np.abs(qh))),
-            np.linalg.norm(kv_sum(p.swapaxes(-1, -2) @ np.abs(doh))))
+gradient_magnitudes = T.backward_magnitudes
 
 
 def assert_grads_close(got, want, magnitudes, tol):

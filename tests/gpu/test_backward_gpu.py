@@ -2,8 +2,10 @@
 
 Oracle: the float64 one-shot backward (:func:`cupyflash.reference.attention_backward`) on the
 same inputs rounded to the dtype (q, k, v, dout), with the forward's ``out`` and ``lse`` from
-cupyflash's own forward. Bound per dtype, on the normwise relative error
-(:func:`cupyflash.testing.rel_error`) of each of dq, dk, dv: :data:`BOUND`. float16/bfloat16
+cupyflash's own forward. Bound per dtype on each of dq, dk, dv (:func:`cupyflash.testing.
+backward_error`: the error relative to the size of the gradient's terms, which stays meaningful
+where the gradient cancels, e.g. a row that sees one key): :data:`BOUND`, plus
+``4 eps(LSE dtype) max|LSE|`` (P is recomputed from the stored LSE). float16/bfloat16
 round P and dS to the dtype before the three products that read them (as every FlashAttention
 backward does) and the gradients to the dtype at the end; float32 computes in float32 from a
 float32 LSE; float64 must agree to 1e-12.
@@ -26,8 +28,13 @@ from cupyflash.backward import kernels as bwd_kernels  # noqa: E402
 from cupyflash.core.interop import np_dtype  # noqa: E402
 from gpu_arrays import to_device, to_host  # noqa: E402
 
-#: Normwise relative error bound per dtype (dq, dk, dv each).
-BOUND = {"float64": 1e-12, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+#: Error bound per dtype (dq, dk, dv each): the norm of the difference over the norm of the
+#: gradient's componentwise magnitude (testing.backward_magnitudes), plus 4 eps(LSE) max|LSE|.
+#: Measured on the H100/H200 (2026-12-05): float64 <= 1.3e-15, float32 <= 7e-7, bfloat16 <=
+#: 2.6e-3, float16 <= 3.3e-4 (as normwise relative errors, over the CASES below).
+BOUND = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
+LSE_DTYPE = {"float64": np.float64, "float32": np.float32, "float16": np.float32,
+             "bfloat16": np.float32}
 _NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 
 
@@ -65,13 +72,15 @@ def run_backward(q, k, v, dout, **kw):
     return runs[0]
 
 
-def assert_grads(got, q, k, v, dout, dtype, what="", bound=None, **kw):
-    ref = reference.attention_backward(dout, q, k, v, **kw)
-    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
-        g64 = np.asarray(g, dtype=np.float64)
-        assert not np.isnan(g64).any(), f"{what} {name}: NaN (an element not written)"
-        err = testing.rel_error(g64, r)
-        assert err <= (bound or BOUND[dtype]), f"{what} {name}: rel error {err:.3g} > {bound or BOUND[dtype]}"
+def assert_grads(got, q, k, v, dout, dtype, what="", **kw):
+    """Each gradient's error relative to the size of its terms (testing.backward_error) within
+    BOUND[dtype] + 4 eps(LSE dtype) max|LSE| (P is recomputed from the stored LSE)."""
+    for name, g in zip(("dq", "dk", "dv"), got):
+        assert not np.isnan(np.asarray(g, dtype=np.float64)).any(), f"{what} {name}: NaN (not written)"
+    errs, lse_max = testing.backward_error(got, dout, q, k, v, **kw)
+    bound = BOUND[dtype] + 4 * np.finfo(LSE_DTYPE[dtype]).eps * lse_max
+    for name, err in zip(("dq", "dk", "dv"), errs):
+        assert err <= bound, f"{what} {name}: error {err:.3g} > {bound:.3g} (max|LSE| {lse_max:.3g})"
 
 
 CASES = [  # (b, sq, sk, h, hk, d, causal, window)
