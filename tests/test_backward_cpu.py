@@ -28,7 +28,7 @@ def reports():
 
 
 def test_every_backward_kernel_compiles_without_spills(reports):
-    assert len(reports) == len(kernels.all_kernels()) > 100
+    assert len(reports) == len(kernels.all_kernels()) > 60
     for k, r in reports.items():
         assert r.ptxas.registers > 0, k.name
         if k.isa == "mma" or k.role == "dsum":
@@ -55,7 +55,7 @@ def test_shared_memory_is_the_traits_constant():
 def test_plans(dtype, d):
     plan = kernels.plan_backward(dtype, d, True)
     hd = plan.dq.headdim
-    assert hd >= d and hd - d < 32
+    assert hd == min(h for h in (32, 64, 128, 256) if h >= d)
     assert [k.role for k in plan.kernels] == ["dsum"] + ["dkdv"] * len(plan.dkdv) + ["dq"]
     if dtype in ("float16", "bfloat16"):
         assert {k.isa for k in plan.kernels} == {"mma"}

@@ -25,7 +25,8 @@ from ..core import jit
 from ..core.params import BwdParams, FwdParams
 from ..forward import kernels as fwd
 
-__all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "plan_backward", "all_kernels",
+__all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "HEADDIMS", "padded_headdim",
+           "plan_backward", "all_kernels",
            "launch_geometry", "bwd_fields", "params_of", "POINTERS", "ACC_DTYPE"]
 
 MMA_SOURCE = "backward/mma.cu"
@@ -46,15 +47,29 @@ _SHORT, _CTYPE = fwd._SHORT, fwd._CTYPE
 _MMA_TILES = {
     32: (((64, 128, 8, 0),), (128, 64, 8)),
     64: (((64, 128, 8, 0),), (128, 64, 8)),
-    96: (((32, 128, 8, 0),), (128, 64, 8)),
     128: (((32, 128, 8, 0),), (128, 64, 8)),
+    256: (((32, 128, 8, 1), (32, 128, 8, 2)), (128, 32, 8)),
 }
-for _hd in (160, 192, 224, 256):
-    _MMA_TILES[_hd] = (((32, 128, 8, 1), (32, 128, 8, 2)), (128, 32, 8))
+#: The backward's compiled head dims: every multiple of 8 up to 256 runs on the next of these
+#: (its columns past the actual head dim are zeros, never stored). Fewer than the forward's eight:
+#: each compiled head dim is 4-6 kernels per dtype to build and test; hd96 and hd160-224 pay
+#: 1.3-1.6x the work of a kernel of their own until the measurements say they need one.
+HEADDIMS = tuple(sorted(_MMA_TILES))
 # CUDA cores, 128 threads (16 row groups x 8 lanes): (block_m, block_n) of both kernels.
-_SIMT_TILES = {"float32": {hd: (32, 32) if hd <= 128 else (32, 16) for hd in fwd.HEADDIMS},
-               "float64": {hd: (32, 32) if hd <= 128 else (16, 16) for hd in fwd.HEADDIMS}}
-del _hd
+_SIMT_TILES = {"float32": {hd: (32, 32) if hd <= 128 else (32, 16) for hd in HEADDIMS},
+               "float64": {hd: (32, 32) if hd <= 128 else (16, 16) for hd in HEADDIMS}}
+
+
+def padded_headdim(d: int) -> int:
+    """The compiled head dim of :data:`HEADDIMS` that runs an actual head dim ``d``.
+
+    Raises
+    ------
+    ValueError
+        ``d`` is not a multiple of 8 in [8, 256]."""
+    if not (isinstance(d, int) and 8 <= d <= 256 and d % 8 == 0):
+        raise ValueError(f"headdim: expected a multiple of 8 in [8, 256], got {d!r}")
+    return next(h for h in HEADDIMS if h >= d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +193,7 @@ def plan_backward(dtype: str, headdim: int, causal: bool) -> BwdPlan:
         An unsupported dtype or head dim."""
     if dtype not in ACC_DTYPE:
         raise ValueError(f"dtype: the backward takes {tuple(ACC_DTYPE)}, got {dtype}")
-    hd = fwd.padded_headdim(headdim)
+    hd = padded_headdim(headdim)
     dsum = BwdKernel("dsum", dtype)
     if dtype in fwd.TC_DTYPES:
         dkdv_tiles, (qm, qn, qw) = _MMA_TILES[hd]
@@ -196,7 +211,7 @@ def all_kernels() -> tuple:
     """Every backward kernel a call can run (each dtype, compiled head dim, causal flag)."""
     seen = {}
     for dtype in ACC_DTYPE:
-        for hd in fwd.HEADDIMS:
+        for hd in HEADDIMS:
             for causal in (False, True):
                 for k in plan_backward(dtype, hd, causal).kernels:
                     seen[k] = None

@@ -106,7 +106,7 @@ def test_backward_matches_reference(dtype, case):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("hd", bwd_kernels.fwd.HEADDIMS)
+@pytest.mark.parametrize("hd", bwd_kernels.HEADDIMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
 def test_every_backward_kernel(dtype, hd, causal):
     """Every compiled head dim (its kernels: bwd_kernels.plan_backward), a head dim 8 below it,
