@@ -33,7 +33,7 @@ __all__ = [
     "Traffic", "itemsize", "visible_pairs", "visible_key_range", "prefill_flops", "decode_flops",
     "prefill_traffic", "prefill_hbm_bytes", "prefill_extra_memory",
     "baseline_traffic", "baseline_hbm_bytes", "baseline_extra_memory",
-    "decode_traffic", "decode_hbm_bytes", "intensity",
+    "decode_traffic", "decode_hbm_bytes", "intensity", "backward_flops", "backward_extra_memory",
 ]
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -238,6 +238,28 @@ def prefill_extra_memory(batch: int, nheads: int, seqlen_q: int) -> int:
     """Device memory the tiled forward allocates beyond its output: the float32 LSE,
     ``batch * nheads * seqlen_q * 4`` bytes: O(S)."""
     return batch * nheads * seqlen_q * LSE_BYTES
+
+
+def backward_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int,
+                   causal: bool = False, window_size=(-1, -1), executed: bool = False) -> int:
+    """FLOPs of the backward pass over the visible pairs, ``2 * batch * nheads * pairs *
+    headdim`` per matrix product.
+
+    ``executed=False``: the field's convention, FlashAttention-2's five products (S = Q K^T
+    recomputed, dP = dO V^T, dV = P^T dO, dK = dS^T Q, dQ = dS K), 2.5 x :func:`prefill_flops`;
+    backward TFLOP/s everywhere in this project use it. ``executed=True``: the seven products
+    cupyflash's kernels compute (``kernels_cu/common/bwd_tile.cuh``: its dK/dV and dQ kernels
+    each recompute S and dP instead of reducing dQ with atomics), 3.5 x :func:`prefill_flops`.
+    """
+    products = 7 if executed else 5
+    return 2 * products * batch * nheads * visible_pairs(seqlen_q, seqlen_k, causal,
+                                                         window_size) * headdim
+
+
+def backward_extra_memory(batch: int, nheads: int, seqlen_q: int, dtype="bfloat16") -> int:
+    """Device memory the backward allocates beyond its gradients: D = rowsum(dO * O), one
+    value per query row (float32; float64 for float64 inputs): O(S), never S x S."""
+    return batch * nheads * seqlen_q * (8 if itemsize(dtype) == 8 else 4)
 
 
 # ------------------------------------------------------------------------------------------------

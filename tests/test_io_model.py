@@ -217,3 +217,14 @@ def _brute_tile_keys(sq, sk, causal, window, bm, bn):
 def test_keys_per_query_tile_matches_brute_force(sq, sk, causal, left, right, bm, bn):
     got = m._keys_per_query_tile(sq, sk, causal, (left, right), bm, bn)
     assert list(got) == _brute_tile_keys(sq, sk, causal, (left, right), bm, bn)
+
+
+def test_backward_flops_and_memory():
+    fwd = m.prefill_flops(2, 16, 4096, 4096, 128, causal=True)
+    assert m.backward_flops(2, 16, 4096, 4096, 128, causal=True) == 2.5 * fwd
+    assert m.backward_flops(2, 16, 4096, 4096, 128, causal=True, executed=True) == 3.5 * fwd
+    # a window: only the visible pairs count
+    w = m.backward_flops(1, 1, 100, 100, 64, window_size=(3, 0))
+    assert w == 10 * m.visible_pairs(100, 100, False, (3, 0)) * 64
+    assert m.backward_extra_memory(2, 16, 4096) == 2 * 16 * 4096 * 4
+    assert m.backward_extra_memory(2, 16, 4096, "float64") == 2 * 16 * 4096 * 8
