@@ -76,8 +76,9 @@ def _grad_wanted(q, k, v, out) -> bool:
     torch = sys.modules.get("torch")
     if torch is None:
         return False
-    tensor = torch.Tensor
-    want = any(isinstance(x, tensor) and x.requires_grad for x in (q, k, v))
+    t = torch.Tensor  # (attribute reads, no generator: this runs on every eager call)
+    want = ((isinstance(q, t) and q.requires_grad) or (isinstance(k, t) and k.requires_grad)
+            or (isinstance(v, t) and v.requires_grad))
     if want and torch.is_grad_enabled():
         if out is not None:
             raise ValueError("out: not allowed when q, k or v requires grad (the result must be "

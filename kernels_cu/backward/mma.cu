@@ -153,43 +153,41 @@ __device__ __forceinline__ void bwd_dkdv_mma_block(const BwdParams& p) {
         const uint32_t sQ_st = sQ_base + stage * kStageBytes, sdO_st = sdO_base + stage * kStageBytes;
         const float* sL_st = sL + stage * BLOCK_M;
         const float* sD_st = sD + stage * BLOCK_M;
-        {
-            const bool mask = bwd_tile_needs_mask<BLOCK_M, BLOCK_N>(f, m0, n0, seqlen_q, seqlen_k, CAUSAL);
-            float st[MT][4 * NT];
-            mma_scores<T, Tr>(st, 0, sK_base + (uint32_t)(lanes.q * 2), sQ_st + (uint32_t)(lanes.k * 2));
-            float dpt[kDK ? MT : 1][kDK ? 4 * NT : 1];
-            if constexpr (kDK)
-                mma_scores<T, Tr>(dpt, 0, sV_base + (uint32_t)(lanes.q * 2), sdO_st + (uint32_t)(lanes.k * 2));
+        const bool mask = bwd_tile_needs_mask<BLOCK_M, BLOCK_N>(f, m0, n0, seqlen_q, seqlen_k, CAUSAL);
+        float st[MT][4 * NT];
+        mma_scores<T, Tr>(st, 0, sK_base + (uint32_t)(lanes.q * 2), sQ_st + (uint32_t)(lanes.k * 2));
+        float dpt[kDK ? MT : 1][kDK ? 4 * NT : 1];
+        if constexpr (kDK)
+            mma_scores<T, Tr>(dpt, 0, sV_base + (uint32_t)(lanes.q * 2), sdO_st + (uint32_t)(lanes.k * 2));
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                // P^T and dS^T of this warp's keys (rows) against the block's queries (columns)
+        for (int mt = 0; mt < MT; ++mt) {
+            // P^T and dS^T of this warp's keys (rows) against the block's queries (columns)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = frag_col(nt, t, e), i = 4 * nt + e;
-                        float pr = exp2f(fmaf(st[mt][i], f.scale_log2, -sL_st[col]));
-                        if (mask) {
-                            const KeyRange r = visible_keys(m0 + col, seqlen_q, seqlen_k, CAUSAL,
-                                                            f.window_left, f.window_right);
-                            if (!key_visible(r, n0 + warp_row0 + 16 * mt + frag_row(g, e))) pr = 0.f;
-                        }
-                        st[mt][i] = pr;
-                        if constexpr (kDK) dpt[mt][i] = pr * (dpt[mt][i] - sD_st[col]);
+                for (int e = 0; e < 4; ++e) {
+                    const int col = frag_col(nt, t, e), i = 4 * nt + e;
+                    float pr = exp2f(fmaf(st[mt][i], f.scale_log2, -sL_st[col]));
+                    if (mask) {
+                        const KeyRange r = visible_keys(m0 + col, seqlen_q, seqlen_k, CAUSAL,
+                                                        f.window_left, f.window_right);
+                        if (!key_visible(r, n0 + warp_row0 + 16 * mt + frag_row(g, e))) pr = 0.f;
                     }
-            }
-            if constexpr (kDV) {
-                uint32_t pt_frag[MT][NT / 2][4];
+                    st[mt][i] = pr;
+                    if constexpr (kDK) dpt[mt][i] = pr * (dpt[mt][i] - sD_st[col]);
+                }
+        }
+        if constexpr (kDV) {
+            uint32_t pt_frag[MT][NT / 2][4];
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) pack_a_fragments<T, NT>(pt_frag[mt], st[mt]);
-                mma_pv<T, Tr>(dv, pt_frag, sdO_st + (uint32_t)(lanes.v * 2));   // dV += P^T dO
-            }
-            if constexpr (kDK) {
-                uint32_t dst_frag[MT][NT / 2][4];
+            for (int mt = 0; mt < MT; ++mt) pack_a_fragments<T, NT>(pt_frag[mt], st[mt]);
+            mma_pv<T, Tr>(dv, pt_frag, sdO_st + (uint32_t)(lanes.v * 2));   // dV += P^T dO
+        }
+        if constexpr (kDK) {
+            uint32_t dst_frag[MT][NT / 2][4];
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) pack_a_fragments<T, NT>(dst_frag[mt], dpt[mt]);
-                mma_pv<T, Tr>(dk, dst_frag, sQ_st + (uint32_t)(lanes.v * 2));   // dK += dS^T Q
-            }
+            for (int mt = 0; mt < MT; ++mt) pack_a_fragments<T, NT>(dst_frag[mt], dpt[mt]);
+            mma_pv<T, Tr>(dk, dst_frag, sQ_st + (uint32_t)(lanes.v * 2));   // dK += dS^T Q
         }
     }
     cp_async_wait<0>();  // nothing may still be writing to smem when the CTA retires
