@@ -148,3 +148,18 @@ def test_torch_callers_that_need_grad_go_through_the_operator():
     assert torch_ops._grad_out(None, k).shape == k.shape
     g = torch.ones(1, 1, 1, 1).expand(1, 6, 1, 8)  # the expanded gradient of out.sum()
     assert torch_ops._grad_out(g, k).stride(-1) == 1
+
+
+def test_tensor_core_layout_check_names_the_array():
+    """The backward's mma.sync kernels read 16-byte chunks: a base off a 16-byte boundary or a
+    row stride that is no multiple of 8 elements is refused before any launch, naming it."""
+    from cupyflash.core.interop import ArrayDesc
+    from cupyflash.forward import kernels as fwd
+    ok = ArrayDesc(0x1000, (2, 10, 4, 64), (2560, 256, 64, 1), "bfloat16", 0)
+    fwd.check_tensor_core_layout({"q": ok, "dq": None})
+    off = ArrayDesc(0x1002, (2, 10, 4, 64), (2560, 256, 64, 1), "bfloat16", 0)
+    with pytest.raises(ValueError, match="^dout: .*16-byte aligned base"):
+        fwd.check_tensor_core_layout({"q": ok, "dout": off})
+    odd = ArrayDesc(0x1000, (2, 10, 4, 60), (2400, 240, 60, 1), "bfloat16", 0)
+    with pytest.raises(ValueError, match="^dk: .*multiples of 8"):
+        fwd.check_tensor_core_layout({"dk": odd})

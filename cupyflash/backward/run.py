@@ -10,6 +10,7 @@ import collections
 from ..core import checks, interop
 from ..core.interop import TorchCaller, as_cupy, caller_of, describe_torch
 from ..forward.run import _device_of, _require_device, _same_device, require_bool
+from ..forward import kernels as fwd_kernels
 from . import kernels
 
 __all__ = ["flash_attn_backward", "flash_attn_varlen_backward"]
@@ -59,6 +60,15 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
                  for n, a in named.items()}
         arrays = views
     _same_device(views)
+    if dt in fwd_kernels.TC_DTYPES:  # mma.sync kernels: 16-byte cp.async, paired stores
+        fwd_kernels.check_tensor_core_layout({n: views[n] for n in
+                                              ("dout", "q", "k", "v", "out", "dq", "dk", "dv")})
+    plan = kernels.plan_backward(dt, problem.headdim, problem.causal)
+    geometry = [(kern,) + kernels.launch_geometry(kern, problem) for kern in plan.kernels]
+    for _, grid, _ in geometry:  # before any launch
+        if grid[1] > 65535 or grid[2] > 65535:
+            raise ValueError(f"problem: nheads ({grid[1]}) and batch ({grid[2]}) must be "
+                             f"<= 65535")
     dev = _device_of(views["q"])
     device = interop.on_device(dev) if caller is TorchCaller else views["q"].device
     with device:
@@ -76,15 +86,9 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
             ptr(arrays[n]) if arrays[n] is not None else 0 for n in
             ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"))
         stream = caller.stream(dev)
-        plan = kernels.plan_backward(dt, problem.headdim, problem.causal)
-        for kern in plan.kernels:
-            grid, block = kernels.launch_geometry(kern, problem)
-            if 0 in grid:
-                continue  # no rows (dsum, dq) or no keys (dkdv): nothing to write
-            if grid[1] > 65535 or grid[2] > 65535:
-                raise ValueError(f"problem: nheads ({grid[1]}) and batch ({grid[2]}) must be "
-                                 f"<= 65535")
-            _launch(kern, fields, grid, block, dev, pointers, stream)
+        for kern, grid, block in geometry:
+            if 0 not in grid:  # (no rows: dsum, dq; no keys: dkdv; nothing to write)
+                _launch(kern, fields, grid, block, dev, pointers, stream)
     return arrays["dq"], arrays["dk"], arrays["dv"]
 
 

@@ -43,7 +43,7 @@ __all__ = [
     "kernel_spec", "all_specs", "spec_of", "config_of",
     "launch_config", "POINTERS",
     "kernel_params", "params_of", "args_template", "check_pointers", "launch", "prepared_launch",
-    "lse_dtype", "fwd_fields",
+    "lse_dtype", "fwd_fields", "check_tensor_core_layout",
 ]
 
 #: Compiled (padded) head dims; every multiple of 8 up to 256 maps to the next one of these.
@@ -521,8 +521,18 @@ def check_pointers(spec: jit.KernelSpec, q, k, v, out) -> None:
 def _check_alignment(spec, q, k, v, out) -> None:
     """ValueError for the first of q, k, v, out whose base pointer is not 16-byte aligned or
     whose strides (but the last) are not multiples of 8 elements (tensor-core kernels)."""
-    # 16-byte cp.async loads and 4-byte paired stores: 16-byte aligned bases and rows.
-    for n, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+    check_tensor_core_layout({"q": q, "k": k, "v": v, "out": out})
+
+
+def check_tensor_core_layout(named: dict) -> None:
+    """The tensor-core kernels' 16-byte ``cp.async`` loads and 4-byte paired stores need 16-byte
+    aligned bases and rows: ValueError naming the first array (of ``{name: array}``, None
+    skipped; CuPy arrays or :class:`cupyflash.core.interop.ArrayDesc`) whose base pointer is not
+    16-byte aligned or whose strides (but the last) are not multiples of 8 elements. Used by the
+    forward and the backward."""
+    for n, x in named.items():
+        if x is None:
+            continue
         st = _strides(x, n, x.ndim)
         if x.data.ptr % 16 or any(s % 8 for s in st[:-1]):
             raise ValueError(f"{n}: the tensor-core kernel needs a 16-byte aligned base and "
