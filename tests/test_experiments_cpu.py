@@ -583,6 +583,7 @@ def test_bench_backward_one_shape_end_to_end_on_the_cpu(monkeypatch):
     """run_shape on CPU tensors: every configuration set up, timed in interleaved rounds
     (common.benchmark faked), checked against the float32 math reference; a backend that
     cannot run (cuDNN on the CPU) is an error record and the others go on."""
+    pytest.importorskip("torch")  # the inputs and the fake's math are CPU torch tensors
     import bench_backward as bb
     monkeypatch.setattr(bb, "_cupyflash", lambda: _FakeCupyflash)
     _FakeCupyflash.calls = []
