@@ -54,7 +54,8 @@ Host synchronisation: paths 1 and 2 read nothing back to the host (lengths, indi
 ``cu_seqlens`` stay on the device, ``max_seqlen`` is the static padded length, the varlen call
 runs with ``validate=False`` and the decode call checks ``cache_seqlens`` on the device), so a
 padded decode step (and a padded prefill) can be captured in a CUDA graph; while the stream
-captures, the decode call gets a float32 workspace kept per (device, stream, shapes). What does
+captures, the decode call gets a float32 workspace kept per (device, stream, shapes), shared by
+the graphs captured on that stream (do not replay two of them concurrently). What does
 synchronise: path 4 reads the document starts back once per forward (cached for the layers that
 share the ``position_ids`` tensor; under ``torch.compile`` the inspection is a graph break), and
 path 3 reads ``max_length_q`` / ``max_length_k`` when they are tensors or missing (ints, as the
