@@ -32,6 +32,12 @@
 #                       from the same weights on the same batches with SDPA, cupyflash ("cupyfa")
 #                       and a second SDPA backend (the noise floor); quick: 30 steps, full: 300
 #                       (estimated 1-3 min on an H200, not yet measured); needs transformers
+#   bench_hf_generate   bench_hf_generate.py: HF generate() on 8 left-padded prompts of mixed
+#                       lengths (a config-built Llama, bf16), tokens/s, prefill and decode-step
+#                       times of cupyflash (both padded decode kernels), SDPA and
+#                       flash_attention_2 (if flash_attn imports); quick: 4 layers, prompts up to
+#                       256, 32 tokens; full: 16 layers, 1k, 128 (not yet measured); needs
+#                       transformers
 #   experiments/run_gpu_experiments.sh quick bench_prefill_fa3 ncu_prefill   # limits 200 + 120 s
 #   experiments/run_gpu_experiments.sh full ncu_prefill                      # limit 235 s
 #
@@ -63,12 +69,12 @@ declare -A QUICK=([bench_ceilings]=30 [bench_prefill]=150 [bench_decode]=100 [ex
                   [bench_tiles]=80 [exp_hbm]=100 [bench_overhead]=90
                   [bench_prefill_fa3]=200 [ncu_prefill]=120 [bench_power]=60
                   [bench_backward]=540 [bench_backward_hd64]=240 [bench_backward_hd128]=240
-                  [bench_backward_hd256]=240 [train_llama]=240)
+                  [bench_backward_hd256]=240 [train_llama]=240 [bench_hf_generate]=240)
 declare -A FULL=([bench_ceilings]=60 [bench_prefill]=540 [bench_decode]=540 [exp_memory]=200
                  [bench_tiles]=450 [exp_hbm]=540 [bench_overhead]=90
                  [bench_prefill_fa3]=240 [ncu_prefill]=235 [bench_power]=400
                  [bench_backward]=570 [bench_backward_hd64]=570 [bench_backward_hd128]=570
-                 [bench_backward_hd256]=570 [train_llama]=540)
+                 [bench_backward_hd256]=570 [train_llama]=540 [bench_hf_generate]=540)
 # entries that run another script with arguments of their own (after $FLAG)
 declare -A SCRIPT=([bench_prefill_fa3]=bench_prefill [bench_backward_hd64]=bench_backward
                    [bench_backward_hd128]=bench_backward [bench_backward_hd256]=bench_backward)

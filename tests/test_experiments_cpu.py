@@ -872,3 +872,59 @@ def test_train_llama_without_a_gpu_trains_a_tiny_model_and_writes_nothing(tmp_pa
                         "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     assert "no CUDA GPU" in r.stdout and "sdpa_alt vs sdpa" in r.stdout and not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_hf_generate: the arguments, the prompt mix, the no-GPU exit, one tiny run on the CPU
+# ----------------------------------------------------------------------------------------------
+def test_bench_hf_generate_arguments():
+    import bench_hf_generate as bg
+    a = bg.parse_args(["--quick"])
+    assert (a.prompt_max, a.new_tokens, a.layers, a.repeats) == (256, 32, 4, 2)
+    assert a.prompt_lens == [256, 49, 192, 8, 128, 225, 69, 151] and a.batch == 8
+    assert a.out.name == "bench_hf_generate.jsonl" and a.impls == list(bg.IMPLS)
+    a = bg.parse_args(["--prompt-max", "100", "--batch", "10", "--impls", "sdpa"])
+    assert (a.prompt_max, a.new_tokens, a.layers, a.repeats) == (100, 128, 16, 3)
+    assert a.prompt_lens[8:] == [100, 19] and min(a.prompt_lens) == 3 and a.impls == ["sdpa"]
+    assert bg.prompt_lengths(10, 4) == [10, 2, 8, 1]
+    with pytest.raises(SystemExit):
+        bg.parse_args(["--new-tokens", "1"])
+    with pytest.raises(SystemExit):
+        bg.parse_args(["--heads", "5"])
+    with pytest.raises(SystemExit):
+        bg.parse_args(["--impls", "eager"])
+    assert bg.impl_available("sdpa") == (True, "")
+    ok, why = bg.impl_available("flash_attention_2")
+    assert (ok and why == "") or "flash_attn does not import" in why
+    line = bg.summary_line({"impl": "cupyfa", "tokens_per_s": 1234.5, "ms_generate": 200.0,
+                            "ms_prefill": 20.0, "ms_decode_step_est": 5.8})
+    assert "1234.5 tok/s" in line and "decode step - ms (est 5.80)" in line
+    assert "error: boom" in bg.summary_line({"impl": "sdpa", "error": "boom"})
+
+
+def test_bench_hf_generate_no_gpu_exits_zero(tmp_path):
+    out = tmp_path / "g.jsonl"
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_hf_generate.py"),
+                        "--quick", "--out", str(out)], capture_output=True, text=True,
+                       timeout=120, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU" in r.stdout and not out.exists()
+
+
+def test_bench_hf_generate_runs_a_tiny_model_on_the_cpu():
+    """run() end to end on the CPU with SDPA (a tiny Llama): every timing field, and the
+    agreement with itself."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import bench_hf_generate as bg
+    a = bg.parse_args(["--prompt-max", "12", "--batch", "3", "--new-tokens", "3", "--layers",
+                       "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                       "--intermediate", "64", "--vocab", "64", "--repeats", "1",
+                       "--decode-steps", "2", "--impls", "sdpa"])
+    (rec,) = bg.run(a, a.impls, device="cpu")
+    assert "error" not in rec, rec
+    assert rec["what"] == "hf_generate" and rec["prompt_lens"] == [12, 2, 9]
+    for key in ("ms_generate", "ms_prefill", "ms_decode_step", "ms_decode_step_est",
+                "tokens_per_s"):
+        assert rec[key] > 0, key
+    assert rec["head_dim"] == 16 and "agree_with_sdpa" not in rec
