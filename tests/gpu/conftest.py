@@ -38,6 +38,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def clean_guard_records():
+    """The test starts and ends without an unreported device-side check error
+    (:func:`cupyflash.core.guard.check_errors`)."""
+    from cupyflash.core import guard
+    guard.check_errors()
+    yield
+    guard.check_errors()
+
+
 @pytest.fixture(scope="session")
 def gpu():
     """The current ``cupy.cuda.Device``; skips the test when there is none."""

@@ -18,9 +18,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from cupyflash import hf  # noqa: E402
-from cupyflash.core import guard  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_guard_records")]
 
 if not torch.cuda.is_available():  # CuPy may see a GPU that this torch build cannot use
     pytest.skip("torch without CUDA", allow_module_level=True)
@@ -29,11 +28,6 @@ EPS = 2.0 ** -8  # bfloat16
 VOCAB = 1024
 
 
-@pytest.fixture(autouse=True)
-def _clean_records():
-    guard.check_errors()
-    yield
-    guard.check_errors()
 
 
 def _dev():
