@@ -9,7 +9,6 @@ float32 SDPA model and must be within 2x SDPA's own bf16 error plus 2 bf16 ulp o
 
 Run: ``python -m pytest -q -m gpu tests/gpu/test_hf_gpu.py``.
 """
-import copy
 
 import pytest
 
@@ -18,6 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from cupyflash import hf  # noqa: E402
+from hf_models import same_weight_models  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_guard_records")]
 
@@ -49,18 +49,7 @@ def _config(kind):
 
 def _models(kind, train=False):
     """ours (cupyflash, bf16), sdpa (bf16), fp32 (SDPA, float32), the same weights."""
-    from transformers import AutoModelForCausalLM
-    name = hf.register()
-    cfg = _config(kind)
-    torch.manual_seed(0)
-    models = {}
-    for key, attn, dtype in (("ours", name, torch.bfloat16), ("sdpa", "sdpa", torch.bfloat16),
-                             ("fp32", "sdpa", torch.float32)):
-        m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn)
-        if models:
-            m.load_state_dict(models["ours"].state_dict())
-        models[key] = m.to(device=_dev(), dtype=dtype).train(train)
-    return models
+    return same_weight_models(_config(kind), hf.register(), train)
 
 
 def _left_padded(lengths, seed=1):

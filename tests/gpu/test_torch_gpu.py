@@ -10,7 +10,6 @@ poison and leave NaN; a call that synchronised would find the side stream idle a
 
 Run: ``python -m pytest -q -m gpu tests/gpu/test_torch_gpu.py``.
 """
-import copy
 import time
 
 import numpy as np
@@ -660,7 +659,7 @@ def test_hf_llama_generate_with_cupyflash_matches_sdpa(monkeypatch):
     pytest.importorskip("transformers")
     from types import SimpleNamespace
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     import cupyflash.hf
     name = cupyflash.hf.register()
@@ -678,16 +677,8 @@ def test_hf_llama_generate_with_cupyflash_matches_sdpa(monkeypatch):
     cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024,
                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                       max_position_embeddings=512)  # head_dim 64, GQA 4
-    torch.manual_seed(0)
-    models = {}
-    for key, attn, dtype in (("ours", name, torch.bfloat16), ("sdpa", "sdpa", torch.bfloat16),
-                             ("fp32", "sdpa", torch.float32)):
-        # a copy of the config each: transformers may set the attention implementation on the
-        # config object it is given, which the models would otherwise share
-        m = LlamaForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation=attn)
-        if models:
-            m.load_state_dict(models["ours"].state_dict())
-        models[key] = m.to(device=_dev(), dtype=dtype).eval()
+    from hf_models import same_weight_models
+    models = same_weight_models(cfg, name)  # eval mode
     ids = torch.randint(0, 1024, (3, 64), device=_dev(),
                         generator=torch.Generator(device=_dev()).manual_seed(1))
     with torch.no_grad():
