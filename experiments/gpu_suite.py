@@ -7,6 +7,11 @@ Writes ``experiments/results/gpu_suite.json`` (commit, date, GPU, counts, failur
     PYTHONPATH=. python experiments/gpu_suite.py --tests-only -k decode
     PYTHONPATH=. python experiments/gpu_suite.py --sanitize      # + compute-sanitizer memcheck/racecheck/synccheck
     PYTHONPATH=. python experiments/gpu_suite.py --tests-only --soak   # + the property tests, thorough
+    PYTHONPATH=. python experiments/gpu_suite.py --workers 12  # tests in 12 processes (pytest-xdist)
+
+Most of a fresh machine's test time is NVRTC compiling kernels, one CPU core each: ``--workers``
+spreads the tests over processes (they share CuPy's on-disk kernel cache), and the three sanitizer
+tools run side by side.
 
 ``--soak`` runs the GPU property tests (the Hypothesis ones: ``-m "gpu and hypothesis"``) again
 under ``HYPOTHESIS_PROFILE=thorough`` (1000 examples each, tests/conftest.py) and records them
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -92,6 +98,36 @@ def provenance() -> dict:
     return info
 
 
+def warm_kernel_cache() -> dict:
+    """Compile every kernel the library can launch on this device, in a thread pool (NVRTC releases
+    the GIL), into CuPy's on-disk cache, so that test processes started afterwards load cubins
+    instead of each compiling the same kernels."""
+    import cupy
+
+    from cupyflash import baseline
+    from cupyflash.backward import kernels as backward
+    from cupyflash.core import jit
+    from cupyflash.decode import kernels as decode
+    from cupyflash.forward import kernels as forward
+    specs = [*forward.all_specs(), *decode.all_specs(), *baseline.all_specs(),
+             *(k.spec for k in backward.all_kernels())]
+    cc = cupy.cuda.Device().compute_capability
+    specs = [s for s in specs if not s.arch or s.arch.rstrip("a") == f"sm_{cc}"]
+    dev = cupy.cuda.Device().id
+
+    def build(spec):
+        try:
+            with cupy.cuda.Device(dev):
+                jit.get_kernel(spec)
+            return None
+        except Exception as e:  # noqa: BLE001 - the test that launches it reports it again
+            return f"{spec.name}: {type(e).__name__}: {str(e)[:300]}"
+    t0 = time.time()
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        failed = [f for f in pool.map(build, specs) if f]
+    return {"specs": len(specs), "seconds": round(time.time() - t0, 1), "failed": failed}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tests-only", action="store_true", help="skip the quick benchmarks")
@@ -103,9 +139,18 @@ def main() -> int:
     ap.add_argument("--soak-timeout", type=float, default=400, help="seconds for the soak")
     ap.add_argument("-k", default=None, help="pytest -k expression")
     ap.add_argument("--test-timeout", type=float, default=300)
+    ap.add_argument("--workers", type=int, default=0,
+                    help="pytest-xdist processes for the tests and the soak (0: one process)")
     ap.add_argument("--bench", nargs="*", default=["bench_prefill.py --quick", "bench_decode.py --quick"],
                     help="experiment scripts (with args) to run after the tests")
     args = ap.parse_args()
+    xdist = []
+    if args.workers > 0:
+        try:
+            import xdist as _  # noqa: F401
+        except ImportError:
+            ap.error("--workers needs pytest-xdist (pip install pytest-xdist)")
+        xdist = ["-n", str(args.workers)]
     start = time.time()
 
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -115,40 +160,50 @@ def main() -> int:
     env.setdefault("HYPOTHESIS_PROFILE", "ci")
     record = {"what": "gpu_suite", **provenance()}
 
+    if args.workers > 0:
+        record["warm_kernel_cache"] = warm_kernel_cache()
+        print("warm kernel cache:", record["warm_kernel_cache"], flush=True)
+
     if not args.bench_only:
         xml = out_dir / "gpu_junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
-               f"--junitxml={xml}", "-rfE"]
+               f"--junitxml={xml}", "-rfE", *xdist]
         if args.k:
             cmd += ["-k", args.k]
         t0 = time.time()
         rc = sh(cmd, args.test_timeout, out_dir / "gpu_tests.log", env)
         record["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "selection": args.k,
+                           "workers": args.workers,
                            **junit_summary(xml)}
 
     if args.soak:
         xml = out_dir / "soak_junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu and hypothesis", "tests",
-               "-p", "no:cacheprovider", f"--junitxml={xml}", "-rfE"]
+               "-p", "no:cacheprovider", f"--junitxml={xml}", "-rfE", *xdist]
         if args.k:  # the same selection as the tests
             cmd += ["-k", args.k]
         t0 = time.time()
         rc = sh(cmd, args.soak_timeout, out_dir / "soak.log",
                 dict(env, HYPOTHESIS_PROFILE="thorough"))
         record["soak"] = {"rc": rc, "seconds": round(time.time() - t0, 1),
-                          "profile": "thorough",
+                          "profile": "thorough", "workers": args.workers,
                           "selection": "-m 'gpu and hypothesis'" + (f" -k '{args.k}'" if args.k else ""),
                           **junit_summary(xml)}
 
     if args.sanitize:
         record["sanitizer"] = {}
         san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-        for tool in ("memcheck", "racecheck", "synccheck"):
-            log = out_dir / f"sanitize_{tool}.log"
+        tools = ("memcheck", "racecheck", "synccheck")
+
+        def sanitize(tool):
             extra = ["--small"] if tool != "memcheck" else []
-            rc = sh([san, "--tool", tool, "--error-exitcode", "99", sys.executable,
-                     "experiments/sanitize_cases.py", *extra], args.sanitize_timeout, log, env)
-            text = log.read_text()
+            return sh([san, "--tool", tool, "--error-exitcode", "99", sys.executable,
+                       "experiments/sanitize_cases.py", *extra], args.sanitize_timeout,
+                      out_dir / f"sanitize_{tool}.log", env)
+        with ThreadPoolExecutor(len(tools)) as pool:  # independent processes: side by side
+            rcs = list(pool.map(sanitize, tools))
+        for tool, rc in zip(tools, rcs):
+            text = (out_dir / f"sanitize_{tool}.log").read_text()
             summary = [l for l in text.splitlines() if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l]
             record["sanitizer"][tool] = {"rc": rc, "summary": summary[-3:]}
 
