@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -37,18 +38,22 @@ RESULTS = ROOT / "experiments" / "results"
 
 
 def sh(cmd: list[str], timeout: float, log: Path, env=None) -> int:
-    """Run ``cmd`` (tee'd into ``log``); return its exit code (124 on timeout)."""
+    """Run ``cmd`` with its output streamed into ``log``; return its exit code (124 on timeout).
+
+    The command gets its own process group, killed as a whole on timeout: pytest-xdist's workers
+    would otherwise outlive their parent and keep the output pipe (and this script) waiting."""
     print("+", " ".join(cmd), flush=True)
     t0 = time.time()
     with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
         try:
-            p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, timeout=timeout, env=env)
-            out, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
             rc = 124
-        f.write(out)
+    out = log.read_text(errors="replace")
     tail = "\n".join(out.splitlines()[-25:])
     print(tail, f"\n[rc={rc}, {time.time() - t0:.1f}s]", flush=True)
     return rc
