@@ -164,10 +164,34 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.setdefault("HYPOTHESIS_PROFILE", "ci")
     record = {"what": "gpu_suite", **provenance()}
+    path = RESULTS / "gpu_suite.json"
+
+    def save():  # after every stage: a run cut short still leaves its record (and in $OUT)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        if os.environ.get("OUT"):  # the device tool returns at most 8 files: a bundle + the record
+            out = Path(os.environ["OUT"])
+            with tarfile.open(out / "bundle.tar.gz", "w:gz") as tar:
+                for p in RESULTS.rglob("*"):
+                    if p.is_file() and p.stat().st_mtime > start - 5:
+                        tar.add(p, arcname=str(p.relative_to(ROOT)))
+            shutil.copy(path, out / path.name)
 
     if args.workers > 0:
         record["warm_kernel_cache"] = warm_kernel_cache()
         print("warm kernel cache:", record["warm_kernel_cache"], flush=True)
+
+    sanitizing = None
+    if args.sanitize:  # independent processes: the three tools side by side, beside the tests
+        san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+        tools = ("memcheck", "racecheck", "synccheck")
+
+        def sanitize(tool):
+            extra = ["--small"] if tool != "memcheck" else []
+            return sh([san, "--tool", tool, "--error-exitcode", "99", sys.executable,
+                       "experiments/sanitize_cases.py", *extra], args.sanitize_timeout,
+                      out_dir / f"sanitize_{tool}.log", env)
+        pool = ThreadPoolExecutor(len(tools))
+        sanitizing = {tool: pool.submit(sanitize, tool) for tool in tools}
 
     if not args.bench_only:
         xml = out_dir / "gpu_junit.xml"
@@ -180,6 +204,7 @@ def main() -> int:
         record["tests"] = {"rc": rc, "seconds": round(time.time() - t0, 1), "selection": args.k,
                            "workers": args.workers,
                            **junit_summary(xml)}
+        save()
 
     if args.soak:
         xml = out_dir / "soak_junit.xml"
@@ -194,23 +219,16 @@ def main() -> int:
                           "profile": "thorough", "workers": args.workers,
                           "selection": "-m 'gpu and hypothesis'" + (f" -k '{args.k}'" if args.k else ""),
                           **junit_summary(xml)}
+        save()
 
-    if args.sanitize:
+    if sanitizing is not None:
         record["sanitizer"] = {}
-        san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-        tools = ("memcheck", "racecheck", "synccheck")
-
-        def sanitize(tool):
-            extra = ["--small"] if tool != "memcheck" else []
-            return sh([san, "--tool", tool, "--error-exitcode", "99", sys.executable,
-                       "experiments/sanitize_cases.py", *extra], args.sanitize_timeout,
-                      out_dir / f"sanitize_{tool}.log", env)
-        with ThreadPoolExecutor(len(tools)) as pool:  # independent processes: side by side
-            rcs = list(pool.map(sanitize, tools))
-        for tool, rc in zip(tools, rcs):
+        for tool, fut in sanitizing.items():
+            rc = fut.result()
             text = (out_dir / f"sanitize_{tool}.log").read_text()
             summary = [l for l in text.splitlines() if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l]
             record["sanitizer"][tool] = {"rc": rc, "summary": summary[-3:]}
+        save()
 
     if not args.tests_only:
         record["bench"] = {}
@@ -219,9 +237,9 @@ def main() -> int:
             log = out_dir / ("bench_" + Path(parts[0]).stem + ".log")
             rc = sh([sys.executable, f"experiments/{parts[0]}", *parts[1:]], 240, log, env)
             record["bench"][spec] = {"rc": rc}
+            save()
 
-    path = RESULTS / "gpu_suite.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    save()
     print(json.dumps({k: v for k, v in record.items() if k not in ("tests", "soak")},
                      indent=1)[:3000])
     for key, what in (("tests", "GPU tests"), ("soak", "GPU property soak (thorough)")):
@@ -231,13 +249,6 @@ def main() -> int:
                   f"{t['skipped']} skipped in {t['seconds']} s")
             for f in t["failures"][:30]:
                 print("FAIL", f["test"], "|", f["message"][:300])
-    if os.environ.get("OUT"):  # the device tool returns at most 8 files: one bundle + the record
-        out = Path(os.environ["OUT"])
-        with tarfile.open(out / "bundle.tar.gz", "w:gz") as tar:
-            for p in RESULTS.rglob("*"):
-                if p.is_file() and p.stat().st_mtime > start - 5:
-                    tar.add(p, arcname=str(p.relative_to(ROOT)))
-        shutil.copy(path, out / path.name)
     return 0
 
 
