@@ -163,6 +163,10 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.setdefault("HYPOTHESIS_PROFILE", "ci")
+    if args.workers > 0:  # NumPy's BLAS threads per worker: N workers x all cores each thrash
+        threads = str(max(1, (os.cpu_count() or 1) // args.workers))
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(var, threads)
     record = {"what": "gpu_suite", **provenance()}
     path = RESULTS / "gpu_suite.json"
 
