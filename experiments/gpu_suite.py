@@ -167,6 +167,7 @@ def main() -> int:
         threads = str(max(1, (os.cpu_count() or 1) // args.workers))
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(var, threads)
+        env.setdefault("CUPYFLASH_GPU_PRECOMPILE", "0")  # warm_kernel_cache compiled them once
     record = {"what": "gpu_suite", **provenance()}
     path = RESULTS / "gpu_suite.json"
 
