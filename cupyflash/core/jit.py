@@ -32,7 +32,7 @@ from . import deps
 __all__ = [
     "KernelSpec", "PtxasReport", "CompileResult", "kernels_dir", "preprocess", "preprocess_text",
     "check_compiles", "constants", "include_dirs",
-    "compile_report", "parse_ptxas", "get_kernel", "KernelSourceError",
+    "compile_report", "parse_ptxas", "get_kernel", "get_kernels", "KernelSourceError",
 ]
 
 
@@ -413,6 +413,36 @@ def get_kernel(spec: KernelSpec, options: tuple = ()):
             k.max_dynamic_shared_size_bytes = spec.smem_bytes
         _KERNELS[key] = k
     return k
+
+
+def get_kernels(specs) -> dict:
+    """:func:`get_kernel` for every spec, in a thread pool (NVRTC releases the GIL) on the current
+    device: compiles them into this process and CuPy's disk cache, so later launches and other
+    processes load them. A spec that fails is reported, not raised (the launch that needs it
+    raises again).
+
+    Returns
+    -------
+    dict
+        ``specs`` (how many), ``seconds`` (wall time) and ``failed`` (``"name: error"`` strings).
+    """
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    cupy = deps.cupy("compiling kernels")
+    specs = list(specs)
+    dev = cupy.cuda.runtime.getDevice()
+
+    def build(spec):
+        try:
+            with cupy.cuda.Device(dev):
+                get_kernel(spec)
+            return None
+        except Exception as e:  # noqa: BLE001 - reported; the launch raises it again
+            return f"{spec.name}: {type(e).__name__}: {str(e)[:300]}"
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, min(len(specs), os.cpu_count() or 1))) as pool:
+        failed = [f for f in pool.map(build, specs) if f]
+    return {"specs": len(specs), "seconds": round(time.perf_counter() - t0, 1), "failed": failed}
 
 
 def _arch_kernel(spec: KernelSpec, code: str, options: tuple):

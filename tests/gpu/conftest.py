@@ -13,7 +13,6 @@ measure kernels, not compiles; ``0`` compiles lazily instead.
 """
 import json
 import os
-import time
 
 import pytest
 
@@ -62,26 +61,10 @@ def precompiled(gpu):
     """Compile every prefill specialisation once, in parallel (seconds of wall time recorded)."""
     if os.environ.get("CUPYFLASH_GPU_PRECOMPILE", "1") == "0":
         return {}
-    from concurrent.futures import ThreadPoolExecutor
-
     from cupyflash.core import jit
     from cupyflash.forward import kernels as prefill
-    specs = list(prefill.all_specs())
-    t0 = time.perf_counter()
-    dev = gpu.id
-
-    def build(spec):
-        import cupy
-        try:
-            with cupy.cuda.Device(dev):
-                jit.get_kernel(spec)
-            return None
-        except Exception as e:  # the test using this spec compiles again and reports it
-            return f"{spec.name}: {type(e).__name__}: {str(e)[:200]}"
-
-    with ThreadPoolExecutor(max_workers=max(1, min(len(specs), os.cpu_count() or 1))) as pool:
-        failed = [f for f in pool.map(build, specs) if f]
-    return {"specs": len(specs), "seconds": time.perf_counter() - t0, "failed": failed}
+    with gpu:
+        return jit.get_kernels(prefill.all_specs())
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
