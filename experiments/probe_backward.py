@@ -3,14 +3,17 @@ under a time limit, so a kernel that never ends is named by its case instead of 
 suite (the first GPU runs of the Hopper backward stalled without naming a test: the log of
 2026-12-06 01:20 in experiments/notes/).
 
-Per case (batch, seqlen, nheads, nheads_k, headdim, causal, deterministic, dtype): the forward with
+Per case (batch, seqlen, nheads, nheads_k, headdim, causal, deterministic, dtype, kernel: the Hopper
+plan, ``CUPYFLASH_BWD_HOPPER=1``, or the mma.sync one): the forward with
 its LSE, the backward twice into fresh buffers, each gradient's error against the float64 NumPy
 reference (``cupyflash.testing.backward_error``: relative to the size of its terms), whether the
 two runs are bitwise equal, NaN anywhere, and the mean time of five more backward calls
-(wall clock, synchronised: a sanity figure, not a benchmark; ``bench_backward.py`` times).
+(wall clock, synchronised: a sanity figure, not a benchmark; ``bench_backward.py`` times), and
+the names of the kernels that ran (so a case that asked for the Hopper plan shows whether it got it).
 
     PYTHONPATH=. python experiments/probe_backward.py                 # hd 64/128, all masks, both modes
     PYTHONPATH=. python experiments/probe_backward.py --timeout 20 --headdims 128 --deterministic true
+    PYTHONPATH=. python experiments/probe_backward.py --kernel hopper --deterministic false
 
 Needs a GPU. Prints one JSON line per case (``status``: ok, error, or timeout) and appends the run
 to ``experiments/results/probe_backward.jsonl`` (experiments/common.py).
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -36,6 +40,7 @@ def run_case(case: dict) -> dict:
     import numpy as np
 
     from cupyflash import flash_attn_backward, flash_attn_func, testing
+    from cupyflash.backward import run as bwd_run
     rng = np.random.default_rng(0)
     b, s, h, hk, d = (case[n] for n in ("batch", "seqlen", "nheads", "nheads_k", "headdim"))
     causal, det = case["causal"], case["deterministic"]
@@ -62,7 +67,8 @@ def run_case(case: dict) -> dict:
             "bitwise_equal": dict(zip(("dq", "dk", "dv"),
                                       (a.tobytes() == c.tobytes() for a, c in zip(*runs)))),
             "nan": any(bool(np.isnan(x.astype(np.float32)).any()) for x in runs[0]),
-            "ms": (time.perf_counter() - t0) / 5 * 1e3}
+            "ms": (time.perf_counter() - t0) / 5 * 1e3,
+            "kernels": sorted({key[0].name for key in bwd_run._LAUNCHES})}
 
 
 def main(argv=None) -> int:
@@ -71,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
     ap.add_argument("--deterministic", choices=["both", "true", "false"], default="both")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--kernel", choices=["both", "hopper", "mma"], default="both",
+                    help="hopper: CUPYFLASH_BWD_HOPPER=1 in the case's process")
     ap.add_argument("--timeout", type=float, default=30, help="seconds per case")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # the child's side: one case as JSON
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "probe_backward.jsonl")
@@ -85,14 +93,16 @@ def main(argv=None) -> int:
         return 2
     pick = {"both": (False, True), "true": (True,), "false": (False,)}
     rows = []
-    for d, causal, det, (b, s, h, hk) in itertools.product(args.headdims, pick[args.causal],
-                                                           pick[args.deterministic], SHAPES):
+    kernels = ("hopper", "mma") if args.kernel == "both" else (args.kernel,)
+    for kern, d, causal, det, (b, s, h, hk) in itertools.product(
+            kernels, args.headdims, pick[args.causal], pick[args.deterministic], SHAPES):
         case = dict(batch=b, seqlen=s, nheads=h, nheads_k=hk, headdim=d, causal=causal,
-                    deterministic=det, dtype=args.dtype)
+                    deterministic=det, dtype=args.dtype, kernel=kern)
+        env = dict(os.environ, CUPYFLASH_BWD_HOPPER="1" if kern == "hopper" else "0")
         t0 = time.time()
         try:
             p = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)],
-                               capture_output=True, text=True, timeout=args.timeout)
+                               capture_output=True, text=True, timeout=args.timeout, env=env)
             if p.returncode == 0:
                 row = {"status": "ok", **json.loads(p.stdout.strip().splitlines()[-1])}
             else:

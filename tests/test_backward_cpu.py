@@ -7,6 +7,9 @@ backward call's argument checks (before any launch).
   shared memory of each fits 227 KiB and equals its traits' constant.
 * Plans: mma.sync for 16-bit dtypes with dK/dV in one launch up to hd128 and two above;
   CUDA cores for float32/float64; names are unique.
+* The Hopper plan (``hopper=True``): dsum, the TMA kernel (one CTA of 256 threads per 128 keys),
+  the dq conversion; its shared memory, parameter struct and tensor maps; off unless
+  ``CUPYFLASH_BWD_HOPPER=1``.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +34,7 @@ def test_every_backward_kernel_compiles_without_spills(reports):
     assert len(reports) == len(kernels.all_kernels()) > 60
     for k, r in reports.items():
         assert r.ptxas.registers > 0, k.name
-        if k.isa == "mma" or k.role == "dsum":
+        if k.isa in ("mma", "tma") or k.role == "dsum":
             assert r.ptxas.spill_bytes == 0, (k.name, r.ptxas)
         else:
             assert r.ptxas.spill_bytes <= 64, (k.name, r.ptxas)
@@ -87,7 +90,7 @@ def test_params_fields_and_pointer_block():
     prm = kernels.params_of(kernels.bwd_fields(p, st, False))
     assert (prm.fwd.h_per_kv, prm.fwd.window_left, prm.fwd.window_right) == (2, 3, 2)
     assert (prm.dk_batch_stride, prm.dk_row_stride, prm.dsum_head_stride) == (1536, 128, 10)
-    assert kernels.pointer_block() == (0, 12)
+    assert kernels.pointer_block() == (0, 13)
 
 
 def test_check_backward_names_the_argument():
@@ -163,3 +166,52 @@ def test_tensor_core_layout_check_names_the_array():
     odd = ArrayDesc(0x1000, (2, 10, 4, 60), (2400, 240, 60, 1), "bfloat16", 0)
     with pytest.raises(ValueError, match="^dk: .*multiples of 8"):
         fwd.check_tensor_core_layout({"dk": odd})
+
+
+def test_hopper_plan_geometry_and_shared_memory():
+    q = np.empty((3, 1000, 8, 72), np.float16)
+    k = np.empty((3, 700, 2, 72), np.float16)
+    p = checks.check_attention(q, k, k, causal=True)
+    plan = kernels.plan_backward("float16", 72, True, hopper=True)
+    assert [x.role for x in plan.kernels] == ["dsum", "dkdv", "dq"]
+    main, conv = plan.dkdv[0], plan.dq
+    assert (main.isa, main.headdim, main.block_m, main.block_n, main.causal) == ("tma", 128, 64, 128, True)
+    assert main.spec.arch == conv.spec.arch == "sm_90a"
+    assert kernels.launch_geometry(main, p) == ((6, 2, 3), (256, 1, 1))   # key blocks, KV heads
+    assert kernels.launch_geometry(conv, p) == ((32, 8, 3), (256, 1, 1))  # 32 query rows per CTA
+    # K, V (128 x 128), three Q and dO slots (64 x 128), two dS^T buffers (128 x 64), four
+    # mbarriers, 1024 bytes of alignment
+    assert main.smem_bytes == (2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 64) * 2 + 8 * 4 + 1024
+    assert conv.smem_bytes == 0
+    assert kernels.plan_backward("bfloat16", 64, False, hopper=True).dkdv[0].headdim == 64
+    for dtype, d in (("float32", 64), ("bfloat16", 136)):
+        with pytest.raises(ValueError, match="hopper"):
+            kernels.plan_backward(dtype, d, False, hopper=True)
+
+
+def test_hopper_params_and_tensor_maps(monkeypatch):
+    from cupyflash.core import tma
+    from cupyflash.core.params import BwdTmaParams
+    q = np.empty((2, 300, 4, 64), np.float16)
+    k = np.empty((2, 500, 2, 64), np.float16)
+    p = checks.check_attention(q, k, k)
+    st = {"q": (300 * 256, 256, 64, 1), "k": (500 * 128, 128, 64, 1), "v": (500 * 128, 128, 64, 1),
+          "out": (300 * 256, 256, 64, 1), "dout": (300 * 256, 256, 64, 1), "dq": (300 * 256, 256, 64, 1),
+          "dk": (500 * 128, 128, 64, 1), "dv": (500 * 128, 128, 64, 1),
+          "lse": (1200, 300, 1), "dsum": (1200, 300, 1)}
+    prm = kernels.params_of(kernels.bwd_fields(p, st, False), tma=True)
+    assert isinstance(prm, BwdTmaParams) and prm.bwd.fwd.seqlen_k == 500
+    assert kernels.pointer_block(tma=True) == (BwdTmaParams.bwd.offset, 13)
+    assert BwdTmaParams.bwd.offset == 4 * 128
+    maps = tma.backward_maps_layout(p, st)
+    # (headdim, heads, rows, batch), byte strides, boxes of 64 query rows / 128 keys
+    assert maps[0] == ((64, 4, 300, 2), (128, 512, 153600), (64, 1, 64, 1))
+    assert maps[1] == ((64, 2, 500, 2), (128, 256, 128000), (64, 1, 128, 1))
+    assert maps[3][2] == (64, 1, 64, 1)
+    assert tma.backward_maps_layout(p, dict(st, k=(500 * 128, 128, 67, 1))) is None  # 134 B
+    assert [kernels.POINTERS[i] for i in __import__("cupyflash.backward.run", fromlist=["x"])
+            ._MAP_SOURCES] == ["q", "k", "v", "dout"]
+    monkeypatch.delenv("CUPYFLASH_BWD_HOPPER", raising=False)
+    assert not kernels.hopper_enabled()
+    monkeypatch.setenv("CUPYFLASH_BWD_HOPPER", "1")
+    assert kernels.hopper_enabled()

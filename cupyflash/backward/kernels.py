@@ -13,24 +13,38 @@ atomics (``kernels_cu/common/bwd_tile.cuh`` says why and how):
 Float16/bfloat16 run ``kernels_cu/backward/mma.cu`` (mma.sync m16n8k16, fp32 accumulation, sm_80+),
 float32/float64 ``kernels_cu/backward/simt.cu`` (CUDA cores, computed in the dtype). Pure Python
 but for :func:`layout` (an NVRTC probe of the shared-memory sizes, no GPU needed).
+
+On sm_90a, float16/bfloat16 at head dims up to 128, dense, not ``deterministic``, a Hopper plan
+(``plan_backward(..., hopper=True)``) can run instead: ``kernels_cu/backward/hopper.cu`` (TMA,
+warpgroup MMA; dK/dV and dQ in one kernel, dQ added with atomics into an fp32 accumulator) and a
+``dq`` kernel that scales and rounds that accumulator. It is chosen only where
+:func:`hopper_enabled` (``CUPYFLASH_BWD_HOPPER=1``): it has not yet run on a GPU (2026-12-06).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import numpy as np
 
 from ..core import jit
-from ..core.params import BwdParams, FwdParams
+from ..core.params import BwdParams, BwdTmaParams, FwdParams
 from ..forward import kernels as fwd
 
-__all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "HEADDIMS", "padded_headdim",
+__all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "HOPPER_SOURCE", "HEADDIMS",
+           "HOPPER_HEADDIMS", "padded_headdim", "hopper_enabled",
            "plan_backward", "all_kernels",
            "launch_geometry", "bwd_fields", "params_of", "POINTERS", "ACC_DTYPE"]
 
 MMA_SOURCE = "backward/mma.cu"
 SIMT_SOURCE = "backward/simt.cu"
+HOPPER_SOURCE = "backward/hopper.cu"
+#: The Hopper kernel's compiled head dims, its tile (query rows per step, keys per CTA) and the
+#: query rows per CTA of its dq conversion (``cf::kConvertRows``).
+HOPPER_HEADDIMS = (64, 128)
+HOPPER_TILE = (64, 128)
+CONVERT_ROWS = 32
 #: Rows per CTA of the dsum pre-pass (``cf::kDsumRows``), 128 threads.
 DSUM_ROWS = 16
 #: The accumulator dtype of each input dtype (D, and the CUDA-core kernels' arithmetic).
@@ -91,14 +105,18 @@ class BwdKernel:
     nwarps: int = 4
     causal: bool = False
     part: int = 0
+    tma: bool = False
 
     @property
     def isa(self) -> str:
+        """``"tma"`` (the Hopper kernel and its dq conversion), ``"mma"`` or ``"simt"``."""
+        if self.tma:
+            return "tma"
         return "mma" if self.dtype in fwd.TC_DTYPES else "simt"
 
     @property
     def source(self) -> str:
-        return MMA_SOURCE if self.isa == "mma" else SIMT_SOURCE
+        return {"tma": HOPPER_SOURCE, "mma": MMA_SOURCE, "simt": SIMT_SOURCE}[self.isa]
 
     @property
     def threads(self) -> int:
@@ -109,6 +127,11 @@ class BwdKernel:
         d = _SHORT[self.dtype]
         if self.role == "dsum":
             return f"bwd_dsum_{d}"
+        if self.tma:
+            if self.role == "dq":
+                return f"bwdtma_dqconv_{d}_hd{self.headdim}"
+            return (f"bwdtma_{d}_hd{self.headdim}_m{self.block_m}_n{self.block_n}"
+                    f"{'_causal' if self.causal else ''}")
         pre = "bwd" if self.isa == "mma" else "bwdsimt"
         w = f"_w{self.nwarps}" if self.isa == "mma" else ""
         part = {0: "", 1: "_dk", 2: "_dv"}[self.part]
@@ -120,6 +143,10 @@ class BwdKernel:
         t, c = _CTYPE[self.dtype], ("true" if self.causal else "false")
         if self.role == "dsum":
             return f"cf::bwd_dsum_entry<{t}, {_CTYPE[ACC_DTYPE[self.dtype]]}>"
+        if self.tma:
+            if self.role == "dq":
+                return f"cf::bwd_dq_convert_entry<{t}, {self.headdim}>"
+            return f"cf::bwd_hopper_entry<{t}, {self.headdim}, {c}>"
         tile = f"{t}, {self.headdim}, {self.block_m}, {self.block_n}"
         if self.isa == "simt":
             return f"cf::bwd_{self.role}_simt_entry<{tile}, {c}>"
@@ -131,11 +158,18 @@ class BwdKernel:
     def smem_bytes(self) -> int:
         """Dynamic shared memory, bytes: the kernel's own constant (``kSmemBytes`` of
         ``BwdMmaTraits``, ``kDkdvSmemBytes`` / ``kDqSmemBytes`` of ``SimtBwdTraits``), read by an
-        NVRTC probe (:func:`layout`); 0 for dsum."""
-        return 0 if self.role == "dsum" else layout(self.source, self._smem_expr())
+        NVRTC probe (:func:`layout`); ``kBytes`` of ``HopperBwdSmem`` for the Hopper kernel; 0
+        for dsum and the dq conversion."""
+        return layout(self.source, self._smem_expr()) if self.has_smem else 0
+
+    @property
+    def has_smem(self) -> bool:
+        return self.role != "dsum" and not (self.tma and self.role == "dq")
 
     def _smem_expr(self) -> str:
         t = _CTYPE[self.dtype]
+        if self.tma:
+            return f"cf::HopperBwdSmem<cf::HopperBwdTraits<{t}, {self.headdim}>>::kBytes"
         if self.isa == "simt":
             which = "kDkdvSmemBytes" if self.role == "dkdv" else "kDqSmemBytes"
             return (f"cf::SimtBwdTraits<{t}, {self.headdim}, {self.block_m}, {self.block_n}>::"
@@ -147,13 +181,13 @@ class BwdKernel:
     @property
     def spec(self) -> jit.KernelSpec:
         return jit.KernelSpec(name=self.name, source=self.source, entry=self.entry,
-                              smem_bytes=self.smem_bytes)
+                              smem_bytes=self.smem_bytes, arch=fwd.WG_ARCH if self.tma else "")
 
 
 def _probe_exprs(source: str) -> tuple:
     """The shared-memory expressions of every kernel of ``source`` (one probe per source)."""
     return tuple(sorted({k._smem_expr() for k in all_kernels() if k.source == source
-                         and k.role != "dsum"}))
+                         and k.has_smem}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,19 +216,40 @@ class BwdPlan:
         return (self.dsum,) + self.dkdv + (self.dq,)
 
 
+def hopper_enabled() -> bool:
+    """Whether a call that the Hopper kernel can take runs it (``CUPYFLASH_BWD_HOPPER=1``, read
+    per call). Off by default until it has run on a GPU: it was written on 2026-12-06 without
+    one."""
+    return os.environ.get("CUPYFLASH_BWD_HOPPER", "0") == "1"
+
+
+def hopper_headdim(headdim: int):
+    """The Hopper kernel's compiled head dim for an actual one, or None above 128."""
+    return next((h for h in HOPPER_HEADDIMS if h >= headdim), None)
+
+
 @functools.lru_cache(maxsize=None)
-def plan_backward(dtype: str, headdim: int, causal: bool) -> BwdPlan:
+def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False) -> BwdPlan:
     """The backward kernels of a problem's dtype, actual head dim (a multiple of 8 up to 256,
-    run on the next compiled one) and causal flag.
+    run on the next compiled one) and causal flag; ``hopper``: the Hopper plan (dsum, the
+    Hopper kernel, the dq conversion; float16/bfloat16, head dims up to 128).
 
     Raises
     ------
     ValueError
-        An unsupported dtype or head dim."""
+        An unsupported dtype or head dim (or one the Hopper plan does not take)."""
     if dtype not in ACC_DTYPE:
         raise ValueError(f"dtype: the backward takes {tuple(ACC_DTYPE)}, got {dtype}")
     hd = padded_headdim(headdim)
     dsum = BwdKernel("dsum", dtype)
+    if hopper:
+        hhd = hopper_headdim(headdim)
+        if dtype not in fwd.TC_DTYPES or hhd is None:
+            raise ValueError(f"hopper: the Hopper backward takes float16/bfloat16 at head dims up "
+                             f"to 128, got {dtype} at {headdim}")
+        bm, bn = HOPPER_TILE
+        return BwdPlan(dsum, (BwdKernel("dkdv", dtype, hhd, bm, bn, 8, causal, tma=True),),
+                       BwdKernel("dq", dtype, hhd, CONVERT_ROWS, 0, 8, tma=True))
     if dtype in fwd.TC_DTYPES:
         dkdv_tiles, (qm, qn, qw) = _MMA_TILES[hd]
         dkdv = tuple(BwdKernel("dkdv", dtype, hd, bm, bn, nw, causal, part)
@@ -215,6 +270,11 @@ def all_kernels() -> tuple:
             for causal in (False, True):
                 for k in plan_backward(dtype, hd, causal).kernels:
                     seen[k] = None
+    for dtype in fwd.TC_DTYPES:
+        for hd in HOPPER_HEADDIMS:
+            for causal in (False, True):
+                for k in plan_backward(dtype, hd, causal, hopper=True).kernels:
+                    seen[k] = None
     return tuple(seen)
 
 
@@ -232,19 +292,20 @@ def launch_geometry(kernel: BwdKernel, problem) -> tuple:
 
 
 #: The per-call pointer fields of :class:`~cupyflash.core.params.BwdParams`, in order: its own
-#: five, then those of ``fwd`` (one consecutive block).
-POINTERS = ("dout", "dq", "dk", "dv", "dsum") + fwd.POINTERS
+#: six, then those of ``fwd`` (one consecutive block).
+POINTERS = ("dout", "dq", "dk", "dv", "dsum", "dq_accum") + fwd.POINTERS
 _OWN_STRIDES = tuple(f"{t}_{s}_stride" for t in ("do", "dq", "dk", "dv")
                      for s in ("batch", "row", "head")) + ("dsum_batch_stride",
                                                            "dsum_head_stride")
 
 
-def pointer_block() -> tuple:
-    """``(byte offset, count)`` of :data:`POINTERS` in :class:`BwdParams`."""
-    if BwdParams.fwd.offset != 8 * 5 or FwdParams.q.offset != 0 or \
+def pointer_block(tma: bool = False) -> tuple:
+    """``(byte offset, count)`` of :data:`POINTERS` in :class:`BwdParams` (``tma``: in
+    :class:`BwdTmaParams`, after its tensor maps)."""
+    if BwdParams.fwd.offset != 8 * 6 or FwdParams.q.offset != 0 or \
             FwdParams.cu_seqlens_k.offset != 8 * (len(fwd.POINTERS) - 1):
         raise ValueError("BwdParams: the pointers are not one consecutive block")
-    return 0, len(POINTERS)
+    return (BwdTmaParams.bwd.offset if tma else 0), len(POINTERS)
 
 
 def bwd_fields(problem, strides: dict, varlen: bool) -> tuple:
@@ -261,11 +322,16 @@ def bwd_fields(problem, strides: dict, varlen: bool) -> tuple:
     return fs, sizes, tuple(np.int64(x) for x in own)
 
 
-def params_of(fields: tuple) -> BwdParams:
-    """A :class:`BwdParams` with the constant fields of :func:`bwd_fields` and NULL pointers."""
+def params_of(fields: tuple, tma: bool = False):
+    """A :class:`BwdParams` with the constant fields of :func:`bwd_fields` and NULL pointers
+    (``tma``: inside a :class:`BwdTmaParams` whose maps the launch encodes per call)."""
     fs, sizes, own = fields
     prm = BwdParams()
     prm.fwd = fwd.params_of(fs, sizes)
     for name, x in zip(_OWN_STRIDES, own):
         setattr(prm, name, int(x))
+    if tma:
+        outer = BwdTmaParams()
+        outer.bwd = prm
+        return outer
     return prm

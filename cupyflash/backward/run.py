@@ -30,14 +30,17 @@ def _elem_strides(x, caller) -> tuple:
     return tuple(s // x.dtype.itemsize for s in x.strides)
 
 
-def _launch(kernel, fields, grid, block, dev, pointers, stream) -> None:
-    from ..core import jit, launch
-    key = (kernel, fields, grid, dev)
+def _launch(kernel, fields, grid, block, dev, pointers, stream, maps=None) -> None:
+    from ..core import jit, launch, tma
+    key = (kernel, fields, grid, dev, maps)
     run = _LAUNCHES.get(key)
     if run is None:
         spec = kernel.spec
-        run = launch.Launch(jit.get_kernel(spec), kernels.params_of(fields), grid, block,
-                            pointers=kernels.pointer_block(), shared_mem=spec.smem_bytes)
+        hopper = kernel.tma and kernel.role == "dkdv"
+        prepare = tma.BackwardMaps(maps, _MAP_SOURCES) if hopper else None
+        run = launch.Launch(jit.get_kernel(spec), kernels.params_of(fields, tma=hopper), grid,
+                            block, pointers=kernels.pointer_block(tma=hopper),
+                            shared_mem=spec.smem_bytes, prepare=prepare)
         _LAUNCHES[key] = run
         if len(_LAUNCHES) > _MAX_LAUNCHES:
             _LAUNCHES.popitem(last=False)
@@ -46,7 +49,26 @@ def _launch(kernel, fields, grid, block, dev, pointers, stream) -> None:
     run(pointers, stream)
 
 
-def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k):
+#: q, k, v and dout in a call's pointers (kernels.POINTERS): the Hopper kernel's tensor maps.
+_MAP_SOURCES = tuple(kernels.POINTERS.index(n) for n in ("q", "k", "v", "dout"))
+
+
+def _hopper_maps(problem, deterministic, strides, arrays, caller, dev):
+    """The tensor-map layouts of the Hopper plan where it takes this call, else None: sm_90a,
+    float16/bfloat16, head dim <= 128, dense, not ``deterministic``, strides and base addresses
+    a tensor map accepts, and :func:`kernels.hopper_enabled`."""
+    from ..core import planning, tma
+    if (deterministic or problem.varlen or problem.dtype not in fwd_kernels.TC_DTYPES
+            or kernels.hopper_headdim(problem.headdim) is None or not kernels.hopper_enabled()
+            or planning._device_info(dev)[0] != fwd_kernels.WG_ARCH):
+        return None
+    if any(caller.ptr(arrays[n]) % 16 for n in ("q", "k", "v", "dout")):
+        return None
+    return tma.backward_maps_layout(problem, strides)
+
+
+def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+              deterministic=False):
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dq": dq, "dk": dk,
              "dv": dv, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     caller = caller_of(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
@@ -63,32 +85,41 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
     if dt in fwd_kernels.TC_DTYPES:  # mma.sync kernels: 16-byte cp.async, paired stores
         fwd_kernels.check_tensor_core_layout({n: views[n] for n in
                                               ("dout", "q", "k", "v", "out", "dq", "dk", "dv")})
-    plan = kernels.plan_backward(dt, problem.headdim, problem.causal)
+    dev = _device_of(views["q"])
+    strides = {n: _elem_strides(arrays[n], caller) for n in
+               ("q", "k", "v", "out", "lse", "dout")}
+    maps = _hopper_maps(problem, deterministic, strides, arrays, caller, dev)
+    plan = kernels.plan_backward(dt, problem.headdim, problem.causal, hopper=maps is not None)
     geometry = [(kern,) + kernels.launch_geometry(kern, problem) for kern in plan.kernels]
     for _, grid, _ in geometry:  # before any launch
         if grid[1] > 65535 or grid[2] > 65535:
             raise ValueError(f"problem: nheads ({grid[1]}) and batch ({grid[2]}) must be "
                              f"<= 65535")
-    dev = _device_of(views["q"])
     device = interop.on_device(dev) if caller is TorchCaller else views["q"].device
     with device:
         for n, like in (("dq", "q"), ("dk", "k"), ("dv", "k")):
             if arrays[n] is None:
                 arrays[n] = caller.empty(tuple(views[like].shape), dt, dev)
         dsum = caller.empty(tuple(views["lse"].shape), kernels.ACC_DTYPE[dt], dev)
-        strides = {n: _elem_strides(arrays[n], caller) for n in
-                   ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")}
+        dq_accum = None
+        if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it
+            dq_accum = caller.full((problem.batch, problem.nheads, problem.seqlen_q,
+                                    plan.dq.headdim), 0, "float32", dev)
+        for n in ("dq", "dk", "dv"):
+            strides[n] = _elem_strides(arrays[n], caller)
         strides["dsum"] = _elem_strides(dsum, caller)
         fields = kernels.bwd_fields(problem, strides, problem.varlen)
         ptr = caller.ptr
         pointers = tuple(ptr(arrays[n]) if arrays[n] is not None else 0 for n in
-                         ("dout", "dq", "dk", "dv")) + (ptr(dsum),) + tuple(
+                         ("dout", "dq", "dk", "dv")) + (
+            ptr(dsum), ptr(dq_accum) if dq_accum is not None else 0) + tuple(
             ptr(arrays[n]) if arrays[n] is not None else 0 for n in
             ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"))
         stream = caller.stream(dev)
         for kern, grid, block in geometry:
             if 0 not in grid:  # (no rows: dsum, dq; no keys: dkdv; nothing to write)
-                _launch(kern, fields, grid, block, dev, pointers, stream)
+                _launch(kern, fields, grid, block, dev, pointers, stream,
+                        maps if kern.tma and kern.role == "dkdv" else None)
     return arrays["dq"], arrays["dk"], arrays["dv"]
 
 
@@ -101,7 +132,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_s
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size)
     checks.check_backward(problem, q, k, dout, out, lse, dq, dk, dv)
-    return _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, None, None)
+    return _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, None, None, deterministic)
 
 
 def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["TensorMap", "FwdParams", "FwdTmaParams", "BwdParams", "DecodeParams", "DecodeAppendParams",
+__all__ = ["TensorMap", "FwdParams", "FwdTmaParams", "BwdParams", "BwdTmaParams", "DecodeParams", "DecodeAppendParams",
            "MergeParams", "BaselineSoftmaxParams", "STRUCTS", "pointer_fields"]
 
 _P = ctypes.c_uint64
@@ -56,12 +56,20 @@ FwdTmaParams.__doc__ = ("``cf::FwdTmaParams``: the Hopper forward's four tensor 
 
 
 class BwdParams(ctypes.Structure):
-    """``cf::BwdParams``: the backward pass (``backward/*.cu``): its own pointers, the forward's
-    :class:`FwdParams`, then the strides of dout, dq, dk, dv and dsum."""
-    _fields_ = ([(n, _P) for n in ("dout", "dq", "dk", "dv", "dsum")] + [("fwd", FwdParams)]
+    """``cf::BwdParams``: the backward pass (``backward/*.cu``): its own pointers (``dq_accum``:
+    the Hopper kernel's fp32 dQ accumulator, else NULL), the forward's :class:`FwdParams`, then
+    the strides of dout, dq, dk, dv and dsum."""
+    _fields_ = ([(n, _P) for n in ("dout", "dq", "dk", "dv", "dsum", "dq_accum")]
+                + [("fwd", FwdParams)]
                 + [(f"{t}_{s}_stride", _I64) for t in ("do", "dq", "dk", "dv")
                    for s in ("batch", "row", "head")]
                 + [("dsum_batch_stride", _I64), ("dsum_head_stride", _I64)])
+
+
+BwdTmaParams = _padded("BwdTmaParams", [("tq", TensorMap), ("tk", TensorMap), ("tv", TensorMap),
+                                        ("tdo", TensorMap), ("bwd", BwdParams)], 64)
+BwdTmaParams.__doc__ = ("``cf::BwdTmaParams``: the Hopper backward's four tensor maps (q, k, v, "
+                        "dout) and :class:`BwdParams`.")
 
 
 class DecodeParams(ctypes.Structure):
@@ -110,7 +118,8 @@ class BaselineSoftmaxParams(ctypes.Structure):
 
 
 #: ``{C struct name: ctypes structure}`` of every kernel parameter struct (tests/test_params.py).
-STRUCTS = {"FwdParams": FwdParams, "FwdTmaParams": FwdTmaParams, "BwdParams": BwdParams, "DecodeParams": DecodeParams,
+STRUCTS = {"FwdParams": FwdParams, "FwdTmaParams": FwdTmaParams, "BwdParams": BwdParams,
+           "BwdTmaParams": BwdTmaParams, "DecodeParams": DecodeParams,
            "DecodeAppendParams": DecodeAppendParams, "MergeParams": MergeParams,
            "BaselineSoftmaxParams": BaselineSoftmaxParams}
 

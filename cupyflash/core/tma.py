@@ -34,10 +34,10 @@ import threading
 
 from . import launch
 
-from .params import FwdTmaParams, TensorMap
+from .params import BwdTmaParams, FwdTmaParams, TensorMap
 
 __all__ = ["TensorMap", "encode_tensor_map", "qkv_maps_layout", "o_map_layout", "tile_counter",
-           "PrefillMaps"]
+           "PrefillMaps", "backward_maps_layout", "BackwardMaps"]
 
 
 # cuda.h enum values of cuTensorMapEncodeTiled
@@ -378,3 +378,75 @@ class PrefillMaps:
             if own:
                 self._ptrs[i] = x
         ok_field.value = ok if len(self._enc) == 4 else 0
+
+
+def backward_maps_layout(problem, strides: dict, block_m: int = 64, block_n: int = 128):
+    """``(dims, strides_bytes, box)`` of the q, k, v and dout maps of the Hopper backward
+    (``kernels_cu/backward/hopper.cu``; encoded like the forward's, boxes of ``block_m`` rows for
+    q and dout, ``block_n`` for k and v), or None where a tensor map refuses a stride (not a
+    positive multiple of 16 bytes): that call runs the mma.sync kernels. Dense problems only.
+    ``strides``: element strides (batch, row, head, ...) by name (``q``, ``k``, ``v``,
+    ``dout``)."""
+    p = problem
+    out = []
+    for name, rows, heads, box_rows in (("q", p.seqlen_q, p.nheads, block_m),
+                                        ("k", p.seqlen_k, p.nheads_k, block_n),
+                                        ("v", p.seqlen_k, p.nheads_k, block_n),
+                                        ("dout", p.seqlen_q, p.nheads, block_m)):
+        b, r, h = (int(x) for x in strides[name][:3])
+        if p.batch == 1:  # (as the forward's) a batch of one may carry any batch stride
+            b = max(b, r * max(rows, 1), h * heads)
+        sb = (2 * h, 2 * r, 2 * b)
+        if not map_strides_ok(sb):
+            return None
+        out.append(((p.headdim, heads, max(rows, 1), p.batch), sb, (64, 1, box_rows, 1)))
+    return tuple(out)
+
+
+_BWD_MAP_OFFSETS = tuple(getattr(BwdTmaParams, n).offset for n in ("tq", "tk", "tv", "tdo"))
+
+
+class BackwardMaps:
+    """The per-call work of a Hopper backward launch (the ``prepare`` of its
+    :class:`cupyflash.core.launch.Launch`): the q, k, v and dout tensor maps of
+    :class:`cupyflash.core.params.BwdTmaParams` at the call's pointers, encoded on the first call
+    and moved (``cuTensorMapReplaceAddress``) when a pointer changes.
+
+    Parameters
+    ----------
+    maps : tuple of 4 ``(dims, strides_bytes, box)``
+        From :func:`backward_maps_layout`.
+    sources : tuple of 4 ints
+        The index of q, k, v and dout in a call's pointers."""
+
+    __slots__ = ("_enc", "_src", "_ptrs", "_addr")
+
+    def __init__(self, maps, sources):
+        self._enc = tuple(_MapEncoder(*m) for m in maps)
+        self._src = tuple(int(i) for i in sources)
+        self._ptrs = [None] * len(self._enc)
+        self._addr = None
+
+    def __call__(self, addr: int, pointers, stream_ptr: int, own: bool = True) -> None:
+        """Fill the maps of the struct at ``addr`` for ``pointers``; ``own``: the launch's own
+        struct (whose maps this object tracks), else a copy (every map encoded anew).
+
+        Raises
+        ------
+        cupyflash.core.launch.LaunchError
+            The driver refused a map (e.g. a base address not 16-byte aligned)."""
+        if own and self._addr != addr:
+            self._addr, self._ptrs = addr, [None] * len(self._enc)
+        for i, enc in enumerate(self._enc):
+            x = pointers[self._src[i]]
+            cur = self._ptrs[i] if own else None
+            if cur == x:
+                continue
+            if own:
+                self._ptrs[i] = None  # until the driver accepted the map
+            if cur is None:
+                enc.encode(addr + _BWD_MAP_OFFSETS[i], x)
+            else:
+                enc.set_address(addr + _BWD_MAP_OFFSETS[i], x)
+            if own:
+                self._ptrs[i] = x

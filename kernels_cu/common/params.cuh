@@ -54,13 +54,16 @@ struct FwdParams {
 // scale, window) and the backward's own arrays. dout and dq like q (dq: T), dk and dv like k
 // (T), dsum: D = rowsum(dout * o) per query row, laid out like a contiguous lse ((batch, nheads,
 // seqlen_q) or varlen (nheads, total_q)), in the accumulator type (float; double for float64).
-// The pointers come first, then fwd's, one block of 12 (the per-call fields).
+// dq_accum: the Hopper kernel's fp32 dQ accumulator (batch, nheads, seqlen_q, compiled head
+// dim), zeroed before it runs (backward/hopper.cu); NULL for the other kernels.
+// The pointers come first, then fwd's, one block of 13 (the per-call fields).
 struct BwdParams {
     const void* __restrict__ dout;
     void* __restrict__ dq;
     void* __restrict__ dk;
     void* __restrict__ dv;
     void* __restrict__ dsum;
+    float* __restrict__ dq_accum;
     FwdParams fwd;
     int64_t do_batch_stride, do_row_stride, do_head_stride;
     int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
@@ -80,6 +83,14 @@ struct FwdTmaParams {
     FwdParams fwd;
     int* tile_counter;
     int o_map_ok;
+};
+
+// The Hopper backward (backward/hopper.cu): four tensor maps, q, k, v and dout as 4-D
+// (headdim, nheads, seqlen, batch) tensors of 16-bit elements (boxes of 64 x 1 x 64 (q, dout) or
+// 128 (k, v) x 1 with the 128-byte swizzle: cupyflash/core/tma.py), then BwdParams.
+struct BwdTmaParams {
+    TmaDesc tq, tk, tv, tdo;
+    BwdParams bwd;
 };
 
 // Split-KV decode against a KV cache (Flash-Decoding; FlashAttention-2 arXiv 2307.08691 Sec. 3.1

@@ -92,10 +92,13 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&r)[N][4]) {
 //   ss:    D(64xN) (+)= A(64x16, smem, K-major) * B(16xN, smem, K-major); scale_d = 0: D = A*B;
 //   rs_tn: D(64xN) (+)= A(64x16, registers, mma.m16n8k16 A-fragment order per warp) *
 //          B(16xN, smem, MN-major: imm-trans-b = 1); scale_d as above.
+//   ss_tt: D(64xN) (+)= A(64x16, smem, MN-major: imm-trans-a = 1) * B(16xN, smem, MN-major:
+//          imm-trans-b = 1) (the backward's dQ = dS K from dS^T and K as stored).
 template <typename T, int N> struct Wgmma;
 
 // One macro per N (the register lists differ), instantiated for both 16-bit input types; each
-// N has the forms the TMA kernel uses. N = 64: O += P V at hd64 (rs_tn only).
+// N has the forms the TMA kernels use. N = 64: O += P V at hd64 (rs_tn); the backward's S^T = K Q^T,
+// dP^T = V dO^T (ss), dV, dK at hd64 (rs_tn) and dQ at hd128 (ss_tt).
 #define CF_WGMMA_M64N64K16(T, PTX_T) \
 template <> struct Wgmma<T, 64> { \
     static constexpr int kAcc = 32; \
@@ -110,6 +113,30 @@ template <> struct Wgmma<T, 64> { \
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)); \
+    } \
+    static __device__ __forceinline__ void ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+        asm volatile( \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " " \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+            "%32, %33, p, 1, 1, 0, 0;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
+    } \
+    static __device__ __forceinline__ void ss_tt(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+        asm volatile( \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " " \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+            "%32, %33, p, 1, 1, 1, 1;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
     } \
 };
 
@@ -170,14 +197,33 @@ template <> struct Wgmma<T, 80> { \
     } \
 };
 
+// N = 32: dQ = dS K of the hd64 backward, half the head dim per warpgroup (ss_tt only).
+#define CF_WGMMA_M64N32K16(T, PTX_T) \
+template <> struct Wgmma<T, 32> { \
+    static constexpr int kAcc = 16; \
+    static __device__ __forceinline__ void ss_tt(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+        asm volatile( \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_T "." PTX_T " " \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+            "%16, %17, p, 1, 1, 1, 1;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
+    } \
+};
+
 CF_WGMMA_M64N64K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N64K16(__half, "f16")
 CF_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N128K16(__half, "f16")
 CF_WGMMA_M64N80K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N80K16(__half, "f16")
+CF_WGMMA_M64N32K16(__nv_bfloat16, "bf16")
+CF_WGMMA_M64N32K16(__half, "f16")
 #undef CF_WGMMA_M64N64K16
 #undef CF_WGMMA_M64N128K16
 #undef CF_WGMMA_M64N80K16
+#undef CF_WGMMA_M64N32K16
 
 }  // namespace cf

@@ -12,6 +12,8 @@ float32 LSE; float64 must agree to 1e-12.
 
 Every gradient buffer is NaN before the launch (``dq=``, ``dk=``, ``dv=`` given) and checked with
 ``isnan`` first; every problem runs twice and the results must be bitwise equal (no atomics).
+The Hopper plan (``CUPYFLASH_BWD_HOPPER=1``, sm_90a; ``test_hopper_*``) adds dQ with atomics:
+there only dK and dV must be bitwise equal, and each test checks that the Hopper kernel ran.
 """
 import numpy as np
 import pytest
@@ -55,9 +57,9 @@ def inputs(rng, shape_q, shape_k, dtype, scale=1.0):
     return q, k, v, dout
 
 
-def run_backward(q, k, v, dout, **kw):
+def run_backward(q, k, v, dout, repeatable=("dq", "dk", "dv"), **kw):
     """Forward (out, lse) then backward into NaN-poisoned buffers, twice; returns host dq, dk, dv
-    of the first run after checking the second is bitwise equal."""
+    of the first run after checking the second is bitwise equal (the gradients ``repeatable``)."""
     qd, kd, vd, dod = (to_device(x) for x in (q, k, v, dout))
     out, lse = flash_attn_func(qd, kd, vd, return_lse=True, **kw)
     runs = []
@@ -67,8 +69,9 @@ def run_backward(q, k, v, dout, **kw):
                                          dv=bufs[2], **kw)
         assert dq is bufs[0] and dk is bufs[1] and dv is bufs[2]
         runs.append([to_host(x) for x in (dq, dk, dv)])
-    for a, b in zip(*runs):
-        assert a.tobytes() == b.tobytes(), "two runs differ: a race or an atomic"
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        if name in repeatable:
+            assert a.tobytes() == b.tobytes(), f"{name}: two runs differ: a race or an atomic"
     return runs[0]
 
 
@@ -206,3 +209,75 @@ def test_torch_autograd_gradcheck_and_compile():
     flash_attn_func(qe, ke, ve, causal=True).float().square().sum().backward()
     for a, b in zip((qc.grad, kc.grad, vc.grad), (qe.grad, ke.grad, ve.grad)):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-2)
+
+
+# ---- the Hopper plan (kernels_cu/backward/hopper.cu) -------------------------------------------
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """The Hopper plan on (sm_90a only); yields a check that a given plan's kernel ran."""
+    from cupyflash.backward import run as bwd_run
+    from cupyflash.core import planning
+    if planning.default_arch() != "sm_90a":
+        pytest.skip("the Hopper backward runs on sm_90a only")
+    monkeypatch.setenv("CUPYFLASH_BWD_HOPPER", "1")
+
+    def ran(dtype, d, causal):
+        want = bwd_kernels.plan_backward(dtype, d, causal, hopper=True).dkdv[0]
+        assert any(key[0] == want for key in bwd_run._LAUNCHES), f"{want.name} did not run"
+    return ran
+
+
+HOPPER_CASES = [  # (b, sq, sk, h, hk, d, causal, window)
+    (2, 100, 100, 4, 4, 64, False, (-1, -1)),
+    (2, 131, 67, 4, 2, 72, True, (-1, -1)),     # queries with no visible key (causal, sq > sk)
+    (1, 67, 250, 6, 2, 128, True, (-1, -1)),    # keys no query sees (causal, sk > sq)
+    (2, 200, 200, 2, 1, 40, False, (30, 10)),   # MQA, sliding window
+    (1, 33, 33, 2, 2, 16, False, (-1, -1)),
+    (2, 1000, 1000, 8, 2, 128, True, (-1, -1)),
+    (1, 513, 700, 4, 4, 64, False, (100, 50)),
+    (1, 2048, 2048, 4, 4, 128, False, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}_{}_d{}_{}_{}".format(*c))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_hopper_backward_matches_reference(hopper, dtype, case):
+    b, sq, sk, h, hk, d, causal, window = case
+    rng = np.random.default_rng([b, sq, sk, h, d, 90])
+    q, k, v, dout = inputs(rng, (b, sq, h, d), (b, sk, hk, d), dtype)
+    kw = dict(causal=causal, window_size=window)
+    got = run_backward(q, k, v, dout, repeatable=("dk", "dv"), **kw)
+    hopper(dtype, d, causal)
+    assert_grads(got, q, k, v, dout, dtype, what=f"hopper {dtype} {case}", **kw)
+
+
+def test_hopper_backward_deterministic_runs_the_mma_kernels(hopper):
+    """deterministic=True: no atomics, so bitwise repeatable (the mma.sync plan)."""
+    rng = np.random.default_rng(5)
+    q, k, v, dout = inputs(rng, (1, 300, 4, 128), (1, 300, 2, 128), "bfloat16")
+    got = run_backward(q, k, v, dout, causal=True, deterministic=True)
+    assert_grads(got, q, k, v, dout, "bfloat16", causal=True)
+
+
+@settings(deadline=None)
+@given(case=testing.attention_cases(dtypes=("bfloat16", "float16"), max_seqlen_q=300,
+                                    max_seqlen_k=300, max_headdim=128, min_seqlen=1))
+def test_hopper_backward_property(case):
+    """Random shapes, GQA ratios, head dims up to 128, masks and scales on the Hopper plan."""
+    import os
+    from cupyflash.core import planning
+    if planning.default_arch() != "sm_90a":
+        pytest.skip("the Hopper backward runs on sm_90a only")
+    old = os.environ.get("CUPYFLASH_BWD_HOPPER")
+    os.environ["CUPYFLASH_BWD_HOPPER"] = "1"  # (not monkeypatch: a fixture per example)
+    try:
+        rng = np.random.default_rng(case.seed)
+        dout = testing.random_normal(rng, case.q.shape, case.q.dtype.name)
+        got = run_backward(case.q, case.k, case.v, dout, repeatable=("dk", "dv"), **case.kwargs())
+    finally:
+        if old is None:
+            del os.environ["CUPYFLASH_BWD_HOPPER"]
+        else:
+            os.environ["CUPYFLASH_BWD_HOPPER"] = old
+    assert_grads(got, case.q, case.k, case.v, dout, case.q.dtype.name, **case.kwargs())

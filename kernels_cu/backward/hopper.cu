@@ -1,0 +1,363 @@
+// The backward pass on Hopper (sm_90a only), fp16 / bf16 inputs, fp32 accumulation:
+// FlashAttention-2's backward (Dao, arXiv 2307.08691, Sec. 3.2 and Algorithm 2) on the Hopper
+// machinery of FlashAttention-3 (Shah et al., arXiv 2407.08608): TMA copies into 128-byte
+// swizzled shared memory, completed on mbarriers, and warpgroup MMA (common/wgmma.cuh).
+//
+// One CTA per (key block of 128 keys, KV head, batch); two warpgroups of 64 keys each. K and V
+// stay in shared memory; a ring of kStages slots carries the Q and dO tiles of 64-row query
+// steps, one step per (query head of the group, query block that sees the keys). Step j, per
+// warpgroup (its 64 keys as rows):
+//   S^T = K Q^T, dP^T = V dO^T                        (wgmma, both operands from smem)
+//   P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)   (registers; common/bwd_tile.cuh)
+//   dV += P^T dO, dK += dS^T Q                        (A from registers, as the forward's P V)
+//   dS^T -> shared memory, then dQ[:, half w] = dS K  (both operands transposed: ss_tt), the
+//   64 x HEADDIM / 2 tile of warpgroup w added to an fp32 accumulator in global memory with
+//   vector atomics (red.global.add.v2.f32); dq_convert_entry scales and rounds it at the end.
+// So dK and dV are summed in registers over the query heads of a GQA group (no atomics), dQ
+// over the key blocks with atomics: the order of those additions varies from run to run, so dQ
+// is not bitwise repeatable (deterministic=True runs the mma.sync kernels, which use none).
+//
+// One thread (tid 0) issues every copy: K and V once, then step j + kStages - 1 once every
+// thread has finished step j - 1 (the CTA barrier of step j), into that step's slot; all
+// threads compute. A slot's "full" mbarrier completes once per use (parity (j / kStages) & 1).
+// Dense problems only (the tensor maps end at each sequence's length, so TMA zero-fills rows
+// past it; a varlen problem runs the mma.sync kernels).
+#include "common/dtype.cuh"
+#include "common/params.cuh"
+#include "common/mask.cuh"
+#include "common/mma.cuh"
+#include "common/wgmma.cuh"
+#include "common/tma.cuh"
+#include "common/softmax_step.cuh"
+#include "common/fwd_tile.cuh"
+#include "common/bwd_tile.cuh"
+
+namespace cf {
+
+template <typename T, int HEADDIM>
+struct HopperBwdTraits {
+    static constexpr int kHeadDim = HEADDIM;
+    static constexpr int kBlockM = 64;              // query rows per step
+    static constexpr int kBlockN = 128;             // keys per CTA, 64 per warpgroup
+    static constexpr int kThreads = 256;
+    static constexpr int kStages = 3;               // Q / dO ring
+    static constexpr int kQBytes = kBlockM * HEADDIM * 2;   // one Q or dO tile
+    static constexpr int kKBytes = kBlockN * HEADDIM * 2;   // the K or V tile
+    static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // dS^T, [128 keys][64 queries]
+    static constexpr int kSAcc = kBlockM / 2;       // S^T floats per thread (64 keys x 64 queries)
+    static constexpr int kAcc = HEADDIM / 2;        // dK, dV floats per thread (64 keys x HEADDIM)
+    static constexpr int kQN = HEADDIM / 2;         // dQ columns per warpgroup
+    static constexpr int kQAcc = kQN / 2;           // dQ floats per thread (64 rows x kQN)
+    static constexpr int kHdSteps = HEADDIM / 16;   // k16 steps of S^T and dP^T
+    static constexpr int kMSteps = kBlockM / 16;    // k16 steps of dV and dK (queries)
+    static constexpr int kNSteps = kBlockN / 16;    // k16 steps of dQ (keys)
+    static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
+    static_assert(HEADDIM == 64 || HEADDIM == 128, "compiled head dims: 64, 128");
+};
+
+// The shared memory, its one definition (cupyflash/backward/kernels.py reads kBytes through an
+// NVRTC probe): from a 1024-byte aligned base (the swizzle repeat) K, V, the Q ring, the dO
+// ring, two dS^T buffers (step j writes buffer j & 1: the other warpgroup may still read the
+// previous one), the mbarriers; + 1024 bytes to align the base.
+template <typename Tr>
+struct HopperBwdSmem {
+    static constexpr int S = Tr::kStages;
+    static constexpr uint32_t kK = 0;
+    static constexpr uint32_t kV = kK + Tr::kKBytes;
+    static constexpr uint32_t kQ = kV + Tr::kKBytes;
+    static constexpr uint32_t kDO = kQ + S * Tr::kQBytes;
+    static constexpr uint32_t kDS = kDO + S * Tr::kQBytes;
+    static constexpr uint32_t kKVFull = kDS + 2 * Tr::kDSBytes;
+    static constexpr uint32_t kFull = kKVFull + 8;   // one per ring slot
+    static constexpr int kBytes = (int)kFull + 8 * S + 1024;
+    static_assert(kBytes <= 227 * 1024, "shared memory of the configuration");
+};
+
+// Where step j of a CTA works: query head h, query rows [m0, m0 + 64).
+struct BwdStep {
+    int h, m0;
+};
+
+template <typename Tr>
+__device__ __forceinline__ BwdStep bwd_step(int j, int n_m, int m_block_min, int hk, int h_per_kv) {
+    return BwdStep{hk * h_per_kv + j / n_m, (m_block_min + j % n_m) * Tr::kBlockM};
+}
+
+// The GEMMs of warpgroup w (descriptors: common/wgmma.cuh; k-step and slot offsets are added to
+// the address field in 16-byte units).
+template <typename T, typename Tr, int HEADDIM = Tr::kHeadDim>
+struct BwdGemms {
+    uint32_t k_rows, v_rows;   // this warpgroup's 64 keys of K and V (K-major A of S^T, dP^T)
+    uint32_t q0, do0, ds0;     // the first Q, dO slots and dS^T buffer
+    uint32_t k_cols;           // K as the MN-major B of dQ: this warpgroup's kQN columns
+
+    __device__ __forceinline__ BwdGemms(uint32_t base, int w) {
+        using L = HopperBwdSmem<Tr>;
+        k_rows = base + L::kK + (uint32_t)(w * 64 * 128);
+        v_rows = base + L::kV + (uint32_t)(w * 64 * 128);
+        q0 = base + L::kQ;
+        do0 = base + L::kDO;
+        ds0 = base + L::kDS;
+        // hd128: column tile w; hd64: 32 columns, 64 bytes into the 128-byte rows
+        k_cols = base + L::kK + (uint32_t)(Tr::kQN == 64 ? w * Tr::kBlockN * 128 : w * 64);
+    }
+    // S^T (64 keys x 64 queries) = A B^T of a 64-row K-major A (keys) and a 64-row B (queries)
+    static __device__ __forceinline__ void scores(float (&s)[Tr::kSAcc], uint32_t a_rows,
+                                                  uint32_t b_rows) {
+        const uint64_t a = wgmma_desc_sw128(a_rows, 16, 1024);
+        const uint64_t b = wgmma_desc_sw128(b_rows, 16, 1024);
+#pragma unroll
+        for (int ks = 0; ks < Tr::kHdSteps; ++ks) {
+            const uint64_t ao = (uint64_t)(((ks >> 2) * Tr::kBlockN * 128 + (ks & 3) * 32) >> 4);
+            const uint64_t bo = (uint64_t)(((ks >> 2) * Tr::kBlockM * 128 + (ks & 3) * 32) >> 4);
+            Wgmma<T, 64>::ss(s, a + ao, b + bo, ks > 0 ? 1 : 0);
+        }
+    }
+    __device__ __forceinline__ void st_dpt(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
+                                           int slot) const {
+        scores(st, k_rows, q0 + (uint32_t)(slot * Tr::kQBytes));
+        scores(dpt, v_rows, do0 + (uint32_t)(slot * Tr::kQBytes));
+        wgmma_commit();
+    }
+    // acc (64 keys x HEADDIM) += A (registers, 64 keys x 64 queries) B (a Q or dO slot, MN-major)
+    static __device__ __forceinline__ void acc_rs(float (&acc)[Tr::kAcc],
+                                                  const uint32_t (&a)[Tr::kMSteps][4], uint32_t b_tile) {
+        const uint64_t b = wgmma_desc_sw128(b_tile, (uint32_t)(Tr::kBlockM * 128), 1024);
+#pragma unroll
+        for (int kk = 0; kk < Tr::kMSteps; ++kk)
+            Wgmma<T, HEADDIM>::rs_tn(acc, a[kk], b + (uint64_t)((kk * 16 * 128) >> 4), 1);
+    }
+    __device__ __forceinline__ void dv_dk(float (&dv)[Tr::kAcc], float (&dk)[Tr::kAcc],
+                                          const uint32_t (&pt)[Tr::kMSteps][4],
+                                          const uint32_t (&dst)[Tr::kMSteps][4], int slot) const {
+        acc_rs(dv, pt, do0 + (uint32_t)(slot * Tr::kQBytes));   // dV += P^T dO
+        acc_rs(dk, dst, q0 + (uint32_t)(slot * Tr::kQBytes));   // dK += dS^T Q
+        wgmma_commit();
+    }
+    // dQ (64 queries x kQN) = dS K: A = dS^T buffer (MN-major: queries contiguous), B = K
+    // (MN-major: head dim contiguous), k-steps over the 128 keys
+    __device__ __forceinline__ void dq(float (&acc)[Tr::kQAcc], int buf) const {
+        const uint64_t a = wgmma_desc_sw128(ds0 + (uint32_t)(buf * Tr::kDSBytes),
+                                            (uint32_t)(Tr::kBlockN * 128), 1024);
+        const uint64_t b = wgmma_desc_sw128(k_cols, (uint32_t)(Tr::kBlockN * 128), 1024);
+#pragma unroll
+        for (int kk = 0; kk < Tr::kNSteps; ++kk) {
+            const uint64_t o = (uint64_t)((kk * 16 * 128) >> 4);
+            Wgmma<T, Tr::kQN>::ss_tt(acc, a + o, b + o, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+    }
+};
+
+// red.global.add.v2.f32 (sm_90): two adjacent floats of the dQ accumulator at once.
+__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
+}
+
+// P^T and dS^T of one step in place (st -> P^T, dpt -> dS^T), for this thread's keys (rows
+// key0 + 8 (e >> 1)) and queries (columns m0 + 8 i + 2 t + (e & 1)); lse2 and dsum per column.
+template <typename Tr, bool CAUSAL>
+__device__ __forceinline__ void bwd_probs(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
+                                          const float (&lse2)[Tr::kSAcc / 2],
+                                          const float (&dsum)[Tr::kSAcc / 2], bool mask, int key0,
+                                          int m0, int t, int seqlen_q, int seqlen_k,
+                                          const FwdParams& f) {
+#pragma unroll
+    for (int i = 0; i < Tr::kSAcc / 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = 2 * i + (e & 1), idx = 4 * i + e;
+            float pr = exp2f(fmaf(st[idx], f.scale_log2, -lse2[c]));
+            if (mask) {
+                const KeyRange r = visible_keys(m0 + 8 * i + 2 * t + (e & 1), seqlen_q, seqlen_k,
+                                                CAUSAL, f.window_left, f.window_right);
+                if (!key_visible(r, key0 + 8 * (e >> 1))) pr = 0.f;
+            }
+            st[idx] = pr;
+            dpt[idx] = pr * (dpt[idx] - dsum[c]);
+        }
+}
+
+// dS^T (packed A fragments of this thread) into buffer `buf` ([128 keys][64 queries], 128-byte
+// rows, 16-byte chunk c of row r at c ^ (r & 7): the layout TMA would leave and ss_tt reads).
+template <typename Tr>
+__device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&dsf)[Tr::kMSteps][4],
+                                         int key_row0, int t) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kMSteps; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            // A fragment e of k-step kk: columns 16 kk + 8 (e >> 1) + 2 t, rows + 8 (e & 1)
+            const int r = key_row0 + 8 * (e & 1), chunk = 2 * kk + (e >> 1);
+            *reinterpret_cast<uint32_t*>(buf + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * t) = dsf[kk][e];
+        }
+}
+
+// One CTA: K and V of its key block, every step, then dK and dV.
+template <typename T, int HEADDIM, bool CAUSAL>
+__device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
+    using Tr = HopperBwdTraits<T, HEADDIM>;
+    using L = HopperBwdSmem<Tr>;
+    constexpr int S = Tr::kStages;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (smem_u32addr(smem_raw) + 1023u) & ~1023u;
+    unsigned char* raw = smem_raw + (base - smem_u32addr(smem_raw));
+    const BwdParams& p = P.bwd;
+    const FwdParams& f = p.fwd;
+    const int tid = threadIdx.x, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
+    const int w = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform (common/wgmma.cuh)
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * Tr::kBlockN, hk = blockIdx.y, b = blockIdx.z;
+    const int seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k;
+    const QueryTiles<Tr::kBlockM> qt(n0, min(n0 + Tr::kBlockN, seqlen_k) - 1, seqlen_q, seqlen_k,
+                                     CAUSAL, f.window_left, f.window_right);
+    const int n_m = qt.m_block_max - qt.m_block_min, n_steps = f.h_per_kv * n_m;
+    const uint32_t kv_full = base + L::kKVFull;
+    auto full = [&](int slot) { return base + L::kFull + 8u * (uint32_t)slot; };
+    auto issue = [&](int j) {  // tid 0: the Q and dO tiles of step j into slot j % S
+        const BwdStep st = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
+        const int slot = j % S;
+        mbarrier_arrive_expect_tx(full(slot), 2 * Tr::kQBytes);
+#pragma unroll
+        for (int c = 0; c < HEADDIM / 64; ++c) {
+            const uint32_t off = (uint32_t)(slot * Tr::kQBytes + c * Tr::kBlockM * 128);
+            tma_load_4d(base + L::kQ + off, &P.tq, c * 64, st.h, st.m0, b, full(slot));
+            tma_load_4d(base + L::kDO + off, &P.tdo, c * 64, st.h, st.m0, b, full(slot));
+        }
+    };
+    if (tid == 0) {
+        mbarrier_init(kv_full, 1);
+        for (int s = 0; s < S; ++s) mbarrier_init(full(s), 1);
+        fence_proxy_async();  // the initialised barriers, before TMA completes bytes on them
+    }
+    __syncthreads();
+    if (tid == 0 && n_steps > 0) {
+        tma_prefetch_desc(&P.tq);
+        tma_prefetch_desc(&P.tk);
+        tma_prefetch_desc(&P.tv);
+        tma_prefetch_desc(&P.tdo);
+        mbarrier_arrive_expect_tx(kv_full, 2 * Tr::kKBytes);
+#pragma unroll
+        for (int c = 0; c < HEADDIM / 64; ++c) {
+            const uint32_t off = (uint32_t)(c * Tr::kBlockN * 128);
+            tma_load_4d(base + L::kK + off, &P.tk, c * 64, hk, n0, b, kv_full);
+            tma_load_4d(base + L::kV + off, &P.tv, c * 64, hk, n0, b, kv_full);
+        }
+        for (int j = 0; j < S - 1 && j < n_steps; ++j) issue(j);
+    }
+
+    const BwdGemms<T, Tr> gemm(base, w);
+    const int key_row0 = w * 64 + warp_in_wg * 16 + g;  // this thread's keys: + 0, + 8
+    float dk[Tr::kAcc], dv[Tr::kAcc];
+#pragma unroll
+    for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
+    if (n_steps > 0) mbarrier_wait(kv_full, 0u);
+    float* dq_accum = p.dq_accum;
+    for (int j = 0; j < n_steps; ++j) {
+        const int slot = j % S, buf = j & 1;
+        const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
+        const BwdSeq sq = bwd_seq(p, b, stp.h);
+        // LSE log2(e) and D of this thread's 16 query columns (read while the copies land)
+        float lse2[Tr::kSAcc / 2], dsum[Tr::kSAcc / 2];
+#pragma unroll
+        for (int c = 0; c < Tr::kSAcc / 2; ++c) {
+            const int r = stp.m0 + 8 * (c >> 1) + 2 * t + (c & 1);
+            lse2[c] = bwd_lse_log2<float>(f.lse + sq.f.lse_off, r, seqlen_q);
+            dsum[c] = r < seqlen_q ? static_cast<const float*>(p.dsum)[sq.dsum_off + r] : 0.f;
+        }
+        mbarrier_wait(full(slot), (uint32_t)((j / S) & 1));
+        float st[Tr::kSAcc], dpt[Tr::kSAcc];
+        wgmma_fence();
+        gemm.st_dpt(st, dpt, slot);
+        wgmma_wait<0>();
+        wgmma_fence_operand(st);
+        wgmma_fence_operand(dpt);
+        const bool mask = bwd_tile_needs_mask<Tr::kBlockM, Tr::kBlockN>(f, stp.m0, n0, seqlen_q,
+                                                                         seqlen_k, CAUSAL);
+        bwd_probs<Tr, CAUSAL>(st, dpt, lse2, dsum, mask, n0 + key_row0, stp.m0, t, seqlen_q,
+                              seqlen_k, f);
+        uint32_t ptf[Tr::kMSteps][4], dsf[Tr::kMSteps][4];
+        pack_p<T, Tr::kSAcc / 4>(st, ptf);
+        pack_p<T, Tr::kSAcc / 4>(dpt, dsf);
+        // dS^T to shared memory before the wgmmas that read dsf are issued (the A registers of
+        // a pending wgmma may not even be read)
+        store_ds<Tr>(raw + L::kDS + buf * Tr::kDSBytes, dsf, key_row0, t);
+        fence_proxy_async();  // the dS^T writes (generic proxy) before wgmma's reads (async)
+        wgmma_fence_operand(dv);
+        wgmma_fence_operand(dk);
+        wgmma_fence_operand(ptf);
+        wgmma_fence_operand(dsf);
+        wgmma_fence();
+        gemm.dv_dk(dv, dk, ptf, dsf, slot);
+        // every thread: its dS^T written, and done with step j - 1 (its slot and dS^T buffer)
+        __syncthreads();
+        if (tid == 0 && j + S - 1 < n_steps) issue(j + S - 1);
+        float dq[Tr::kQAcc];
+        wgmma_fence();
+        gemm.dq(dq, buf);
+        wgmma_wait<0>();
+        wgmma_fence_operand(dq);
+        wgmma_fence_operand(dv);
+        wgmma_fence_operand(dk);
+        // dQ += this warpgroup's columns (rows past seqlen_q are not added)
+        float* dq_rows = dq_accum + (((int64_t)b * f.nheads + stp.h) * seqlen_q) * HEADDIM;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = stp.m0 + warp_in_wg * 16 + g + 8 * hh;
+            if (r < seqlen_q) {
+                float* row = dq_rows + (int64_t)r * HEADDIM + w * Tr::kQN + 2 * t;
+#pragma unroll
+                for (int i = 0; i < Tr::kQAcc / 4; ++i)
+                    red_add_v2(row + 8 * i, dq[4 * i + 2 * hh], dq[4 * i + 2 * hh + 1]);
+            }
+        }
+    }
+
+    // ---- epilogue: dK = softmax_scale dS^T Q, dV, rounded to T (zeros for unseen keys) ----
+    const BwdSeq s0 = bwd_seq(p, b, hk * f.h_per_kv);
+    const float scale = (float)f.softmax_scale_d;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int key = n0 + key_row0 + 8 * hh;
+        if (key >= seqlen_k) continue;
+        T* dk_row = static_cast<T*>(p.dk) + s0.dk_off + (int64_t)key * p.dk_row_stride;
+        T* dv_row = static_cast<T*>(p.dv) + s0.dv_off + (int64_t)key * p.dv_row_stride;
+#pragma unroll
+        for (int i = 0; i < Tr::kAcc / 4; ++i) {
+            const int col = 8 * i + 2 * t, idx = 4 * i + 2 * hh;
+            if (col >= f.headdim) continue;
+            *reinterpret_cast<uint32_t*>(dk_row + col) = pack2<T>(dk[idx] * scale, dk[idx + 1] * scale);
+            *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[idx], dv[idx + 1]);
+        }
+    }
+}
+
+// The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL> (grid: key blocks of 128, KV heads,
+// batch; 256 threads; dynamic shared memory HopperBwdSmem::kBytes) after the pre-pass
+// (cf::bwd_dsum_entry) into a zeroed dq_accum, then cf::bwd_dq_convert_entry<T, HEADDIM> (grid:
+// blocks of kConvertRows query rows, heads, batch; 256 threads): dq = softmax_scale dq_accum.
+template <typename T, int HEADDIM, bool CAUSAL>
+__global__ void __launch_bounds__(256, 1) bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
+    bwd_hopper_block<T, HEADDIM, CAUSAL>(P);
+}
+
+constexpr int kConvertRows = 32;
+
+template <typename T, int HEADDIM>
+__global__ void __launch_bounds__(256) bwd_dq_convert_entry(const __grid_constant__ BwdParams p) {
+    const FwdParams& f = p.fwd;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const BwdSeq s = bwd_seq(p, b, h);
+    const float* acc = p.dq_accum + (((int64_t)b * f.nheads + h) * f.seqlen_q) * HEADDIM;
+    const float scale = (float)f.softmax_scale_d;
+    for (int i = threadIdx.x; i < kConvertRows * HEADDIM / 2; i += 256) {
+        const int r = blockIdx.x * kConvertRows + i / (HEADDIM / 2), c = 2 * (i % (HEADDIM / 2));
+        if (r < f.seqlen_q && c < f.headdim) {
+            const float2 x = *reinterpret_cast<const float2*>(acc + (int64_t)r * HEADDIM + c);
+            T* row = static_cast<T*>(p.dq) + s.dq_off + (int64_t)r * p.dq_row_stride;
+            *reinterpret_cast<uint32_t*>(row + c) = pack2<T>(x.x * scale, x.y * scale);
+        }
+    }
+}
+
+}  // namespace cf
