@@ -41,7 +41,8 @@ it: the inputs q, k, v, dout, ``inputs_bytes``; plus the growth of CuPy's pool, 
 allocates there: ``cupy_pool_bytes``); for cupyflash ``ratio_vs_<peer> = peer ms_bwd /
 cupyflash ms_bwd`` (above 1: cupyflash's backward is faster) and ``ratio_fwd_bwd_vs_<peer>``,
 against torch_cudnn, torch_flash and flex of the same shape and run, and ``bitwise_repeatable``
-(two runs' gradients equal bit for bit). Correctness, once per shape, outside the timing: every
+(two runs' gradients equal bit for bit), ``bwd_kernels`` (the dK/dV kernels cupyflash ran so far
+for this mask: the Hopper plan with ``CUPYFLASH_BWD_HOPPER=1``). Correctness, once per shape, outside the timing: every
 impl's out, dq, dk, dv against torch SDPA's math backend in float32 on the same inputs
 (batch 0, the first ``ref_heads`` heads: as many as fit ``--ref-budget-gib``, at least one),
 ``rel_err_out``, ``rel_err_dq``, ``rel_err_dk``, ``rel_err_dv`` (``||x - ref|| / ||ref||``); never
@@ -524,6 +525,12 @@ def run_shape(shape: dict, args, impls: list, device="cuda") -> list:
             rec["first_call_s"] = f["first_call_s"]
             if "layout" in f:
                 rec["torch_layout"] = f["layout"]
+            if impl in CUPYFLASH_IMPLS:  # which backward plan ran (kernels_cu/backward/*.cu)
+                from cupyflash.backward import run as bwd_run
+                rec["bwd_kernels"] = sorted({key[0].name for key in bwd_run._LAUNCHES
+                                             if key[0].causal == shape["causal"]
+                                             and key[0].headdim == shape["headdim"]
+                                             and key[0].role == "dkdv"})
             if impl == "flex":
                 rec["flex_dynamic"] = bool(args.flex_dynamic)
                 rec["triton"] = _version("triton")
