@@ -1,5 +1,5 @@
 """A reduced set of launches for compute-sanitizer (memcheck, racecheck): every kernel family
-(prefill, decode, backward),
+(prefill, decode, backward; the Hopper backward on sm_90a),
 tails that are not multiples of the tiles, causal/window, GQA, paged cache with a shuffled table.
 
     compute-sanitizer --tool memcheck python experiments/sanitize_cases.py
@@ -126,12 +126,35 @@ def backward(dtypes, small, bf16):
             for qq, kk in ((qs, k), (rand((2, 150, 4, d), dt), k[:, :30])):
                 out, lse = cf.flash_attn_func(qq, kk, kk, causal=True, return_lse=True)
                 cf.flash_attn_backward(rand(qq.shape, dt), qq, kk, kk, out, lse, causal=True)
+    hopper_backward(small, bf16)
     cu_q = cp.asarray(np.array([0, 5, 5, 70, 71], dtype=np.int32))
     cu_k = cp.asarray(np.array([0, 9, 40, 40, 130], dtype=np.int32))
     q, k = rand((71, 4, 64), bf16), rand((130, 2, 64), bf16)
     out, lse = cf.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 65, 90, causal=True, return_lse=True)
     cf.flash_attn_varlen_backward(rand(q.shape, bf16), q, k, k, out, lse, cu_q, cu_k, 65, 90,
                                   causal=True)
+
+
+def hopper_backward(small, bf16):
+    """The Hopper backward (CUPYFLASH_BWD_HOPPER=1, sm_90a): hd64 and hd128 (a padded 72), tails,
+    GQA, causal with keys no query sees, a window, more than one query head per CTA."""
+    import os
+    from cupyflash.core import planning
+    if planning.default_arch() != "sm_90a":
+        return
+    os.environ["CUPYFLASH_BWD_HOPPER"] = "1"
+    try:
+        for dt in ((bf16,) if small else (bf16, cp.float16)):
+            for d in (64, 72):
+                q, k = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt)
+                v = rand((2, 133, 2, d), dt)
+                for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
+                    out, lse = cf.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                                  return_lse=True)
+                    cf.flash_attn_backward(rand(q.shape, dt), q, k, v, out, lse, causal=causal,
+                                           window_size=window)
+    finally:
+        del os.environ["CUPYFLASH_BWD_HOPPER"]
 
 
 if __name__ == "__main__":
