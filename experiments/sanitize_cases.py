@@ -151,8 +151,9 @@ def hopper_backward(small, bf16):
                 for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
                     out, lse = cf.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                                   return_lse=True)
-                    cf.flash_attn_backward(rand(q.shape, dt), q, k, v, out, lse, causal=causal,
-                                           window_size=window)
+                    for det in (False, True):  # atomics; turns in a fixed order
+                        cf.flash_attn_backward(rand(q.shape, dt), q, k, v, out, lse, causal=causal,
+                                               window_size=window, deterministic=det)
     finally:
         del os.environ["CUPYFLASH_BWD_HOPPER"]
 

@@ -184,6 +184,9 @@ def test_hopper_plan_geometry_and_shared_memory():
     assert main.smem_bytes == (2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 64) * 2 + 8 * 4 + 1024
     assert conv.smem_bytes == 0
     assert kernels.plan_backward("bfloat16", 64, False, hopper=True).dkdv[0].headdim == 64
+    det = kernels.plan_backward("float16", 72, True, hopper=True, deterministic=True).dkdv[0]
+    assert det.name == main.name + "_det" and det.entry.endswith(", 128, true, true>")
+    assert det.smem_bytes == main.smem_bytes
     for dtype, d in (("float32", 64), ("bfloat16", 136)):
         with pytest.raises(ValueError, match="hopper"):
             kernels.plan_backward(dtype, d, False, hopper=True)

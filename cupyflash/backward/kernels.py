@@ -14,10 +14,11 @@ Float16/bfloat16 run ``kernels_cu/backward/mma.cu`` (mma.sync m16n8k16, fp32 acc
 float32/float64 ``kernels_cu/backward/simt.cu`` (CUDA cores, computed in the dtype). Pure Python
 but for :func:`layout` (an NVRTC probe of the shared-memory sizes, no GPU needed).
 
-On sm_90a, float16/bfloat16 at head dims up to 128, dense, not ``deterministic``, a Hopper plan
+On sm_90a, float16/bfloat16 at head dims up to 128, dense, a Hopper plan
 (``plan_backward(..., hopper=True)``) can run instead: ``kernels_cu/backward/hopper.cu`` (TMA,
-warpgroup MMA; dK/dV and dQ in one kernel, dQ added with atomics into an fp32 accumulator) and a
-``dq`` kernel that scales and rounds that accumulator. It is chosen only where
+warpgroup MMA; dK/dV and dQ in one kernel, dQ added with atomics into an fp32 accumulator; with
+``deterministic`` the key blocks add in a fixed order, one after the other, on turn counters)
+and a ``dq`` kernel that scales and rounds that accumulator. It is chosen only where
 :func:`hopper_enabled` (``CUPYFLASH_BWD_HOPPER=1``): it has not yet run on a GPU (2026-12-06).
 """
 from __future__ import annotations
@@ -106,6 +107,7 @@ class BwdKernel:
     causal: bool = False
     part: int = 0
     tma: bool = False
+    deterministic: bool = False  # the Hopper kernel only: dQ added in a fixed order
 
     @property
     def isa(self) -> str:
@@ -131,7 +133,7 @@ class BwdKernel:
             if self.role == "dq":
                 return f"bwdtma_dqconv_{d}_hd{self.headdim}"
             return (f"bwdtma_{d}_hd{self.headdim}_m{self.block_m}_n{self.block_n}"
-                    f"{'_causal' if self.causal else ''}")
+                    f"{'_causal' if self.causal else ''}{'_det' if self.deterministic else ''}")
         pre = "bwd" if self.isa == "mma" else "bwdsimt"
         w = f"_w{self.nwarps}" if self.isa == "mma" else ""
         part = {0: "", 1: "_dk", 2: "_dv"}[self.part]
@@ -146,7 +148,8 @@ class BwdKernel:
         if self.tma:
             if self.role == "dq":
                 return f"cf::bwd_dq_convert_entry<{t}, {self.headdim}>"
-            return f"cf::bwd_hopper_entry<{t}, {self.headdim}, {c}>"
+            det = "true" if self.deterministic else "false"
+            return f"cf::bwd_hopper_entry<{t}, {self.headdim}, {c}, {det}>"
         tile = f"{t}, {self.headdim}, {self.block_m}, {self.block_n}"
         if self.isa == "simt":
             return f"cf::bwd_{self.role}_simt_entry<{tile}, {c}>"
@@ -229,10 +232,12 @@ def hopper_headdim(headdim: int):
 
 
 @functools.lru_cache(maxsize=None)
-def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False) -> BwdPlan:
+def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
+                  deterministic: bool = False) -> BwdPlan:
     """The backward kernels of a problem's dtype, actual head dim (a multiple of 8 up to 256,
     run on the next compiled one) and causal flag; ``hopper``: the Hopper plan (dsum, the
-    Hopper kernel, the dq conversion; float16/bfloat16, head dims up to 128).
+    Hopper kernel, the dq conversion; float16/bfloat16, head dims up to 128), whose kernel adds
+    dQ in a fixed order when ``deterministic`` (the other plans always do).
 
     Raises
     ------
@@ -248,7 +253,8 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False) 
             raise ValueError(f"hopper: the Hopper backward takes float16/bfloat16 at head dims up "
                              f"to 128, got {dtype} at {headdim}")
         bm, bn = HOPPER_TILE
-        return BwdPlan(dsum, (BwdKernel("dkdv", dtype, hhd, bm, bn, 8, causal, tma=True),),
+        return BwdPlan(dsum, (BwdKernel("dkdv", dtype, hhd, bm, bn, 8, causal, tma=True,
+                                        deterministic=deterministic),),
                        BwdKernel("dq", dtype, hhd, CONVERT_ROWS, 0, 8, tma=True))
     if dtype in fwd.TC_DTYPES:
         dkdv_tiles, (qm, qn, qw) = _MMA_TILES[hd]
@@ -273,8 +279,9 @@ def all_kernels() -> tuple:
     for dtype in fwd.TC_DTYPES:
         for hd in HOPPER_HEADDIMS:
             for causal in (False, True):
-                for k in plan_backward(dtype, hd, causal, hopper=True).kernels:
-                    seen[k] = None
+                for det in (False, True):
+                    for k in plan_backward(dtype, hd, causal, hopper=True, deterministic=det).kernels:
+                        seen[k] = None
     return tuple(seen)
 
 

@@ -53,12 +53,12 @@ def _launch(kernel, fields, grid, block, dev, pointers, stream, maps=None) -> No
 _MAP_SOURCES = tuple(kernels.POINTERS.index(n) for n in ("q", "k", "v", "dout"))
 
 
-def _hopper_maps(problem, deterministic, strides, arrays, caller, dev):
+def _hopper_maps(problem, strides, arrays, caller, dev):
     """The tensor-map layouts of the Hopper plan where it takes this call, else None: sm_90a,
-    float16/bfloat16, head dim <= 128, dense, not ``deterministic``, strides and base addresses
-    a tensor map accepts, and :func:`kernels.hopper_enabled`."""
+    float16/bfloat16, head dim <= 128, dense, strides and base addresses a tensor map accepts,
+    and :func:`kernels.hopper_enabled`."""
     from ..core import planning, tma
-    if (deterministic or problem.varlen or problem.dtype not in fwd_kernels.TC_DTYPES
+    if (problem.varlen or problem.dtype not in fwd_kernels.TC_DTYPES
             or kernels.hopper_headdim(problem.headdim) is None or not kernels.hopper_enabled()
             or planning._device_info(dev)[0] != fwd_kernels.WG_ARCH):
         return None
@@ -88,8 +88,9 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
     dev = _device_of(views["q"])
     strides = {n: _elem_strides(arrays[n], caller) for n in
                ("q", "k", "v", "out", "lse", "dout")}
-    maps = _hopper_maps(problem, deterministic, strides, arrays, caller, dev)
-    plan = kernels.plan_backward(dt, problem.headdim, problem.causal, hopper=maps is not None)
+    maps = _hopper_maps(problem, strides, arrays, caller, dev)
+    plan = kernels.plan_backward(dt, problem.headdim, problem.causal, hopper=maps is not None,
+                                 deterministic=bool(deterministic) and maps is not None)
     geometry = [(kern,) + kernels.launch_geometry(kern, problem) for kern in plan.kernels]
     for _, grid, _ in geometry:  # before any launch
         if grid[1] > 65535 or grid[2] > 65535:
@@ -102,9 +103,12 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
                 arrays[n] = caller.empty(tuple(views[like].shape), dt, dev)
         dsum = caller.empty(tuple(views["lse"].shape), kernels.ACC_DTYPE[dt], dev)
         dq_accum = None
-        if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it
-            dq_accum = caller.full((problem.batch, problem.nheads, problem.seqlen_q,
-                                    plan.dq.headdim), 0, "float32", dev)
+        if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it;
+            # deterministic: then one int32 turn counter per (batch, head, 64-row query block)
+            size = problem.batch * problem.nheads * problem.seqlen_q * plan.dq.headdim
+            if deterministic:
+                size += problem.batch * problem.nheads * -(-problem.seqlen_q // kernels.HOPPER_TILE[0])
+            dq_accum = caller.full((size,), 0, "float32", dev)
         for n in ("dq", "dk", "dv"):
             strides[n] = _elem_strides(arrays[n], caller)
         strides["dsum"] = _elem_strides(dsum, caller)

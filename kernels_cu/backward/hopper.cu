@@ -14,8 +14,10 @@
 //   64 x HEADDIM / 2 tile of warpgroup w added to an fp32 accumulator in global memory with
 //   vector atomics (red.global.add.v2.f32); dq_convert_entry scales and rounds it at the end.
 // So dK and dV are summed in registers over the query heads of a GQA group (no atomics), dQ
-// over the key blocks with atomics: the order of those additions varies from run to run, so dQ
-// is not bitwise repeatable (deterministic=True runs the mma.sync kernels, which use none).
+// over the key blocks with atomics, in an order that varies from run to run; DETERMINISTIC
+// fixes it (FlashAttention-3's semaphores, flash-attention PR 1893): the key blocks add to a
+// query block's dQ one after the other, each waiting for its turn on a counter per (batch, query
+// head, query block) that the previous one increments (DqTurns below).
 //
 // One thread (tid 0) issues every copy: K and V once, then step j + kStages - 1 once every
 // thread has finished step j - 1 (the CTA barrier of step j), into that step's slot; all
@@ -149,6 +151,64 @@ struct BwdGemms {
     }
 };
 
+// The order in which the key blocks add to a query block's dQ when DETERMINISTIC: descending
+// key blocks when causal (a key block reaches query block m after the key blocks nearer the
+// diagonal did, at the same step count: the order in which they arrive anyway), ascending
+// otherwise. A key block waits only for key blocks launched before it: the grid's x index runs
+// the key blocks in that order (bwd_key_block). One counter per (batch, query head, query
+// block), int32, after the dq_accum floats, zeroed with them; key block n's turn at query block
+// m is its rank among the key blocks that see m (an interval of key blocks, found by bisection
+// over the same QueryTiles the CTAs walk, so the count cannot disagree with what they do).
+template <typename Tr, bool CAUSAL>
+struct DqTurns {
+    int* counters;   // of this (batch, query head 0): + h * n_m_total + m
+    int n_blocks, n_m_total;
+    int seqlen_q, seqlen_k, window_left, window_right;
+
+    __device__ __forceinline__ bool sees(int n, int m) const {
+        const QueryTiles<Tr::kBlockM> qt(n * Tr::kBlockN, min((n + 1) * Tr::kBlockN, seqlen_k) - 1,
+                                         seqlen_q, seqlen_k, CAUSAL, window_left, window_right);
+        return qt.m_block_min <= m && m < qt.m_block_max;
+    }
+    // key block n's turn at query block m (n sees m)
+    __device__ __forceinline__ int rank(int n, int m) const {
+        if (CAUSAL) {  // descending: the key blocks above n that see m go first
+            int lo = n, hi = n_blocks;  // sees(lo, m); the first block above n that does not: in (lo, hi]
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (sees(mid, m)) lo = mid; else hi = mid;
+            }
+            return lo - n;
+        }
+        int lo = -1, hi = n;  // ascending: the first block that sees m, in (lo, hi]
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (sees(mid, m)) hi = mid; else lo = mid;
+        }
+        return n - hi;
+    }
+    __device__ __forceinline__ int* counter(int h, int m0) const {
+        return counters + (int64_t)h * n_m_total + m0 / Tr::kBlockM;
+    }
+};
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// The key block of CTA blockIdx.x: reversed when DETERMINISTIC and causal, so that the key
+// blocks a CTA waits for (DqTurns: those above it) were launched before it.
+template <typename Tr, bool CAUSAL, bool DETERMINISTIC>
+__device__ __forceinline__ int bwd_key_block() {
+    return (DETERMINISTIC && CAUSAL) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+}
+
 // red.global.add.v2.f32 (sm_90): two adjacent floats of the dQ accumulator at once.
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
@@ -194,7 +254,7 @@ __device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&ds
 }
 
 // One CTA: K and V of its key block, every step, then dK and dV.
-template <typename T, int HEADDIM, bool CAUSAL>
+template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     using Tr = HopperBwdTraits<T, HEADDIM>;
     using L = HopperBwdSmem<Tr>;
@@ -207,7 +267,8 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     const int tid = threadIdx.x, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int w = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform (common/wgmma.cuh)
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * Tr::kBlockN, hk = blockIdx.y, b = blockIdx.z;
+    const int n_block = bwd_key_block<Tr, CAUSAL, DETERMINISTIC>();
+    const int n0 = n_block * Tr::kBlockN, hk = blockIdx.y, b = blockIdx.z;
     const int seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k;
     const QueryTiles<Tr::kBlockM> qt(n0, min(n0 + Tr::kBlockN, seqlen_k) - 1, seqlen_q, seqlen_k,
                                      CAUSAL, f.window_left, f.window_right);
@@ -253,6 +314,11 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
     if (n_steps > 0) mbarrier_wait(kv_full, 0u);
     float* dq_accum = p.dq_accum;
+    const int n_m_total = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    const DqTurns<Tr, CAUSAL> turns{
+        reinterpret_cast<int*>(dq_accum + (int64_t)f.batch * f.nheads * seqlen_q * HEADDIM) +
+            (int64_t)b * f.nheads * n_m_total,
+        (int)gridDim.x, n_m_total, seqlen_q, seqlen_k, f.window_left, f.window_right};
     for (int j = 0; j < n_steps; ++j) {
         const int slot = j % S, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
@@ -299,6 +365,14 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         wgmma_fence_operand(dq);
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
+        if (DETERMINISTIC) {  // this key block's turn at the query block (one thread waits)
+            if (tid == 0) {
+                const int my = turns.rank(n_block, stp.m0 / Tr::kBlockM);
+                const int* c = turns.counter(stp.h, stp.m0);
+                while (ld_acquire_gpu(c) != my) __nanosleep(32);
+            }
+            __syncthreads();
+        }
         // dQ += this warpgroup's columns (rows past seqlen_q are not added)
         float* dq_rows = dq_accum + (((int64_t)b * f.nheads + stp.h) * seqlen_q) * HEADDIM;
 #pragma unroll
@@ -309,6 +383,13 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
 #pragma unroll
                 for (int i = 0; i < Tr::kQAcc / 4; ++i)
                     red_add_v2(row + 8 * i, dq[4 * i + 2 * hh], dq[4 * i + 2 * hh + 1]);
+            }
+        }
+        if (DETERMINISTIC) {  // every thread's additions, then the next key block's turn
+            __syncthreads();
+            if (tid == 0) {
+                __threadfence();
+                red_release_gpu_add(turns.counter(stp.h, stp.m0), 1);
             }
         }
     }
@@ -332,13 +413,14 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     }
 }
 
-// The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL> (grid: key blocks of 128, KV heads,
-// batch; 256 threads; dynamic shared memory HopperBwdSmem::kBytes) after the pre-pass
-// (cf::bwd_dsum_entry) into a zeroed dq_accum, then cf::bwd_dq_convert_entry<T, HEADDIM> (grid:
-// blocks of kConvertRows query rows, heads, batch; 256 threads): dq = softmax_scale dq_accum.
-template <typename T, int HEADDIM, bool CAUSAL>
+// The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL, DETERMINISTIC> (grid: key blocks of
+// 128, KV heads, batch; 256 threads; dynamic shared memory HopperBwdSmem::kBytes) after the
+// pre-pass (cf::bwd_dsum_entry) into a zeroed dq_accum (DETERMINISTIC: and the turn counters
+// after it), then cf::bwd_dq_convert_entry<T, HEADDIM> (grid: blocks of kConvertRows query
+// rows, heads, batch; 256 threads): dq = softmax_scale dq_accum.
+template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(256, 1) bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
-    bwd_hopper_block<T, HEADDIM, CAUSAL>(P);
+    bwd_hopper_block<T, HEADDIM, CAUSAL, DETERMINISTIC>(P);
 }
 
 constexpr int kConvertRows = 32;

@@ -13,7 +13,8 @@ float32 LSE; float64 must agree to 1e-12.
 Every gradient buffer is NaN before the launch (``dq=``, ``dk=``, ``dv=`` given) and checked with
 ``isnan`` first; every problem runs twice and the results must be bitwise equal (no atomics).
 The Hopper plan (``CUPYFLASH_BWD_HOPPER=1``, sm_90a; ``test_hopper_*``) adds dQ with atomics:
-there only dK and dV must be bitwise equal, and each test checks that the Hopper kernel ran.
+there only dK and dV must be bitwise equal (all three with ``deterministic=True``), and each
+test checks that the Hopper kernel ran.
 """
 import numpy as np
 import pytest
@@ -222,8 +223,9 @@ def hopper(monkeypatch):
         pytest.skip("the Hopper backward runs on sm_90a only")
     monkeypatch.setenv("CUPYFLASH_BWD_HOPPER", "1")
 
-    def ran(dtype, d, causal):
-        want = bwd_kernels.plan_backward(dtype, d, causal, hopper=True).dkdv[0]
+    def ran(dtype, d, causal, deterministic=False):
+        want = bwd_kernels.plan_backward(dtype, d, causal, hopper=True,
+                                         deterministic=deterministic).dkdv[0]
         assert any(key[0] == want for key in bwd_run._LAUNCHES), f"{want.name} did not run"
     return ran
 
@@ -252,12 +254,17 @@ def test_hopper_backward_matches_reference(hopper, dtype, case):
     assert_grads(got, q, k, v, dout, dtype, what=f"hopper {dtype} {case}", **kw)
 
 
-def test_hopper_backward_deterministic_runs_the_mma_kernels(hopper):
-    """deterministic=True: no atomics, so bitwise repeatable (the mma.sync plan)."""
-    rng = np.random.default_rng(5)
-    q, k, v, dout = inputs(rng, (1, 300, 4, 128), (1, 300, 2, 128), "bfloat16")
-    got = run_backward(q, k, v, dout, causal=True, deterministic=True)
-    assert_grads(got, q, k, v, dout, "bfloat16", causal=True)
+@pytest.mark.parametrize("case", [(1, 300, 300, 4, 2, 128, True), (2, 700, 500, 4, 4, 64, False),
+                                  (1, 1000, 1000, 8, 2, 128, False), (1, 77, 300, 2, 1, 40, True)])
+def test_hopper_backward_deterministic(hopper, case):
+    """deterministic=True: the key blocks add dQ in a fixed order (turn counters), so all three
+    gradients are bitwise repeatable, and as exact as the default."""
+    b, sq, sk, h, hk, d, causal = case
+    rng = np.random.default_rng([sq, sk, d])
+    q, k, v, dout = inputs(rng, (b, sq, h, d), (b, sk, hk, d), "bfloat16")
+    got = run_backward(q, k, v, dout, causal=causal, deterministic=True)
+    hopper("bfloat16", d, causal, deterministic=True)
+    assert_grads(got, q, k, v, dout, "bfloat16", causal=causal)
 
 
 @settings(deadline=None)
