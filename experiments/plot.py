@@ -513,16 +513,22 @@ def fig7_tiles(results: Path, figures: Path) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
+def _bwd_plan(r) -> str:
+    """``"hopper"`` where a cupyflash record ran the Hopper kernel (``bwd_kernels``), else ``""``."""
+    return "hopper" if any(str(n).startswith("bwdtma") for n in r.get("bwd_kernels") or ()) else ""
+
+
 def backward(results: Path, figures: Path, dtype: str = "bfloat16") -> list:
     """Backward TFLOP/s (2.5 x the forward's FLOPs over ``ms_bwd``) vs S from
     bench_backward.jsonl: a panel per (head dim, causal), a line per impl, cupyflash's
-    deterministic backward dashed."""
+    deterministic backward dashed, its Hopper kernel (``CUPYFLASH_BWD_HOPPER=1``) with square
+    markers."""
     recs = load(results, "bench_backward", "backward", need=("tflops_bwd", "seqlen", "headdim"))
     recs = [r for r in recs if r.get("dtype") == dtype]
     if not recs:
         raise SkipFigure(f"bench_backward: no {dtype} records")
-    recs = latest(recs, lambda r: (r["impl"], bool(r.get("deterministic")), r["headdim"],
-                                   r["seqlen"], bool(r.get("causal"))))
+    recs = latest(recs, lambda r: (r["impl"], bool(r.get("deterministic")), _bwd_plan(r),
+                                   r["headdim"], r["seqlen"], bool(r.get("causal"))))
     hds = sorted({r["headdim"] for r in recs})
     plt = _plt()
     fig, axes = plt.subplots(len(hds), 2, figsize=(11, 3.6 * len(hds)), squeeze=False)
@@ -530,12 +536,15 @@ def backward(results: Path, figures: Path, dtype: str = "bfloat16") -> list:
         for j, causal in enumerate((False, True)):
             ax = axes[i][j]
             sub = [r for r in recs if r["headdim"] == hd and bool(r.get("causal")) == causal]
-            lines = sorted({(r["impl"], bool(r.get("deterministic"))) for r in sub},
-                           key=lambda x: (_impl_order(x[0]), x[1]))
-            for impl, det in lines:
+            lines = sorted({(r["impl"], bool(r.get("deterministic")), _bwd_plan(r)) for r in sub},
+                           key=lambda x: (_impl_order(x[0]), x[2], x[1]))
+            for impl, det, plan in lines:
                 pts = sorted((r["seqlen"], r["tflops_bwd"]) for r in sub
-                             if r["impl"] == impl and bool(r.get("deterministic")) == det)
+                             if r["impl"] == impl and bool(r.get("deterministic")) == det
+                             and _bwd_plan(r) == plan)
                 st = _style(impl)
+                if plan:
+                    st.update(marker="s", label=f"{st['label']}, Hopper kernel")
                 if det:
                     st.update(linestyle="--", label=f"{st['label']}, deterministic")
                 ax.plot(*zip(*pts), **st)

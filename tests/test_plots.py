@@ -484,3 +484,10 @@ def test_provenance_text_names_every_commit_newest_first():
     nested = [{"gpu": "G", "commit": "aaaaaaa1", "provenance": {"date": "2026-12-05"}},
               {"gpu": "G", "commit": "bbbbbbb2", "provenance": {"date": "2026-12-04"}}]
     assert plot.provenance_text(nested) == "G, commits aaaaaaa (1), bbbbbbb (1)"
+
+
+def test_backward_plan_of_a_record():
+    """The backward figure draws the Hopper kernel's records as a line of their own."""
+    assert plot._bwd_plan({"bwd_kernels": ["bwdtma_bf16_hd128_m64_n128_causal"]}) == "hopper"
+    assert plot._bwd_plan({"bwd_kernels": ["bwd_dkdv_bf16_hd128_m32_n128_w8_causal"]}) == ""
+    assert plot._bwd_plan({"impl": "torch_cudnn"}) == ""
