@@ -7,8 +7,10 @@ Per case (batch, seqlen, nheads, nheads_k, headdim, causal, deterministic, dtype
 plan, ``CUPYFLASH_BWD_HOPPER=1``, or the mma.sync one): the forward with
 its LSE, the backward twice into fresh buffers, each gradient's error against the float64 NumPy
 reference (``cupyflash.testing.backward_error``: relative to the size of its terms), whether the
-two runs are bitwise equal, NaN anywhere, and the mean time of five more backward calls
-(wall clock, synchronised: a sanity figure, not a benchmark; ``bench_backward.py`` times), and
+two runs are bitwise equal, NaN anywhere, the mean time of five more backward calls
+(wall clock, synchronised: a sanity figure, not a benchmark; ``bench_backward.py`` times), the
+fastest of five CUDA-event times of each kernel of the call (``kernel_ms``: where the time goes),
+and
 the names of the kernels that ran (so a case that asked for the Hopper plan shows whether it got it).
 
     PYTHONPATH=. python experiments/probe_backward.py                 # hd 64/128, all masks, both modes
@@ -58,16 +60,35 @@ def run_case(case: dict) -> dict:
     f64 = [x.astype(np.float64) for x in host]
     errs, _ = testing.backward_error([x.astype(np.float64) for x in runs[0]], f64[3], *f64[:3],
                                      causal=causal)
+    launch, events = bwd_run._launch, []
+
+    def timed(kern, *a, **kw):  # each launch between two CUDA events
+        ev = (cupy.cuda.Event(), cupy.cuda.Event())
+        ev[0].record()
+        launch(kern, *a, **kw)
+        ev[1].record()
+        events.append((kern.name, ev))
     cupy.cuda.Device().synchronize()
     t0 = time.perf_counter()
     for _ in range(5):
         flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
     cupy.cuda.Device().synchronize()
+    wall = (time.perf_counter() - t0) / 5 * 1e3
+    bwd_run._launch = timed
+    try:
+        for _ in range(5):
+            flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+        cupy.cuda.Device().synchronize()
+    finally:
+        bwd_run._launch = launch
+    kernel_ms = {}
+    for name, (a, z) in events:
+        kernel_ms[name] = min(kernel_ms.get(name, float("inf")), cupy.cuda.get_elapsed_time(a, z))
     return {"err": dict(zip(("dq", "dk", "dv"), (float(e) for e in errs))),
             "bitwise_equal": dict(zip(("dq", "dk", "dv"),
                                       (a.tobytes() == c.tobytes() for a, c in zip(*runs)))),
             "nan": any(bool(np.isnan(x.astype(np.float32)).any()) for x in runs[0]),
-            "ms": (time.perf_counter() - t0) / 5 * 1e3,
+            "ms": wall, "kernel_ms": kernel_ms,
             "kernels": sorted({key[0].name for key in bwd_run._LAUNCHES})}
 
 
