@@ -301,7 +301,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
         a fixed order), and a sequence's gradients do not depend on the other sequences of its
         batch. False (the default) gives the same today, except where the Hopper kernel is
         switched on (``CUPYFLASH_BWD_HOPPER=1``, sm_90a, float16/bfloat16, head dim <= 128,
-        dense; not yet run on a GPU as of 2026-12-06): it adds ``dq`` over the key blocks with
+        dense; correct but not yet fast, 2026-12-06): it adds ``dq`` over the key blocks with
         fp32 atomics, in an order that varies (``dk``, ``dv`` stay repeatable); with True the
         key blocks take turns (FlashAttention-3's semaphores), in a fixed order.
     dq, dk, dv : CUDA arrays, optional

@@ -19,7 +19,8 @@ On sm_90a, float16/bfloat16 at head dims up to 128, dense, a Hopper plan
 warpgroup MMA; dK/dV and dQ in one kernel, dQ added with atomics into an fp32 accumulator; with
 ``deterministic`` the key blocks add in a fixed order, one after the other, on turn counters)
 and a ``dq`` kernel that scales and rounds that accumulator. It is chosen only where
-:func:`hopper_enabled` (``CUPYFLASH_BWD_HOPPER=1``): it has not yet run on a GPU (2026-12-06).
+:func:`hopper_enabled` (``CUPYFLASH_BWD_HOPPER=1``): correct on an H100 (2026-12-06) but far
+slower than it should be, for a reason not yet found (experiments/NOTES.md, v79).
 """
 from __future__ import annotations
 
@@ -221,8 +222,8 @@ class BwdPlan:
 
 def hopper_enabled() -> bool:
     """Whether a call that the Hopper kernel can take runs it (``CUPYFLASH_BWD_HOPPER=1``, read
-    per call). Off by default until it has run on a GPU: it was written on 2026-12-06 without
-    one."""
+    per call). Off by default: correct on an H100 (2026-12-06), but 4 TFLOP/s where the mma.sync
+    plan runs at ~150 (experiments/NOTES.md, v79)."""
     return os.environ.get("CUPYFLASH_BWD_HOPPER", "0") == "1"
 
 
