@@ -139,11 +139,12 @@ def hopper_backward(small, bf16):
     """The Hopper backward (CUPYFLASH_BWD_HOPPER=1, sm_90a): hd64 and hd128 (a padded 72), tails,
     GQA, causal with keys no query sees, a window, more than one query head per CTA."""
     import os
+    from unittest import mock
+
     from cupyflash.core import planning
     if planning.default_arch() != "sm_90a":
         return
-    os.environ["CUPYFLASH_BWD_HOPPER"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"CUPYFLASH_BWD_HOPPER": "1"}):
         for dt in ((bf16,) if small else (bf16, cp.float16)):
             for d in (64, 72):
                 q, k = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt)
@@ -154,8 +155,6 @@ def hopper_backward(small, bf16):
                     for det in (False, True):  # atomics; turns in a fixed order
                         cf.flash_attn_backward(rand(q.shape, dt), q, k, v, out, lse, causal=causal,
                                                window_size=window, deterministic=det)
-    finally:
-        del os.environ["CUPYFLASH_BWD_HOPPER"]
 
 
 if __name__ == "__main__":

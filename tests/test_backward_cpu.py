@@ -177,6 +177,7 @@ def test_hopper_plan_geometry_and_shared_memory():
     main, conv = plan.dkdv[0], plan.dq
     assert (main.isa, main.headdim, main.block_m, main.block_n, main.causal) == ("tma", 128, 64, 128, True)
     assert main.spec.arch == conv.spec.arch == "sm_90a"
+    assert main.takes_maps and not conv.takes_maps and not plan.dsum.takes_maps
     assert kernels.launch_geometry(main, p) == ((6, 2, 3), (256, 1, 1))   # key blocks, KV heads
     assert kernels.launch_geometry(conv, p) == ((32, 8, 3), (256, 1, 1))  # 32 query rows per CTA
     # K, V (128 x 128), three Q and dO slots (64 x 128), two dS^T buffers (128 x 64), four

@@ -167,6 +167,11 @@ class BwdKernel:
         return layout(self.source, self._smem_expr()) if self.has_smem else 0
 
     @property
+    def takes_maps(self) -> bool:
+        """The Hopper kernel: its launch encodes tensor maps (``BwdTmaParams``)."""
+        return self.tma and self.role == "dkdv"
+
+    @property
     def has_smem(self) -> bool:
         return self.role != "dsum" and not (self.tma and self.role == "dq")
 

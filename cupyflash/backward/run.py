@@ -31,12 +31,14 @@ def _elem_strides(x, caller) -> tuple:
 
 
 def _launch(kernel, fields, grid, block, dev, pointers, stream, maps=None) -> None:
+    """Launch ``kernel`` (its :class:`launch.Launch` made on first use); ``maps``: the call's
+    tensor-map layouts, used by the kernel that takes them (``kernel.takes_maps``)."""
     from ..core import jit, launch, tma
-    key = (kernel, fields, grid, dev, maps)
+    hopper = kernel.takes_maps
+    key = (kernel, fields, grid, dev, maps if hopper else None)
     run = _LAUNCHES.get(key)
     if run is None:
         spec = kernel.spec
-        hopper = kernel.tma and kernel.role == "dkdv"
         prepare = tma.BackwardMaps(maps, _MAP_SOURCES) if hopper else None
         run = launch.Launch(jit.get_kernel(spec), kernels.params_of(fields, tma=hopper), grid,
                             block, pointers=kernels.pointer_block(tma=hopper),
@@ -122,8 +124,7 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
         stream = caller.stream(dev)
         for kern, grid, block in geometry:
             if 0 not in grid:  # (no rows: dsum, dq; no keys: dkdv; nothing to write)
-                _launch(kern, fields, grid, block, dev, pointers, stream,
-                        maps if kern.tma and kern.role == "dkdv" else None)
+                _launch(kern, fields, grid, block, dev, pointers, stream, maps)
     return arrays["dq"], arrays["dk"], arrays["dv"]
 
 

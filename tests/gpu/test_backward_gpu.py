@@ -273,18 +273,13 @@ def test_hopper_backward_deterministic(hopper, case):
 def test_hopper_backward_property(case):
     """Random shapes, GQA ratios, head dims up to 128, masks and scales on the Hopper plan."""
     import os
+    from unittest import mock
     from cupyflash.core import planning
     if planning.default_arch() != "sm_90a":
         pytest.skip("the Hopper backward runs on sm_90a only")
-    old = os.environ.get("CUPYFLASH_BWD_HOPPER")
-    os.environ["CUPYFLASH_BWD_HOPPER"] = "1"  # (not monkeypatch: a fixture per example)
-    try:
+    # (not monkeypatch: a function-scoped fixture would span every example)
+    with mock.patch.dict(os.environ, {"CUPYFLASH_BWD_HOPPER": "1"}):
         rng = np.random.default_rng(case.seed)
         dout = testing.random_normal(rng, case.q.shape, case.q.dtype.name)
         got = run_backward(case.q, case.k, case.v, dout, repeatable=("dk", "dv"), **case.kwargs())
-    finally:
-        if old is None:
-            del os.environ["CUPYFLASH_BWD_HOPPER"]
-        else:
-            os.environ["CUPYFLASH_BWD_HOPPER"] = old
     assert_grads(got, case.q, case.k, case.v, dout, case.q.dtype.name, **case.kwargs())
