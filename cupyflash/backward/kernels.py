@@ -15,12 +15,13 @@ float32/float64 ``kernels_cu/backward/simt.cu`` (CUDA cores, computed in the dty
 but for :func:`layout` (an NVRTC probe of the shared-memory sizes, no GPU needed).
 
 On sm_90a, float16/bfloat16 at head dims up to 128, dense, a Hopper plan
-(``plan_backward(..., hopper=True)``) can run instead: ``kernels_cu/backward/hopper.cu`` (TMA,
-warpgroup MMA; dK/dV and dQ in one kernel, dQ added with atomics into an fp32 accumulator; with
-``deterministic`` the key blocks add in a fixed order, one after the other, on turn counters)
-and a ``dq`` kernel that scales and rounds that accumulator. It is chosen only where
-:func:`hopper_enabled` (``CUPYFLASH_BWD_HOPPER=1``): correct on an H100 (2026-12-06) but far
-slower than it should be, for a reason not yet found (experiments/NOTES.md, v79).
+(``plan_backward(..., hopper=True)``) can run instead, from ``kernels_cu/backward/hopper.cu``: a
+pre-pass writing LSE log2(e) and D per 64-row query block, padded (:func:`stats_shape`), which
+the main kernel copies into its TMA ring with Q and dO; the main kernel (TMA, warpgroup MMA; dK/dV
+and dQ in one kernel, dQ added with atomics into an fp32 accumulator; with ``deterministic`` the
+key blocks add in a fixed order, one after the other, on turn counters); a ``dq`` kernel that
+scales and rounds that accumulator. It is chosen only where :func:`hopper_enabled`
+(``CUPYFLASH_BWD_HOPPER=1``) while its speed is being measured (experiments/NOTES.md, v80).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from ..forward import kernels as fwd
 
 __all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "HOPPER_SOURCE", "HEADDIMS",
            "HOPPER_HEADDIMS", "padded_headdim", "hopper_enabled",
-           "plan_backward", "all_kernels",
+           "plan_backward", "all_kernels", "stats_shape",
            "launch_geometry", "bwd_fields", "params_of", "POINTERS", "ACC_DTYPE"]
 
 MMA_SOURCE = "backward/mma.cu"
@@ -129,7 +130,7 @@ class BwdKernel:
     def name(self) -> str:
         d = _SHORT[self.dtype]
         if self.role == "dsum":
-            return f"bwd_dsum_{d}"
+            return f"bwdtma_prep_{d}" if self.tma else f"bwd_dsum_{d}"
         if self.tma:
             if self.role == "dq":
                 return f"bwdtma_dqconv_{d}_hd{self.headdim}"
@@ -145,6 +146,8 @@ class BwdKernel:
     def entry(self) -> str:
         t, c = _CTYPE[self.dtype], ("true" if self.causal else "false")
         if self.role == "dsum":
+            if self.tma:
+                return f"cf::bwd_hopper_prep_entry<{t}>"
             return f"cf::bwd_dsum_entry<{t}, {_CTYPE[ACC_DTYPE[self.dtype]]}>"
         if self.tma:
             if self.role == "dq":
@@ -259,7 +262,8 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
             raise ValueError(f"hopper: the Hopper backward takes float16/bfloat16 at head dims up "
                              f"to 128, got {dtype} at {headdim}")
         bm, bn = HOPPER_TILE
-        return BwdPlan(dsum, (BwdKernel("dkdv", dtype, hhd, bm, bn, 8, causal, tma=True,
+        prep = BwdKernel("dsum", dtype, 0, bm, 0, 4, tma=True)  # LSE log2(e) and D, padded
+        return BwdPlan(prep, (BwdKernel("dkdv", dtype, hhd, bm, bn, 8, causal, tma=True,
                                         deterministic=deterministic),),
                        BwdKernel("dq", dtype, hhd, CONVERT_ROWS, 0, 8, tma=True))
     if dtype in fwd.TC_DTYPES:
@@ -291,12 +295,20 @@ def all_kernels() -> tuple:
     return tuple(seen)
 
 
+def stats_shape(problem) -> tuple:
+    """Shape of the Hopper plan's float32 ``dsum`` buffer: (batch, nheads, query blocks of
+    :data:`HOPPER_TILE` [0] rows, 2 x that many): per block LSE log2(e), then D, of its rows
+    (+inf and 0 past the end)."""
+    m = HOPPER_TILE[0]
+    return (problem.batch, problem.nheads, -(-problem.seqlen_q // m), 2 * m)
+
+
 def launch_geometry(kernel: BwdKernel, problem) -> tuple:
     """``(grid, block)`` of ``kernel`` for ``problem`` (varlen: seqlen_* are the maxima and
     ``batch`` the number of sequences; CTAs past a sequence's end return at once)."""
     p = problem
     if kernel.role == "dsum":
-        grid = (-(-p.seqlen_q // DSUM_ROWS), p.nheads, p.batch)
+        grid = (-(-p.seqlen_q // (kernel.block_m if kernel.tma else DSUM_ROWS)), p.nheads, p.batch)
     elif kernel.role == "dkdv":
         grid = (-(-p.seqlen_k // kernel.block_n), p.nheads_k, p.batch)
     else:

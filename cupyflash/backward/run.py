@@ -103,7 +103,9 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
         for n, like in (("dq", "q"), ("dk", "k"), ("dv", "k")):
             if arrays[n] is None:
                 arrays[n] = caller.empty(tuple(views[like].shape), dt, dev)
-        dsum = caller.empty(tuple(views["lse"].shape), kernels.ACC_DTYPE[dt], dev)
+        # D per row; the Hopper plan: LSE log2(e) and D per 64-row query block, padded
+        dsum = caller.empty(kernels.stats_shape(problem) if maps is not None
+                            else tuple(views["lse"].shape), kernels.ACC_DTYPE[dt], dev)
         dq_accum = None
         if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it;
             # deterministic: then one int32 turn counter per (batch, head, 64-row query block)

@@ -20,8 +20,10 @@
 // head, query block) that the previous one increments (DqTurns below).
 //
 // One thread (tid 0) issues every copy: K and V once, then step j + kStages - 1 once every
-// thread has finished step j - 1 (the CTA barrier of step j), into that step's slot; all
-// threads compute. A slot's "full" mbarrier completes once per use (parity (j / kStages) & 1).
+// thread has finished step j - 1 (the CTA barrier of step j), into that step's slot: its Q and
+// dO tiles and the LSE and D of its rows (written padded per 64-row block by the pre-pass,
+// bwd_hopper_prep_entry, so that no thread waits on a global load inside a step); all threads
+// compute. A slot's "full" mbarrier completes once per use (parity (j / kStages) & 1).
 // Dense problems only (the tensor maps end at each sequence's length, so TMA zero-fills rows
 // past it; a varlen problem runs the mma.sync kernels).
 #include "common/dtype.cuh"
@@ -46,6 +48,7 @@ struct HopperBwdTraits {
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;   // one Q or dO tile
     static constexpr int kKBytes = kBlockN * HEADDIM * 2;   // the K or V tile
     static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // dS^T, [128 keys][64 queries]
+    static constexpr int kStatsBytes = 2 * kBlockM * 4;     // LSE log2(e) and D of a step's rows
     static constexpr int kSAcc = kBlockM / 2;       // S^T floats per thread (64 keys x 64 queries)
     static constexpr int kAcc = HEADDIM / 2;        // dK, dV floats per thread (64 keys x HEADDIM)
     static constexpr int kQN = HEADDIM / 2;         // dQ columns per warpgroup
@@ -60,7 +63,8 @@ struct HopperBwdTraits {
 // The shared memory, its one definition (cupyflash/backward/kernels.py reads kBytes through an
 // NVRTC probe): from a 1024-byte aligned base (the swizzle repeat) K, V, the Q ring, the dO
 // ring, two dS^T buffers (step j writes buffer j & 1: the other warpgroup may still read the
-// previous one), the mbarriers; + 1024 bytes to align the base.
+// previous one), the ring of the steps' row statistics (bwd_hopper_prep_entry), the mbarriers;
+// + 1024 bytes to align the base.
 template <typename Tr>
 struct HopperBwdSmem {
     static constexpr int S = Tr::kStages;
@@ -69,7 +73,8 @@ struct HopperBwdSmem {
     static constexpr uint32_t kQ = kV + Tr::kKBytes;
     static constexpr uint32_t kDO = kQ + S * Tr::kQBytes;
     static constexpr uint32_t kDS = kDO + S * Tr::kQBytes;
-    static constexpr uint32_t kKVFull = kDS + 2 * Tr::kDSBytes;
+    static constexpr uint32_t kStats = kDS + 2 * Tr::kDSBytes;
+    static constexpr uint32_t kKVFull = kStats + S * Tr::kStatsBytes;
     static constexpr uint32_t kFull = kKVFull + 8;   // one per ring slot
     static constexpr int kBytes = (int)kFull + 8 * S + 1024;
     static_assert(kBytes <= 227 * 1024, "shared memory of the configuration");
@@ -275,10 +280,14 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     const int n_m = qt.m_block_max - qt.m_block_min, n_steps = f.h_per_kv * n_m;
     const uint32_t kv_full = base + L::kKVFull;
     auto full = [&](int slot) { return base + L::kFull + 8u * (uint32_t)slot; };
-    auto issue = [&](int j) {  // tid 0: the Q and dO tiles of step j into slot j % S
+    auto issue = [&](int j) {  // tid 0: the Q and dO tiles of step j and its rows' statistics
         const BwdStep st = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
         const int slot = j % S;
-        mbarrier_arrive_expect_tx(full(slot), 2 * Tr::kQBytes);
+        mbarrier_arrive_expect_tx(full(slot), 2 * Tr::kQBytes + Tr::kStatsBytes);
+        bulk_load(base + L::kStats + (uint32_t)(slot * Tr::kStatsBytes),
+                  static_cast<const float*>(p.dsum) + b * p.dsum_batch_stride +
+                      st.h * p.dsum_head_stride + (st.m0 / Tr::kBlockM) * (2 * Tr::kBlockM),
+                  Tr::kStatsBytes, full(slot));
 #pragma unroll
         for (int c = 0; c < HEADDIM / 64; ++c) {
             const uint32_t off = (uint32_t)(slot * Tr::kQBytes + c * Tr::kBlockM * 128);
@@ -322,19 +331,20 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     for (int j = 0; j < n_steps; ++j) {
         const int slot = j % S, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
-        const BwdSeq sq = bwd_seq(p, b, stp.h);
-        // LSE log2(e) and D of this thread's 16 query columns (read while the copies land)
-        float lse2[Tr::kSAcc / 2], dsum[Tr::kSAcc / 2];
-#pragma unroll
-        for (int c = 0; c < Tr::kSAcc / 2; ++c) {
-            const int r = stp.m0 + 8 * (c >> 1) + 2 * t + (c & 1);
-            lse2[c] = bwd_lse_log2<float>(f.lse + sq.f.lse_off, r, seqlen_q);
-            dsum[c] = r < seqlen_q ? static_cast<const float*>(p.dsum)[sq.dsum_off + r] : 0.f;
-        }
         mbarrier_wait(full(slot), (uint32_t)((j / S) & 1));
         float st[Tr::kSAcc], dpt[Tr::kSAcc];
         wgmma_fence();
         gemm.st_dpt(st, dpt, slot);
+        // LSE log2(e) and D of this thread's 16 query columns m0 + 8 i + 2 t + {0, 1}, from the
+        // slot (shared memory: a global load here would hold up the next wgmma until it lands)
+        float lse2[Tr::kSAcc / 2], dsum[Tr::kSAcc / 2];
+        const float* stats = reinterpret_cast<const float*>(raw + L::kStats + slot * Tr::kStatsBytes);
+#pragma unroll
+        for (int i = 0; i < Tr::kSAcc / 4; ++i) {
+            const float2 l = *reinterpret_cast<const float2*>(stats + 8 * i + 2 * t);
+            const float2 d = *reinterpret_cast<const float2*>(stats + Tr::kBlockM + 8 * i + 2 * t);
+            lse2[2 * i] = l.x, lse2[2 * i + 1] = l.y, dsum[2 * i] = d.x, dsum[2 * i + 1] = d.y;
+        }
         wgmma_wait<0>();
         wgmma_fence_operand(st);
         wgmma_fence_operand(dpt);
@@ -415,12 +425,34 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
 
 // The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL, DETERMINISTIC> (grid: key blocks of
 // 128, KV heads, batch; 256 threads; dynamic shared memory HopperBwdSmem::kBytes) after the
-// pre-pass (cf::bwd_dsum_entry) into a zeroed dq_accum (DETERMINISTIC: and the turn counters
+// pre-pass (cf::bwd_hopper_prep_entry) into a zeroed dq_accum (DETERMINISTIC: and the turn counters
 // after it), then cf::bwd_dq_convert_entry<T, HEADDIM> (grid: blocks of kConvertRows query
 // rows, heads, batch; 256 threads): dq = softmax_scale dq_accum.
 template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(256, 1) bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
     bwd_hopper_block<T, HEADDIM, CAUSAL, DETERMINISTIC>(P);
+}
+
+// The pre-pass of the Hopper plan: per 64-row query block of (batch, head), LSE log2(e) of its
+// rows (bwd_lse_log2: +inf past the end) and then their D (0 past the end), 128 floats at
+// dsum + batch / head strides + block * 128, which the main kernel copies into its ring with the
+// block's Q and dO tiles. Grid (query blocks of 64, heads, batch), 128 threads (one warp per row).
+template <typename T>
+__global__ void __launch_bounds__(128) bwd_hopper_prep_entry(const __grid_constant__ BwdParams p) {
+    constexpr int M = HopperBwdTraits<T, 64>::kBlockM;
+    const int b = blockIdx.z, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const BwdSeq s = bwd_seq(p, b, h);
+    const int seqlen_q = s.f.seqlen_q;
+    float* stats = static_cast<float*>(p.dsum) + b * p.dsum_batch_stride + h * p.dsum_head_stride +
+                   (int64_t)blockIdx.x * (2 * M);
+    for (int i = warp; i < M; i += 4) {
+        const int r = blockIdx.x * M + i;
+        const float d = r < seqlen_q ? dsum_row<T, float>(p, s, r, lane) : 0.f;
+        if (lane == 0) {
+            stats[i] = bwd_lse_log2<float>(p.fwd.lse + s.f.lse_off, r, seqlen_q);
+            stats[M + i] = d;
+        }
+    }
 }
 
 constexpr int kConvertRows = 32;

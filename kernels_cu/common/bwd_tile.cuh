@@ -103,23 +103,28 @@ __device__ __forceinline__ Acc to_acc(T x) {
     else return (Acc)x;
 }
 
+// D of query row r: rowsum(dO_r * O_r), summed by the 32 lanes of a warp (every lane returns it).
+template <typename T, typename Acc>
+__device__ __forceinline__ Acc dsum_row(const BwdParams& p, const BwdSeq& s, int r, int lane) {
+    const T* o_row = static_cast<const T*>(p.fwd.o) + s.f.o_off + (int64_t)r * p.fwd.o_row_stride;
+    const T* do_row = static_cast<const T*>(p.dout) + s.do_off + (int64_t)r * p.do_row_stride;
+    Acc acc = Acc(0);
+    for (int c = lane; c < p.fwd.headdim; c += 32)
+        acc += to_acc<T, Acc>(o_row[c]) * to_acc<T, Acc>(do_row[c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
+}
+
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(128)
 bwd_dsum_entry(const __grid_constant__ BwdParams p) {
     const int b = blockIdx.z, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const BwdSeq s = bwd_seq(p, b, h);
-    const T* o = static_cast<const T*>(p.fwd.o) + s.f.o_off;
-    const T* dout = static_cast<const T*>(p.dout) + s.do_off;
     Acc* dsum = static_cast<Acc*>(p.dsum) + s.dsum_off;
     for (int r = blockIdx.x * kDsumRows + warp; r < min((int)(blockIdx.x + 1) * kDsumRows, s.f.seqlen_q);
          r += 4) {
-        const T* o_row = o + (int64_t)r * p.fwd.o_row_stride;
-        const T* do_row = dout + (int64_t)r * p.do_row_stride;
-        Acc acc = Acc(0);
-        for (int c = lane; c < p.fwd.headdim; c += 32)
-            acc += to_acc<T, Acc>(o_row[c]) * to_acc<T, Acc>(do_row[c]);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        const Acc acc = dsum_row<T, Acc>(p, s, r, lane);
         if (lane == 0) dsum[r] = acc;
     }
 }

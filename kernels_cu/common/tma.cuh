@@ -43,6 +43,20 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* desc, int 
 #endif
 }
 
+// Copies `bytes` (a multiple of 16) from the global address `src` (16-byte aligned) to the
+// shared address `dst` (16-byte aligned), completing on the mbarrier `bar` (PTX ISA
+// "cp.async.bulk", the non-tensor form: a contiguous run, no tensor map).
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#else
+    __trap();
+#endif
+}
+
 // The reverse copy (PTX ISA "cp.async.bulk.tensor", .global.shared::cta): the box at
 // coordinates (c0, c1, c2, c3) of `desc` written from the shared address `src` (laid out as a
 // load of the same map would leave it: 128-byte swizzled, 1024-byte aligned). Elements outside
