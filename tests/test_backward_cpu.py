@@ -179,7 +179,7 @@ def test_hopper_plan_geometry_and_shared_memory():
     assert main.spec.arch == conv.spec.arch == "sm_90a"
     assert main.takes_maps and not conv.takes_maps and not plan.dsum.takes_maps
     assert kernels.launch_geometry(main, p) == ((6, 2, 3), (256, 1, 1))   # key blocks, KV heads
-    assert kernels.launch_geometry(conv, p) == ((32, 8, 3), (256, 1, 1))  # 32 query rows per CTA
+    assert kernels.launch_geometry(conv, p) == ((16, 8, 3), (256, 1, 1))  # a 64-row dQ tile per CTA
     # the pre-pass: one CTA of 4 warps per 64-row query block, into (batch, heads, blocks, 128)
     prep = plan.dsum
     assert (prep.name, prep.entry, prep.spec.arch) == (
@@ -187,9 +187,10 @@ def test_hopper_plan_geometry_and_shared_memory():
     assert kernels.launch_geometry(prep, p) == ((16, 8, 3), (128, 1, 1))
     assert kernels.stats_shape(p) == (3, 8, 16, 128)
     # K, V (128 x 128), three Q and dO slots (64 x 128), two dS^T buffers (128 x 64), three
-    # slots of row statistics (64 LSE, 64 D floats), four mbarriers, 1024 bytes of alignment
+    # slots of row statistics (64 LSE, 64 D floats), the fp32 dQ tile (64 x 128), four
+    # mbarriers, 1024 bytes of alignment: 480 bytes below the 227 KiB a CTA may have
     assert main.smem_bytes == ((2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 64) * 2
-                               + 3 * 2 * 64 * 4 + 8 * 4 + 1024)
+                               + 3 * 2 * 64 * 4 + 64 * 128 * 4 + 8 * 4 + 1024) == 227 * 1024 - 480
     assert conv.smem_bytes == 0
     assert kernels.plan_backward("bfloat16", 64, False, hopper=True).dkdv[0].headdim == 64
     det = kernels.plan_backward("float16", 72, True, hopper=True, deterministic=True).dkdv[0]

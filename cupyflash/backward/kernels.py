@@ -44,10 +44,10 @@ MMA_SOURCE = "backward/mma.cu"
 SIMT_SOURCE = "backward/simt.cu"
 HOPPER_SOURCE = "backward/hopper.cu"
 #: The Hopper kernel's compiled head dims, its tile (query rows per step, keys per CTA) and the
-#: query rows per CTA of its dq conversion (``cf::kConvertRows``).
+#: query rows per CTA of its dq conversion (one query block: ``DqTile``).
 HOPPER_HEADDIMS = (64, 128)
 HOPPER_TILE = (64, 128)
-CONVERT_ROWS = 32
+CONVERT_ROWS = 64
 #: Rows per CTA of the dsum pre-pass (``cf::kDsumRows``), 128 threads.
 DSUM_ROWS = 16
 #: The accumulator dtype of each input dtype (D, and the CUDA-core kernels' arithmetic).

@@ -109,9 +109,9 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
         dq_accum = None
         if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it;
             # deterministic: then one int32 turn counter per (batch, head, 64-row query block)
-            size = problem.batch * problem.nheads * problem.seqlen_q * plan.dq.headdim
-            if deterministic:
-                size += problem.batch * problem.nheads * -(-problem.seqlen_q // kernels.HOPPER_TILE[0])
+            # (dQ tiles of 64 padded rows: kernels_cu/backward/hopper.cu's DqTile)
+            blocks = problem.batch * problem.nheads * -(-problem.seqlen_q // kernels.HOPPER_TILE[0])
+            size = blocks * kernels.HOPPER_TILE[0] * plan.dq.headdim + (blocks if deterministic else 0)
             dq_accum = caller.full((size,), 0, "float32", dev)
         for n in ("dq", "dk", "dv"):
             strides[n] = _elem_strides(arrays[n], caller)

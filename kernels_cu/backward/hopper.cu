@@ -11,10 +11,11 @@
 //   P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)   (registers; common/bwd_tile.cuh)
 //   dV += P^T dO, dK += dS^T Q                        (A from registers, as the forward's P V)
 //   dS^T -> shared memory, then dQ[:, half w] = dS K  (both operands transposed: ss_tt), the
-//   64 x HEADDIM / 2 tile of warpgroup w added to an fp32 accumulator in global memory with
-//   vector atomics (red.global.add.v2.f32); dq_convert_entry scales and rounds it at the end.
+//   64 x HEADDIM tile of both warpgroups written to shared memory (DqTile) and added to an fp32
+//   accumulator in global memory by one bulk reduction (cp.reduce.async.bulk .add.f32, issued by
+//   one thread: the additions leave the threads' path); dq_convert_entry scales and rounds it.
 // So dK and dV are summed in registers over the query heads of a GQA group (no atomics), dQ
-// over the key blocks with atomics, in an order that varies from run to run; DETERMINISTIC
+// over the key blocks by reductions in L2, in an order that varies from run to run; DETERMINISTIC
 // fixes it (FlashAttention-3's semaphores, flash-attention PR 1893): the key blocks add to a
 // query block's dQ one after the other, each waiting for its turn on a counter per (batch, query
 // head, query block) that the previous one increments (DqTurns below).
@@ -63,8 +64,8 @@ struct HopperBwdTraits {
 // The shared memory, its one definition (cupyflash/backward/kernels.py reads kBytes through an
 // NVRTC probe): from a 1024-byte aligned base (the swizzle repeat) K, V, the Q ring, the dO
 // ring, two dS^T buffers (step j writes buffer j & 1: the other warpgroup may still read the
-// previous one), the ring of the steps' row statistics (bwd_hopper_prep_entry), the mbarriers;
-// + 1024 bytes to align the base.
+// previous one), the ring of the steps' row statistics (bwd_hopper_prep_entry), the dQ tile
+// of a step (fp32, DqTile), the mbarriers; + 1024 bytes to align the base.
 template <typename Tr>
 struct HopperBwdSmem {
     static constexpr int S = Tr::kStages;
@@ -74,7 +75,8 @@ struct HopperBwdSmem {
     static constexpr uint32_t kDO = kQ + S * Tr::kQBytes;
     static constexpr uint32_t kDS = kDO + S * Tr::kQBytes;
     static constexpr uint32_t kStats = kDS + 2 * Tr::kDSBytes;
-    static constexpr uint32_t kKVFull = kStats + S * Tr::kStatsBytes;
+    static constexpr uint32_t kDQ = kStats + S * Tr::kStatsBytes;
+    static constexpr uint32_t kKVFull = kDQ + Tr::kBlockM * Tr::kHeadDim * 4;
     static constexpr uint32_t kFull = kKVFull + 8;   // one per ring slot
     static constexpr int kBytes = (int)kFull + 8 * S + 1024;
     static_assert(kBytes <= 227 * 1024, "shared memory of the configuration");
@@ -156,12 +158,40 @@ struct BwdGemms {
     }
 };
 
+// The dQ tile of a step (64 query rows x HEADDIM, fp32) in fragment order, as the CTA's shared
+// memory holds it and as dq_accum stores it per (batch, query head, 64-row query block): float2
+// number (w kPairs + k) 128 + u holds thread u of warpgroup w's dq[4 (k >> 1) + 2 (k & 1) + {0,
+// 1}], the row 16 (u >> 5) + ((u >> 2) & 7) + 8 (k & 1) and columns w kQN + 8 (k >> 1) + 2 (u & 3)
+// + {0, 1} of the tile. Consecutive threads write consecutive float2 (no bank conflicts), and the
+// whole tile is one contiguous run: one bulk reduction adds it.
+template <typename Tr>
+struct DqTile {
+    static constexpr int kPairs = Tr::kQAcc / 2;  // float2 per thread
+    static constexpr int kFloats = Tr::kBlockM * Tr::kHeadDim;
+    static constexpr int kBytes = kFloats * 4;
+
+    static __device__ __forceinline__ void store(float2* tile, const float (&dq)[Tr::kQAcc], int w,
+                                                 int u) {
+#pragma unroll
+        for (int k = 0; k < kPairs; ++k) {
+            const int e = 4 * (k >> 1) + 2 * (k & 1);
+            tile[(w * kPairs + k) * 128 + u] = make_float2(dq[e], dq[e + 1]);
+        }
+    }
+    // the row and first column of float2 number e of a tile
+    static __device__ __forceinline__ void position(int e, int& row, int& col) {
+        const int u = e & 127, wk = e >> 7, w = wk / kPairs, k = wk % kPairs;
+        row = 16 * (u >> 5) + ((u >> 2) & 7) + 8 * (k & 1);
+        col = w * Tr::kQN + 8 * (k >> 1) + 2 * (u & 3);
+    }
+};
+
 // The order in which the key blocks add to a query block's dQ when DETERMINISTIC: descending
 // key blocks when causal (a key block reaches query block m after the key blocks nearer the
 // diagonal did, at the same step count: the order in which they arrive anyway), ascending
 // otherwise. A key block waits only for key blocks launched before it: the grid's x index runs
 // the key blocks in that order (bwd_key_block). One counter per (batch, query head, query
-// block), int32, after the dq_accum floats, zeroed with them; key block n's turn at query block
+// block), int32, after the dq_accum tiles, zeroed with them; key block n's turn at query block
 // m is its rank among the key blocks that see m (an interval of key blocks, found by bisection
 // over the same QueryTiles the CTAs walk, so the count cannot disagree with what they do).
 template <typename Tr, bool CAUSAL>
@@ -203,6 +233,11 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
     return v;
 }
 
+// Orders this thread's accesses in every state space between the generic and async proxies.
+__device__ __forceinline__ void fence_proxy_async_all() {
+    asm volatile("fence.proxy.async;" ::: "memory");
+}
+
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
@@ -212,11 +247,6 @@ __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
 template <typename Tr, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ int bwd_key_block() {
     return (DETERMINISTIC && CAUSAL) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
-}
-
-// red.global.add.v2.f32 (sm_90): two adjacent floats of the dQ accumulator at once.
-__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
 }
 
 // P^T and dS^T of one step in place (st -> P^T, dpt -> dS^T), for this thread's keys (rows
@@ -325,7 +355,7 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     float* dq_accum = p.dq_accum;
     const int n_m_total = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
     const DqTurns<Tr, CAUSAL> turns{
-        reinterpret_cast<int*>(dq_accum + (int64_t)f.batch * f.nheads * seqlen_q * HEADDIM) +
+        reinterpret_cast<int*>(dq_accum + (int64_t)f.batch * f.nheads * n_m_total * DqTile<Tr>::kFloats) +
             (int64_t)b * f.nheads * n_m_total,
         (int)gridDim.x, n_m_total, seqlen_q, seqlen_k, f.window_left, f.window_right};
     for (int j = 0; j < n_steps; ++j) {
@@ -365,7 +395,9 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         wgmma_fence_operand(dsf);
         wgmma_fence();
         gemm.dv_dk(dv, dk, ptf, dsf, slot);
-        // every thread: its dS^T written, and done with step j - 1 (its slot and dS^T buffer)
+        // every thread: its dS^T written, and done with step j - 1 (its slot and dS^T buffer);
+        // step j - 1's dQ reduction has read the dQ tile
+        if (tid == 0) bulk_wait_group_read<0>();
         __syncthreads();
         if (tid == 0 && j + S - 1 < n_steps) issue(j + S - 1);
         float dq[Tr::kQAcc];
@@ -375,34 +407,29 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         wgmma_fence_operand(dq);
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
-        if (DETERMINISTIC) {  // this key block's turn at the query block (one thread waits)
-            if (tid == 0) {
+        // dQ += the tile: both warpgroups' fragments into shared memory, then one reduction
+        DqTile<Tr>::store(reinterpret_cast<float2*>(raw + L::kDQ), dq, w, tid & 127);
+        fence_proxy_async();  // the tile's writes (generic proxy) before the reduction's reads
+        __syncthreads();
+        if (tid == 0) {
+            float* dst = dq_accum + (((int64_t)b * f.nheads + stp.h) * n_m_total +
+                                     stp.m0 / Tr::kBlockM) * DqTile<Tr>::kFloats;
+            int* turn = turns.counter(stp.h, stp.m0);
+            if (DETERMINISTIC) {  // this key block's turn at the query block
                 const int my = turns.rank(n_block, stp.m0 / Tr::kBlockM);
-                const int* c = turns.counter(stp.h, stp.m0);
-                while (ld_acquire_gpu(c) != my) __nanosleep(32);
+                while (ld_acquire_gpu(turn) != my) __nanosleep(32);
+                fence_proxy_async_all();  // the acquire before the reduction (async proxy)
             }
-            __syncthreads();
-        }
-        // dQ += this warpgroup's columns (rows past seqlen_q are not added)
-        float* dq_rows = dq_accum + (((int64_t)b * f.nheads + stp.h) * seqlen_q) * HEADDIM;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int r = stp.m0 + warp_in_wg * 16 + g + 8 * hh;
-            if (r < seqlen_q) {
-                float* row = dq_rows + (int64_t)r * HEADDIM + w * Tr::kQN + 2 * t;
-#pragma unroll
-                for (int i = 0; i < Tr::kQAcc / 4; ++i)
-                    red_add_v2(row + 8 * i, dq[4 * i + 2 * hh], dq[4 * i + 2 * hh + 1]);
-            }
-        }
-        if (DETERMINISTIC) {  // every thread's additions, then the next key block's turn
-            __syncthreads();
-            if (tid == 0) {
-                __threadfence();
-                red_release_gpu_add(turns.counter(stp.h, stp.m0), 1);
+            bulk_reduce_add_f32(dst, base + L::kDQ, DqTile<Tr>::kBytes);
+            bulk_commit_group();
+            if (DETERMINISTIC) {  // the additions done, then the next key block's turn
+                bulk_wait_group<0>();
+                fence_proxy_async_all();
+                red_release_gpu_add(turn, 1);
             }
         }
     }
+    if (tid == 0) bulk_wait_group<0>();  // the last reduction, before the CTA's memory goes
 
     // ---- epilogue: dK = softmax_scale dS^T Q, dV, rounded to T (zeros for unseen keys) ----
     const BwdSeq s0 = bwd_seq(p, b, hk * f.h_per_kv);
@@ -426,8 +453,8 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
 // The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL, DETERMINISTIC> (grid: key blocks of
 // 128, KV heads, batch; 256 threads; dynamic shared memory HopperBwdSmem::kBytes) after the
 // pre-pass (cf::bwd_hopper_prep_entry) into a zeroed dq_accum (DETERMINISTIC: and the turn counters
-// after it), then cf::bwd_dq_convert_entry<T, HEADDIM> (grid: blocks of kConvertRows query
-// rows, heads, batch; 256 threads): dq = softmax_scale dq_accum.
+// after it), then cf::bwd_dq_convert_entry<T, HEADDIM> (grid: query blocks of 64 rows, heads,
+// batch; 256 threads): dq = softmax_scale dq_accum.
 template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(256, 1) bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
     bwd_hopper_block<T, HEADDIM, CAUSAL, DETERMINISTIC>(P);
@@ -455,21 +482,24 @@ __global__ void __launch_bounds__(128) bwd_hopper_prep_entry(const __grid_consta
     }
 }
 
-constexpr int kConvertRows = 32;
-
+// dq = softmax_scale dq_accum for one 64-row query block (a DqTile, read in order).
 template <typename T, int HEADDIM>
 __global__ void __launch_bounds__(256) bwd_dq_convert_entry(const __grid_constant__ BwdParams p) {
+    using Tile = DqTile<HopperBwdTraits<T, HEADDIM>>;
     const FwdParams& f = p.fwd;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const BwdSeq s = bwd_seq(p, b, h);
-    const float* acc = p.dq_accum + (((int64_t)b * f.nheads + h) * f.seqlen_q) * HEADDIM;
+    const float2* acc = reinterpret_cast<const float2*>(
+        p.dq_accum + (((int64_t)b * f.nheads + h) * gridDim.x + m) * Tile::kFloats);
     const float scale = (float)f.softmax_scale_d;
-    for (int i = threadIdx.x; i < kConvertRows * HEADDIM / 2; i += 256) {
-        const int r = blockIdx.x * kConvertRows + i / (HEADDIM / 2), c = 2 * (i % (HEADDIM / 2));
+    for (int e = threadIdx.x; e < Tile::kFloats / 2; e += 256) {
+        int row, c;
+        Tile::position(e, row, c);
+        const int r = m * HopperBwdTraits<T, HEADDIM>::kBlockM + row;
         if (r < f.seqlen_q && c < f.headdim) {
-            const float2 x = *reinterpret_cast<const float2*>(acc + (int64_t)r * HEADDIM + c);
-            T* row = static_cast<T*>(p.dq) + s.dq_off + (int64_t)r * p.dq_row_stride;
-            *reinterpret_cast<uint32_t*>(row + c) = pack2<T>(x.x * scale, x.y * scale);
+            const float2 x = acc[e];
+            T* out = static_cast<T*>(p.dq) + s.dq_off + (int64_t)r * p.dq_row_stride;
+            *reinterpret_cast<uint32_t*>(out + c) = pack2<T>(x.x * scale, x.y * scale);
         }
     }
 }

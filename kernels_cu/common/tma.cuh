@@ -75,6 +75,20 @@ __device__ __forceinline__ void tma_store_4d(const void* desc, uint32_t src, int
 #endif
 }
 
+// Adds the `bytes` (a multiple of 16) of floats at the shared address `src` to those at the
+// global address `dst` (both 16-byte aligned), element by element, in L2 (PTX ISA
+// "cp.reduce.async.bulk", .add.f32): the reduction of a whole tile by one thread, tracked in
+// its bulk groups. The shared memory must have been written before by the generic proxy: every
+// writing thread fence_proxy_async(), then a barrier, then one thread issues it.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+#else
+    __trap();
+#endif
+}
+
 __device__ __forceinline__ void bulk_commit_group() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
