@@ -299,11 +299,12 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     deterministic : bool
         True: bitwise the same gradients from run to run (each gradient element is reduced in
         a fixed order), and a sequence's gradients do not depend on the other sequences of its
-        batch. False (the default) gives the same today, except where the Hopper kernel is
-        switched on (``CUPYFLASH_BWD_HOPPER=1``, sm_90a, float16/bfloat16, head dim <= 128,
-        dense; correct but not yet fast, 2026-12-06): it adds ``dq`` over the key blocks with
-        fp32 atomics, in an order that varies (``dk``, ``dv`` stay repeatable); with True the
-        key blocks take turns (FlashAttention-3's semaphores), in a fixed order.
+        batch. False (the default) gives the same, except where the Hopper kernel runs (sm_90a,
+        float16/bfloat16, head dim <= 128, dense; ``CUPYFLASH_BWD_HOPPER=0`` turns it off): it
+        adds ``dq`` over the key blocks by fp32 reductions in L2, in an order that varies
+        (``dk``, ``dv`` stay repeatable); with True the key blocks take turns (FlashAttention-3's
+        semaphores), in a fixed order, at 0.55-0.6x the default's speed on an H100
+        (2026-12-06; still faster than the mma.sync kernels at S >= 4k).
     dq, dk, dv : CUDA arrays, optional
         Buffers for the results, shaped and typed like ``q``, ``k``, ``v`` (any strides with a
         contiguous last dimension); allocated when None.

@@ -42,7 +42,7 @@ allocates there: ``cupy_pool_bytes``); for cupyflash ``ratio_vs_<peer> = peer ms
 cupyflash ms_bwd`` (above 1: cupyflash's backward is faster) and ``ratio_fwd_bwd_vs_<peer>``,
 against torch_cudnn, torch_flash and flex of the same shape and run, and ``bitwise_repeatable``
 (two runs' gradients equal bit for bit), ``bwd_kernels`` (the dK/dV kernels cupyflash ran so far
-for this mask: the Hopper plan with ``CUPYFLASH_BWD_HOPPER=1``). Correctness, once per shape, outside the timing: every
+for this mask: ``bwdtma_*`` is the Hopper plan, sm_90a's default). Correctness, once per shape, outside the timing: every
 impl's out, dq, dk, dv against torch SDPA's math backend in float32 on the same inputs
 (batch 0, the first ``ref_heads`` heads: as many as fit ``--ref-budget-gib``, at least one),
 ``rel_err_out``, ``rel_err_dq``, ``rel_err_dk``, ``rel_err_dv`` (``||x - ref|| / ||ref||``); never

@@ -521,7 +521,7 @@ def _bwd_plan(r) -> str:
 def backward(results: Path, figures: Path, dtype: str = "bfloat16") -> list:
     """Backward TFLOP/s (2.5 x the forward's FLOPs over ``ms_bwd``) vs S from
     bench_backward.jsonl: a panel per (head dim, causal), a line per impl, cupyflash's
-    deterministic backward dashed, its Hopper kernel (``CUPYFLASH_BWD_HOPPER=1``) with square
+    deterministic backward dashed, its Hopper kernel (``bwdtma_*`` in ``bwd_kernels``) with square
     markers."""
     recs = load(results, "bench_backward", "backward", need=("tflops_bwd", "seqlen", "headdim"))
     recs = [r for r in recs if r.get("dtype") == dtype]

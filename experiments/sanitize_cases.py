@@ -113,7 +113,22 @@ def forward_and_decode(dtypes, small, bf16):
 
 def backward(dtypes, small, bf16):
     # backward: every kernel family (mma.sync dK/dV in one and in two parts, CUDA cores), tails,
-    # causal with queries that see no key, a window, GQA, varlen with empty sequences
+    # causal with queries that see no key, a window, GQA, varlen with empty sequences; the
+    # mma.sync plan also on sm_90a (where the Hopper plan is the default: hopper_backward)
+    import os
+    from unittest import mock
+    with mock.patch.dict(os.environ, {"CUPYFLASH_BWD_HOPPER": "0"}):
+        _mma_backward(dtypes, small)
+    hopper_backward(small, bf16)
+    cu_q = cp.asarray(np.array([0, 5, 5, 70, 71], dtype=np.int32))
+    cu_k = cp.asarray(np.array([0, 9, 40, 40, 130], dtype=np.int32))
+    q, k = rand((71, 4, 64), bf16), rand((130, 2, 64), bf16)
+    out, lse = cf.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 65, 90, causal=True, return_lse=True)
+    cf.flash_attn_varlen_backward(rand(q.shape, bf16), q, k, k, out, lse, cu_q, cu_k, 65, 90,
+                                  causal=True)
+
+
+def _mma_backward(dtypes, small):
     for dt in dtypes:
         for d in ((64, 200) if small else (64, 128, 200)):
             q, k, v = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt), rand((2, 133, 2, d), dt)
@@ -126,17 +141,10 @@ def backward(dtypes, small, bf16):
             for qq, kk in ((qs, k), (rand((2, 150, 4, d), dt), k[:, :30])):
                 out, lse = cf.flash_attn_func(qq, kk, kk, causal=True, return_lse=True)
                 cf.flash_attn_backward(rand(qq.shape, dt), qq, kk, kk, out, lse, causal=True)
-    hopper_backward(small, bf16)
-    cu_q = cp.asarray(np.array([0, 5, 5, 70, 71], dtype=np.int32))
-    cu_k = cp.asarray(np.array([0, 9, 40, 40, 130], dtype=np.int32))
-    q, k = rand((71, 4, 64), bf16), rand((130, 2, 64), bf16)
-    out, lse = cf.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 65, 90, causal=True, return_lse=True)
-    cf.flash_attn_varlen_backward(rand(q.shape, bf16), q, k, k, out, lse, cu_q, cu_k, 65, 90,
-                                  causal=True)
 
 
 def hopper_backward(small, bf16):
-    """The Hopper backward (CUPYFLASH_BWD_HOPPER=1, sm_90a): hd64 and hd128 (a padded 72), tails,
+    """The Hopper backward (sm_90a's default): hd64 and hd128 (a padded 72), tails,
     GQA, causal with keys no query sees, a window, more than one query head per CTA."""
     import os
     from unittest import mock

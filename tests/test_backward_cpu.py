@@ -8,8 +8,8 @@ backward call's argument checks (before any launch).
 * Plans: mma.sync for 16-bit dtypes with dK/dV in one launch up to hd128 and two above;
   CUDA cores for float32/float64; names are unique.
 * The Hopper plan (``hopper=True``): dsum, the TMA kernel (one CTA of 256 threads per 128 keys),
-  the dq conversion; its shared memory, parameter struct and tensor maps; off unless
-  ``CUPYFLASH_BWD_HOPPER=1``.
+  the dq conversion; its shared memory, parameter struct and tensor maps; on unless
+  ``CUPYFLASH_BWD_HOPPER=0``.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -224,6 +224,8 @@ def test_hopper_params_and_tensor_maps(monkeypatch):
     assert [kernels.POINTERS[i] for i in __import__("cupyflash.backward.run", fromlist=["x"])
             ._MAP_SOURCES] == ["q", "k", "v", "dout"]
     monkeypatch.delenv("CUPYFLASH_BWD_HOPPER", raising=False)
+    assert kernels.hopper_enabled()  # the default where it applies
+    monkeypatch.setenv("CUPYFLASH_BWD_HOPPER", "0")
     assert not kernels.hopper_enabled()
     monkeypatch.setenv("CUPYFLASH_BWD_HOPPER", "1")
     assert kernels.hopper_enabled()

@@ -20,8 +20,9 @@ pre-pass writing LSE log2(e) and D per 64-row query block, padded (:func:`stats_
 the main kernel copies into its TMA ring with Q and dO; the main kernel (TMA, warpgroup MMA; dK/dV
 and dQ in one kernel, dQ added with atomics into an fp32 accumulator; with ``deterministic`` the
 key blocks add in a fixed order, one after the other, on turn counters); a ``dq`` kernel that
-scales and rounds that accumulator. It is chosen only where :func:`hopper_enabled`
-(``CUPYFLASH_BWD_HOPPER=1``) while its speed is being measured (experiments/NOTES.md, v80).
+scales and rounds that accumulator. It is the default where it applies
+(:func:`hopper_enabled`; ``CUPYFLASH_BWD_HOPPER=0`` runs the mma.sync kernels instead): 1.2-3x the
+mma.sync plan on an H100 (experiments/NOTES.md, v80-v81).
 """
 from __future__ import annotations
 
@@ -229,10 +230,9 @@ class BwdPlan:
 
 
 def hopper_enabled() -> bool:
-    """Whether a call that the Hopper kernel can take runs it (``CUPYFLASH_BWD_HOPPER=1``, read
-    per call). Off by default: correct on an H100 (2026-12-06), but 4 TFLOP/s where the mma.sync
-    plan runs at ~150 (experiments/NOTES.md, v79)."""
-    return os.environ.get("CUPYFLASH_BWD_HOPPER", "0") == "1"
+    """Whether a call that the Hopper kernel can take runs it: yes unless
+    ``CUPYFLASH_BWD_HOPPER=0`` (read per call; the mma.sync kernels then run, as on other GPUs)."""
+    return os.environ.get("CUPYFLASH_BWD_HOPPER", "1") != "0"
 
 
 def hopper_headdim(headdim: int):

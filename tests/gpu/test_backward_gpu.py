@@ -12,9 +12,10 @@ float32 LSE; float64 must agree to 1e-12.
 
 Every gradient buffer is NaN before the launch (``dq=``, ``dk=``, ``dv=`` given) and checked with
 ``isnan`` first; every problem runs twice and the results must be bitwise equal (no atomics).
-The Hopper plan (``CUPYFLASH_BWD_HOPPER=1``, sm_90a; ``test_hopper_*``) adds dQ with atomics:
-there only dK and dV must be bitwise equal (all three with ``deterministic=True``), and each
-test checks that the Hopper kernel ran.
+These tests run the mma.sync / CUDA-core plans (``CUPYFLASH_BWD_HOPPER=0`` for the module, so
+that an H100/H200 tests them too); ``test_hopper_*`` run the Hopper plan (sm_90a, the default
+there), which adds dQ by reductions in L2: there only dK and dV must be bitwise equal (all three
+with ``deterministic=True``), and each test checks that the Hopper kernel ran.
 """
 import numpy as np
 import pytest
@@ -39,6 +40,15 @@ BOUND = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
 LSE_DTYPE = {"float64": np.float64, "float32": np.float32, "float16": np.float32,
              "bfloat16": np.float32}
 _NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def mma_plan():
+    """The mma.sync / CUDA-core plans for every test of this module but the Hopper ones (the
+    ``hopper`` fixture and the Hopper property switch it back on)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUPYFLASH_BWD_HOPPER", "0")
+        yield
 
 
 def nan_like(shape, dtype):
