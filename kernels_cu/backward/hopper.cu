@@ -12,8 +12,9 @@
 //   dV += P^T dO, dK += dS^T Q                        (A from registers, as the forward's P V)
 //   dS^T -> shared memory, then dQ[:, half w] = dS K  (both operands transposed: ss_tt), the
 //   64 x HEADDIM tile of both warpgroups written to shared memory (DqTile) and added to an fp32
-//   accumulator in global memory by one bulk reduction (cp.reduce.async.bulk .add.f32, issued by
-//   one thread: the additions leave the threads' path); dq_convert_entry scales and rounds it.
+//   accumulator in global memory by bulk reductions (cp.reduce.async.bulk .add.f32, one per
+//   warpgroup at hd128, one per CTA at hd64, each issued by one thread: the additions leave the
+//   threads' path); dq_convert_entry scales and rounds it.
 // So dK and dV are summed in registers over the query heads of a GQA group (no atomics), dQ
 // over the key blocks by reductions in L2, in an order that varies from run to run; DETERMINISTIC
 // fixes it (FlashAttention-3's semaphores, flash-attention PR 1893): the key blocks add to a
