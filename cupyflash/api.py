@@ -145,8 +145,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO
         (itself for a torch caller, else as a CuPy view of the same memory). Allocated when
         None.
     deterministic : bool
-        FlashAttention's flag for the backward pass: accepted and checked; cupyflash's backward
-        is always deterministic (:func:`flash_attn_backward`).
+        For the backward pass of a torch caller's autograd (FlashAttention's flag): True gives
+        bitwise-repeatable gradients (:func:`flash_attn_backward`'s ``deterministic``; on
+        sm_90a the Hopper kernel's dQ then adds in a fixed order, slower). Checked, not used
+        by the forward.
 
     Returns
     -------
@@ -194,7 +196,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=NO
         from . import torch_ops
         return _traced_call(torch_ops.flash_attn_func, (q, k, v),
                             dict(softmax_scale=softmax_scale, causal=causal,
-                                 window_size=window_size), return_lse, out)
+                                 window_size=window_size, deterministic=deterministic),
+                            return_lse, out)
     return run.flash_attn(q, k, v, softmax_scale, causal, window_size, return_lse, out)
 
 
@@ -231,7 +234,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         synchronises with the device); False checks shapes and dtypes only, and the caller
         guarantees the values (wrong values then read out of bounds).
     deterministic : bool
-        As in :func:`flash_attn_func` (the backward is always deterministic).
+        As in :func:`flash_attn_func` (the varlen backward's kernels are always
+        deterministic).
 
     Returns
     -------
@@ -262,7 +266,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _traced_call(torch_ops.flash_attn_varlen_func,
                             (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                             dict(softmax_scale=softmax_scale, causal=causal,
-                                 window_size=window_size, validate=validate), return_lse, out)
+                                 window_size=window_size, validate=validate,
+                                 deterministic=deterministic), return_lse, out)
     return run.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  softmax_scale, causal, window_size, return_lse, out, validate)
 

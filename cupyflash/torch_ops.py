@@ -6,9 +6,10 @@ anything, so that ``torch.compile(fullgraph=True)`` traces a function calling th
 graph break and runs the real kernels in the compiled code:
 
 * ``torch.ops.cupyflash.flash_attn(q, k, v, softmax_scale, causal, window_left,
-  window_right) -> (out, lse)``
+  window_right, deterministic) -> (out, lse)``
 * ``torch.ops.cupyflash.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-  max_seqlen_k, softmax_scale, causal, window_left, window_right, validate) -> (out, lse)``
+  max_seqlen_k, softmax_scale, causal, window_left, window_right, validate, deterministic) ->
+  (out, lse)`` (``deterministic``: not used by the forward; saved for its backward)
 * ``torch.ops.cupyflash.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal,
   window_left, window_right, deterministic) -> (dq, dk, dv)`` and
   ``torch.ops.cupyflash.flash_attn_varlen_backward(...)``: the gradients (FlashAttention-2
@@ -43,12 +44,13 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 
 @torch.library.custom_op("cupyflash::flash_attn", mutates_args=())
 def _flash_attn(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool,
-                window_left: int, window_right: int) -> Tuple[Tensor, Tensor]:
+                window_left: int, window_right: int,
+                deterministic: bool) -> Tuple[Tensor, Tensor]:
     return run.flash_attn(q, k, v, softmax_scale, causal, (window_left, window_right), True, None)
 
 
 @_flash_attn.register_fake
-def _flash_attn_fake(q, k, v, softmax_scale, causal, window_left, window_right):
+def _flash_attn_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
     b, sq, h, _ = q.shape
     return (q.new_empty(q.shape),  # contiguous, as the call allocates it
             q.new_empty((b, h, sq), dtype=_lse_dtype(q)))
@@ -58,7 +60,8 @@ def _flash_attn_fake(q, k, v, softmax_scale, causal, window_left, window_right):
 def _flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                        cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                        softmax_scale: Optional[float], causal: bool, window_left: int,
-                       window_right: int, validate: bool) -> Tuple[Tensor, Tensor]:
+                       window_right: int, validate: bool,
+                       deterministic: bool) -> Tuple[Tensor, Tensor]:
     return run.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  softmax_scale, causal, (window_left, window_right), True, None,
                                  validate)
@@ -66,7 +69,8 @@ def _flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 
 @_flash_attn_varlen.register_fake
 def _flash_attn_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale, causal, window_left, window_right, validate):
+                            softmax_scale, causal, window_left, window_right, validate,
+                            deterministic):
     total_q, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=_lse_dtype(q))
 
@@ -117,33 +121,33 @@ def _grad_out(g, like):
 
 
 def _setup_dense(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (softmax_scale, causal, window_left, window_right)
+    ctx.args = (softmax_scale, causal, window_left, window_right, deterministic)
 
 
 def _backward_dense(ctx, grad_out, grad_lse):
     # The LSE output is not differentiated (as FlashAttention's): its gradient is ignored.
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.cupyflash.flash_attn_backward(_grad_out(grad_out, out), q, k, v, out,
-                                                         lse, *ctx.args, False)
-    return dq, dk, dv, None, None, None, None
+                                                         lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
 
 
 def _setup_varlen(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right,
-     _validate) = inputs
+     _validate, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, softmax_scale, causal, window_left, window_right)
+    ctx.args = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic)
 
 
 def _backward_varlen(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = torch.ops.cupyflash.flash_attn_varlen_backward(
-        _grad_out(grad_out, out), q, k, v, out, lse, cu_q, cu_k, *ctx.args, False)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        _grad_out(grad_out, out), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("cupyflash::flash_attn", _backward_dense, setup_context=_setup_dense)
@@ -184,24 +188,26 @@ def _scale(softmax_scale):
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    return_lse=False):
+                    return_lse=False, deterministic=False):
     """:func:`cupyflash.flash_attn_func` on torch tensors through ``cupyflash::flash_attn``
-    (traceable by ``torch.compile``). Returns ``out`` or ``(out, lse)``."""
+    (traceable by ``torch.compile``; ``deterministic`` is its backward's). Returns ``out`` or
+    ``(out, lse)``."""
     out, lse = torch.ops.cupyflash.flash_attn(q, k, v, _scale(softmax_scale), bool(causal),
-                                              int(window_size[0]), int(window_size[1]))
+                                              int(window_size[0]), int(window_size[1]),
+                                              bool(deterministic))
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            softmax_scale=None, causal=False, window_size=(-1, -1),
-                           return_lse=False, validate=True):
+                           return_lse=False, validate=True, deterministic=False):
     """:func:`cupyflash.flash_attn_varlen_func` through ``cupyflash::flash_attn_varlen``.
     Inside ``torch.compile`` or a CUDA graph pass ``validate=False`` (True reads the
     ``cu_seqlens`` on the host, a synchronisation)."""
     out, lse = torch.ops.cupyflash.flash_attn_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
         _scale(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-        bool(validate))
+        bool(validate), bool(deterministic))
     return (out, lse) if return_lse else out
 
 

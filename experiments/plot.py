@@ -520,15 +520,17 @@ def _bwd_plan(r) -> str:
 
 def backward(results: Path, figures: Path, dtype: str = "bfloat16") -> list:
     """Backward TFLOP/s (2.5 x the forward's FLOPs over ``ms_bwd``) vs S from
-    bench_backward.jsonl: a panel per (head dim, causal), a line per impl, cupyflash's
+    bench_backward.jsonl's last run: a panel per (head dim, causal), a line per impl, cupyflash's
     deterministic backward dashed, its Hopper kernel (``bwdtma_*`` in ``bwd_kernels``) with square
     markers."""
     recs = load(results, "bench_backward", "backward", need=("tflops_bwd", "seqlen", "headdim"))
     recs = [r for r in recs if r.get("dtype") == dtype]
     if not recs:
         raise SkipFigure(f"bench_backward: no {dtype} records")
-    recs = latest(recs, lambda r: (r["impl"], bool(r.get("deterministic")), _bwd_plan(r),
-                                   r["headdim"], r["seqlen"], bool(r.get("causal"))))
+    last = recs[-1].get("run")  # one run: its impls timed side by side on one GPU and commit
+    recs = latest([r for r in recs if r.get("run") == last],
+                  lambda r: (r["impl"], bool(r.get("deterministic")), _bwd_plan(r),
+                             r["headdim"], r["seqlen"], bool(r.get("causal"))))
     hds = sorted({r["headdim"] for r in recs})
     plt = _plt()
     fig, axes = plt.subplots(len(hds), 2, figsize=(11, 3.6 * len(hds)), squeeze=False)
@@ -555,10 +557,11 @@ def backward(results: Path, figures: Path, dtype: str = "bfloat16") -> list:
                          + (f" (H={b.get('nheads')}, B=16k/S)" if b else ""), fontsize=10)
             ax.set_xlabel("sequence length S")
             ax.set_ylabel("backward TFLOP/s (2.5 x forward FLOPs)")
-            ax.set_ylim(bottom=0)
+            top = max((r["tflops_bwd"] for r in sub), default=1.0)
+            ax.set_ylim(0, 1.6 * top)  # room above the lines for the legend
             ax.grid(True, which="both", alpha=0.3)
             if lines:
-                ax.legend(fontsize=7)
+                ax.legend(fontsize=7, loc="upper left")
     fig.suptitle("Backward pass: (forward + backward) - forward, 16k tokens per batch, hidden 2048",
                  fontsize=11)
     return [_save(fig, figures / "backward.png", recs)]

@@ -277,6 +277,24 @@ def test_hopper_backward_deterministic(hopper, case):
     assert_grads(got, q, k, v, dout, "bfloat16", causal=causal)
 
 
+def test_hopper_autograd_deterministic(hopper):
+    """flash_attn_func(..., deterministic=True) under torch autograd hands the flag to its
+    backward (the Hopper kernel's fixed dQ order): two backward passes, bitwise-equal gradients."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator(device="cuda").manual_seed(35)
+    q, k, v = (torch.randn(2, 700, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grads = []
+    for _ in range(2):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        flash_attn_func(*leaves, causal=True, deterministic=True).backward(dout)
+        grads.append([x.grad for x in leaves])
+    hopper("bfloat16", 128, True, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        assert not torch.isnan(a).any() and torch.equal(a, b), name
+
+
 @settings(deadline=None)
 @given(case=testing.attention_cases(dtypes=("bfloat16", "float16"), max_seqlen_q=300,
                                     max_seqlen_k=300, max_headdim=128, min_seqlen=1))
