@@ -18,9 +18,9 @@ On sm_90a, float16/bfloat16 at head dims up to 128, dense, a Hopper plan
 (``plan_backward(..., hopper=True)``) can run instead, from ``kernels_cu/backward/hopper.cu``: a
 pre-pass writing LSE log2(e) and D per 64-row query block, padded (:func:`stats_shape`), which
 the main kernel copies into its TMA ring with Q and dO; the main kernel (TMA, warpgroup MMA; dK/dV
-and dQ in one kernel, dQ added with atomics into an fp32 accumulator; with ``deterministic`` the
-key blocks add in a fixed order, one after the other, on turn counters); a ``dq`` kernel that
-scales and rounds that accumulator. It is the default where it applies
+and dQ in one kernel, dQ added to an fp32 accumulator by bulk reductions in L2; with
+``deterministic`` the key blocks add in a fixed order, one after the other, on turn counters); a
+``dq`` kernel that scales and rounds that accumulator. It is the default where it applies
 (:func:`hopper_enabled`; ``CUPYFLASH_BWD_HOPPER=0`` runs the mma.sync kernels instead): 1.2-3x the
 mma.sync plan on an H100 (experiments/NOTES.md, v80-v81).
 """
@@ -48,7 +48,7 @@ HOPPER_SOURCE = "backward/hopper.cu"
 #: query rows per CTA of its dq conversion (one query block: ``DqTile``).
 HOPPER_HEADDIMS = (64, 128)
 HOPPER_TILE = (64, 128)
-CONVERT_ROWS = 64
+CONVERT_ROWS = HOPPER_TILE[0]
 #: Rows per CTA of the dsum pre-pass (``cf::kDsumRows``), 128 threads.
 DSUM_ROWS = 16
 #: The accumulator dtype of each input dtype (D, and the CUDA-core kernels' arithmetic).
