@@ -289,7 +289,157 @@ __device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&ds
         }
 }
 
-// One CTA: K and V of its key block, every step, then dK and dV.
+// The mbarrier of ring slot `slot` ("full": its step's copies have landed).
+template <typename Tr>
+__device__ __forceinline__ uint32_t bwd_full_bar(uint32_t base, int slot) {
+    return base + HopperBwdSmem<Tr>::kFull + 8u * (uint32_t)slot;
+}
+
+// tid 0: the Q and dO tiles of step j and its rows' statistics into slot j % kStages.
+template <typename Tr>
+__device__ __forceinline__ void bwd_issue_step(const BwdTmaParams& P, uint32_t base, int j, int n_m,
+                                               int m_block_min, int hk, int b) {
+    using L = HopperBwdSmem<Tr>;
+    const BwdParams& p = P.bwd;
+    const BwdStep st = bwd_step<Tr>(j, n_m, m_block_min, hk, p.fwd.h_per_kv);
+    const int slot = j % Tr::kStages;
+    const uint32_t full = bwd_full_bar<Tr>(base, slot);
+    mbarrier_arrive_expect_tx(full, 2 * Tr::kQBytes + Tr::kStatsBytes);
+    bulk_load(base + L::kStats + (uint32_t)(slot * Tr::kStatsBytes),
+              static_cast<const float*>(p.dsum) + b * p.dsum_batch_stride +
+                  st.h * p.dsum_head_stride + (st.m0 / Tr::kBlockM) * (2 * Tr::kBlockM),
+              Tr::kStatsBytes, full);
+#pragma unroll
+    for (int c = 0; c < Tr::kHeadDim / 64; ++c) {
+        const uint32_t off = (uint32_t)(slot * Tr::kQBytes + c * Tr::kBlockM * 128);
+        tma_load_4d(base + L::kQ + off, &P.tq, c * 64, st.h, st.m0, b, full);
+        tma_load_4d(base + L::kDO + off, &P.tdo, c * 64, st.h, st.m0, b, full);
+    }
+}
+
+// The ring's barriers, then (tid 0) K and V of the key block once and the first kStages - 1
+// steps' copies.
+template <typename Tr>
+__device__ __forceinline__ void bwd_start(const BwdTmaParams& P, uint32_t base, int tid,
+                                          int n_steps, int n_m, int m_block_min, int n0, int hk,
+                                          int b) {
+    using L = HopperBwdSmem<Tr>;
+    constexpr int S = Tr::kStages;
+    const uint32_t kv_full = base + L::kKVFull;
+    if (tid == 0) {
+        mbarrier_init(kv_full, 1);
+        for (int s = 0; s < S; ++s) mbarrier_init(bwd_full_bar<Tr>(base, s), 1);
+        fence_proxy_async();  // the initialised barriers, before TMA completes bytes on them
+    }
+    __syncthreads();
+    if (tid == 0 && n_steps > 0) {
+        tma_prefetch_desc(&P.tq);
+        tma_prefetch_desc(&P.tk);
+        tma_prefetch_desc(&P.tv);
+        tma_prefetch_desc(&P.tdo);
+        mbarrier_arrive_expect_tx(kv_full, 2 * Tr::kKBytes);
+#pragma unroll
+        for (int c = 0; c < Tr::kHeadDim / 64; ++c) {
+            const uint32_t off = (uint32_t)(c * Tr::kBlockN * 128);
+            tma_load_4d(base + L::kK + off, &P.tk, c * 64, hk, n0, b, kv_full);
+            tma_load_4d(base + L::kV + off, &P.tv, c * 64, hk, n0, b, kv_full);
+        }
+        for (int j = 0; j < S - 1 && j < n_steps; ++j)
+            bwd_issue_step<Tr>(P, base, j, n_m, m_block_min, hk, b);
+    }
+}
+
+// LSE log2(e) and D of this thread's 16 query columns m0 + 8 i + 2 t + {0, 1} of the step in
+// ring slot `slot` (read from shared memory: a global load here would hold up the next wgmma
+// until it lands).
+template <typename Tr>
+__device__ __forceinline__ void bwd_row_stats(const unsigned char* raw, int slot, int t,
+                                              float (&lse2)[Tr::kSAcc / 2],
+                                              float (&dsum)[Tr::kSAcc / 2]) {
+    const float* stats = reinterpret_cast<const float*>(raw + HopperBwdSmem<Tr>::kStats +
+                                                        slot * Tr::kStatsBytes);
+#pragma unroll
+    for (int i = 0; i < Tr::kSAcc / 4; ++i) {
+        const float2 l = *reinterpret_cast<const float2*>(stats + 8 * i + 2 * t);
+        const float2 d = *reinterpret_cast<const float2*>(stats + Tr::kBlockM + 8 * i + 2 * t);
+        lse2[2 * i] = l.x, lse2[2 * i + 1] = l.y, dsum[2 * i] = d.x, dsum[2 * i + 1] = d.y;
+    }
+}
+
+// Who adds a step's dQ tile: at hd128 each warpgroup its half, after a barrier of its own 128
+// threads (2-5% faster on an H100 than the CTA's barrier and one reduction, which hd64 and
+// DETERMINISTIC keep: 3-5% faster at hd64; one thread takes the turn); its first thread.
+template <int HEADDIM, bool DETERMINISTIC>
+constexpr bool kDqPerWarpgroup = !DETERMINISTIC && HEADDIM == 128;
+
+// dQ of step stp += this thread's fragments: into the shared dQ tile, then bulk reductions into
+// the query block's tile of dq_accum, issued by dq_leader (kDqPerWarpgroup).
+template <typename Tr, bool CAUSAL, bool DETERMINISTIC>
+__device__ __forceinline__ void bwd_add_dq(const float (&dq)[Tr::kQAcc], const BwdStep& stp,
+                                           float* dq_accum, const DqTurns<Tr, CAUSAL>& turns,
+                                           unsigned char* raw, uint32_t base, int w, int tid,
+                                           bool dq_leader, int n_block, int b, int nheads,
+                                           int n_m_total) {
+    using L = HopperBwdSmem<Tr>;
+    DqTile<Tr>::store(reinterpret_cast<float2*>(raw + L::kDQ), dq, w, tid & 127);
+    fence_proxy_async();  // the tile's writes (generic proxy) before the reduction's reads
+    float* dq_dst = dq_accum + (((int64_t)b * nheads + stp.h) * n_m_total +
+                                stp.m0 / Tr::kBlockM) * DqTile<Tr>::kFloats;
+    if constexpr (kDqPerWarpgroup<Tr::kHeadDim, DETERMINISTIC>) {  // each warpgroup its half
+        named_barrier_sync(1 + w, 128);
+        if (dq_leader) {
+            constexpr int kHalf = DqTile<Tr>::kBytes / 2;
+            bulk_reduce_add_f32(dq_dst + w * (DqTile<Tr>::kFloats / 2),
+                                base + L::kDQ + (uint32_t)(w * kHalf), kHalf);
+            bulk_commit_group();
+        }
+    } else {  // the whole tile once the CTA wrote it (one thread takes the turn)
+        __syncthreads();
+        if (dq_leader) {
+            int* turn = turns.counter(stp.h, stp.m0);
+            if (DETERMINISTIC) {  // this key block's turn at the query block
+                const int my = turns.rank(n_block, stp.m0 / Tr::kBlockM);
+                while (ld_acquire_gpu(turn) != my) __nanosleep(32);
+                fence_proxy_async_all();  // the acquire before the reduction (async proxy)
+            }
+            bulk_reduce_add_f32(dq_dst, base + L::kDQ, DqTile<Tr>::kBytes);
+            bulk_commit_group();
+            if (DETERMINISTIC) {  // the additions done, then the next key block's turn
+                bulk_wait_group<0>();
+                fence_proxy_async_all();
+                red_release_gpu_add(turn, 1);
+            }
+        }
+    }
+}
+
+// The epilogue: dK = softmax_scale dS^T Q and dV of this thread's keys key0 + {0, 8}, rounded
+// to T (zeros for keys no query saw).
+template <typename T, typename Tr>
+__device__ __forceinline__ void bwd_store_dk_dv(const BwdParams& p, const float (&dk)[Tr::kAcc],
+                                                const float (&dv)[Tr::kAcc], int b, int hk,
+                                                int key0, int t) {
+    const FwdParams& f = p.fwd;
+    const BwdSeq s0 = bwd_seq(p, b, hk * f.h_per_kv);
+    const float scale = (float)f.softmax_scale_d;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int key = key0 + 8 * hh;
+        if (key >= f.seqlen_k) continue;
+        T* dk_row = static_cast<T*>(p.dk) + s0.dk_off + (int64_t)key * p.dk_row_stride;
+        T* dv_row = static_cast<T*>(p.dv) + s0.dv_off + (int64_t)key * p.dv_row_stride;
+#pragma unroll
+        for (int i = 0; i < Tr::kAcc / 4; ++i) {
+            const int col = 8 * i + 2 * t, idx = 4 * i + 2 * hh;
+            if (col >= f.headdim) continue;
+            *reinterpret_cast<uint32_t*>(dk_row + col) = pack2<T>(dk[idx] * scale, dk[idx + 1] * scale);
+            *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[idx], dv[idx + 1]);
+        }
+    }
+}
+
+// One CTA: set-up and the first copies (bwd_start), every step of the query blocks that see its
+// keys, then dK and dV (bwd_store_dk_dv).
 template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     using Tr = HopperBwdTraits<T, HEADDIM>;
@@ -309,55 +459,15 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     const QueryTiles<Tr::kBlockM> qt(n0, min(n0 + Tr::kBlockN, seqlen_k) - 1, seqlen_q, seqlen_k,
                                      CAUSAL, f.window_left, f.window_right);
     const int n_m = qt.m_block_max - qt.m_block_min, n_steps = f.h_per_kv * n_m;
-    const uint32_t kv_full = base + L::kKVFull;
-    auto full = [&](int slot) { return base + L::kFull + 8u * (uint32_t)slot; };
-    auto issue = [&](int j) {  // tid 0: the Q and dO tiles of step j and its rows' statistics
-        const BwdStep st = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
-        const int slot = j % S;
-        mbarrier_arrive_expect_tx(full(slot), 2 * Tr::kQBytes + Tr::kStatsBytes);
-        bulk_load(base + L::kStats + (uint32_t)(slot * Tr::kStatsBytes),
-                  static_cast<const float*>(p.dsum) + b * p.dsum_batch_stride +
-                      st.h * p.dsum_head_stride + (st.m0 / Tr::kBlockM) * (2 * Tr::kBlockM),
-                  Tr::kStatsBytes, full(slot));
-#pragma unroll
-        for (int c = 0; c < HEADDIM / 64; ++c) {
-            const uint32_t off = (uint32_t)(slot * Tr::kQBytes + c * Tr::kBlockM * 128);
-            tma_load_4d(base + L::kQ + off, &P.tq, c * 64, st.h, st.m0, b, full(slot));
-            tma_load_4d(base + L::kDO + off, &P.tdo, c * 64, st.h, st.m0, b, full(slot));
-        }
-    };
-    if (tid == 0) {
-        mbarrier_init(kv_full, 1);
-        for (int s = 0; s < S; ++s) mbarrier_init(full(s), 1);
-        fence_proxy_async();  // the initialised barriers, before TMA completes bytes on them
-    }
-    __syncthreads();
-    if (tid == 0 && n_steps > 0) {
-        tma_prefetch_desc(&P.tq);
-        tma_prefetch_desc(&P.tk);
-        tma_prefetch_desc(&P.tv);
-        tma_prefetch_desc(&P.tdo);
-        mbarrier_arrive_expect_tx(kv_full, 2 * Tr::kKBytes);
-#pragma unroll
-        for (int c = 0; c < HEADDIM / 64; ++c) {
-            const uint32_t off = (uint32_t)(c * Tr::kBlockN * 128);
-            tma_load_4d(base + L::kK + off, &P.tk, c * 64, hk, n0, b, kv_full);
-            tma_load_4d(base + L::kV + off, &P.tv, c * 64, hk, n0, b, kv_full);
-        }
-        for (int j = 0; j < S - 1 && j < n_steps; ++j) issue(j);
-    }
+    bwd_start<Tr>(P, base, tid, n_steps, n_m, qt.m_block_min, n0, hk, b);
 
-    // Who adds the dQ tile: at hd128 each warpgroup its half, after a barrier of its own 128
-    // threads (2-5% faster on an H100 than the CTA's barrier and one reduction, which hd64 and
-    // DETERMINISTIC keep: 3-5% faster at hd64; one thread takes the turn); its first thread.
-    constexpr bool kDqPerWarpgroup = !DETERMINISTIC && HEADDIM == 128;
-    const bool dq_leader = kDqPerWarpgroup ? (tid & 127) == 0 : tid == 0;
+    const bool dq_leader = kDqPerWarpgroup<HEADDIM, DETERMINISTIC> ? (tid & 127) == 0 : tid == 0;
     const BwdGemms<T, Tr> gemm(base, w);
     const int key_row0 = w * 64 + warp_in_wg * 16 + g;  // this thread's keys: + 0, + 8
     float dk[Tr::kAcc], dv[Tr::kAcc];
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
-    if (n_steps > 0) mbarrier_wait(kv_full, 0u);
+    if (n_steps > 0) mbarrier_wait(base + L::kKVFull, 0u);
     float* dq_accum = p.dq_accum;
     const int n_m_total = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
     const DqTurns<Tr, CAUSAL> turns{
@@ -367,23 +477,17 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     for (int j = 0; j < n_steps; ++j) {
         const int slot = j % S, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
-        mbarrier_wait(full(slot), (uint32_t)((j / S) & 1));
+        mbarrier_wait(bwd_full_bar<Tr>(base, slot), (uint32_t)((j / S) & 1));
+        // S^T = K Q^T, dP^T = V dO^T (while this step's LSE and D are read)
         float st[Tr::kSAcc], dpt[Tr::kSAcc];
         wgmma_fence();
         gemm.st_dpt(st, dpt, slot);
-        // LSE log2(e) and D of this thread's 16 query columns m0 + 8 i + 2 t + {0, 1}, from the
-        // slot (shared memory: a global load here would hold up the next wgmma until it lands)
         float lse2[Tr::kSAcc / 2], dsum[Tr::kSAcc / 2];
-        const float* stats = reinterpret_cast<const float*>(raw + L::kStats + slot * Tr::kStatsBytes);
-#pragma unroll
-        for (int i = 0; i < Tr::kSAcc / 4; ++i) {
-            const float2 l = *reinterpret_cast<const float2*>(stats + 8 * i + 2 * t);
-            const float2 d = *reinterpret_cast<const float2*>(stats + Tr::kBlockM + 8 * i + 2 * t);
-            lse2[2 * i] = l.x, lse2[2 * i + 1] = l.y, dsum[2 * i] = d.x, dsum[2 * i + 1] = d.y;
-        }
+        bwd_row_stats<Tr>(raw, slot, t, lse2, dsum);
         wgmma_wait<0>();
         wgmma_fence_operand(st);
         wgmma_fence_operand(dpt);
+        // P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)
         const bool mask = bwd_tile_needs_mask<Tr::kBlockM, Tr::kBlockN>(f, stp.m0, n0, seqlen_q,
                                                                          seqlen_k, CAUSAL);
         bwd_probs<Tr, CAUSAL>(st, dpt, lse2, dsum, mask, n0 + key_row0, stp.m0, t, seqlen_q,
@@ -395,6 +499,7 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         // a pending wgmma may not even be read)
         store_ds<Tr>(raw + L::kDS + buf * Tr::kDSBytes, dsf, key_row0, t);
         fence_proxy_async();  // the dS^T writes (generic proxy) before wgmma's reads (async)
+        // dV += P^T dO, dK += dS^T Q
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
         wgmma_fence_operand(ptf);
@@ -405,7 +510,9 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         // step j - 1's dQ reduction has read the dQ tile
         if (dq_leader) bulk_wait_group_read<0>();
         __syncthreads();
-        if (tid == 0 && j + S - 1 < n_steps) issue(j + S - 1);
+        if (tid == 0 && j + S - 1 < n_steps)
+            bwd_issue_step<Tr>(P, base, j + S - 1, n_m, qt.m_block_min, hk, b);
+        // dQ += dS K (this step's query block, in dq_accum)
         float dq[Tr::kQAcc];
         wgmma_fence();
         gemm.dq(dq, buf);
@@ -413,57 +520,12 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         wgmma_fence_operand(dq);
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
-        // dQ += the tile: the fragments into shared memory, then bulk reductions
-        DqTile<Tr>::store(reinterpret_cast<float2*>(raw + L::kDQ), dq, w, tid & 127);
-        fence_proxy_async();  // the tile's writes (generic proxy) before the reduction's reads
-        float* dq_dst = dq_accum + (((int64_t)b * f.nheads + stp.h) * n_m_total +
-                                    stp.m0 / Tr::kBlockM) * DqTile<Tr>::kFloats;
-        if constexpr (kDqPerWarpgroup) {  // each warpgroup its half, once its 128 threads wrote it
-            named_barrier_sync(1 + w, 128);
-            if (dq_leader) {
-                constexpr int kHalf = DqTile<Tr>::kBytes / 2;
-                bulk_reduce_add_f32(dq_dst + w * (DqTile<Tr>::kFloats / 2),
-                                    base + L::kDQ + (uint32_t)(w * kHalf), kHalf);
-                bulk_commit_group();
-            }
-        } else {  // the whole tile once the CTA wrote it (one thread takes the turn)
-            __syncthreads();
-            if (dq_leader) {
-                int* turn = turns.counter(stp.h, stp.m0);
-                if (DETERMINISTIC) {  // this key block's turn at the query block
-                    const int my = turns.rank(n_block, stp.m0 / Tr::kBlockM);
-                    while (ld_acquire_gpu(turn) != my) __nanosleep(32);
-                    fence_proxy_async_all();  // the acquire before the reduction (async proxy)
-                }
-                bulk_reduce_add_f32(dq_dst, base + L::kDQ, DqTile<Tr>::kBytes);
-                bulk_commit_group();
-                if (DETERMINISTIC) {  // the additions done, then the next key block's turn
-                    bulk_wait_group<0>();
-                    fence_proxy_async_all();
-                    red_release_gpu_add(turn, 1);
-                }
-            }
-        }
+        bwd_add_dq<Tr, CAUSAL, DETERMINISTIC>(dq, stp, dq_accum, turns, raw, base, w, tid,
+                                               dq_leader, n_block, b, f.nheads, n_m_total);
     }
     if (dq_leader) bulk_wait_group<0>();  // the last reduction, before the CTA's memory goes
 
-    // ---- epilogue: dK = softmax_scale dS^T Q, dV, rounded to T (zeros for unseen keys) ----
-    const BwdSeq s0 = bwd_seq(p, b, hk * f.h_per_kv);
-    const float scale = (float)f.softmax_scale_d;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int key = n0 + key_row0 + 8 * hh;
-        if (key >= seqlen_k) continue;
-        T* dk_row = static_cast<T*>(p.dk) + s0.dk_off + (int64_t)key * p.dk_row_stride;
-        T* dv_row = static_cast<T*>(p.dv) + s0.dv_off + (int64_t)key * p.dv_row_stride;
-#pragma unroll
-        for (int i = 0; i < Tr::kAcc / 4; ++i) {
-            const int col = 8 * i + 2 * t, idx = 4 * i + 2 * hh;
-            if (col >= f.headdim) continue;
-            *reinterpret_cast<uint32_t*>(dk_row + col) = pack2<T>(dk[idx] * scale, dk[idx + 1] * scale);
-            *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[idx], dv[idx + 1]);
-        }
-    }
+    bwd_store_dk_dv<T, Tr>(p, dk, dv, b, hk, n0 + key_row0, t);
 }
 
 // The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL, DETERMINISTIC> (grid: key blocks of
