@@ -6,6 +6,7 @@ D, and the launches, by the caller's conventions (:mod:`cupyflash.core.interop`)
 from __future__ import annotations
 
 import collections
+import math
 
 from ..core import checks, interop
 from ..core.interop import TorchCaller, as_cupy, caller_of, describe_torch
@@ -110,7 +111,7 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
         if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it;
             # deterministic: then one int32 turn counter per (batch, head, 64-row query block)
             # (dQ tiles of 64 padded rows: kernels_cu/backward/hopper.cu's DqTile)
-            blocks = problem.batch * problem.nheads * -(-problem.seqlen_q // kernels.HOPPER_TILE[0])
+            blocks = math.prod(kernels.stats_shape(problem)[:3])  # (batch, head, query block)
             size = blocks * kernels.HOPPER_TILE[0] * plan.dq.headdim + (blocks if deterministic else 0)
             dq_accum = caller.full((size,), 0, "float32", dev)
         for n in ("dq", "dk", "dv"):

@@ -234,11 +234,6 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
     return v;
 }
 
-// Orders this thread's accesses in every state space between the generic and async proxies.
-__device__ __forceinline__ void fence_proxy_async_all() {
-    asm volatile("fence.proxy.async;" ::: "memory");
-}
-
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
@@ -289,6 +284,14 @@ __device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&ds
         }
 }
 
+// The row statistics of query block m_block of (batch b, query head h) in the pre-pass's buffer
+// (kernels.stats_shape): kStatsBytes of floats, LSE log2(e) of its rows, then their D.
+template <typename Tr>
+__device__ __forceinline__ float* bwd_stats_block(const BwdParams& p, int b, int h, int m_block) {
+    return static_cast<float*>(p.dsum) + b * p.dsum_batch_stride + h * p.dsum_head_stride +
+           m_block * (Tr::kStatsBytes / 4);
+}
+
 // The mbarrier of ring slot `slot` ("full": its step's copies have landed).
 template <typename Tr>
 __device__ __forceinline__ uint32_t bwd_full_bar(uint32_t base, int slot) {
@@ -306,9 +309,7 @@ __device__ __forceinline__ void bwd_issue_step(const BwdTmaParams& P, uint32_t b
     const uint32_t full = bwd_full_bar<Tr>(base, slot);
     mbarrier_arrive_expect_tx(full, 2 * Tr::kQBytes + Tr::kStatsBytes);
     bulk_load(base + L::kStats + (uint32_t)(slot * Tr::kStatsBytes),
-              static_cast<const float*>(p.dsum) + b * p.dsum_batch_stride +
-                  st.h * p.dsum_head_stride + (st.m0 / Tr::kBlockM) * (2 * Tr::kBlockM),
-              Tr::kStatsBytes, full);
+              bwd_stats_block<Tr>(p, b, st.h, st.m0 / Tr::kBlockM), Tr::kStatsBytes, full);
 #pragma unroll
     for (int c = 0; c < Tr::kHeadDim / 64; ++c) {
         const uint32_t off = (uint32_t)(slot * Tr::kQBytes + c * Tr::kBlockM * 128);
@@ -544,12 +545,14 @@ __global__ void __launch_bounds__(256, 1) bwd_hopper_entry(const __grid_constant
 // block's Q and dO tiles. Grid (query blocks of 64, heads, batch), 128 threads (one warp per row).
 template <typename T>
 __global__ void __launch_bounds__(128) bwd_hopper_prep_entry(const __grid_constant__ BwdParams p) {
-    constexpr int M = HopperBwdTraits<T, 64>::kBlockM;
+    using Tr = HopperBwdTraits<T, 64>;  // (the statistics do not depend on the head dim)
+    constexpr int M = Tr::kBlockM;
     const int b = blockIdx.z, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const BwdSeq s = bwd_seq(p, b, h);
     const int seqlen_q = s.f.seqlen_q;
+    // block blockIdx.x of bwd_stats_block
     float* stats = static_cast<float*>(p.dsum) + b * p.dsum_batch_stride + h * p.dsum_head_stride +
-                   (int64_t)blockIdx.x * (2 * M);
+                   (int64_t)blockIdx.x * (Tr::kStatsBytes / 4);
     for (int i = warp; i < M; i += 4) {
         const int r = blockIdx.x * M + i;
         const float d = r < seqlen_q ? dsum_row<T, float>(p, s, r, lane) : 0.f;

@@ -15,6 +15,16 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// The same for this thread's accesses in every state space (global memory too: the backward's
+// bulk reductions into dq_accum against the turn counters' acquire and release).
+__device__ __forceinline__ void fence_proxy_async_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
 // ---- mbarrier (PTX ISA 9.7.13.15) ------------------------------------------------------------
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
