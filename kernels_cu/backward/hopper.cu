@@ -298,6 +298,15 @@ __device__ __forceinline__ uint32_t bwd_full_bar(uint32_t base, int slot) {
     return base + HopperBwdSmem<Tr>::kFull + 8u * (uint32_t)slot;
 }
 
+// Step j's S^T = K Q^T and dP^T = V dO^T issued, once its slot's copies have landed.
+template <typename Tr, typename Gemms>
+__device__ __forceinline__ void bwd_scores(const Gemms& gemm, float (&st)[Tr::kSAcc],
+                                           float (&dpt)[Tr::kSAcc], uint32_t base, int j) {
+    mbarrier_wait(bwd_full_bar<Tr>(base, j % Tr::kStages), (uint32_t)((j / Tr::kStages) & 1));
+    wgmma_fence();
+    gemm.st_dpt(st, dpt, j % Tr::kStages);
+}
+
 // tid 0: the Q and dO tiles of step j and its rows' statistics into slot j % kStages.
 template <typename Tr>
 __device__ __forceinline__ void bwd_issue_step(const BwdTmaParams& P, uint32_t base, int j, int n_m,
@@ -373,14 +382,35 @@ __device__ __forceinline__ void bwd_row_stats(const unsigned char* raw, int slot
 template <int HEADDIM, bool DETERMINISTIC>
 constexpr bool kDqPerWarpgroup = !DETERMINISTIC && HEADDIM == 128;
 
+// DETERMINISTIC, dq_leader: once the reduction it holds the turn for has completed, the next key
+// block's turn (`held`: that query block's counter, or null). Called before the next step's CTA
+// barrier, not right after the reduction: its completion (an L2 round trip) then overlaps the
+// next step's first GEMMs instead of adding to every step, and the key blocks run staggered by
+// less than a step. No deadlock: passing turn j needs only turn j, which the key blocks before
+// this one pass on the same terms (induction over DqTurns's order).
+__device__ __forceinline__ void bwd_pass_turn(int*& held) {
+    if (held == nullptr) return;
+    bulk_wait_group<0>();
+    fence_proxy_async_all();  // the reduction's writes (async proxy) before the release
+    red_release_gpu_add(held, 1);
+    held = nullptr;
+}
+
+// Step j + 1's S^T and dP^T issued before step j's dQ tile is stored and reduced, so that they
+// overlap: at hd64 (at hd128 the registers of both do not fit: ptxas serialises the wgmmas) and
+// not DETERMINISTIC (the turn's spin, a divergent path, with a wgmma in flight: serialised too).
+template <int HEADDIM, bool DETERMINISTIC>
+constexpr bool kScoresAhead = !DETERMINISTIC && HEADDIM == 64;
+
 // dQ of step stp += this thread's fragments: into the shared dQ tile, then bulk reductions into
-// the query block's tile of dq_accum, issued by dq_leader (kDqPerWarpgroup).
+// the query block's tile of dq_accum, issued by dq_leader (kDqPerWarpgroup); DETERMINISTIC, in
+// this key block's turn, which it then holds (bwd_pass_turn).
 template <typename Tr, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_add_dq(const float (&dq)[Tr::kQAcc], const BwdStep& stp,
                                            float* dq_accum, const DqTurns<Tr, CAUSAL>& turns,
                                            unsigned char* raw, uint32_t base, int w, int tid,
                                            bool dq_leader, int n_block, int b, int nheads,
-                                           int n_m_total) {
+                                           int n_m_total, int*& held) {
     using L = HopperBwdSmem<Tr>;
     DqTile<Tr>::store(reinterpret_cast<float2*>(raw + L::kDQ), dq, w, tid & 127);
     fence_proxy_async();  // the tile's writes (generic proxy) before the reduction's reads
@@ -405,11 +435,7 @@ __device__ __forceinline__ void bwd_add_dq(const float (&dq)[Tr::kQAcc], const B
             }
             bulk_reduce_add_f32(dq_dst, base + L::kDQ, DqTile<Tr>::kBytes);
             bulk_commit_group();
-            if (DETERMINISTIC) {  // the additions done, then the next key block's turn
-                bulk_wait_group<0>();
-                fence_proxy_async_all();
-                red_release_gpu_add(turn, 1);
-            }
+            if (DETERMINISTIC) held = turn;
         }
     }
 }
@@ -475,14 +501,16 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         reinterpret_cast<int*>(dq_accum + (int64_t)f.batch * f.nheads * n_m_total * DqTile<Tr>::kFloats) +
             (int64_t)b * f.nheads * n_m_total,
         (int)gridDim.x, n_m_total, seqlen_q, seqlen_k, f.window_left, f.window_right};
+    int* held_turn = nullptr;  // DETERMINISTIC: the turn of the last reduction (bwd_pass_turn)
+    constexpr bool kAhead = kScoresAhead<HEADDIM, DETERMINISTIC>;
+    float st[Tr::kSAcc], dpt[Tr::kSAcc];
+    if (kAhead && n_steps > 0) bwd_scores<Tr>(gemm, st, dpt, base, 0);
     for (int j = 0; j < n_steps; ++j) {
         const int slot = j % S, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
-        mbarrier_wait(bwd_full_bar<Tr>(base, slot), (uint32_t)((j / S) & 1));
-        // S^T = K Q^T, dP^T = V dO^T (while this step's LSE and D are read)
-        float st[Tr::kSAcc], dpt[Tr::kSAcc];
-        wgmma_fence();
-        gemm.st_dpt(st, dpt, slot);
+        // S^T = K Q^T, dP^T = V dO^T (kScoresAhead: issued in step j - 1), while this step's LSE
+        // and D are read
+        if (!kAhead) bwd_scores<Tr>(gemm, st, dpt, base, j);
         float lse2[Tr::kSAcc / 2], dsum[Tr::kSAcc / 2];
         bwd_row_stats<Tr>(raw, slot, t, lse2, dsum);
         wgmma_wait<0>();
@@ -509,7 +537,10 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         gemm.dv_dk(dv, dk, ptf, dsf, slot);
         // every thread: its dS^T written, and done with step j - 1 (its slot and dS^T buffer);
         // step j - 1's dQ reduction has read the dQ tile
-        if (dq_leader) bulk_wait_group_read<0>();
+        if (dq_leader) {
+            if (DETERMINISTIC) bwd_pass_turn(held_turn);
+            else bulk_wait_group_read<0>();
+        }
         __syncthreads();
         if (tid == 0 && j + S - 1 < n_steps)
             bwd_issue_step<Tr>(P, base, j + S - 1, n_m, qt.m_block_min, hk, b);
@@ -517,14 +548,23 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         float dq[Tr::kQAcc];
         wgmma_fence();
         gemm.dq(dq, buf);
-        wgmma_wait<0>();
+        if (kAhead && j + 1 < n_steps) {  // step j + 1's, before this step's dQ tile
+            bwd_scores<Tr>(gemm, st, dpt, base, j + 1);
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
         wgmma_fence_operand(dq);
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
         bwd_add_dq<Tr, CAUSAL, DETERMINISTIC>(dq, stp, dq_accum, turns, raw, base, w, tid,
-                                               dq_leader, n_block, b, f.nheads, n_m_total);
+                                               dq_leader, n_block, b, f.nheads, n_m_total,
+                                               held_turn);
     }
-    if (dq_leader) bulk_wait_group<0>();  // the last reduction, before the CTA's memory goes
+    if (dq_leader) {  // the last reduction, before the CTA's memory goes
+        bulk_wait_group<0>();
+        if (DETERMINISTIC) bwd_pass_turn(held_turn);
+    }
 
     bwd_store_dk_dv<T, Tr>(p, dk, dv, b, hk, n0 + key_row0, t);
 }
