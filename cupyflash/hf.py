@@ -67,14 +67,17 @@ kernels).
 Supported: float16 / bfloat16 (float32 prefill too), head dims that are multiples of 8 up to
 256, GQA/MQA, sliding windows (``sliding_window``), static caches (a mask shorter than the
 keys: the keys past it are unused cache slots), training (the operators' backward is
-:func:`cupyflash.flash_attn_backward`; the gathers are differentiable; under ``torch.autocast``
-q, k, v are cast to autocast's dtype), no dropout, no soft-capping, no 4-D masks.
+:func:`cupyflash.flash_attn_backward`, deterministic under
+``torch.use_deterministic_algorithms(True)``, ``FLASH_ATTENTION_DETERMINISTIC=1`` or a
+``deterministic`` keyword (:func:`deterministic_backward`); the gathers are differentiable;
+under ``torch.autocast`` q, k, v are cast to autocast's dtype), no dropout, no soft-capping, no 4-D masks.
 Installed with the ``transformers`` extra (``pip install cupyflash[transformers]``).
 """
 from __future__ import annotations
 
 import itertools
 import numbers
+import os
 import weakref
 from typing import NamedTuple
 
@@ -82,7 +85,8 @@ import torch
 
 from . import torch_ops
 
-__all__ = ["NAME", "DECODE", "register", "attention_forward", "padding_plan"]
+__all__ = ["NAME", "DECODE", "register", "attention_forward", "deterministic_backward",
+           "padding_plan"]
 
 #: the name :func:`register` uses by default (``attn_implementation="cupyfa"``). Not
 #: "cupyflash": transformers takes any name containing "flash" for a FlashAttention package
@@ -115,6 +119,17 @@ def register(name: str = NAME) -> str:
     return name
 
 
+def deterministic_backward(requested=None) -> bool:
+    """Whether the layers' backward runs deterministic (bitwise-repeatable gradients, at a cost:
+    :func:`cupyflash.flash_attn_backward`): ``requested`` when it is a bool, else True when
+    ``torch.use_deterministic_algorithms(True)`` is on or ``FLASH_ATTENTION_DETERMINISTIC=1`` is
+    set (the variable transformers' FlashAttention integration reads)."""
+    if requested is not None:
+        return bool(requested)
+    return (torch.are_deterministic_algorithms_enabled()
+            or os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1")
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, sliding_window=None, softcap=None, **kwargs):
     """transformers' attention-function signature.
@@ -143,6 +158,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         ``[0, ..., total]`` over the flattened batch*seqlen tokens), ``max_length_q``,
         ``max_length_k`` (ints, or tensors / None: then read from the device),
         ``position_ids`` ((batch or 1, q_len) integers): packed sequences (module docstring);
+        ``deterministic`` (bool or None): the backward's (:func:`deterministic_backward`);
         anything else is ignored.
 
     Returns
@@ -181,16 +197,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         window = (int(sliding_window) - 1, 0 if causal else -1)
     scale = None if scaling is None else float(scaling)
     causal = bool(causal)
+    det = deterministic_backward(kwargs.get("deterministic"))
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if attention_mask is not None:
         if cu_q is not None or cu_k is not None:
             raise ValueError("cu_seq_lens_q / cu_seq_lens_k: not together with a padding "
                              "attention_mask (pass packed sequences without a mask, or a padded "
                              "batch without cu_seq_lens)")
-        return _padded(q, k, v, attention_mask, scale, causal, window), None
+        return _padded(q, k, v, attention_mask, scale, causal, window, det), None
     if cu_q is not None or cu_k is not None:
         return _packed_from_kwargs(q, k, v, cu_q, cu_k, kwargs.get("max_length_q"),
-                                   kwargs.get("max_length_k"), scale, causal, window), None
+                                   kwargs.get("max_length_k"), scale, causal, window, det), None
     position_ids = kwargs.get("position_ids")
     if (position_ids is not None and q.shape[1] >= 2 and q.shape[1] == k.shape[1]
             and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
@@ -199,13 +216,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         docs = _documents(position_ids)
         if docs is not None:
             return _packed(q, k, v, docs[0], docs[0], docs[1], docs[1], scale, causal,
-                           window), None
+                           window, det), None
     if q.shape[1] == 1 and causal and window == (-1, -1) and q.dtype in _DECODE_DTYPES:
         # a decode step: one token against the whole cache (split-KV kernel)
         out = torch_ops.flash_attn_with_kvcache(q, k, v, softmax_scale=scale, causal=True)
     else:
         out = torch_ops.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal,
-                                        window_size=window)
+                                        window_size=window, deterministic=det)
     return out, None
 
 
@@ -350,7 +367,7 @@ def _padding_mask(mask, q, k, v):
     return m, k, v
 
 
-def _padded(q, k, v, mask, scale, causal, window):
+def _padded(q, k, v, mask, scale, causal, window, deterministic=False):
     m, k, v = _padding_mask(mask, q, k, v)
     b, q_len, h, d = q.shape
     kv_len, hk = k.shape[1], k.shape[2]
@@ -370,7 +387,8 @@ def _padded(q, k, v, mask, scale, causal, window):
     out = torch_ops.flash_attn_varlen_func(
         qc.reshape(b * q_len, h, d), kc.reshape(b * kv_len, hk, d),
         vc.reshape(b * kv_len, hk, d), plan.cu_seqlens_q, plan.cu_seqlens_k, q_len, kv_len,
-        softmax_scale=scale, causal=causal, window_size=window, validate=False)
+        softmax_scale=scale, causal=causal, window_size=window, validate=False,
+        deterministic=deterministic)
     out = out.view(b, q_len, h, d)
     return out if q_len == 1 else _permute_rows(out, plan.rows, plan.q_dest, plan.q_src)
 
@@ -399,17 +417,18 @@ def _capture_workspace(q, kc, vc, lens):
 # ----------------------------------------------------------------------------------------------
 # Packed sequences
 # ----------------------------------------------------------------------------------------------
-def _packed(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window):
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, deterministic=False):
     """Varlen over the flattened batch: q (b, lq, h, d) -> (b*lq, h, d), the same for k, v."""
     b, q_len, h, d = q.shape
     out = torch_ops.flash_attn_varlen_func(
         q.reshape(-1, h, d), k.reshape(-1, k.shape[2], d), v.reshape(-1, v.shape[2], d),
         cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, window_size=window,
-        validate=False)
+        validate=False, deterministic=deterministic)
     return out.view(b, q_len, h, d)
 
 
-def _packed_from_kwargs(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window):
+def _packed_from_kwargs(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window,
+                        deterministic=False):
     if cu_q is None or cu_k is None:
         raise ValueError("cu_seq_lens_q / cu_seq_lens_k: pass both (the sequence starts of the "
                          "queries and of the keys), got only "
@@ -422,7 +441,7 @@ def _packed_from_kwargs(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window
                          f"{cu_q.shape[0]}: one start per sequence (batch + 1) in both")
     max_q = _as_max_length(max_q, cu_q, "max_length_q")
     max_k = _as_max_length(max_k, cu_k, "max_length_k")
-    return _packed(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window)
+    return _packed(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, deterministic)
 
 
 def _as_cu_seqlens(cu, name, device):

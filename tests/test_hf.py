@@ -51,10 +51,12 @@ class _FakeOps:
 
     def __init__(self):
         self.calls = []
+        self.deterministic = []  # the flag of each prefill / varlen call, in order
 
     def flash_attn_func(self, q, k, v, *, softmax_scale=None, causal=False,
-                        window_size=(-1, -1)):
+                        window_size=(-1, -1), deterministic=False):
         self.calls.append(("prefill", q.shape[1], k.shape[1]))
+        self.deterministic.append(deterministic)
         return _reference_attention(q, k, v, softmax_scale, causal, window_size)
 
     def flash_attn_with_kvcache(self, q, k_cache, v_cache, *, cache_seqlens=None,
@@ -72,8 +74,9 @@ class _FakeOps:
 
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, *, softmax_scale=None, causal=False,
-                               window_size=(-1, -1), validate=True):
+                               window_size=(-1, -1), validate=True, deterministic=False):
         self.calls.append(("varlen", q.shape[0], k.shape[0], cu_seqlens_q.shape[0] - 1))
+        self.deterministic.append(deterministic)
         assert q.dim() == 3 and k.dim() == 3 and v.shape == k.shape
         assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
         assert cu_seqlens_q.shape == cu_seqlens_k.shape
@@ -372,6 +375,38 @@ def test_position_ids_without_restarts_keep_the_dense_path(fake):
         ours(ids, position_ids=torch.arange(6).expand(2, 6))
         ours(ids)
     assert {c[0] for c in fake.calls} == {"prefill"}
+
+
+def test_deterministic_backward_follows_torch_the_environment_and_the_keyword(fake, monkeypatch):
+    """The layers' backward is deterministic under torch.use_deterministic_algorithms(True) or
+    FLASH_ATTENTION_DETERMINISTIC=1, a ``deterministic`` keyword overriding both; on every
+    path (dense, padded, packed)."""
+    ours, _ = _pair()
+    ids, mask = _padded_batch([6, 4], 6)
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+
+    def flags(**kw):
+        fake.deterministic.clear()
+        with torch.no_grad():
+            ours(ids)                                                   # dense
+            ours(ids, attention_mask=mask)                              # padded
+            ours(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2))  # packed
+        assert len(fake.deterministic) == 3 * len(ours.model.layers)
+        return set(fake.deterministic)
+
+    assert flags() == {False}
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert flags() == {True}
+        assert hf.deterministic_backward(False) is False
+    finally:
+        torch.use_deterministic_algorithms(was)
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    assert flags() == {True}
+    assert hf.deterministic_backward(False) is False
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "0")
+    assert hf.deterministic_backward(None) is False and hf.deterministic_backward(True) is True
 
 
 @pytest.mark.parametrize("how", ["padded", "packed"])
