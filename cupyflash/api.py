@@ -281,13 +281,18 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     forward's ``lse`` (never stored): ``dv = P^T dout``, ``dP = dout v^T``,
     ``dS = P * (dP - D)`` with ``D = rowsum(dout * out)``, ``dq = softmax_scale * dS k``,
     ``dk = softmax_scale * dS^T q``; under GQA/MQA ``dk``, ``dv`` are summed over the query heads
-    of each KV head. FlashAttention-2, arXiv 2307.08691, Sec. 3.2 and Algorithm 2, as three
-    kernels (``kernels_cu/common/bwd_tile.cuh``): D, then dK/dV (one CTA per key block) and dQ
-    (one CTA per query block), with no atomics, so the gradients are bitwise the same from run
-    to run. float16/bfloat16 on tensor cores (mma.sync, fp32 accumulation), float32/float64 on
+    of each KV head. FlashAttention-2, arXiv 2307.08691, Sec. 3.2 and Algorithm 2. On sm_90a
+    (float16/bfloat16, head dim <= 128, dense) one Hopper kernel per key block computes dK, dV
+    and adds dQ to an fp32 accumulator by reductions in L2 (FlashAttention-3, arXiv 2407.08608;
+    ``deterministic`` below); elsewhere three kernels (``kernels_cu/common/bwd_tile.cuh``): D,
+    then dK/dV (one CTA per key block) and dQ (one CTA per query block), with no atomics, so the
+    gradients are bitwise the same from run to run. float16/bfloat16 on tensor cores (wgmma on
+    Hopper, else mma.sync; fp32 accumulation), float32/float64 on
     CUDA cores in their own precision (float64: within rounding of a float64 one-shot backward,
     so ``torch.autograd.gradcheck`` runs through it). Extra device memory: D, one value per query
-    row (``batch * nheads * seqlen_q`` float32, float64 for float64); never S x S.
+    row (``batch * nheads * seqlen_q`` float32, float64 for float64); the Hopper kernel instead
+    two float32 values per query row (LSE, D) and the float32 dQ accumulator (``batch * nheads *
+    seqlen_q * headdim``, rows rounded up to 64); never S x S.
 
     Parameters
     ----------
