@@ -123,11 +123,11 @@ struct BwdGemms {
             Wgmma<T, 64>::ss(s, a + ao, b + bo, ks > 0 ? 1 : 0);
         }
     }
-    __device__ __forceinline__ void st(float (&acc)[Tr::kSAcc], int slot) const {
-        scores(acc, k_rows, q0 + (uint32_t)(slot * Tr::kQBytes));
-    }
-    __device__ __forceinline__ void dpt(float (&acc)[Tr::kSAcc], int slot) const {
-        scores(acc, v_rows, do0 + (uint32_t)(slot * Tr::kQBytes));
+    __device__ __forceinline__ void st_dpt(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
+                                           int slot) const {
+        scores(st, k_rows, q0 + (uint32_t)(slot * Tr::kQBytes));
+        scores(dpt, v_rows, do0 + (uint32_t)(slot * Tr::kQBytes));
+        wgmma_commit();
     }
     // acc (64 keys x HEADDIM) += A (registers, 64 keys x 64 queries) B (a Q or dO slot, MN-major)
     static __device__ __forceinline__ void acc_rs(float (&acc)[Tr::kAcc],
@@ -298,17 +298,13 @@ __device__ __forceinline__ uint32_t bwd_full_bar(uint32_t base, int slot) {
     return base + HopperBwdSmem<Tr>::kFull + 8u * (uint32_t)slot;
 }
 
-// Step j's S^T = K Q^T (kSt) and dP^T = V dO^T (kDpt) issued as one wgmma group, once its
-// slot's copies have landed (kWait).
-template <typename Tr, bool kWait, bool kSt, bool kDpt, typename Gemms>
+// Step j's S^T = K Q^T and dP^T = V dO^T issued, once its slot's copies have landed.
+template <typename Tr, typename Gemms>
 __device__ __forceinline__ void bwd_scores(const Gemms& gemm, float (&st)[Tr::kSAcc],
                                            float (&dpt)[Tr::kSAcc], uint32_t base, int j) {
-    if (kWait)
-        mbarrier_wait(bwd_full_bar<Tr>(base, j % Tr::kStages), (uint32_t)((j / Tr::kStages) & 1));
+    mbarrier_wait(bwd_full_bar<Tr>(base, j % Tr::kStages), (uint32_t)((j / Tr::kStages) & 1));
     wgmma_fence();
-    if (kSt) gemm.st(st, j % Tr::kStages);
-    if (kDpt) gemm.dpt(dpt, j % Tr::kStages);
-    wgmma_commit();
+    gemm.st_dpt(st, dpt, j % Tr::kStages);
 }
 
 // tid 0: the Q and dO tiles of step j and its rows' statistics into slot j % kStages.
@@ -400,12 +396,11 @@ __device__ __forceinline__ void bwd_pass_turn(int*& held) {
     held = nullptr;
 }
 
-// How many of step j + 1's score GEMMs are issued before step j's dQ tile is stored and
-// reduced, so that they overlap it: 2 (S^T and dP^T) at hd64; 1 (S^T; dP^T at the start of its
-// step) at hd128, where the registers of both do not fit (ptxas serialises the wgmmas); 0 when
-// DETERMINISTIC (the turn's spin, a divergent path, with a wgmma in flight: serialised too).
+// Step j + 1's S^T and dP^T issued before step j's dQ tile is stored and reduced, so that they
+// overlap: at hd64 (at hd128 the registers of both do not fit: ptxas serialises the wgmmas, and
+// issuing S^T alone a step ahead measured 8% slower on the H100, 2026-12-06) and not DETERMINISTIC (the turn's spin, a divergent path, with a wgmma in flight: serialised too).
 template <int HEADDIM, bool DETERMINISTIC>
-constexpr int kScoresAhead = DETERMINISTIC ? 0 : HEADDIM == 64 ? 2 : 1;
+constexpr bool kScoresAhead = !DETERMINISTIC && HEADDIM == 64;
 
 // dQ of step stp += this thread's fragments: into the shared dQ tile, then bulk reductions into
 // the query block's tile of dq_accum, issued by dq_leader (kDqPerWarpgroup); DETERMINISTIC, in
@@ -507,16 +502,15 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
             (int64_t)b * f.nheads * n_m_total,
         (int)gridDim.x, n_m_total, seqlen_q, seqlen_k, f.window_left, f.window_right};
     int* held_turn = nullptr;  // DETERMINISTIC: the turn of the last reduction (bwd_pass_turn)
-    constexpr int kAhead = kScoresAhead<HEADDIM, DETERMINISTIC>;
+    constexpr bool kAhead = kScoresAhead<HEADDIM, DETERMINISTIC>;
     float st[Tr::kSAcc], dpt[Tr::kSAcc];
-    if (kAhead > 0 && n_steps > 0) bwd_scores<Tr, true, true, kAhead == 2>(gemm, st, dpt, base, 0);
+    if (kAhead && n_steps > 0) bwd_scores<Tr>(gemm, st, dpt, base, 0);
     for (int j = 0; j < n_steps; ++j) {
         const int slot = j % S, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
         // S^T = K Q^T, dP^T = V dO^T (kScoresAhead: issued in step j - 1), while this step's LSE
         // and D are read
-        if (kAhead == 0) bwd_scores<Tr, true, true, true>(gemm, st, dpt, base, j);
-        if (kAhead == 1) bwd_scores<Tr, false, false, true>(gemm, st, dpt, base, j);
+        if (!kAhead) bwd_scores<Tr>(gemm, st, dpt, base, j);
         float lse2[Tr::kSAcc / 2], dsum[Tr::kSAcc / 2];
         bwd_row_stats<Tr>(raw, slot, t, lse2, dsum);
         wgmma_wait<0>();
@@ -554,8 +548,8 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         float dq[Tr::kQAcc];
         wgmma_fence();
         gemm.dq(dq, buf);
-        if (kAhead > 0 && j + 1 < n_steps) {  // step j + 1's, before this step's dQ tile
-            bwd_scores<Tr, true, true, kAhead == 2>(gemm, st, dpt, base, j + 1);
+        if (kAhead && j + 1 < n_steps) {  // step j + 1's, before this step's dQ tile
+            bwd_scores<Tr>(gemm, st, dpt, base, j + 1);
             wgmma_wait<1>();
         } else {
             wgmma_wait<0>();
