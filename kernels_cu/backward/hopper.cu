@@ -398,7 +398,8 @@ __device__ __forceinline__ void bwd_pass_turn(int*& held) {
 
 // Step j + 1's S^T and dP^T issued before step j's dQ tile is stored and reduced, so that they
 // overlap: at hd64 (at hd128 the registers of both do not fit: ptxas serialises the wgmmas, and
-// issuing S^T alone a step ahead measured 8% slower on the H100, 2026-12-06) and not DETERMINISTIC (the turn's spin, a divergent path, with a wgmma in flight: serialised too).
+// S^T alone a step ahead measured 8% slower on an H100, 2026-12-06) and not DETERMINISTIC (the
+// turn's spin, a divergent path, with a wgmma in flight: serialised too).
 template <int HEADDIM, bool DETERMINISTIC>
 constexpr bool kScoresAhead = !DETERMINISTIC && HEADDIM == 64;
 
