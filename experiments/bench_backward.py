@@ -272,7 +272,7 @@ def _autograd_fns(fwd, leaves, dout, out_to_bshd, grad_to_bshd) -> dict:
         out = fwd()
         out.backward(dout)
         return (out_to_bshd(out), *(grad_to_bshd(t.grad) for t in leaves))
-    return {"fwd": fwd, "fwd_bwd": fwd_bwd, "clear": clear}
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd, "clear": clear, "dout": dout}
 
 
 def _ident(x):

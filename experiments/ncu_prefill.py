@@ -31,8 +31,17 @@ not; ``--quick``: hd 64 and 128, not causal. Implementations: ``cupyflash`` (the
 ``cupyflash.flash_attn_func``) and ``fa3`` (``fa3_fwd_interface.flash_attn_func``, the wheel of
 ../shared/peers/README.md; skipped, saying why, when it does not import).
 
+``--backward`` profiles the backward pass instead (issue 35): per shape the forward runs
+unprofiled through autograd, then ``out.backward(dout)`` runs between the markers, so a record
+holds every kernel of the backward call (the accumulator's zeroing, the pre-pass, the main
+kernel, the dQ conversion: where the time goes at short sequences). Implementations
+``cupyflash``, ``cupyflash_det`` (``deterministic=True``) and ``torch_cudnn`` (SDPA's cuDNN
+backend), built by bench_backward.make_fns; FLOPs counted as 2.5x the forward's. Records go to
+``experiments/results/ncu_backward.jsonl`` (``what``: ``ncu_backward``).
+
     python experiments/ncu_prefill.py --quick      # 2 ncu runs x 2 shapes, ~1 min on an H200
     python experiments/ncu_prefill.py              # 2 ncu runs x 6 shapes, < 3 min
+    python experiments/ncu_prefill.py --backward --quick --batch 16 --seqlen 1024
 
 Appends a run to ``experiments/results/ncu_prefill.jsonl`` (a header with the commit and GPU:
 experiments/common.py; then one record per (impl, shape), with ``plan_kernel`` for cupyflash) and
@@ -90,7 +99,8 @@ STALL_RE = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_acti
 PIPE_RE = re.compile(r"^sm__(inst_executed_pipe_(\w+)|pipe_(\w+)_cycles_active)"
                      r"\.avg\.pct_of_peak_sustained_active$")
 MARKER = "cupyflash_ncu_marker"
-IMPLS = ("cupyflash", "fa3", "torch_cudnn")
+IMPLS = ("cupyflash", "fa3", "torch_cudnn", "cupyflash_det")
+BWD_IMPLS = ("cupyflash", "cupyflash_det", "torch_cudnn")
 TIME_UNITS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3, "ns": 1e-6,
               "us": 1e-3, "ms": 1.0, "s": 1e3}
 
@@ -115,17 +125,41 @@ def parse_shapes(spec: str, args) -> list:
 # ------------------------------------------------------------------------------------------------
 # Driver: per shape one warm call, then marker + one call between cudaProfilerStart/Stop
 # ------------------------------------------------------------------------------------------------
-def driver(impl: str, shapes: list) -> int:
+def backward_fn(impl: str, s: dict):
+    """``--backward``: a callable that runs the forward (unprofiled), then returns one that runs
+    the backward of that forward's output; and the inputs to keep alive."""
+    import bench_backward
+    import torch
+    q, k, v, dout = bench_backward.inputs(s, "cuda", seed=s["headdim"])
+    base, det = ("cupyflash", True) if impl == "cupyflash_det" else (impl, False)
+    fns = bench_backward.make_fns(base, det, q, k, v, dout, s["causal"])
+
+    def forward():
+        fns["clear"]()
+        out = fns["fwd"]()
+        torch.cuda.synchronize()
+        return lambda: out.backward(fns["dout"])
+    return forward, (q, k, v, dout, fns)
+
+
+def driver(impl: str, shapes: list, backward: bool = False) -> int:
     import cupy
     import bench_prefill
     marker = cupy.RawKernel(f'extern "C" __global__ void {MARKER}(int i) {{}}', MARKER)
     for i, s in enumerate(shapes):
         try:
             common.free_memory()
-            q, k, v = common.random_qkv(s["batch"], s["seqlen"], s["seqlen"], s["nheads"],
-                                        s["nheads"], s["headdim"], s["dtype"], seed=s["headdim"])
-            fn = bench_prefill.make_fn(impl, q, k, v, s["causal"])
-            fn()
+            if backward:
+                forward, keep = backward_fn(impl, s)
+                forward()()  # warm: compiles, library handles
+                cupy.cuda.Device().synchronize()
+                fn = forward()  # the output whose backward is profiled
+            else:
+                q, k, v = common.random_qkv(s["batch"], s["seqlen"], s["seqlen"], s["nheads"],
+                                            s["nheads"], s["headdim"], s["dtype"], seed=s["headdim"])
+                fn = bench_prefill.make_fn(impl, q, k, v, s["causal"])
+                fn()
+                keep = (q, k, v)
             cupy.cuda.Device().synchronize()
             cupy.cuda.runtime.profilerStart()
             marker((i + 1,), (32,), (cupy.int32(i),))
@@ -133,7 +167,7 @@ def driver(impl: str, shapes: list) -> int:
             cupy.cuda.Device().synchronize()
             cupy.cuda.runtime.profilerStop()
             print(f"NCU_PREFILL shape {i} ok", flush=True)
-            del q, k, v, fn
+            del keep, fn
         except Exception as e:  # the other shapes still run
             try:
                 cupy.cuda.runtime.profilerStop()
@@ -283,7 +317,7 @@ def ncu_command(ncu: str, impl: str, shapes: list, args, level: int) -> list:
     cmd += ["--metrics", ",".join(metrics), sys.executable, str(Path(__file__).resolve()),
             "--driver", impl, "--shapes", format_shapes(shapes), "--batch", str(args.batch),
             "--seqlen", str(args.seqlen), "--hidden", str(args.hidden), "--dtype", args.dtype]
-    return cmd
+    return cmd + (["--backward"] if getattr(args, "backward", False) else [])
 
 
 class CountersUnreadable(RuntimeError):
@@ -339,11 +373,11 @@ def explain_for(s: dict):
     return common.explain_record(q, q, q, causal=s["causal"])
 
 
-def build_record(impl, s, kernels, msg, info, ncu, version, keep_raw) -> dict:
+def build_record(impl, s, kernels, msg, info, ncu, version, keep_raw, backward=False) -> dict:
     from cupyflash import io_model
     flops = io_model.prefill_flops(s["batch"], s["nheads"], s["seqlen"], s["seqlen"], s["headdim"],
-                                   s["causal"])
-    rec = {"what": "ncu_prefill", "impl": impl, **s, "nheads_k": s["nheads"], "flops": flops,
+                                   s["causal"]) * (2.5 if backward else 1.0)
+    rec = {"what": "ncu_backward" if backward else "ncu_prefill", "impl": impl, **s, "nheads_k": s["nheads"], "flops": flops,
            "ncu": ncu,
            "ncu_version": version, "clock_control": "none",
            "cache_control": "all (ncu default: caches flushed before each kernel)", **info}
@@ -359,7 +393,7 @@ def build_record(impl, s, kernels, msg, info, ncu, version, keep_raw) -> dict:
     rec["duration_ms"] = total
     if total > 0:
         rec["tflops_ncu"] = flops / (total * 1e-3) / 1e12
-    if impl.startswith("cupyflash"):
+    if impl.startswith("cupyflash") and not backward:
         rec.update(common.plan_fields(explain_for(s)))
     return rec
 
@@ -391,12 +425,16 @@ def table(records: list) -> str:
                      f"{_fmt(inst / 1e6 if inst else None):>6} {_fmt(k.get('registers')):>4} "
                      f"{gb:<13} {stalls}")
         by_shape.setdefault((r["headdim"], r["causal"]), {})[r["impl"]] = r
+    pairs = (("cupyflash", "fa3", "FA3"), ("cupyflash", "torch_cudnn", "cuDNN"),
+             ("cupyflash_det", "cupyflash", "cupyflash"))
     for (hd, c), d in sorted(by_shape.items()):
-        if "cupyflash" in d and "fa3" in d:
-            a, b = d["cupyflash"], d["fa3"]
+        for x, y, name in pairs:
+            if x not in d or y not in d:
+                continue
+            a, b = d[x], d[y]
             ka, kb = a["kernels"][a["main_kernel"]], b["kernels"][b["main_kernel"]]
             ia, ib = ka.get("warp_inst_executed"), kb.get("warp_inst_executed")
-            lines.append(f"hd{hd} {'causal' if c else 'not causal'}: cupyflash / FA3 time "
+            lines.append(f"hd{hd} {'causal' if c else 'not causal'}: {x} / {name} time "
                          f"x{a['duration_ms'] / b['duration_ms']:.2f}"
                          + (f", warp instructions x{ia / ib:.2f}" if ia and ib else ""))
     lines.append("TC% = tensor pipe busy (% of peak, tensor_metric names which counter), XU% = "
@@ -410,7 +448,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="hd 64 and 128, not causal")
     ap.add_argument("--headdims", nargs="+", type=int, default=None)
     ap.add_argument("--causal", choices=["both", "true", "false"], default=None)
-    ap.add_argument("--impls", nargs="+", default=["cupyflash", "fa3"], choices=IMPLS)
+    ap.add_argument("--impls", nargs="+", default=None, choices=IMPLS,
+                    help="default: cupyflash fa3; --backward: " + " ".join(BWD_IMPLS))
+    ap.add_argument("--backward", action="store_true", help="profile the backward call (docstring)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=2048, help="nheads = hidden / headdim")
@@ -419,12 +459,15 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new ncu run after this many seconds")
     ap.add_argument("--no-raw", action="store_true", help="do not keep the main kernel's raw page")
-    ap.add_argument("--out", type=Path, default=RESULTS / "ncu_prefill.jsonl")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default results/ncu_prefill.jsonl; --backward: results/ncu_backward.jsonl")
     ap.add_argument("--driver", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shapes", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.driver:
-        return driver(args.driver, parse_shapes(args.shapes, args))
+        return driver(args.driver, parse_shapes(args.shapes, args), args.backward)
+    args.impls = args.impls or list(BWD_IMPLS if args.backward else ("cupyflash", "fa3"))
+    args.out = args.out or RESULTS / ("ncu_backward.jsonl" if args.backward else "ncu_prefill.jsonl")
 
     signal.signal(signal.SIGTERM, common._on_term)
     if not common.have_gpu():
@@ -449,7 +492,7 @@ def main(argv=None) -> int:
           f"{len(shapes)} shapes -> {args.out}", flush=True)
     records = []
     for impl in args.impls:
-        ok, why = common.impl_available(impl)
+        ok, why = common.impl_available("cupyflash" if impl == "cupyflash_det" else impl)
         if not ok:
             print(f"ncu_prefill: skipping {impl}: {why}", flush=True)
             continue
@@ -465,7 +508,7 @@ def main(argv=None) -> int:
             print(f"ncu_prefill: {impl}: {type(e).__name__}: {str(e)[:800]}", flush=True)
             continue
         recs = [build_record(impl, s, groups.get(i, []), msgs.get(i), info, ncu, version,
-                             not args.no_raw) for i, s in enumerate(shapes)]
+                             not args.no_raw, args.backward) for i, s in enumerate(shapes)]
         common.append_results(args.out, recs)
         records += recs
         print(f"ncu_prefill: {impl}: {sum('kernels' in r for r in recs)}/{len(recs)} shapes "

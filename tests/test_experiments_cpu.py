@@ -230,6 +230,31 @@ def test_refused_metrics_are_dropped_and_records_written(fake_gpu, monkeypatch, 
     assert "cupyflash:" in text and "1/2 shapes profiled" in text and "top stalls" in text
 
 
+def test_backward_mode_profiles_the_backward_impls_into_their_own_file(fake_gpu, monkeypatch,
+                                                                       tmp_path, capsys):
+    calls = []
+
+    def fake_run(cmd, timeout):
+        calls.append(cmd)
+        assert cmd[-1] == "--backward"  # the driver profiles out.backward(dout)
+        return SAMPLE, 30.0, 0
+    monkeypatch.setattr(common, "run_profiled", fake_run)
+    monkeypatch.setattr(ncu_prefill, "RESULTS", tmp_path)
+    assert ncu_prefill.main(["--backward", "--quick", "--batch", "16", "--seqlen", "1024"]) == 0
+    drivers = [c[c.index("--driver") + 1] for c in calls]
+    assert drivers == list(ncu_prefill.BWD_IMPLS)
+    recs = common.read_results(tmp_path / "ncu_backward.jsonl")
+    assert not (tmp_path / "ncu_prefill.jsonl").exists()
+    r = next(r for r in recs if r["impl"] == "cupyflash_det" and r["headdim"] == 64)
+    fwd = __import__("cupyflash.io_model", fromlist=["x"]).prefill_flops(16, 32, 1024, 1024, 64,
+                                                                         False)
+    assert r["what"] == "ncu_backward" and r["flops"] == pytest.approx(2.5 * fwd)
+    assert r["batch"] == 16 and "plan_kernel" not in r
+    text = capsys.readouterr().out
+    assert "cupyflash_det / cupyflash time x1.00" in text
+    assert "cupyflash / cuDNN time x1.00" in text
+
+
 def test_timeout_keeps_what_was_printed(fake_gpu, monkeypatch, tmp_path):
     def fake_run(cmd, timeout):
         e = TimeoutError("ncu run exceeded 60 s")
