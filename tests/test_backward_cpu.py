@@ -180,7 +180,8 @@ def test_hopper_plan_geometry_and_shared_memory():
     assert main.takes_maps and not conv.takes_maps and not plan.dsum.takes_maps
     assert kernels.launch_geometry(main, p) == ((6, 2, 3), (256, 1, 1))   # key blocks, KV heads
     assert kernels.launch_geometry(conv, p) == ((16, 8, 3), (256, 1, 1))  # a 64-row dQ tile per CTA
-    # the pre-pass: one CTA of 4 warps per 64-row query block, into (batch, heads, blocks, 128)
+    # the pre-pass: one CTA of 4 warps per 64-row query block, into (batch, heads, blocks, 128),
+    # padded to a multiple of 128 rows (1000 -> 1024)
     prep = plan.dsum
     assert (prep.name, prep.entry, prep.spec.arch) == (
         "bwdtma_prep_f16", "cf::bwd_hopper_prep_entry<__half>", "sm_90a")
@@ -192,13 +193,39 @@ def test_hopper_plan_geometry_and_shared_memory():
     assert main.smem_bytes == ((2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 64) * 2
                                + 3 * 2 * 64 * 4 + 64 * 128 * 4 + 8 * 4 + 1024) == 227 * 1024 - 480
     assert conv.smem_bytes == 0
-    assert kernels.plan_backward("bfloat16", 64, False, hopper=True).dkdv[0].headdim == 64
+    # hd64: 128-row steps (its dq conversion too), two Q / dO slots
+    p64 = checks.check_attention(q[..., :64], k[..., :64], k[..., :64])
+    plan64 = kernels.plan_backward("bfloat16", 64, False, hopper=True)
+    m64, c64 = plan64.dkdv[0], plan64.dq
+    assert (m64.headdim, m64.block_m, m64.block_n, c64.block_m) == (64, 128, 128, 128)
+    assert kernels.launch_geometry(c64, p64) == ((8, 8, 3), (256, 1, 1))
+    assert kernels.launch_geometry(m64, p64) == ((6, 2, 3), (256, 1, 1))
+    # K, V (128 x 64), two Q and dO slots (128 x 64), two dS^T buffers (128 x 128), two slots
+    # of statistics (128 LSE, 128 D), the fp32 dQ tile (128 x 64), three mbarriers, alignment
+    assert m64.smem_bytes == ((2 * 128 * 64 + 2 * 2 * 128 * 64 + 2 * 128 * 128) * 2
+                              + 2 * 2 * 128 * 4 + 128 * 64 * 4 + 8 * 3 + 1024)
+    # the padded statistics: 300 rows -> 384 (three 128-row steps), blocks of 64
+    p300 = checks.check_attention(np.empty((1, 300, 2, 64), np.float16),
+                                  np.empty((1, 300, 2, 64), np.float16),
+                                  np.empty((1, 300, 2, 64), np.float16))
+    assert kernels.stats_shape(p300) == (1, 2, 6, 128)
+    assert kernels.launch_geometry(plan64.dsum, p300) == ((6, 2, 1), (128, 1, 1))
     det = kernels.plan_backward("float16", 72, True, hopper=True, deterministic=True).dkdv[0]
     assert det.name == main.name + "_det" and det.entry.endswith(", 128, true, true>")
     assert det.smem_bytes == main.smem_bytes
     for dtype, d in (("float32", 64), ("bfloat16", 136)):
         with pytest.raises(ValueError, match="hopper"):
             kernels.plan_backward(dtype, d, False, hopper=True)
+
+
+def test_hopper_tiles_are_the_kernels():
+    """HOPPER_TILES and STATS_ROWS against hopper.cu's traits (NVRTC probe, no GPU)."""
+    for hd, (bm, bn) in kernels.HOPPER_TILES.items():
+        got = [kernels.layout(kernels.HOPPER_SOURCE, f"cf::HopperBwdTraits<__half, {hd}>::{n}")
+               for n in ("kBlockM", "kBlockN")]
+        assert got == [bm, bn]
+    assert kernels.layout(kernels.HOPPER_SOURCE, "cf::kStatsRows") == kernels.STATS_ROWS
+    assert max(bm for bm, _ in kernels.HOPPER_TILES.values()) == kernels.STATS_PAD
 
 
 def test_hopper_params_and_tensor_maps(monkeypatch):

@@ -37,18 +37,20 @@ from ..core.params import BwdParams, BwdTmaParams, FwdParams
 from ..forward import kernels as fwd
 
 __all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "HOPPER_SOURCE", "HEADDIMS",
-           "HOPPER_HEADDIMS", "padded_headdim", "hopper_enabled",
+           "HOPPER_HEADDIMS", "HOPPER_TILES", "padded_headdim", "hopper_enabled",
            "plan_backward", "all_kernels", "stats_shape",
            "launch_geometry", "bwd_fields", "params_of", "POINTERS", "ACC_DTYPE"]
 
 MMA_SOURCE = "backward/mma.cu"
 SIMT_SOURCE = "backward/simt.cu"
 HOPPER_SOURCE = "backward/hopper.cu"
-#: The Hopper kernel's compiled head dims, its tile (query rows per step, keys per CTA) and the
-#: query rows per CTA of its dq conversion (one query block: ``DqTile``).
+#: The Hopper kernel's compiled head dims and their tiles (query rows per step, keys per CTA:
+#: ``HopperBwdTraits``; the dq conversion takes one query block of a step's rows per CTA).
 HOPPER_HEADDIMS = (64, 128)
-HOPPER_TILE = (64, 128)
-CONVERT_ROWS = HOPPER_TILE[0]
+HOPPER_TILES = {64: (128, 128), 128: (64, 128)}
+#: The Hopper pre-pass: rows per block of statistics (``kStatsRows``), and the rows its buffer is
+#: padded to (the largest step: a step copies its blocks in one piece).
+STATS_ROWS, STATS_PAD = 64, 128
 #: Rows per CTA of the dsum pre-pass (``cf::kDsumRows``), 128 threads.
 DSUM_ROWS = 16
 #: The accumulator dtype of each input dtype (D, and the CUDA-core kernels' arithmetic).
@@ -261,11 +263,11 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
         if dtype not in fwd.TC_DTYPES or hhd is None:
             raise ValueError(f"hopper: the Hopper backward takes float16/bfloat16 at head dims up "
                              f"to 128, got {dtype} at {headdim}")
-        bm, bn = HOPPER_TILE
-        prep = BwdKernel("dsum", dtype, 0, bm, 0, 4, tma=True)  # LSE log2(e) and D, padded
+        bm, bn = HOPPER_TILES[hhd]
+        prep = BwdKernel("dsum", dtype, 0, STATS_ROWS, 0, 4, tma=True)  # LSE log2(e) and D, padded
         return BwdPlan(prep, (BwdKernel("dkdv", dtype, hhd, bm, bn, 8, causal, tma=True,
                                         deterministic=deterministic),),
-                       BwdKernel("dq", dtype, hhd, CONVERT_ROWS, 0, 8, tma=True))
+                       BwdKernel("dq", dtype, hhd, bm, 0, 8, tma=True))
     if dtype in fwd.TC_DTYPES:
         dkdv_tiles, (qm, qn, qw) = _MMA_TILES[hd]
         dkdv = tuple(BwdKernel("dkdv", dtype, hd, bm, bn, nw, causal, part)
@@ -297,10 +299,11 @@ def all_kernels() -> tuple:
 
 def stats_shape(problem) -> tuple:
     """Shape of the Hopper plan's float32 ``dsum`` buffer: (batch, nheads, query blocks of
-    :data:`HOPPER_TILE` [0] rows, 2 x that many): per block LSE log2(e), then D, of its rows
-    (+inf and 0 past the end)."""
-    m = HOPPER_TILE[0]
-    return (problem.batch, problem.nheads, -(-problem.seqlen_q // m), 2 * m)
+    :data:`STATS_ROWS` rows up to a multiple of :data:`STATS_PAD` rows, 2 x that many): per
+    block LSE log2(e), then D, of its rows (+inf and 0 past the end)."""
+    m = STATS_ROWS
+    return (problem.batch, problem.nheads, -(-problem.seqlen_q // STATS_PAD) * (STATS_PAD // m),
+            2 * m)
 
 
 def launch_geometry(kernel: BwdKernel, problem) -> tuple:
@@ -308,7 +311,8 @@ def launch_geometry(kernel: BwdKernel, problem) -> tuple:
     ``batch`` the number of sequences; CTAs past a sequence's end return at once)."""
     p = problem
     if kernel.role == "dsum":
-        grid = (-(-p.seqlen_q // (kernel.block_m if kernel.tma else DSUM_ROWS)), p.nheads, p.batch)
+        grid = ((stats_shape(p)[2] if kernel.tma else -(-p.seqlen_q // DSUM_ROWS)), p.nheads,
+                p.batch)
     elif kernel.role == "dkdv":
         grid = (-(-p.seqlen_k // kernel.block_n), p.nheads_k, p.batch)
     else:

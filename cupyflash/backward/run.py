@@ -6,7 +6,6 @@ D, and the launches, by the caller's conventions (:mod:`cupyflash.core.interop`)
 from __future__ import annotations
 
 import collections
-import math
 
 from ..core import checks, interop
 from ..core.interop import TorchCaller, as_cupy, caller_of, describe_torch
@@ -67,7 +66,8 @@ def _hopper_maps(problem, strides, arrays, caller, dev):
         return None
     if any(caller.ptr(arrays[n]) % 16 for n in ("q", "k", "v", "dout")):
         return None
-    return tma.backward_maps_layout(problem, strides)
+    block_m, block_n = kernels.HOPPER_TILES[kernels.hopper_headdim(problem.headdim)]
+    return tma.backward_maps_layout(problem, strides, block_m, block_n)
 
 
 def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -110,9 +110,10 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
         dq_accum = None
         if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it;
             # deterministic: then one int32 turn counter per (batch, head, 64-row query block)
-            # (dQ tiles of 64 padded rows: kernels_cu/backward/hopper.cu's DqTile)
-            blocks = math.prod(kernels.stats_shape(problem)[:3])  # (batch, head, query block)
-            size = blocks * kernels.HOPPER_TILE[0] * plan.dq.headdim + (blocks if deterministic else 0)
+            # (dQ tiles of a step's rows, padded: kernels_cu/backward/hopper.cu's DqTile)
+            bm = plan.dq.block_m
+            blocks = problem.batch * problem.nheads * -(-problem.seqlen_q // bm)
+            size = blocks * bm * plan.dq.headdim + (blocks if deterministic else 0)
             dq_accum = caller.full((size,), 0, "float32", dev)
         for n in ("dq", "dk", "dv"):
             strides[n] = _elem_strides(arrays[n], caller)

@@ -4,17 +4,18 @@
 // swizzled shared memory, completed on mbarriers, and warpgroup MMA (common/wgmma.cuh).
 //
 // One CTA per (key block of 128 keys, KV head, batch); two warpgroups of 64 keys each. K and V
-// stay in shared memory; a ring of kStages slots carries the Q and dO tiles of 64-row query
-// steps, one step per (query head of the group, query block that sees the keys). Step j, per
-// warpgroup (its 64 keys as rows):
+// stay in shared memory; a ring of kStages slots carries the Q and dO tiles of query steps of
+// kBlockM rows (128 at hd64, 64 at hd128), one step per (query head of the group, query block
+// that sees the keys). Step j, per warpgroup (its 64 keys as rows):
 //   S^T = K Q^T, dP^T = V dO^T                        (wgmma, both operands from smem)
 //   P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)   (registers; common/bwd_tile.cuh)
 //   dV += P^T dO, dK += dS^T Q                        (A from registers, as the forward's P V)
-//   dS^T -> shared memory, then dQ[:, half w] = dS K  (both operands transposed: ss_tt), the
-//   64 x HEADDIM tile of both warpgroups written to shared memory (DqTile) and added to an fp32
-//   accumulator in global memory by bulk reductions (cp.reduce.async.bulk .add.f32, one per
-//   warpgroup at hd128, one per CTA at hd64, each issued by one thread: the additions leave the
-//   threads' path); dq_convert_entry scales and rounds it.
+//   dS^T -> shared memory, then its part of dQ = dS K (both operands transposed: ss_tt; rows
+//   half w at hd64, columns half w at hd128), the kBlockM x HEADDIM tile of both warpgroups
+//   written to shared memory (DqTile) and added to an fp32 accumulator in global memory by bulk
+//   reductions (cp.reduce.async.bulk .add.f32, one per warpgroup, or one per CTA when
+//   DETERMINISTIC, each issued by one thread: the additions leave the threads' path);
+//   dq_convert_entry scales and rounds it.
 // So dK and dV are summed in registers over the query heads of a GQA group (no atomics), dQ
 // over the key blocks by reductions in L2, in an order that varies from run to run; DETERMINISTIC
 // fixes it (FlashAttention-3's semaphores, flash-attention PR 1893): the key blocks add to a
@@ -43,30 +44,37 @@ namespace cf {
 template <typename T, int HEADDIM>
 struct HopperBwdTraits {
     static constexpr int kHeadDim = HEADDIM;
-    static constexpr int kBlockM = 64;              // query rows per step
+    // query rows per step: 128 at hd64 (FlashAttention-3's tile there: a step's GEMMs as large
+    // as hd128's, half the steps and barriers), 64 at hd128 (registers)
+    static constexpr int kBlockM = HEADDIM == 64 ? 128 : 64;
     static constexpr int kBlockN = 128;             // keys per CTA, 64 per warpgroup
     static constexpr int kThreads = 256;
-    static constexpr int kStages = 3;               // Q / dO ring
+    static constexpr int kStages = HEADDIM == 64 ? 2 : 3;   // Q / dO ring (shared memory)
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;   // one Q or dO tile
     static constexpr int kKBytes = kBlockN * HEADDIM * 2;   // the K or V tile
-    static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // dS^T, [128 keys][64 queries]
+    static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // dS^T, [128 keys][kBlockM queries]
     static constexpr int kStatsBytes = 2 * kBlockM * 4;     // LSE log2(e) and D of a step's rows
-    static constexpr int kSAcc = kBlockM / 2;       // S^T floats per thread (64 keys x 64 queries)
+    static constexpr int kSAcc = kBlockM / 2;       // S^T floats per thread (64 keys x kBlockM)
     static constexpr int kAcc = HEADDIM / 2;        // dK, dV floats per thread (64 keys x HEADDIM)
-    static constexpr int kQN = HEADDIM / 2;         // dQ columns per warpgroup
+    // dQ of a step: warpgroup w computes query rows [64 w, 64 w + 64) at every column when a
+    // step has 128 rows (kDqRows), else the 64 rows at columns [64 w, 64 w + 64) (hd128)
+    static constexpr bool kDqRows = kBlockM == 128;
+    static constexpr int kQN = kDqRows ? HEADDIM : HEADDIM / 2;   // dQ columns per warpgroup
     static constexpr int kQAcc = kQN / 2;           // dQ floats per thread (64 rows x kQN)
     static constexpr int kHdSteps = HEADDIM / 16;   // k16 steps of S^T and dP^T
     static constexpr int kMSteps = kBlockM / 16;    // k16 steps of dV and dK (queries)
     static constexpr int kNSteps = kBlockN / 16;    // k16 steps of dQ (keys)
     static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
     static_assert(HEADDIM == 64 || HEADDIM == 128, "compiled head dims: 64, 128");
+    static_assert(kQN == 64, "dQ: one 64-column swizzle span of K per warpgroup");
 };
 
 // The shared memory, its one definition (cupyflash/backward/kernels.py reads kBytes through an
 // NVRTC probe): from a 1024-byte aligned base (the swizzle repeat) K, V, the Q ring, the dO
 // ring, two dS^T buffers (step j writes buffer j & 1: the other warpgroup may still read the
-// previous one), the ring of the steps' row statistics (bwd_hopper_prep_entry), the dQ tile
-// of a step (fp32, DqTile), the mbarriers; + 1024 bytes to align the base.
+// previous one; each [128 keys][64 queries] blocks of 128-byte rows, one per 64 query
+// columns), the ring of the steps' row statistics (bwd_hopper_prep_entry), the dQ tile of a
+// step (fp32, DqTile), the mbarriers; + 1024 bytes to align the base.
 template <typename Tr>
 struct HopperBwdSmem {
     static constexpr int S = Tr::kStages;
@@ -99,6 +107,7 @@ template <typename T, typename Tr, int HEADDIM = Tr::kHeadDim>
 struct BwdGemms {
     uint32_t k_rows, v_rows;   // this warpgroup's 64 keys of K and V (K-major A of S^T, dP^T)
     uint32_t q0, do0, ds0;     // the first Q, dO slots and dS^T buffer
+    uint32_t ds_rows;          // this warpgroup's dQ rows in a dS^T buffer (64 query columns)
     uint32_t k_cols;           // K as the MN-major B of dQ: this warpgroup's kQN columns
 
     __device__ __forceinline__ BwdGemms(uint32_t base, int w) {
@@ -108,10 +117,13 @@ struct BwdGemms {
         q0 = base + L::kQ;
         do0 = base + L::kDO;
         ds0 = base + L::kDS;
-        // hd128: column tile w; hd64: 32 columns, 64 bytes into the 128-byte rows
-        k_cols = base + L::kK + (uint32_t)(Tr::kQN == 64 ? w * Tr::kBlockN * 128 : w * 64);
+        // kDqRows: query block w of the dS^T buffer and every column of K; else all 64 query
+        // rows and K's column tile w
+        ds_rows = Tr::kDqRows ? (uint32_t)(w * Tr::kBlockN * 128) : 0u;
+        k_cols = base + L::kK + (Tr::kDqRows ? 0u : (uint32_t)(w * Tr::kBlockN * 128));
     }
-    // S^T (64 keys x 64 queries) = A B^T of a 64-row K-major A (keys) and a 64-row B (queries)
+    // S^T (64 keys x kBlockM queries) = A B^T of a 64-row K-major A (keys) and a kBlockM-row B
+    // (queries)
     static __device__ __forceinline__ void scores(float (&s)[Tr::kSAcc], uint32_t a_rows,
                                                   uint32_t b_rows) {
         const uint64_t a = wgmma_desc_sw128(a_rows, 16, 1024);
@@ -120,7 +132,7 @@ struct BwdGemms {
         for (int ks = 0; ks < Tr::kHdSteps; ++ks) {
             const uint64_t ao = (uint64_t)(((ks >> 2) * Tr::kBlockN * 128 + (ks & 3) * 32) >> 4);
             const uint64_t bo = (uint64_t)(((ks >> 2) * Tr::kBlockM * 128 + (ks & 3) * 32) >> 4);
-            Wgmma<T, 64>::ss(s, a + ao, b + bo, ks > 0 ? 1 : 0);
+            Wgmma<T, Tr::kBlockM>::ss(s, a + ao, b + bo, ks > 0 ? 1 : 0);
         }
     }
     __device__ __forceinline__ void st_dpt(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
@@ -129,7 +141,8 @@ struct BwdGemms {
         scores(dpt, v_rows, do0 + (uint32_t)(slot * Tr::kQBytes));
         wgmma_commit();
     }
-    // acc (64 keys x HEADDIM) += A (registers, 64 keys x 64 queries) B (a Q or dO slot, MN-major)
+    // acc (64 keys x HEADDIM) += A (registers, 64 keys x kBlockM queries) B (a Q or dO slot,
+    // MN-major)
     static __device__ __forceinline__ void acc_rs(float (&acc)[Tr::kAcc],
                                                   const uint32_t (&a)[Tr::kMSteps][4], uint32_t b_tile) {
         const uint64_t b = wgmma_desc_sw128(b_tile, (uint32_t)(Tr::kBlockM * 128), 1024);
@@ -147,7 +160,7 @@ struct BwdGemms {
     // dQ (64 queries x kQN) = dS K: A = dS^T buffer (MN-major: queries contiguous), B = K
     // (MN-major: head dim contiguous), k-steps over the 128 keys
     __device__ __forceinline__ void dq(float (&acc)[Tr::kQAcc], int buf) const {
-        const uint64_t a = wgmma_desc_sw128(ds0 + (uint32_t)(buf * Tr::kDSBytes),
+        const uint64_t a = wgmma_desc_sw128(ds0 + (uint32_t)(buf * Tr::kDSBytes) + ds_rows,
                                             (uint32_t)(Tr::kBlockN * 128), 1024);
         const uint64_t b = wgmma_desc_sw128(k_cols, (uint32_t)(Tr::kBlockN * 128), 1024);
 #pragma unroll
@@ -159,12 +172,13 @@ struct BwdGemms {
     }
 };
 
-// The dQ tile of a step (64 query rows x HEADDIM, fp32) in fragment order, as the CTA's shared
-// memory holds it and as dq_accum stores it per (batch, query head, 64-row query block): float2
+// The dQ tile of a step (kBlockM query rows x HEADDIM, fp32) in fragment order, as the CTA's
+// shared memory holds it and as dq_accum stores it per (batch, query head, query block): float2
 // number (w kPairs + k) 128 + u holds thread u of warpgroup w's dq[4 (k >> 1) + 2 (k & 1) + {0,
-// 1}], the row 16 (u >> 5) + ((u >> 2) & 7) + 8 (k & 1) and columns w kQN + 8 (k >> 1) + 2 (u & 3)
-// + {0, 1} of the tile. Consecutive threads write consecutive float2 (no bank conflicts), and the
-// whole tile is one contiguous run: one bulk reduction adds it.
+// 1}], the row 16 (u >> 5) + ((u >> 2) & 7) + 8 (k & 1) and columns 8 (k >> 1) + 2 (u & 3) +
+// {0, 1} of warpgroup w's part (kDqRows: + 64 w to the row, else + kQN w to the column).
+// Consecutive threads write consecutive float2 (no bank conflicts); the tile is one contiguous
+// run, each warpgroup's part half of it: one bulk reduction adds either.
 template <typename Tr>
 struct DqTile {
     static constexpr int kPairs = Tr::kQAcc / 2;  // float2 per thread
@@ -182,8 +196,8 @@ struct DqTile {
     // the row and first column of float2 number e of a tile
     static __device__ __forceinline__ void position(int e, int& row, int& col) {
         const int u = e & 127, wk = e >> 7, w = wk / kPairs, k = wk % kPairs;
-        row = 16 * (u >> 5) + ((u >> 2) & 7) + 8 * (k & 1);
-        col = w * Tr::kQN + 8 * (k >> 1) + 2 * (u & 3);
+        row = (Tr::kDqRows ? 64 * w : 0) + 16 * (u >> 5) + ((u >> 2) & 7) + 8 * (k & 1);
+        col = (Tr::kDqRows ? 0 : w * Tr::kQN) + 8 * (k >> 1) + 2 * (u & 3);
     }
 };
 
@@ -246,31 +260,43 @@ __device__ __forceinline__ int bwd_key_block() {
 }
 
 // P^T and dS^T of one step in place (st -> P^T, dpt -> dS^T), for this thread's keys (rows
-// key0 + 8 (e >> 1)) and queries (columns m0 + 8 i + 2 t + (e & 1)); lse2 and dsum per column.
+// key0 + 8 (e >> 1)) and queries (columns m0 + 8 i + 2 t + (e & 1)). LSE log2(e) and D of the
+// columns from the step's statistics in shared memory (`stats`: bwd_hopper_prep_entry's blocks
+// of 64 rows, LSE log2(e) then D; read here, not before: registers).
 template <typename Tr, bool CAUSAL>
 __device__ __forceinline__ void bwd_probs(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
-                                          const float (&lse2)[Tr::kSAcc / 2],
-                                          const float (&dsum)[Tr::kSAcc / 2], bool mask, int key0,
-                                          int m0, int t, int seqlen_q, int seqlen_k,
-                                          const FwdParams& f) {
+                                          const float* stats, bool mask, int key0, int m0, int t,
+                                          int seqlen_q, int seqlen_k, const FwdParams& f) {
+    // the mask by key (two per thread): the step's columns that see it, [lo, hi) - 2 t
+    int lo[2], hi[2];
 #pragma unroll
-    for (int i = 0; i < Tr::kSAcc / 4; ++i)
+    for (int hh = 0; hh < 2; ++hh) {
+        const KeyRange r = visible_queries(key0 + 8 * hh, seqlen_q, seqlen_k, CAUSAL,
+                                           f.window_left, f.window_right);
+        lo[hh] = max(r.lo, m0 - 1) - m0 - 2 * t;  // (clamped: no overflow)
+        hi[hh] = min(r.hi, m0 + Tr::kBlockM + 1) - m0 - 2 * t;
+    }
+#pragma unroll
+    for (int i = 0; i < Tr::kSAcc / 4; ++i) {
+        const int q = 8 * i + 2 * t;  // the step's query column of e = 0
+        const float* blk = stats + (q >> 6) * 128 + (q & 63);
+        const float2 lse2 = *reinterpret_cast<const float2*>(blk);
+        const float2 dsum = *reinterpret_cast<const float2*>(blk + 64);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int c = 2 * i + (e & 1), idx = 4 * i + e;
-            float pr = exp2f(fmaf(st[idx], f.scale_log2, -lse2[c]));
-            if (mask) {
-                const KeyRange r = visible_keys(m0 + 8 * i + 2 * t + (e & 1), seqlen_q, seqlen_k,
-                                                CAUSAL, f.window_left, f.window_right);
-                if (!key_visible(r, key0 + 8 * (e >> 1))) pr = 0.f;
-            }
+            const int idx = 4 * i + e;
+            float pr = exp2f(fmaf(st[idx], f.scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+            const int c = 8 * i + (e & 1);  // the column, less 2 t
+            if (mask && !(c >= lo[e >> 1] && c < hi[e >> 1])) pr = 0.f;
             st[idx] = pr;
-            dpt[idx] = pr * (dpt[idx] - dsum[c]);
+            dpt[idx] = pr * (dpt[idx] - ((e & 1) ? dsum.y : dsum.x));
         }
+    }
 }
 
-// dS^T (packed A fragments of this thread) into buffer `buf` ([128 keys][64 queries], 128-byte
-// rows, 16-byte chunk c of row r at c ^ (r & 7): the layout TMA would leave and ss_tt reads).
+// dS^T (packed A fragments of this thread) into buffer `buf` (per 64 query columns a block of
+// [128 keys][64 queries], 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7): the layout TMA
+// would leave and ss_tt reads).
 template <typename Tr>
 __device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&dsf)[Tr::kMSteps][4],
                                          int key_row0, int t) {
@@ -279,17 +305,21 @@ __device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&ds
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             // A fragment e of k-step kk: columns 16 kk + 8 (e >> 1) + 2 t, rows + 8 (e & 1)
-            const int r = key_row0 + 8 * (e & 1), chunk = 2 * kk + (e >> 1);
-            *reinterpret_cast<uint32_t*>(buf + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * t) = dsf[kk][e];
+            const int r = key_row0 + 8 * (e & 1), col16 = 2 * kk + (e >> 1);
+            const int blk = col16 >> 3, chunk = col16 & 7;
+            *reinterpret_cast<uint32_t*>(buf + blk * Tr::kBlockN * 128 + r * 128 +
+                                         ((chunk ^ (r & 7)) << 4) + 4 * t) = dsf[kk][e];
         }
 }
 
-// The row statistics of query block m_block of (batch b, query head h) in the pre-pass's buffer
-// (kernels.stats_shape): kStatsBytes of floats, LSE log2(e) of its rows, then their D.
-template <typename Tr>
-__device__ __forceinline__ float* bwd_stats_block(const BwdParams& p, int b, int h, int m_block) {
+// The pre-pass's blocks of row statistics (kernels.stats_shape): per 64 query rows of (batch,
+// head) 128 floats, LSE log2(e) of the rows, then their D; the blocks of a step (kBlockM / 64)
+// are consecutive, and the buffer is padded to 128 rows so that a step never reads past it.
+constexpr int kStatsRows = 64;
+
+__device__ __forceinline__ float* bwd_stats_block(const BwdParams& p, int b, int h, int row0) {
     return static_cast<float*>(p.dsum) + b * p.dsum_batch_stride + h * p.dsum_head_stride +
-           m_block * (Tr::kStatsBytes / 4);
+           (row0 / kStatsRows) * (2 * kStatsRows);
 }
 
 // The mbarrier of ring slot `slot` ("full": its step's copies have landed).
@@ -318,7 +348,7 @@ __device__ __forceinline__ void bwd_issue_step(const BwdTmaParams& P, uint32_t b
     const uint32_t full = bwd_full_bar<Tr>(base, slot);
     mbarrier_arrive_expect_tx(full, 2 * Tr::kQBytes + Tr::kStatsBytes);
     bulk_load(base + L::kStats + (uint32_t)(slot * Tr::kStatsBytes),
-              bwd_stats_block<Tr>(p, b, st.h, st.m0 / Tr::kBlockM), Tr::kStatsBytes, full);
+              bwd_stats_block(p, b, st.h, st.m0), Tr::kStatsBytes, full);
 #pragma unroll
     for (int c = 0; c < Tr::kHeadDim / 64; ++c) {
         const uint32_t off = (uint32_t)(slot * Tr::kQBytes + c * Tr::kBlockM * 128);
@@ -359,28 +389,11 @@ __device__ __forceinline__ void bwd_start(const BwdTmaParams& P, uint32_t base, 
     }
 }
 
-// LSE log2(e) and D of this thread's 16 query columns m0 + 8 i + 2 t + {0, 1} of the step in
-// ring slot `slot` (read from shared memory: a global load here would hold up the next wgmma
-// until it lands).
-template <typename Tr>
-__device__ __forceinline__ void bwd_row_stats(const unsigned char* raw, int slot, int t,
-                                              float (&lse2)[Tr::kSAcc / 2],
-                                              float (&dsum)[Tr::kSAcc / 2]) {
-    const float* stats = reinterpret_cast<const float*>(raw + HopperBwdSmem<Tr>::kStats +
-                                                        slot * Tr::kStatsBytes);
-#pragma unroll
-    for (int i = 0; i < Tr::kSAcc / 4; ++i) {
-        const float2 l = *reinterpret_cast<const float2*>(stats + 8 * i + 2 * t);
-        const float2 d = *reinterpret_cast<const float2*>(stats + Tr::kBlockM + 8 * i + 2 * t);
-        lse2[2 * i] = l.x, lse2[2 * i + 1] = l.y, dsum[2 * i] = d.x, dsum[2 * i + 1] = d.y;
-    }
-}
-
-// Who adds a step's dQ tile: at hd128 each warpgroup its half, after a barrier of its own 128
-// threads (2-5% faster on an H100 than the CTA's barrier and one reduction, which hd64 and
-// DETERMINISTIC keep: 3-5% faster at hd64; one thread takes the turn); its first thread.
-template <int HEADDIM, bool DETERMINISTIC>
-constexpr bool kDqPerWarpgroup = !DETERMINISTIC && HEADDIM == 128;
+// Who adds a step's dQ tile: each warpgroup its half, after a barrier of its own 128 threads
+// (2-5% faster on an H100 than the CTA's barrier and one reduction at hd128), its first thread;
+// DETERMINISTIC, thread 0 the whole tile after the CTA's barrier (one thread takes the turn).
+template <bool DETERMINISTIC>
+constexpr bool kDqPerWarpgroup = !DETERMINISTIC;
 
 // DETERMINISTIC, dq_leader: once the reduction it holds the turn for has completed, the next key
 // block's turn (`held`: that query block's counter, or null). Called before the next step's CTA
@@ -396,13 +409,6 @@ __device__ __forceinline__ void bwd_pass_turn(int*& held) {
     held = nullptr;
 }
 
-// Step j + 1's S^T and dP^T issued before step j's dQ tile is stored and reduced, so that they
-// overlap: at hd64 (at hd128 the registers of both do not fit: ptxas serialises the wgmmas, and
-// S^T alone a step ahead measured 8% slower on an H100, 2026-12-06) and not DETERMINISTIC (the
-// turn's spin, a divergent path, with a wgmma in flight: serialised too).
-template <int HEADDIM, bool DETERMINISTIC>
-constexpr bool kScoresAhead = !DETERMINISTIC && HEADDIM == 64;
-
 // dQ of step stp += this thread's fragments: into the shared dQ tile, then bulk reductions into
 // the query block's tile of dq_accum, issued by dq_leader (kDqPerWarpgroup); DETERMINISTIC, in
 // this key block's turn, which it then holds (bwd_pass_turn).
@@ -417,7 +423,7 @@ __device__ __forceinline__ void bwd_add_dq(const float (&dq)[Tr::kQAcc], const B
     fence_proxy_async();  // the tile's writes (generic proxy) before the reduction's reads
     float* dq_dst = dq_accum + (((int64_t)b * nheads + stp.h) * n_m_total +
                                 stp.m0 / Tr::kBlockM) * DqTile<Tr>::kFloats;
-    if constexpr (kDqPerWarpgroup<Tr::kHeadDim, DETERMINISTIC>) {  // each warpgroup its half
+    if constexpr (kDqPerWarpgroup<DETERMINISTIC>) {  // each warpgroup its half
         named_barrier_sync(1 + w, 128);
         if (dq_leader) {
             constexpr int kHalf = DqTile<Tr>::kBytes / 2;
@@ -489,7 +495,7 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     const int n_m = qt.m_block_max - qt.m_block_min, n_steps = f.h_per_kv * n_m;
     bwd_start<Tr>(P, base, tid, n_steps, n_m, qt.m_block_min, n0, hk, b);
 
-    const bool dq_leader = kDqPerWarpgroup<HEADDIM, DETERMINISTIC> ? (tid & 127) == 0 : tid == 0;
+    const bool dq_leader = kDqPerWarpgroup<DETERMINISTIC> ? (tid & 127) == 0 : tid == 0;
     const BwdGemms<T, Tr> gemm(base, w);
     const int key_row0 = w * 64 + warp_in_wg * 16 + g;  // this thread's keys: + 0, + 8
     float dk[Tr::kAcc], dv[Tr::kAcc];
@@ -503,25 +509,21 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
             (int64_t)b * f.nheads * n_m_total,
         (int)gridDim.x, n_m_total, seqlen_q, seqlen_k, f.window_left, f.window_right};
     int* held_turn = nullptr;  // DETERMINISTIC: the turn of the last reduction (bwd_pass_turn)
-    constexpr bool kAhead = kScoresAhead<HEADDIM, DETERMINISTIC>;
-    float st[Tr::kSAcc], dpt[Tr::kSAcc];
-    if (kAhead && n_steps > 0) bwd_scores<Tr>(gemm, st, dpt, base, 0);
     for (int j = 0; j < n_steps; ++j) {
         const int slot = j % S, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
-        // S^T = K Q^T, dP^T = V dO^T (kScoresAhead: issued in step j - 1), while this step's LSE
-        // and D are read
-        if (!kAhead) bwd_scores<Tr>(gemm, st, dpt, base, j);
-        float lse2[Tr::kSAcc / 2], dsum[Tr::kSAcc / 2];
-        bwd_row_stats<Tr>(raw, slot, t, lse2, dsum);
+        // S^T = K Q^T, dP^T = V dO^T
+        float st[Tr::kSAcc], dpt[Tr::kSAcc];
+        bwd_scores<Tr>(gemm, st, dpt, base, j);
         wgmma_wait<0>();
         wgmma_fence_operand(st);
         wgmma_fence_operand(dpt);
         // P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)
         const bool mask = bwd_tile_needs_mask<Tr::kBlockM, Tr::kBlockN>(f, stp.m0, n0, seqlen_q,
                                                                          seqlen_k, CAUSAL);
-        bwd_probs<Tr, CAUSAL>(st, dpt, lse2, dsum, mask, n0 + key_row0, stp.m0, t, seqlen_q,
-                              seqlen_k, f);
+        bwd_probs<Tr, CAUSAL>(st, dpt, reinterpret_cast<const float*>(raw + L::kStats +
+                                                                      slot * Tr::kStatsBytes),
+                              mask, n0 + key_row0, stp.m0, t, seqlen_q, seqlen_k, f);
         uint32_t ptf[Tr::kMSteps][4], dsf[Tr::kMSteps][4];
         pack_p<T, Tr::kSAcc / 4>(st, ptf);
         pack_p<T, Tr::kSAcc / 4>(dpt, dsf);
@@ -549,12 +551,7 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         float dq[Tr::kQAcc];
         wgmma_fence();
         gemm.dq(dq, buf);
-        if (kAhead && j + 1 < n_steps) {  // step j + 1's, before this step's dQ tile
-            bwd_scores<Tr>(gemm, st, dpt, base, j + 1);
-            wgmma_wait<1>();
-        } else {
-            wgmma_wait<0>();
-        }
+        wgmma_wait<0>();
         wgmma_fence_operand(dq);
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
@@ -573,8 +570,8 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
 // The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL, DETERMINISTIC> (grid: key blocks of
 // 128, KV heads, batch; 256 threads; dynamic shared memory HopperBwdSmem::kBytes) after the
 // pre-pass (cf::bwd_hopper_prep_entry) into a zeroed dq_accum (DETERMINISTIC: and the turn counters
-// after it), then cf::bwd_dq_convert_entry<T, HEADDIM> (grid: query blocks of 64 rows, heads,
-// batch; 256 threads): dq = softmax_scale dq_accum.
+// after it), then cf::bwd_dq_convert_entry<T, HEADDIM> (grid: query blocks of kBlockM rows,
+// heads, batch; 256 threads): dq = softmax_scale dq_accum.
 template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(256, 1) bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
     bwd_hopper_block<T, HEADDIM, CAUSAL, DETERMINISTIC>(P);
@@ -582,18 +579,16 @@ __global__ void __launch_bounds__(256, 1) bwd_hopper_entry(const __grid_constant
 
 // The pre-pass of the Hopper plan: per 64-row query block of (batch, head), LSE log2(e) of its
 // rows (bwd_lse_log2: +inf past the end) and then their D (0 past the end), 128 floats at
-// dsum + batch / head strides + block * 128, which the main kernel copies into its ring with the
-// block's Q and dO tiles. Grid (query blocks of 64, heads, batch), 128 threads (one warp per row).
+// dsum + batch / head strides + block * 128 (bwd_stats_block), which the main kernel copies
+// into its ring with a step's Q and dO tiles. Grid (query blocks of 64 up to the buffer's padded
+// end, heads, batch), 128 threads (one warp per row).
 template <typename T>
 __global__ void __launch_bounds__(128) bwd_hopper_prep_entry(const __grid_constant__ BwdParams p) {
-    using Tr = HopperBwdTraits<T, 64>;  // (the statistics do not depend on the head dim)
-    constexpr int M = Tr::kBlockM;
+    constexpr int M = kStatsRows;
     const int b = blockIdx.z, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const BwdSeq s = bwd_seq(p, b, h);
     const int seqlen_q = s.f.seqlen_q;
-    // block blockIdx.x of bwd_stats_block
-    float* stats = static_cast<float*>(p.dsum) + b * p.dsum_batch_stride + h * p.dsum_head_stride +
-                   (int64_t)blockIdx.x * (Tr::kStatsBytes / 4);
+    float* stats = bwd_stats_block(p, b, h, blockIdx.x * M);
     for (int i = warp; i < M; i += 4) {
         const int r = blockIdx.x * M + i;
         const float d = r < seqlen_q ? dsum_row<T, float>(p, s, r, lane) : 0.f;
@@ -604,7 +599,7 @@ __global__ void __launch_bounds__(128) bwd_hopper_prep_entry(const __grid_consta
     }
 }
 
-// dq = softmax_scale dq_accum for one 64-row query block (a DqTile, read in order).
+// dq = softmax_scale dq_accum for one query block of kBlockM rows (a DqTile, read in order).
 template <typename T, int HEADDIM>
 __global__ void __launch_bounds__(256) bwd_dq_convert_entry(const __grid_constant__ BwdParams p) {
     using Tile = DqTile<HopperBwdTraits<T, HEADDIM>>;

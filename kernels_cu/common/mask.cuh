@@ -21,6 +21,22 @@ __device__ __forceinline__ bool key_visible(const KeyRange& r, int key) {
     return key >= r.lo && key < r.hi;
 }
 
+// The same relation seen from a key: the half-open range [lo, hi) of query rows that see key
+// `key` (empty for a key past seqlen_k; rows past seqlen_q are the caller's). Row i sees the key
+// iff visible_keys(i) holds it: key < i + shift + 1 (causal), key <= i + shift + window_right,
+// key >= i + shift - window_left.
+__device__ __forceinline__ KeyRange visible_queries(int key, int seqlen_q, int seqlen_k,
+                                                   bool causal, int window_left,
+                                                   int window_right) {
+    const int diag = key - (seqlen_k - seqlen_q);  // the row whose diagonal is this key
+    int lo = -0x7fffffff - 1, hi = 0x7fffffff;  // (no <climits> under NVRTC)
+    if (causal) lo = diag;
+    if (window_right >= 0) lo = max(lo, diag - window_right);
+    if (window_left >= 0) hi = diag + window_left + 1;
+    if (key >= seqlen_k) lo = hi = 0;
+    return KeyRange{lo, hi};
+}
+
 // The key tiles a block of query rows [row_first, row_last] must visit (FlashAttention-2 skips
 // the others: loop bounds, not masks). visible_keys(i).lo and .hi are non-decreasing in i, so
 // the union of the rows' ranges is [lo(row_first), hi(row_last)), and a tile [n0, n0 + BLOCK_N)

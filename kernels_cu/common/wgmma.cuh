@@ -98,7 +98,7 @@ template <typename T, int N> struct Wgmma;
 
 // One macro per N (the register lists differ), instantiated for both 16-bit input types; each
 // N has the forms the TMA kernels use. N = 64: O += P V at hd64 (rs_tn); the backward's S^T = K Q^T,
-// dP^T = V dO^T (ss), dV, dK at hd64 (rs_tn) and dQ at hd128 (ss_tt).
+// dP^T = V dO^T at hd128 (ss), dV, dK at hd64 (rs_tn) and dQ (ss_tt).
 #define CF_WGMMA_M64N64K16(T, PTX_T) \
 template <> struct Wgmma<T, 64> { \
     static constexpr int kAcc = 32; \
@@ -136,7 +136,8 @@ template <> struct Wgmma<T, 64> { \
     } \
 };
 
-// N = 128: S = Q K^T of 128-key tiles (ss), O += P V at hd128 and, in two halves, hd256 (rs_tn).
+// N = 128: S = Q K^T of 128-key tiles and the backward's S^T, dP^T at hd64 (ss), O += P V at
+// hd128 and, in two halves, hd256, and the backward's dV, dK at hd128 (rs_tn).
 #define CF_WGMMA_M64N128K16(T, PTX_T) \
 template <> struct Wgmma<T, 128> { \
     static constexpr int kAcc = 64; \
@@ -193,33 +194,14 @@ template <> struct Wgmma<T, 80> { \
     } \
 };
 
-// N = 32: dQ = dS K of the hd64 backward, half the head dim per warpgroup (ss_tt only).
-#define CF_WGMMA_M64N32K16(T, PTX_T) \
-template <> struct Wgmma<T, 32> { \
-    static constexpr int kAcc = 16; \
-    static __device__ __forceinline__ void ss_tt(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_T "." PTX_T " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
-            "%16, %17, p, 1, 1, 1, 1;\n}\n" \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
-    } \
-};
-
 CF_WGMMA_M64N64K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N64K16(__half, "f16")
 CF_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N128K16(__half, "f16")
 CF_WGMMA_M64N80K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N80K16(__half, "f16")
-CF_WGMMA_M64N32K16(__nv_bfloat16, "bf16")
-CF_WGMMA_M64N32K16(__half, "f16")
 #undef CF_WGMMA_M64N64K16
 #undef CF_WGMMA_M64N128K16
 #undef CF_WGMMA_M64N80K16
-#undef CF_WGMMA_M64N32K16
 
 }  // namespace cf
