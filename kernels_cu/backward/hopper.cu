@@ -261,12 +261,41 @@ __device__ __forceinline__ int bwd_key_block() {
 
 // P^T and dS^T of one step in place (st -> P^T, dpt -> dS^T), for this thread's keys (rows
 // key0 + 8 (e >> 1)) and queries (columns m0 + 8 i + 2 t + (e & 1)). LSE log2(e) and D of the
-// columns from the step's statistics in shared memory (`stats`: bwd_hopper_prep_entry's blocks
-// of 64 rows, LSE log2(e) then D; read here, not before: registers).
+// columns from the step's statistics in shared memory (bwd_stats_load).
+// LSE log2(e) and D of this thread's query columns 8 i + 2 t + {0, 1} of a step, from its ring
+// slot (`smem`: bwd_hopper_prep_entry's blocks of 64 rows, LSE log2(e) then D). 64-row steps
+// read them into registers before the scores' wait, so that the loads overlap the GEMMs (10% of
+// hd128's time on an H100 when read after it, 2026-12-06); 128-row steps (32 + 32 registers
+// more) read them where they are used.
+template <typename Tr>
+struct BwdStats {
+    static constexpr bool kEarly = Tr::kBlockM == 64;
+    static constexpr int kN = kEarly ? Tr::kSAcc / 4 : 1;
+    const float* smem;
+    float2 lse2[kN], dsum[kN];
+
+    __device__ __forceinline__ BwdStats(const float* s, int t) : smem(s) {
+        if constexpr (kEarly) {
+#pragma unroll
+            for (int i = 0; i < kN; ++i) read(i, t, lse2[i], dsum[i]);
+        }
+    }
+    __device__ __forceinline__ void read(int i, int t, float2& l, float2& d) const {
+        const int q = 8 * i + 2 * t;  // the step's query column of e = 0
+        const float* blk = smem + (q >> 6) * 128 + (q & 63);
+        l = *reinterpret_cast<const float2*>(blk);
+        d = *reinterpret_cast<const float2*>(blk + 64);
+    }
+    __device__ __forceinline__ void get(int i, int t, float2& l, float2& d) const {
+        if constexpr (kEarly) l = lse2[i], d = dsum[i];
+        else read(i, t, l, d);
+    }
+};
+
 template <typename Tr, bool CAUSAL>
 __device__ __forceinline__ void bwd_probs(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
-                                          const float* stats, bool mask, int key0, int m0, int t,
-                                          int seqlen_q, int seqlen_k, const FwdParams& f) {
+                                          const BwdStats<Tr>& stats, bool mask, int key0, int m0,
+                                          int t, int seqlen_q, int seqlen_k, const FwdParams& f) {
     // the mask by key (two per thread): the step's columns that see it, [lo, hi) - 2 t
     int lo[2], hi[2];
 #pragma unroll
@@ -278,10 +307,8 @@ __device__ __forceinline__ void bwd_probs(float (&st)[Tr::kSAcc], float (&dpt)[T
     }
 #pragma unroll
     for (int i = 0; i < Tr::kSAcc / 4; ++i) {
-        const int q = 8 * i + 2 * t;  // the step's query column of e = 0
-        const float* blk = stats + (q >> 6) * 128 + (q & 63);
-        const float2 lse2 = *reinterpret_cast<const float2*>(blk);
-        const float2 dsum = *reinterpret_cast<const float2*>(blk + 64);
+        float2 lse2, dsum;
+        stats.get(i, t, lse2, dsum);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int idx = 4 * i + e;
@@ -512,18 +539,19 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     for (int j = 0; j < n_steps; ++j) {
         const int slot = j % S, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
-        // S^T = K Q^T, dP^T = V dO^T
+        // S^T = K Q^T, dP^T = V dO^T (and, with 64-row steps, the LSE and D read meanwhile)
         float st[Tr::kSAcc], dpt[Tr::kSAcc];
         bwd_scores<Tr>(gemm, st, dpt, base, j);
+        const BwdStats<Tr> stats(reinterpret_cast<const float*>(raw + L::kStats +
+                                                                slot * Tr::kStatsBytes), t);
         wgmma_wait<0>();
         wgmma_fence_operand(st);
         wgmma_fence_operand(dpt);
         // P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)
         const bool mask = bwd_tile_needs_mask<Tr::kBlockM, Tr::kBlockN>(f, stp.m0, n0, seqlen_q,
                                                                          seqlen_k, CAUSAL);
-        bwd_probs<Tr, CAUSAL>(st, dpt, reinterpret_cast<const float*>(raw + L::kStats +
-                                                                      slot * Tr::kStatsBytes),
-                              mask, n0 + key_row0, stp.m0, t, seqlen_q, seqlen_k, f);
+        bwd_probs<Tr, CAUSAL>(st, dpt, stats, mask, n0 + key_row0, stp.m0, t, seqlen_q, seqlen_k,
+                              f);
         uint32_t ptf[Tr::kMSteps][4], dsf[Tr::kMSteps][4];
         pack_p<T, Tr::kSAcc / 4>(st, ptf);
         pack_p<T, Tr::kSAcc / 4>(dpt, dsf);
