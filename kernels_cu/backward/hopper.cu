@@ -264,7 +264,7 @@ __device__ __forceinline__ int bwd_key_block() {
 // columns from the step's statistics in shared memory (bwd_stats_load).
 // LSE log2(e) and D of this thread's query columns 8 i + 2 t + {0, 1} of a step, from its ring
 // slot (`smem`: bwd_hopper_prep_entry's blocks of 64 rows, LSE log2(e) then D). 64-row steps
-// read them into registers before the scores' wait, so that the loads overlap the GEMMs (10% of
+// read them into registers before the scores' wait, so that the loads overlap the GEMMs (4-10% of
 // hd128's time on an H100 when read after it, 2026-12-06); 128-row steps (32 + 32 registers
 // more) read them where they are used.
 template <typename Tr>
