@@ -109,7 +109,7 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
                             else tuple(views["lse"].shape), kernels.ACC_DTYPE[dt], dev)
         dq_accum = None
         if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it;
-            # deterministic: then one int32 turn counter per (batch, head, 64-row query block)
+            # deterministic: then one int32 turn counter per (batch, head, query block of a step)
             # (dQ tiles of a step's rows, padded: kernels_cu/backward/hopper.cu's DqTile)
             bm = plan.dq.block_m
             blocks = problem.batch * problem.nheads * -(-problem.seqlen_q // bm)

@@ -259,9 +259,11 @@ __device__ __forceinline__ int bwd_key_block() {
     return (DETERMINISTIC && CAUSAL) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
 }
 
-// P^T and dS^T of one step in place (st -> P^T, dpt -> dS^T), for this thread's keys (rows
-// key0 + 8 (e >> 1)) and queries (columns m0 + 8 i + 2 t + (e & 1)). LSE log2(e) and D of the
-// columns from the step's statistics in shared memory (bwd_stats_load).
+// The pre-pass's blocks of row statistics (kernels.stats_shape): per 64 query rows of (batch,
+// head) 128 floats, LSE log2(e) of the rows, then their D; the blocks of a step (kBlockM / 64)
+// are consecutive, and the buffer is padded to 128 rows so that a step never reads past it.
+constexpr int kStatsRows = 64;
+
 // LSE log2(e) and D of this thread's query columns 8 i + 2 t + {0, 1} of a step, from its ring
 // slot (`smem`: bwd_hopper_prep_entry's blocks of 64 rows, LSE log2(e) then D). 64-row steps
 // read them into registers before the scores' wait, so that the loads overlap the GEMMs (4-10% of
@@ -282,9 +284,9 @@ struct BwdStats {
     }
     __device__ __forceinline__ void read(int i, int t, float2& l, float2& d) const {
         const int q = 8 * i + 2 * t;  // the step's query column of e = 0
-        const float* blk = smem + (q >> 6) * 128 + (q & 63);
+        const float* blk = smem + (q / kStatsRows) * (2 * kStatsRows) + q % kStatsRows;
         l = *reinterpret_cast<const float2*>(blk);
-        d = *reinterpret_cast<const float2*>(blk + 64);
+        d = *reinterpret_cast<const float2*>(blk + kStatsRows);
     }
     __device__ __forceinline__ void get(int i, int t, float2& l, float2& d) const {
         if constexpr (kEarly) l = lse2[i], d = dsum[i];
@@ -292,6 +294,9 @@ struct BwdStats {
     }
 };
 
+// P^T and dS^T of one step in place (st -> P^T, dpt -> dS^T), for this thread's keys (rows
+// key0 + 8 (e >> 1)) and queries (columns m0 + 8 i + 2 t + (e & 1)); LSE log2(e) and D of the
+// columns from `stats`.
 template <typename Tr, bool CAUSAL>
 __device__ __forceinline__ void bwd_probs(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
                                           const BwdStats<Tr>& stats, bool mask, int key0, int m0,
@@ -339,11 +344,7 @@ __device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&ds
         }
 }
 
-// The pre-pass's blocks of row statistics (kernels.stats_shape): per 64 query rows of (batch,
-// head) 128 floats, LSE log2(e) of the rows, then their D; the blocks of a step (kBlockM / 64)
-// are consecutive, and the buffer is padded to 128 rows so that a step never reads past it.
-constexpr int kStatsRows = 64;
-
+// The first of a step's blocks of row statistics in the pre-pass's buffer (kStatsRows).
 __device__ __forceinline__ float* bwd_stats_block(const BwdParams& p, int b, int h, int row0) {
     return static_cast<float*>(p.dsum) + b * p.dsum_batch_stride + h * p.dsum_head_stride +
            (row0 / kStatsRows) * (2 * kStatsRows);
