@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -59,6 +60,20 @@ def sh(cmd: list[str], timeout: float, log: Path, env=None) -> int:
     return rc
 
 
+def hypothesis_replay(text: str) -> dict:
+    """What a failure's report needs to replay a Hypothesis example elsewhere: the
+    ``@reproduce_failure`` decorator (the profiles set ``print_blob``) and the start of the
+    falsifying example; empty when the report has neither."""
+    out = {}
+    blob = re.search(r"@reproduce_failure\([^)]*\)", text)
+    if blob:
+        out["reproduce_failure"] = blob.group(0)
+    i = text.find("Falsifying example")
+    if i >= 0:
+        out["falsifying_example"] = text[i:i + 1500]
+    return out
+
+
 def junit_summary(xml_path: Path) -> dict:
     if not xml_path.exists():
         return {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [],
@@ -74,7 +89,8 @@ def junit_summary(xml_path: Path) -> dict:
                 counts[key] += 1
                 if key != "skipped":
                     failures.append({"test": name, "kind": key,
-                                     "message": (el.get("message") or "")[:800]})
+                                     "message": (el.get("message") or "")[:800],
+                                     **hypothesis_replay(el.text or "")})
                 break
     counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
     return {**counts, "failures": failures}

@@ -953,3 +953,27 @@ def test_bench_hf_generate_runs_a_tiny_model_on_the_cpu():
                 "tokens_per_s"):
         assert rec[key] > 0, key
     assert rec["head_dim"] == 16 and "agree_with_sdpa" not in rec
+
+
+def test_gpu_suite_keeps_the_hypothesis_replay_of_a_failure(tmp_path):
+    import gpu_suite
+    report = ("AssertionError: out error above its bound\n"
+              "Falsifying example: test_prefill_exact_at_any_magnitude(\n    family='baseline',\n"
+              "    data=data(...),\n)\nDraw 1: MagnitudeCase(...)\n"
+              "You can reproduce this example by temporarily adding "
+              "@reproduce_failure('6.168.3', b'AXicc2RwZHRkgEJGEBvKAQAqKgMQ') as a decorator")
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.gpu.t" name="a"><failure message="AssertionError: out">'
+        f'{report}</failure></testcase>'
+        '<testcase classname="tests.gpu.t" name="b"><failure message="plain">no hypothesis here'
+        '</failure></testcase>'
+        '<testcase classname="tests.gpu.t" name="c"/></testsuite></testsuites>')
+    s = gpu_suite.junit_summary(xml)
+    assert (s["tests"], s["failed"], s["passed"]) == (3, 2, 1)
+    first, second = s["failures"]
+    assert first["reproduce_failure"] == "@reproduce_failure('6.168.3', b'AXicc2RwZHRkgEJGEBvKAQAqKgMQ')"
+    assert first["falsifying_example"].startswith("Falsifying example: test_prefill_exact")
+    assert "family='baseline'" in first["falsifying_example"]
+    assert "reproduce_failure" not in second and "falsifying_example" not in second
