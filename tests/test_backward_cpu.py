@@ -7,7 +7,7 @@ backward call's argument checks (before any launch).
   shared memory of each fits 227 KiB and equals its traits' constant.
 * Plans: mma.sync for 16-bit dtypes with dK/dV in one launch up to hd128 and two above;
   CUDA cores for float32/float64; names are unique.
-* The Hopper plan (``hopper=True``): dsum, the TMA kernel (one CTA of 256 threads per 128 keys),
+* The Hopper plan (``hopper=True``): dsum, the TMA kernel (one CTA of 384 threads per 128 keys),
   the dq conversion; its shared memory, parameter struct and tensor maps; on unless
   ``CUPYFLASH_BWD_HOPPER=0``.
 """
@@ -178,7 +178,7 @@ def test_hopper_plan_geometry_and_shared_memory():
     assert (main.isa, main.headdim, main.block_m, main.block_n, main.causal) == ("tma", 128, 64, 128, True)
     assert main.spec.arch == conv.spec.arch == "sm_90a"
     assert main.takes_maps and not conv.takes_maps and not plan.dsum.takes_maps
-    assert kernels.launch_geometry(main, p) == ((6, 2, 3), (256, 1, 1))   # key blocks, KV heads
+    assert kernels.launch_geometry(main, p) == ((6, 2, 3), (384, 1, 1))   # key blocks, KV heads
     assert kernels.launch_geometry(conv, p) == ((16, 8, 3), (256, 1, 1))  # a 64-row dQ tile per CTA
     # the pre-pass: one CTA of 4 warps per 64-row query block, into (batch, heads, blocks, 128),
     # padded to a multiple of 128 rows (1000 -> 1024)
@@ -188,10 +188,11 @@ def test_hopper_plan_geometry_and_shared_memory():
     assert kernels.launch_geometry(prep, p) == ((16, 8, 3), (128, 1, 1))
     assert kernels.stats_shape(p) == (3, 8, 16, 128)
     # K, V (128 x 128), three Q and dO slots (64 x 128), two dS^T buffers (128 x 64), three
-    # slots of row statistics (64 LSE, 64 D floats), the fp32 dQ tile (64 x 128), four
-    # mbarriers, 1024 bytes of alignment: 480 bytes below the 227 KiB a CTA may have
+    # slots of row statistics (64 LSE, 64 D floats), the fp32 dQ tile (64 x 128), seven
+    # mbarriers (K / V, and full and empty per slot), 1024 bytes of alignment: 456 bytes below
+    # the 227 KiB a CTA may have
     assert main.smem_bytes == ((2 * 128 * 128 + 3 * 2 * 64 * 128 + 2 * 128 * 64) * 2
-                               + 3 * 2 * 64 * 4 + 64 * 128 * 4 + 8 * 4 + 1024) == 227 * 1024 - 480
+                               + 3 * 2 * 64 * 4 + 64 * 128 * 4 + 8 * 7 + 1024) == 227 * 1024 - 456
     assert conv.smem_bytes == 0
     # hd64: 128-row steps (its dq conversion too), two Q / dO slots
     p64 = checks.check_attention(q[..., :64], k[..., :64], k[..., :64])
@@ -199,11 +200,11 @@ def test_hopper_plan_geometry_and_shared_memory():
     m64, c64 = plan64.dkdv[0], plan64.dq
     assert (m64.headdim, m64.block_m, m64.block_n, c64.block_m) == (64, 128, 128, 128)
     assert kernels.launch_geometry(c64, p64) == ((8, 8, 3), (256, 1, 1))
-    assert kernels.launch_geometry(m64, p64) == ((6, 2, 3), (256, 1, 1))
+    assert kernels.launch_geometry(m64, p64) == ((6, 2, 3), (384, 1, 1))
     # K, V (128 x 64), two Q and dO slots (128 x 64), two dS^T buffers (128 x 128), two slots
-    # of statistics (128 LSE, 128 D), the fp32 dQ tile (128 x 64), three mbarriers, alignment
+    # of statistics (128 LSE, 128 D), the fp32 dQ tile (128 x 64), five mbarriers, alignment
     assert m64.smem_bytes == ((2 * 128 * 64 + 2 * 2 * 128 * 64 + 2 * 128 * 128) * 2
-                              + 2 * 2 * 128 * 4 + 128 * 64 * 4 + 8 * 3 + 1024)
+                              + 2 * 2 * 128 * 4 + 128 * 64 * 4 + 8 * 5 + 1024)
     # the padded statistics: 300 rows -> 384 (three 128-row steps), blocks of 64
     p300 = checks.check_attention(np.empty((1, 300, 2, 64), np.float16),
                                   np.empty((1, 300, 2, 64), np.float16),
@@ -224,6 +225,9 @@ def test_hopper_tiles_are_the_kernels():
         got = [kernels.layout(kernels.HOPPER_SOURCE, f"cf::HopperBwdTraits<__half, {hd}>::{n}")
                for n in ("kBlockM", "kBlockN")]
         assert got == [bm, bn]
+        threads = kernels.layout(kernels.HOPPER_SOURCE, f"cf::HopperBwdTraits<__half, {hd}>::kThreads")
+        plan = kernels.plan_backward("float16", hd, False, hopper=True)
+        assert plan.dkdv[0].threads == threads == 384  # two consumer warpgroups and a producer
     assert kernels.layout(kernels.HOPPER_SOURCE, "cf::kStatsRows") == kernels.STATS_ROWS
     assert max(bm for bm, _ in kernels.HOPPER_TILES.values()) == kernels.STATS_PAD
 

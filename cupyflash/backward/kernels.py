@@ -265,7 +265,7 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
                              f"to 128, got {dtype} at {headdim}")
         bm, bn = HOPPER_TILES[hhd]
         prep = BwdKernel("dsum", dtype, 0, STATS_ROWS, 0, 4, tma=True)  # LSE log2(e) and D, padded
-        return BwdPlan(prep, (BwdKernel("dkdv", dtype, hhd, bm, bn, 8, causal, tma=True,
+        return BwdPlan(prep, (BwdKernel("dkdv", dtype, hhd, bm, bn, 12, causal, tma=True,
                                         deterministic=deterministic),),
                        BwdKernel("dq", dtype, hhd, bm, 0, 8, tma=True))
     if dtype in fwd.TC_DTYPES:

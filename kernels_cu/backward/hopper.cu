@@ -3,30 +3,32 @@
 // machinery of FlashAttention-3 (Shah et al., arXiv 2407.08608): TMA copies into 128-byte
 // swizzled shared memory, completed on mbarriers, and warpgroup MMA (common/wgmma.cuh).
 //
-// One CTA per (key block of 128 keys, KV head, batch); two warpgroups of 64 keys each. K and V
-// stay in shared memory; a ring of kStages slots carries the Q and dO tiles of query steps of
+// One CTA per (key block of 128 keys, KV head, batch), three warpgroups (FlashAttention-3's
+// warp specialisation): two consumer warpgroups of 64 keys each compute; warpgroup 2's warp 0
+// issues every copy and its warp 1 adds dQ (setmaxnreg moves registers to the consumers). K and
+// V stay in shared memory; a ring of kStages slots carries the Q and dO tiles of query steps of
 // kBlockM rows (128 at hd64, 64 at hd128), one step per (query head of the group, query block
-// that sees the keys). Step j, per warpgroup (its 64 keys as rows):
+// that sees the keys). Step j, per consumer warpgroup (its 64 keys as rows):
 //   S^T = K Q^T, dP^T = V dO^T                        (wgmma, both operands from smem)
 //   P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)   (registers; common/bwd_tile.cuh)
 //   dV += P^T dO, dK += dS^T Q                        (A from registers, as the forward's P V)
 //   dS^T -> shared memory, then its part of dQ = dS K (both operands transposed: ss_tt; rows
-//   half w at hd64, columns half w at hd128), the kBlockM x HEADDIM tile of both warpgroups
-//   written to shared memory (DqTile) and added to an fp32 accumulator in global memory by bulk
-//   reductions (cp.reduce.async.bulk .add.f32, one per warpgroup, or one per CTA when
-//   DETERMINISTIC, each issued by one thread: the additions leave the threads' path);
-//   dq_convert_entry scales and rounds it.
+//   half w at hd64, columns half w at hd128) into its half of the step's dQ tile in shared
+//   memory (DqTile), which the writer warp adds to an fp32 accumulator in global memory by a
+//   bulk reduction (cp.reduce.async.bulk .add.f32); dq_convert_entry scales and rounds it.
 // So dK and dV are summed in registers over the query heads of a GQA group (no atomics), dQ
 // over the key blocks by reductions in L2, in an order that varies from run to run; DETERMINISTIC
 // fixes it (FlashAttention-3's semaphores, flash-attention PR 1893): the key blocks add to a
 // query block's dQ one after the other, each waiting for its turn on a counter per (batch, query
-// head, query block) that the previous one increments (DqTurns below).
+// head, query block) that the previous one increments (DqTurns below); only the writer warp
+// waits for it.
 //
-// One thread (tid 0) issues every copy: K and V once, then step j + kStages - 1 once every
-// thread has finished step j - 1 (the CTA barrier of step j), into that step's slot: its Q and
-// dO tiles and the LSE and D of its rows (written padded per 64-row block by the pre-pass,
-// bwd_hopper_prep_entry, so that no thread waits on a global load inside a step); all threads
-// compute. A slot's "full" mbarrier completes once per use (parity (j / kStages) & 1).
+// The producer (bwd_producer) copies K and V once, then each step's Q and dO tiles and the LSE
+// and D of its rows (written padded per 64-row block by the pre-pass, bwd_hopper_prep_entry, so
+// that no thread waits on a global load inside a step) into its slot, once the consumers have
+// released the slot's previous step (the ring's "empty" mbarriers, common/pipeline.cuh). The
+// consumer warpgroups meet once per step, on a named barrier (kBarDs: both halves of dS^T
+// written), and hand each dQ half to the writer and back through named barriers.
 // Dense problems only (the tensor maps end at each sequence's length, so TMA zero-fills rows
 // past it; a varlen problem runs the mma.sync kernels).
 #include "common/dtype.cuh"
@@ -35,6 +37,7 @@
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
 #include "common/softmax_step.cuh"
 #include "common/fwd_tile.cuh"
 #include "common/bwd_tile.cuh"
@@ -47,8 +50,16 @@ struct HopperBwdTraits {
     // query rows per step: 128 at hd64 (FlashAttention-3's tile there: a step's GEMMs as large
     // as hd128's, half the steps and barriers), 64 at hd128 (registers)
     static constexpr int kBlockM = HEADDIM == 64 ? 128 : 64;
-    static constexpr int kBlockN = 128;             // keys per CTA, 64 per warpgroup
-    static constexpr int kThreads = 256;
+    static constexpr int kBlockN = 128;             // keys per CTA, 64 per consumer warpgroup
+    // two consumer warpgroups and a producer one (its warp 0 copies, warp 1 adds dQ)
+    static constexpr int kConsumerThreads = 256;
+    static constexpr int kThreads = kConsumerThreads + 128;
+    // setmaxnreg (as the forward's): the launch's 168 registers per thread move from the producer
+    // warpgroup (40) to the consumers (232); the counts add up to the CTA's 64K. FA3's 24 / 240
+    // left 4-16 bytes of spills in every variant (ptxas, CUDA 13); 40 / 232 none.
+    static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+    static constexpr int kProducerRegs = 40;
+    static constexpr int kConsumerRegs = 232;
     static constexpr int kStages = HEADDIM == 64 ? 2 : 3;   // Q / dO ring (shared memory)
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;   // one Q or dO tile
     static constexpr int kKBytes = kBlockN * HEADDIM * 2;   // the K or V tile
@@ -67,6 +78,8 @@ struct HopperBwdTraits {
     static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
     static_assert(HEADDIM == 64 || HEADDIM == 128, "compiled head dims: 64, 128");
     static_assert(kQN == 64, "dQ: one 64-column swizzle span of K per warpgroup");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads == kLaunchRegs * kThreads,
+                  "setmaxnreg: the counts add up to the launch's registers");
 };
 
 // The shared memory, its one definition (cupyflash/backward/kernels.py reads kBytes through an
@@ -86,8 +99,9 @@ struct HopperBwdSmem {
     static constexpr uint32_t kStats = kDS + 2 * Tr::kDSBytes;
     static constexpr uint32_t kDQ = kStats + S * Tr::kStatsBytes;
     static constexpr uint32_t kKVFull = kDQ + Tr::kBlockM * Tr::kHeadDim * 4;
-    static constexpr uint32_t kFull = kKVFull + 8;   // one per ring slot
-    static constexpr int kBytes = (int)kFull + 8 * S + 1024;
+    static constexpr uint32_t kFull = kKVFull + 8;   // per ring slot: its copies have landed
+    static constexpr uint32_t kEmpty = kFull + 8 * S;  // per ring slot: the consumers are done
+    static constexpr int kBytes = (int)kEmpty + 8 * S + 1024;
     static_assert(kBytes <= 227 * 1024, "shared memory of the configuration");
 };
 
@@ -350,129 +364,132 @@ __device__ __forceinline__ float* bwd_stats_block(const BwdParams& p, int b, int
            (row0 / kStatsRows) * (2 * kStatsRows);
 }
 
-// The mbarrier of ring slot `slot` ("full": its step's copies have landed).
+// The Q / dO ring's barriers (common/pipeline.cuh): slot s's "full" completes once per use when
+// its step's copies have landed, its "empty" once per use when the consumers' 8 warps are done
+// with it. Step j uses slot j % kStages in its (j / kStages)-th use.
 template <typename Tr>
-__device__ __forceinline__ uint32_t bwd_full_bar(uint32_t base, int slot) {
-    return base + HopperBwdSmem<Tr>::kFull + 8u * (uint32_t)slot;
+__device__ __forceinline__ MbarRing<Tr::kStages> bwd_ring(uint32_t base) {
+    using L = HopperBwdSmem<Tr>;
+    return MbarRing<Tr::kStages>{base + L::kFull, base + L::kEmpty};
 }
+template <typename Tr>
+__device__ __forceinline__ PipelineState<Tr::kStages> bwd_ring_state(int j) {
+    return PipelineState<Tr::kStages>{j % Tr::kStages, (uint32_t)((j / Tr::kStages) & 1)};
+}
+
+// The named barriers of the kernel (id 0 is __syncthreads'); the dQ barriers count a consumer
+// warpgroup and the writer warp.
+enum HopperBwdBarrier : int {
+    kBarDs = 1,       // both consumer warpgroups have written the step's dS^T (256 threads)
+    kBarDqFull = 2,   // + w: consumer warpgroup w's half of the dQ tile is written (2, 3)
+    kBarDqEmpty = 4,  // + w: the writer's reduction has read that half (4, 5)
+};
+constexpr int kBwdDqBarThreads = 128 + 32;
 
 // Step j's S^T = K Q^T and dP^T = V dO^T issued, once its slot's copies have landed.
 template <typename Tr, typename Gemms>
 __device__ __forceinline__ void bwd_scores(const Gemms& gemm, float (&st)[Tr::kSAcc],
                                            float (&dpt)[Tr::kSAcc], uint32_t base, int j) {
-    mbarrier_wait(bwd_full_bar<Tr>(base, j % Tr::kStages), (uint32_t)((j / Tr::kStages) & 1));
+    bwd_ring<Tr>(base).consumer_wait(bwd_ring_state<Tr>(j));
     wgmma_fence();
     gemm.st_dpt(st, dpt, j % Tr::kStages);
 }
 
-// tid 0: the Q and dO tiles of step j and its rows' statistics into slot j % kStages.
+// The producer warp's lane 0: K and V of the key block once, then the Q and dO tiles of each
+// step and its rows' statistics into slot j % kStages, once the consumers released the slot's
+// previous step (j - kStages).
 template <typename Tr>
-__device__ __forceinline__ void bwd_issue_step(const BwdTmaParams& P, uint32_t base, int j, int n_m,
-                                               int m_block_min, int hk, int b) {
+__device__ __forceinline__ void bwd_producer(const BwdTmaParams& P, uint32_t base, int n_steps,
+                                             int n_m, int m_block_min, int n0, int hk, int b) {
     using L = HopperBwdSmem<Tr>;
     const BwdParams& p = P.bwd;
-    const BwdStep st = bwd_step<Tr>(j, n_m, m_block_min, hk, p.fwd.h_per_kv);
-    const int slot = j % Tr::kStages;
-    const uint32_t full = bwd_full_bar<Tr>(base, slot);
-    mbarrier_arrive_expect_tx(full, 2 * Tr::kQBytes + Tr::kStatsBytes);
-    bulk_load(base + L::kStats + (uint32_t)(slot * Tr::kStatsBytes),
-              bwd_stats_block(p, b, st.h, st.m0), Tr::kStatsBytes, full);
+    if (n_steps == 0) return;
+    tma_prefetch_desc(&P.tq);
+    tma_prefetch_desc(&P.tk);
+    tma_prefetch_desc(&P.tv);
+    tma_prefetch_desc(&P.tdo);
+    const uint32_t kv_full = base + L::kKVFull;
+    mbarrier_arrive_expect_tx(kv_full, 2 * Tr::kKBytes);
 #pragma unroll
     for (int c = 0; c < Tr::kHeadDim / 64; ++c) {
-        const uint32_t off = (uint32_t)(slot * Tr::kQBytes + c * Tr::kBlockM * 128);
-        tma_load_4d(base + L::kQ + off, &P.tq, c * 64, st.h, st.m0, b, full);
-        tma_load_4d(base + L::kDO + off, &P.tdo, c * 64, st.h, st.m0, b, full);
+        const uint32_t off = (uint32_t)(c * Tr::kBlockN * 128);
+        tma_load_4d(base + L::kK + off, &P.tk, c * 64, hk, n0, b, kv_full);
+        tma_load_4d(base + L::kV + off, &P.tv, c * 64, hk, n0, b, kv_full);
     }
-}
-
-// The ring's barriers, then (tid 0) K and V of the key block once and the first kStages - 1
-// steps' copies.
-template <typename Tr>
-__device__ __forceinline__ void bwd_start(const BwdTmaParams& P, uint32_t base, int tid,
-                                          int n_steps, int n_m, int m_block_min, int n0, int hk,
-                                          int b) {
-    using L = HopperBwdSmem<Tr>;
-    constexpr int S = Tr::kStages;
-    const uint32_t kv_full = base + L::kKVFull;
-    if (tid == 0) {
-        mbarrier_init(kv_full, 1);
-        for (int s = 0; s < S; ++s) mbarrier_init(bwd_full_bar<Tr>(base, s), 1);
-        fence_proxy_async();  // the initialised barriers, before TMA completes bytes on them
-    }
-    __syncthreads();
-    if (tid == 0 && n_steps > 0) {
-        tma_prefetch_desc(&P.tq);
-        tma_prefetch_desc(&P.tk);
-        tma_prefetch_desc(&P.tv);
-        tma_prefetch_desc(&P.tdo);
-        mbarrier_arrive_expect_tx(kv_full, 2 * Tr::kKBytes);
+    const MbarRing<Tr::kStages> ring = bwd_ring<Tr>(base);
+    for (int j = 0; j < n_steps; ++j) {
+        // the producer's parity is the consumers' flipped: its first round over the ring
+        // passes at once (common/pipeline.cuh)
+        PipelineState<Tr::kStages> ps = bwd_ring_state<Tr>(j);
+        ps.phase ^= 1u;
+        ring.producer_acquire(ps);
+        const BwdStep st = bwd_step<Tr>(j, n_m, m_block_min, hk, p.fwd.h_per_kv);
+        ring.producer_expect(ps, 2 * Tr::kQBytes + Tr::kStatsBytes);
+        const uint32_t full = ring.full(ps.slot);
+        bulk_load(base + L::kStats + (uint32_t)(ps.slot * Tr::kStatsBytes),
+                  bwd_stats_block(p, b, st.h, st.m0), Tr::kStatsBytes, full);
 #pragma unroll
         for (int c = 0; c < Tr::kHeadDim / 64; ++c) {
-            const uint32_t off = (uint32_t)(c * Tr::kBlockN * 128);
-            tma_load_4d(base + L::kK + off, &P.tk, c * 64, hk, n0, b, kv_full);
-            tma_load_4d(base + L::kV + off, &P.tv, c * 64, hk, n0, b, kv_full);
+            const uint32_t off = (uint32_t)(ps.slot * Tr::kQBytes + c * Tr::kBlockM * 128);
+            tma_load_4d(base + L::kQ + off, &P.tq, c * 64, st.h, st.m0, b, full);
+            tma_load_4d(base + L::kDO + off, &P.tdo, c * 64, st.h, st.m0, b, full);
         }
-        for (int j = 0; j < S - 1 && j < n_steps; ++j)
-            bwd_issue_step<Tr>(P, base, j, n_m, m_block_min, hk, b);
     }
 }
 
-// Who adds a step's dQ tile: each warpgroup its half, after a barrier of its own 128 threads
-// (2-5% faster on an H100 than the CTA's barrier and one reduction at hd128), its first thread;
-// DETERMINISTIC, thread 0 the whole tile after the CTA's barrier (one thread takes the turn).
-template <bool DETERMINISTIC>
-constexpr bool kDqPerWarpgroup = !DETERMINISTIC;
-
-// DETERMINISTIC, dq_leader: once the reduction it holds the turn for has completed, the next key
-// block's turn (`held`: that query block's counter, or null). Called before the next step's CTA
-// barrier, not right after the reduction: its completion (an L2 round trip) then overlaps the
-// next step's first GEMMs instead of adding to every step, and the key blocks run staggered by
-// less than a step. No deadlock: passing turn j needs only turn j, which the key blocks before
+// The dQ writer warp: per step, each consumer warpgroup's half of the dQ tile, once written
+// (kBarDqFull + w), added to the query block's tile of dq_accum by a bulk reduction
+// (cp.reduce.async.bulk .add.f32, issued by lane 0: the additions leave the consumers' path);
+// the half is handed back (kBarDqEmpty + w) once the reduction has read it. DETERMINISTIC, lane 0
+// first waits for this key block's turn at the query block (DqTurns), and passes it on once
+// both reductions have completed (after the hand-back, so that the consumers do not wait for
+// the L2 round trip). No deadlock: passing turn j needs only turn j, which the key blocks before
 // this one pass on the same terms (induction over DqTurns's order).
-__device__ __forceinline__ void bwd_pass_turn(int*& held) {
-    if (held == nullptr) return;
-    bulk_wait_group<0>();
-    fence_proxy_async_all();  // the reduction's writes (async proxy) before the release
-    red_release_gpu_add(held, 1);
-    held = nullptr;
-}
-
-// dQ of step stp += this thread's fragments: into the shared dQ tile, then bulk reductions into
-// the query block's tile of dq_accum, issued by dq_leader (kDqPerWarpgroup); DETERMINISTIC, in
-// this key block's turn, which it then holds (bwd_pass_turn).
 template <typename Tr, bool CAUSAL, bool DETERMINISTIC>
-__device__ __forceinline__ void bwd_add_dq(const float (&dq)[Tr::kQAcc], const BwdStep& stp,
-                                           float* dq_accum, const DqTurns<Tr, CAUSAL>& turns,
-                                           unsigned char* raw, uint32_t base, int w, int tid,
-                                           bool dq_leader, int n_block, int b, int nheads,
-                                           int n_m_total, int*& held) {
+__device__ __forceinline__ void bwd_dq_writer(const BwdParams& p, uint32_t base, int lane,
+                                              int n_steps, int n_m, int m_block_min, int n_block,
+                                              int hk, int b) {
     using L = HopperBwdSmem<Tr>;
-    DqTile<Tr>::store(reinterpret_cast<float2*>(raw + L::kDQ), dq, w, tid & 127);
-    fence_proxy_async();  // the tile's writes (generic proxy) before the reduction's reads
-    float* dq_dst = dq_accum + (((int64_t)b * nheads + stp.h) * n_m_total +
-                                stp.m0 / Tr::kBlockM) * DqTile<Tr>::kFloats;
-    if constexpr (kDqPerWarpgroup<DETERMINISTIC>) {  // each warpgroup its half
-        named_barrier_sync(1 + w, 128);
-        if (dq_leader) {
-            constexpr int kHalf = DqTile<Tr>::kBytes / 2;
-            bulk_reduce_add_f32(dq_dst + w * (DqTile<Tr>::kFloats / 2),
-                                base + L::kDQ + (uint32_t)(w * kHalf), kHalf);
-            bulk_commit_group();
-        }
-    } else {  // the whole tile once the CTA wrote it (one thread takes the turn)
-        __syncthreads();
-        if (dq_leader) {
-            int* turn = turns.counter(stp.h, stp.m0);
-            if (DETERMINISTIC) {  // this key block's turn at the query block
-                const int my = turns.rank(n_block, stp.m0 / Tr::kBlockM);
-                while (ld_acquire_gpu(turn) != my) __nanosleep(32);
-                fence_proxy_async_all();  // the acquire before the reduction (async proxy)
+    const FwdParams& f = p.fwd;
+    constexpr int kHalf = DqTile<Tr>::kBytes / 2;
+    const int n_m_total = (f.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    float* dq_accum = p.dq_accum + (int64_t)b * f.nheads * n_m_total * DqTile<Tr>::kFloats;
+    const DqTurns<Tr, CAUSAL> turns{
+        reinterpret_cast<int*>(p.dq_accum + (int64_t)f.batch * f.nheads * n_m_total * DqTile<Tr>::kFloats) +
+            (int64_t)b * f.nheads * n_m_total,
+        (int)gridDim.x, n_m_total, f.seqlen_q, f.seqlen_k, f.window_left, f.window_right};
+    for (int j = 0; j < n_steps; ++j) {
+        const BwdStep stp = bwd_step<Tr>(j, n_m, m_block_min, hk, f.h_per_kv);
+        float* dst = dq_accum + ((int64_t)stp.h * n_m_total + stp.m0 / Tr::kBlockM) * DqTile<Tr>::kFloats;
+        int* turn = turns.counter(stp.h, stp.m0);
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+            named_barrier_sync(kBarDqFull + w, kBwdDqBarThreads);
+            if (lane == 0) {
+                if (DETERMINISTIC && w == 0) {  // this key block's turn at the query block
+                    const int my = turns.rank(n_block, stp.m0 / Tr::kBlockM);
+                    while (ld_acquire_gpu(turn) != my) __nanosleep(32);
+                    fence_proxy_async_all();  // the acquire before the reductions (async proxy)
+                }
+                bulk_reduce_add_f32(dst + w * (DqTile<Tr>::kFloats / 2),
+                                    base + L::kDQ + (uint32_t)(w * kHalf), kHalf);
+                bulk_commit_group();
             }
-            bulk_reduce_add_f32(dq_dst, base + L::kDQ, DqTile<Tr>::kBytes);
-            bulk_commit_group();
-            if (DETERMINISTIC) held = turn;
+            __syncwarp();  // (bar.sync is .aligned: the warp converged before the next one)
+        }
+        if (lane == 0) bulk_wait_group_read<0>();
+        __syncwarp();
+        if (j + 1 < n_steps) {  // the consumers wait for these from their second step on
+            named_barrier_arrive(kBarDqEmpty, kBwdDqBarThreads);
+            named_barrier_arrive(kBarDqEmpty + 1, kBwdDqBarThreads);
+        }
+        if (DETERMINISTIC && lane == 0) {  // the reductions complete, then the next key block's turn
+            bulk_wait_group<0>();
+            fence_proxy_async_all();  // the reductions' writes (async proxy) before the release
+            red_release_gpu_add(turn, 1);
         }
     }
+    if (lane == 0) bulk_wait_group<0>();  // the last reductions, before the CTA's memory goes
 }
 
 // The epilogue: dK = softmax_scale dS^T Q and dV of this thread's keys key0 + {0, 8}, rounded
@@ -500,46 +517,27 @@ __device__ __forceinline__ void bwd_store_dk_dv(const BwdParams& p, const float 
     }
 }
 
-// One CTA: set-up and the first copies (bwd_start), every step of the query blocks that see its
-// keys, then dK and dV (bwd_store_dk_dv).
-template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
-__device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
-    using Tr = HopperBwdTraits<T, HEADDIM>;
+// Consumer warpgroup w (0 or 1; its 64 keys of the block): every step of the query blocks that
+// see its keys, then its dK and dV (bwd_store_dk_dv).
+template <typename T, typename Tr, bool CAUSAL>
+__device__ __forceinline__ void bwd_consumer(const BwdParams& p, uint32_t base, unsigned char* raw,
+                                             int w, int tid, int n_steps, int n_m,
+                                             int m_block_min, int n0, int hk, int b) {
     using L = HopperBwdSmem<Tr>;
-    constexpr int S = Tr::kStages;
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const uint32_t base = (smem_u32addr(smem_raw) + 1023u) & ~1023u;
-    unsigned char* raw = smem_raw + (base - smem_u32addr(smem_raw));
-    const BwdParams& p = P.bwd;
     const FwdParams& f = p.fwd;
-    const int tid = threadIdx.x, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
-    const int w = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform (common/wgmma.cuh)
+    const int lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
-    const int n_block = bwd_key_block<Tr, CAUSAL, DETERMINISTIC>();
-    const int n0 = n_block * Tr::kBlockN, hk = blockIdx.y, b = blockIdx.z;
     const int seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k;
-    const QueryTiles<Tr::kBlockM> qt(n0, min(n0 + Tr::kBlockN, seqlen_k) - 1, seqlen_q, seqlen_k,
-                                     CAUSAL, f.window_left, f.window_right);
-    const int n_m = qt.m_block_max - qt.m_block_min, n_steps = f.h_per_kv * n_m;
-    bwd_start<Tr>(P, base, tid, n_steps, n_m, qt.m_block_min, n0, hk, b);
-
-    const bool dq_leader = kDqPerWarpgroup<DETERMINISTIC> ? (tid & 127) == 0 : tid == 0;
     const BwdGemms<T, Tr> gemm(base, w);
+    const MbarRing<Tr::kStages> ring = bwd_ring<Tr>(base);
     const int key_row0 = w * 64 + warp_in_wg * 16 + g;  // this thread's keys: + 0, + 8
     float dk[Tr::kAcc], dv[Tr::kAcc];
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
     if (n_steps > 0) mbarrier_wait(base + L::kKVFull, 0u);
-    float* dq_accum = p.dq_accum;
-    const int n_m_total = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-    const DqTurns<Tr, CAUSAL> turns{
-        reinterpret_cast<int*>(dq_accum + (int64_t)f.batch * f.nheads * n_m_total * DqTile<Tr>::kFloats) +
-            (int64_t)b * f.nheads * n_m_total,
-        (int)gridDim.x, n_m_total, seqlen_q, seqlen_k, f.window_left, f.window_right};
-    int* held_turn = nullptr;  // DETERMINISTIC: the turn of the last reduction (bwd_pass_turn)
     for (int j = 0; j < n_steps; ++j) {
-        const int slot = j % S, buf = j & 1;
-        const BwdStep stp = bwd_step<Tr>(j, n_m, qt.m_block_min, hk, f.h_per_kv);
+        const int slot = j % Tr::kStages, buf = j & 1;
+        const BwdStep stp = bwd_step<Tr>(j, n_m, m_block_min, hk, f.h_per_kv);
         // S^T = K Q^T, dP^T = V dO^T (and, with 64-row steps, the LSE and D read meanwhile)
         float st[Tr::kSAcc], dpt[Tr::kSAcc];
         bwd_scores<Tr>(gemm, st, dpt, base, j);
@@ -567,16 +565,10 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         wgmma_fence_operand(dsf);
         wgmma_fence();
         gemm.dv_dk(dv, dk, ptf, dsf, slot);
-        // every thread: its dS^T written, and done with step j - 1 (its slot and dS^T buffer);
-        // step j - 1's dQ reduction has read the dQ tile
-        if (dq_leader) {
-            if (DETERMINISTIC) bwd_pass_turn(held_turn);
-            else bulk_wait_group_read<0>();
-        }
-        __syncthreads();
-        if (tid == 0 && j + S - 1 < n_steps)
-            bwd_issue_step<Tr>(P, base, j + S - 1, n_m, qt.m_block_min, hk, b);
-        // dQ += dS K (this step's query block, in dq_accum)
+        // both warpgroups' dS^T written (and each done with step j - 1's dQ, which read the
+        // other buffer)
+        named_barrier_sync(kBarDs, Tr::kConsumerThreads);
+        // dQ = dS K (this warpgroup's part of the step's query block)
         float dq[Tr::kQAcc];
         wgmma_fence();
         gemm.dq(dq, buf);
@@ -584,25 +576,64 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         wgmma_fence_operand(dq);
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
-        bwd_add_dq<Tr, CAUSAL, DETERMINISTIC>(dq, stp, dq_accum, turns, raw, base, w, tid,
-                                               dq_leader, n_block, b, f.nheads, n_m_total,
-                                               held_turn);
+        ring.consumer_release(bwd_ring_state<Tr>(j), lane);  // this warp's reads of the slot are done
+        // the half of the dQ tile to the writer warp, once it has read the previous one
+        if (j > 0) named_barrier_sync(kBarDqEmpty + w, kBwdDqBarThreads);
+        DqTile<Tr>::store(reinterpret_cast<float2*>(raw + L::kDQ), dq, w, tid & 127);
+        fence_proxy_async();  // the tile's writes (generic proxy) before the reduction's reads
+        named_barrier_arrive(kBarDqFull + w, kBwdDqBarThreads);
     }
-    if (dq_leader) {  // the last reduction, before the CTA's memory goes
-        bulk_wait_group<0>();
-        if (DETERMINISTIC) bwd_pass_turn(held_turn);
-    }
-
     bwd_store_dk_dv<T, Tr>(p, dk, dv, b, hk, n0 + key_row0, t);
 }
 
+// One CTA: the barriers, then each warpgroup takes its role: warpgroups 0 and 1 compute
+// (bwd_consumer), warpgroup 2's warp 0 copies (bwd_producer) and its warp 1 adds dQ
+// (bwd_dq_writer); its other two warps leave.
+template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
+__device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
+    using Tr = HopperBwdTraits<T, HEADDIM>;
+    using L = HopperBwdSmem<Tr>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (smem_u32addr(smem_raw) + 1023u) & ~1023u;
+    unsigned char* raw = smem_raw + (base - smem_u32addr(smem_raw));
+    const BwdParams& p = P.bwd;
+    const FwdParams& f = p.fwd;
+    const int tid = threadIdx.x, lane = tid & 31;
+    // warp-uniform (common/wgmma.cuh): a role branch ptxas thinks divergent serialises wgmma
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+    const int n_block = bwd_key_block<Tr, CAUSAL, DETERMINISTIC>();
+    const int n0 = n_block * Tr::kBlockN, hk = blockIdx.y, b = blockIdx.z;
+    const QueryTiles<Tr::kBlockM> qt(n0, min(n0 + Tr::kBlockN, f.seqlen_k) - 1, f.seqlen_q,
+                                     f.seqlen_k, CAUSAL, f.window_left, f.window_right);
+    const int n_m = qt.m_block_max - qt.m_block_min, n_steps = f.h_per_kv * n_m;
+    if (tid == 0) {
+        mbarrier_init(base + L::kKVFull, 1);
+        bwd_ring<Tr>(base).init(Tr::kConsumerThreads / 32);
+        fence_proxy_async();  // the initialised barriers, before TMA completes bytes on them
+    }
+    __syncthreads();
+    if (wg == 2) {
+        warpgroup_reg_dealloc<Tr::kProducerRegs>();
+        const int warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
+        if (warp == 0 && lane == 0)
+            bwd_producer<Tr>(P, base, n_steps, n_m, qt.m_block_min, n0, hk, b);
+        else if (warp == 1)
+            bwd_dq_writer<Tr, CAUSAL, DETERMINISTIC>(p, base, lane, n_steps, n_m, qt.m_block_min,
+                                                    n_block, hk, b);
+        return;
+    }
+    warpgroup_reg_alloc<Tr::kConsumerRegs>();
+    bwd_consumer<T, Tr, CAUSAL>(p, base, raw, wg, tid, n_steps, n_m, qt.m_block_min, n0, hk, b);
+}
+
 // The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL, DETERMINISTIC> (grid: key blocks of
-// 128, KV heads, batch; 256 threads; dynamic shared memory HopperBwdSmem::kBytes) after the
+// 128, KV heads, batch; 384 threads; dynamic shared memory HopperBwdSmem::kBytes) after the
 // pre-pass (cf::bwd_hopper_prep_entry) into a zeroed dq_accum (DETERMINISTIC: and the turn counters
 // after it), then cf::bwd_dq_convert_entry<T, HEADDIM> (grid: query blocks of kBlockM rows,
 // heads, batch; 256 threads): dq = softmax_scale dq_accum.
 template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
-__global__ void __launch_bounds__(256, 1) bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
+__global__ void __launch_bounds__(HopperBwdTraits<T, HEADDIM>::kThreads, 1)
+bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
     bwd_hopper_block<T, HEADDIM, CAUSAL, DETERMINISTIC>(P);
 }
 
