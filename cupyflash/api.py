@@ -313,8 +313,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
         float16/bfloat16, head dim <= 128, dense; ``CUPYFLASH_BWD_HOPPER=0`` turns it off): it
         adds ``dq`` over the key blocks by fp32 reductions in L2, in an order that varies
         (``dk``, ``dv`` stay repeatable); with True the key blocks take turns (FlashAttention-3's
-        semaphores), in a fixed order, at 0.60-0.84x the default's speed on an H100
-        (2026-12-06, 5c0d82c; still faster than the mma.sync kernels at S >= 4k).
+        semaphores), in a fixed order, at 0.77-0.98x the default's speed on an H200
+        (2026-12-06, 74d3d00; still faster than the mma.sync kernels at S >= 4k).
     dq, dk, dv : CUDA arrays, optional
         Buffers for the results, shaped and typed like ``q``, ``k``, ``v`` (any strides with a
         contiguous last dimension); allocated when None.
