@@ -1,17 +1,19 @@
 """Before/after timing of two builds of cupyflash on the same GPU, in one run.
 
 A kernel change is judged against the code it replaces, measured side by side: this script times
-the same prefill and decode calls with the library of this checkout ("after") and with the one
+the same prefill, decode and backward calls with the library of this checkout ("after") and with the one
 in ``--before DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/before TAG`` or
 ``git archive TAG cupyflash kernels_cu | tar -x -C DIR``), alternating the two in ``--rounds``
 rounds of one process each, so that clock drift and a warm or cold GPU fall on both alike. Each
 call is timed by :func:`common.benchmark` (CUDA events, median; decode with L2 flushed between
-repetitions, as in a model step). The record per shape keeps every round's median for both
+repetitions, as in a model step; the backward as ``flash_attn_backward`` alone, by default and
+with ``deterministic=True``: ops ``backward`` and ``backward_det``). The record per shape keeps every round's median for both
 builds, their medians, and ``ratio = after / before`` (below 1: the change is faster).
 
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before            # full set
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --only decode --rounds 3
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --prefill-seqlens 16384 --headdims 128
+    PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --only backward --headdims 64 128
 
 Appends a run to ``experiments/results/bench_ab.jsonl``: a header with this checkout's commit and
 the GPU (experiments/common.py), then one line per shape with ``commit_before``.
@@ -29,10 +31,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 # (op, dtype, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, paged page size or 0)
-def _prefill_shapes(dtype_hd_s, causal=(False, True)):
-    """Prefill shapes at 16k tokens per batch and hidden 2048, one per (dtype, head dim, S) and
+def _prefill_shapes(dtype_hd_s, causal=(False, True), op="prefill"):
+    """Shapes of ``op`` at 16k tokens per batch and hidden 2048, one per (dtype, head dim, S) and
     causal flag."""
-    return [("prefill", dt, hd, 16384 // s, s, s, 2048 // hd, 2048 // hd, c, 0)
+    return [(op, dt, hd, 16384 // s, s, s, 2048 // hd, 2048 // hd, c, 0)
             for dt, hd, s in dtype_hd_s for c in causal]
 
 
@@ -40,13 +42,25 @@ PREFILL = _prefill_shapes((("bfloat16", 128, 4096), ("bfloat16", 64, 4096),
                            ("bfloat16", 256, 4096), ("float16", 128, 4096),
                            ("bfloat16", 128, 1024))) + \
     [("prefill", "float32", 64, 2, 1024, 1024, 8, 8, False, 0)]
+# bf16 at S 1k and 8k, both modes (issue 35's shapes)
+BACKWARD = [x for op in ("backward", "backward_det")
+            for x in _prefill_shapes([("bfloat16", hd, s) for hd in (64, 128, 256)
+                                      for s in (1024, 8192)], op=op)]
 # Llama-3-8B decode heads (32 query, 8 KV, hd128), one new token, full caches
 DECODE = [("decode", "bfloat16", 128, b, 1, s, 32, 8, False, ps)
           for b, s, ps in ((1, 16384, 0), (1, 131072, 0), (16, 1024, 0), (16, 16384, 0),
                            (64, 1024, 0), (64, 4096, 0), (16, 4096, 16), (64, 1024, 16))]
 
 
-def _worker(ops, out_path, prefill=None):
+def shapes_of(ops, prefill=None, headdims=(64, 128, 256)):
+    """The shapes a run times: ``prefill`` (or PREFILL), DECODE and BACKWARD (at ``headdims``),
+    those of ``ops``."""
+    backward = [x for x in BACKWARD if x[2] in headdims]
+    return [x for x in (PREFILL if prefill is None else prefill) + DECODE + backward
+            if x[0] in ops]
+
+
+def _worker(out_path, shapes):
     """Time every shape with whichever cupyflash is first on the path (imported before
     ``common``, which would put this checkout's first); write {key: median ms}."""
     import cupyflash  # noqa: F401  (the build under test: PYTHONPATH decides)
@@ -55,11 +69,21 @@ def _worker(ops, out_path, prefill=None):
     import numpy as np
     import common
     res = {"cupyflash": os.path.dirname(cupyflash.__file__)}
-    shapes = (PREFILL if prefill is None else [tuple(x) for x in prefill]) + DECODE
-    for op, dt, hd, b, sq, sk, h, hk, causal, ps in [s for s in shapes if s[0] in ops]:
+    for op, dt, hd, b, sq, sk, h, hk, causal, ps in shapes:
         key = json.dumps([op, dt, hd, b, sq, sk, h, hk, causal, ps])
         q, k, v = common.random_qkv(b, sq, sk, h, hk, hd, dt, seed=1)
-        if op == "prefill":
+        if op in ("backward", "backward_det"):
+            dout = common.random_normal(q.shape, dt, 4)
+            o, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+            dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+            det = op == "backward_det"
+
+            def fn():
+                cupyflash.flash_attn_backward(dout, q, k, v, o, lse, causal=causal,
+                                              deterministic=det, dq=dq, dk=dk, dv=dv)
+            t = common.benchmark(fn, n_warmup=3, n_repeat=20)
+            dout = o = lse = dq = dk = dv = None
+        elif op == "prefill":
             out = cupy.empty_like(q)
 
             def fn():
@@ -100,7 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before", type=Path, help="root of the other build (holds cupyflash/ and "
                     "kernels_cu/)")
     ap.add_argument("--rounds", type=int, default=2, help="processes per build, alternated")
-    ap.add_argument("--only", choices=("prefill", "decode"), help="one op only")
+    ap.add_argument("--only", choices=("prefill", "decode", "backward"),
+                    help="one op only (backward: both modes; not in the default set)")
     ap.add_argument("--before-commit", default=None, help="commit of --before (default: its git "
                     "HEAD, or 'unknown')")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_ab.jsonl")
@@ -108,11 +133,11 @@ def main(argv=None) -> int:
                     help="prefill shapes: bf16 at these S (16k tokens per batch, hidden 2048, "
                     "causal and not) instead of the default set")
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256],
-                    help="head dims of --prefill-seqlens")
-    ap.add_argument("--worker", nargs=3, metavar=("OPS", "PATH", "PREFILL"), help=argparse.SUPPRESS)
+                    help="head dims of --prefill-seqlens and of the backward shapes")
+    ap.add_argument("--worker", nargs=2, metavar=("PATH", "SHAPES"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        _worker(args.worker[0].split(","), args.worker[1], json.loads(args.worker[2]))
+        _worker(args.worker[0], [tuple(x) for x in json.loads(args.worker[1])])
         return 0
     for s in args.prefill_seqlens or ():
         if s < 1 or 16384 % s:
@@ -130,7 +155,9 @@ def main(argv=None) -> int:
         ap.error(f"--before: {args.before} holds no cupyflash/ package")
     sys.path.insert(0, str(HERE))
     import common
-    ops = [args.only] if args.only else ["prefill", "decode"]
+    ops = {None: ["prefill", "decode"], "backward": ["backward", "backward_det"]}.get(
+        args.only, [args.only])
+    shapes = shapes_of(ops, prefill, args.headdims)
     after_root = HERE.parent
     sides = {"before": args.before.resolve(), "after": after_root}
     runs = {"before": [], "after": []}
@@ -140,8 +167,8 @@ def main(argv=None) -> int:
             path = tmp / f"bench_ab_{side}_{r}.json"
             env = dict(os.environ, PYTHONPATH=str(sides[side]))
             print(f"round {r}: {side} ({sides[side]})", flush=True)
-            subprocess.run([sys.executable, __file__, "--worker", ",".join(ops), str(path),
-                            json.dumps(prefill)], env=env, check=True)
+            subprocess.run([sys.executable, __file__, "--worker", str(path), json.dumps(shapes)],
+                           env=env, check=True)
             runs[side].append(json.loads(path.read_text()))
     for side in sides:  # each side really imported its own build
         got = {Path(x["cupyflash"]).resolve().parent for x in runs[side]}

@@ -977,3 +977,38 @@ def test_gpu_suite_keeps_the_hypothesis_replay_of_a_failure(tmp_path):
     assert first["falsifying_example"].startswith("Falsifying example: test_prefill_exact")
     assert "family='baseline'" in first["falsifying_example"]
     assert "reproduce_failure" not in second and "falsifying_example" not in second
+
+
+def test_bench_ab_backward_shapes_and_a_run_without_a_gpu(monkeypatch, tmp_path):
+    import bench_ab
+    shapes = bench_ab.shapes_of(["backward", "backward_det"], headdims=(64, 128))
+    assert len(shapes) == 16 and {s[0] for s in shapes} == {"backward", "backward_det"}
+    for op, dt, hd, b, sq, sk, h, hk, causal, ps in shapes:
+        assert dt == "bfloat16" and hd in (64, 128) and b * sq == 16384 and h * hd == 2048
+        assert sq == sk and h == hk and ps == 0
+    assert not [s for s in bench_ab.shapes_of(["prefill", "decode"]) if "backward" in s[0]]
+    # a run: the workers (one process per build and round) replaced by a fake that records its
+    # arguments and writes a time per shape
+    before = tmp_path / "before"
+    (before / "cupyflash").mkdir(parents=True)
+    calls = []
+
+    def fake_run(cmd, env, check):
+        calls.append((cmd, env["PYTHONPATH"]))
+        path, got = cmd[cmd.index("--worker") + 1], json.loads(cmd[cmd.index("--worker") + 2])
+        root = env["PYTHONPATH"]
+        ms = 2.0 if root == str(before.resolve()) else 1.5
+        res = {"cupyflash": str(Path(root) / "cupyflash")}  # (the worker writes its dirname)
+        res.update({json.dumps(list(s)): ms for s in got})
+        Path(path).write_text(json.dumps(res))
+    monkeypatch.setattr(bench_ab.subprocess, "run", fake_run)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    out = tmp_path / "ab.jsonl"
+    assert bench_ab.main(["--before", str(before), "--only", "backward", "--headdims", "128",
+                          "--rounds", "2", "--before-commit", "abc1234", "--out", str(out)]) == 0
+    assert len(calls) == 4 and {c[1] for c in calls} == {str(before.resolve()),
+                                                          str(bench_ab.HERE.parent)}
+    recs = [r for r in map(json.loads, out.read_text().splitlines()) if r["what"] == "bench_ab"]
+    assert len(recs) == 8 and {r["op"] for r in recs} == {"backward", "backward_det"}
+    assert all(r["headdim"] == 128 and r["ratio"] == 0.75 and r["commit_before"] == "abc1234"
+               and r["ms_before"] == [2.0, 2.0] for r in recs)
