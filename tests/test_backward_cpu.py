@@ -227,7 +227,7 @@ def test_hopper_tiles_are_the_kernels():
         assert got == [bm, bn]
         threads = kernels.layout(kernels.HOPPER_SOURCE, f"cf::HopperBwdTraits<__half, {hd}>::kThreads")
         plan = kernels.plan_backward("float16", hd, False, hopper=True)
-        assert plan.dkdv[0].threads == threads == 384  # two consumer warpgroups and a producer
+        assert plan.dkdv[0].threads == threads == 32 * kernels.HOPPER_WARPS == 384
     assert kernels.layout(kernels.HOPPER_SOURCE, "cf::kStatsRows") == kernels.STATS_ROWS
     assert max(bm for bm, _ in kernels.HOPPER_TILES.values()) == kernels.STATS_PAD
 

@@ -48,6 +48,9 @@ HOPPER_SOURCE = "backward/hopper.cu"
 #: ``HopperBwdTraits``; the dq conversion takes one query block of a step's rows per CTA).
 HOPPER_HEADDIMS = (64, 128)
 HOPPER_TILES = {64: (128, 128), 128: (64, 128)}
+#: Warps of the Hopper kernel's CTA (``HopperBwdTraits::kThreads``): two consumer warpgroups and
+#: a producer one.
+HOPPER_WARPS = 12
 #: The Hopper pre-pass: rows per block of statistics (``kStatsRows``), and the rows its buffer is
 #: padded to (the largest step: a step copies its blocks in one piece).
 STATS_ROWS, STATS_PAD = 64, 128
@@ -265,7 +268,7 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
                              f"to 128, got {dtype} at {headdim}")
         bm, bn = HOPPER_TILES[hhd]
         prep = BwdKernel("dsum", dtype, 0, STATS_ROWS, 0, 4, tma=True)  # LSE log2(e) and D, padded
-        return BwdPlan(prep, (BwdKernel("dkdv", dtype, hhd, bm, bn, 12, causal, tma=True,
+        return BwdPlan(prep, (BwdKernel("dkdv", dtype, hhd, bm, bn, HOPPER_WARPS, causal, tma=True,
                                         deterministic=deterministic),),
                        BwdKernel("dq", dtype, hhd, bm, 0, 8, tma=True))
     if dtype in fwd.TC_DTYPES:
