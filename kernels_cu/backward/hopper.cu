@@ -366,15 +366,11 @@ __device__ __forceinline__ float* bwd_stats_block(const BwdParams& p, int b, int
 
 // The Q / dO ring's barriers (common/pipeline.cuh): slot s's "full" completes once per use when
 // its step's copies have landed, its "empty" once per use when the consumers' 8 warps are done
-// with it. Step j uses slot j % kStages in its (j / kStages)-th use.
+// with it. Step j uses slot j % kStages; producer and consumers walk it with a PipelineState.
 template <typename Tr>
 __device__ __forceinline__ MbarRing<Tr::kStages> bwd_ring(uint32_t base) {
     using L = HopperBwdSmem<Tr>;
     return MbarRing<Tr::kStages>{base + L::kFull, base + L::kEmpty};
-}
-template <typename Tr>
-__device__ __forceinline__ PipelineState<Tr::kStages> bwd_ring_state(int j) {
-    return PipelineState<Tr::kStages>{j % Tr::kStages, (uint32_t)((j / Tr::kStages) & 1)};
 }
 
 // The named barriers of the kernel (id 0 is __syncthreads'); the dQ barriers count a consumer
@@ -389,10 +385,11 @@ constexpr int kBwdDqBarThreads = 128 + 32;
 // Step j's S^T = K Q^T and dP^T = V dO^T issued, once its slot's copies have landed.
 template <typename Tr, typename Gemms>
 __device__ __forceinline__ void bwd_scores(const Gemms& gemm, float (&st)[Tr::kSAcc],
-                                           float (&dpt)[Tr::kSAcc], uint32_t base, int j) {
-    bwd_ring<Tr>(base).consumer_wait(bwd_ring_state<Tr>(j));
+                                           float (&dpt)[Tr::kSAcc], uint32_t base,
+                                           const PipelineState<Tr::kStages>& ring_st) {
+    bwd_ring<Tr>(base).consumer_wait(ring_st);
     wgmma_fence();
-    gemm.st_dpt(st, dpt, j % Tr::kStages);
+    gemm.st_dpt(st, dpt, ring_st.slot);
 }
 
 // The producer warp's lane 0: K and V of the key block once, then the Q and dO tiles of each
@@ -417,11 +414,9 @@ __device__ __forceinline__ void bwd_producer(const BwdTmaParams& P, uint32_t bas
         tma_load_4d(base + L::kV + off, &P.tv, c * 64, hk, n0, b, kv_full);
     }
     const MbarRing<Tr::kStages> ring = bwd_ring<Tr>(base);
-    for (int j = 0; j < n_steps; ++j) {
-        // the producer's parity is the consumers' flipped: its first round over the ring
-        // passes at once (common/pipeline.cuh)
-        PipelineState<Tr::kStages> ps = bwd_ring_state<Tr>(j);
-        ps.phase ^= 1u;
+    // (the producer's first round over the ring passes at once: common/pipeline.cuh)
+    PipelineState<Tr::kStages> ps = producer_start<Tr::kStages>();
+    for (int j = 0; j < n_steps; ++j, ps.advance()) {
         ring.producer_acquire(ps);
         const BwdStep st = bwd_step<Tr>(j, n_m, m_block_min, hk, p.fwd.h_per_kv);
         ring.producer_expect(ps, 2 * Tr::kQBytes + Tr::kStatsBytes);
@@ -453,10 +448,10 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParams& p, uint32_t base,
     const FwdParams& f = p.fwd;
     constexpr int kHalf = DqTile<Tr>::kBytes / 2;
     const int n_m_total = (f.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-    float* dq_accum = p.dq_accum + (int64_t)b * f.nheads * n_m_total * DqTile<Tr>::kFloats;
-    const DqTurns<Tr, CAUSAL> turns{
-        reinterpret_cast<int*>(p.dq_accum + (int64_t)f.batch * f.nheads * n_m_total * DqTile<Tr>::kFloats) +
-            (int64_t)b * f.nheads * n_m_total,
+    const int64_t tiles = (int64_t)f.nheads * n_m_total;  // dq_accum tiles of a batch entry
+    float* dq_accum = p.dq_accum + b * tiles * DqTile<Tr>::kFloats;
+    const DqTurns<Tr, CAUSAL> turns{  // the counters follow the tiles of every batch entry
+        reinterpret_cast<int*>(p.dq_accum + f.batch * tiles * DqTile<Tr>::kFloats) + b * tiles,
         (int)gridDim.x, n_m_total, f.seqlen_q, f.seqlen_k, f.window_left, f.window_right};
     for (int j = 0; j < n_steps; ++j) {
         const BwdStep stp = bwd_step<Tr>(j, n_m, m_block_min, hk, f.h_per_kv);
@@ -535,12 +530,13 @@ __device__ __forceinline__ void bwd_consumer(const BwdParams& p, uint32_t base, 
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
     if (n_steps > 0) mbarrier_wait(base + L::kKVFull, 0u);
-    for (int j = 0; j < n_steps; ++j) {
-        const int slot = j % Tr::kStages, buf = j & 1;
+    PipelineState<Tr::kStages> ring_st = consumer_start<Tr::kStages>();
+    for (int j = 0; j < n_steps; ++j, ring_st.advance()) {
+        const int slot = ring_st.slot, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, m_block_min, hk, f.h_per_kv);
         // S^T = K Q^T, dP^T = V dO^T (and, with 64-row steps, the LSE and D read meanwhile)
         float st[Tr::kSAcc], dpt[Tr::kSAcc];
-        bwd_scores<Tr>(gemm, st, dpt, base, j);
+        bwd_scores<Tr>(gemm, st, dpt, base, ring_st);
         const BwdStats<Tr> stats(reinterpret_cast<const float*>(raw + L::kStats +
                                                                 slot * Tr::kStatsBytes), t);
         wgmma_wait<0>();
@@ -576,7 +572,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParams& p, uint32_t base, 
         wgmma_fence_operand(dq);
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
-        ring.consumer_release(bwd_ring_state<Tr>(j), lane);  // this warp's reads of the slot are done
+        ring.consumer_release(ring_st, lane);  // this warp's reads of the slot are done
         // the half of the dQ tile to the writer warp, once it has read the previous one
         if (j > 0) named_barrier_sync(kBarDqEmpty + w, kBwdDqBarThreads);
         DqTile<Tr>::store(reinterpret_cast<float2*>(raw + L::kDQ), dq, w, tid & 127);
