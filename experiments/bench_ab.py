@@ -1,14 +1,15 @@
 """Before/after timing of two builds of cupyflash on the same GPU, in one run.
 
 A kernel change is judged against the code it replaces, measured side by side: this script times
-the same prefill, decode and backward calls with the library of this checkout ("after") and with the one
-in ``--before DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/before TAG`` or
-``git archive TAG cupyflash kernels_cu | tar -x -C DIR``), alternating the two in ``--rounds``
-rounds of one process each, so that clock drift and a warm or cold GPU fall on both alike. Each
-call is timed by :func:`common.benchmark` (CUDA events, median; decode with L2 flushed between
-repetitions, as in a model step; the backward as ``flash_attn_backward`` alone, by default and
-with ``deterministic=True``: ops ``backward`` and ``backward_det``). The record per shape keeps every round's median for both
-builds, their medians, and ``ratio = after / before`` (below 1: the change is faster).
+the same prefill, decode and backward calls with the library of this checkout ("after") and with
+the one in ``--before DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/before
+TAG`` or ``git archive TAG cupyflash kernels_cu | tar -x -C DIR``), alternating the two in
+``--rounds`` rounds of one process each, so that clock drift and a warm or cold GPU fall on both
+alike. Each call is timed by :func:`common.benchmark` (CUDA events, median; decode with L2
+flushed between repetitions, as in a model step; the backward as ``flash_attn_backward`` alone,
+by default and with ``deterministic=True``: ops ``backward`` and ``backward_det``). The record
+per shape keeps every round's median for both builds, their medians, and ``ratio = after /
+before`` (below 1: the change is faster).
 
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before            # full set
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --only decode --rounds 3
