@@ -634,45 +634,85 @@ bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
 }
 
 // The pre-pass of the Hopper plan: per 64-row query block of (batch, head), LSE log2(e) of its
-// rows (bwd_lse_log2: +inf past the end) and then their D (0 past the end), 128 floats at
-// dsum + batch / head strides + block * 128 (bwd_stats_block), which the main kernel copies
-// into its ring with a step's Q and dO tiles. Grid (query blocks of 64 up to the buffer's padded
-// end, heads, batch), 128 threads (one warp per row).
+// rows (bwd_lse_log2: +inf past the end) and then their D = rowsum(dO * O) (0 past the end), 128
+// floats at dsum + batch / head strides + block * 128 (bwd_stats_block), which the main kernel
+// copies into its ring with a step's Q and dO tiles. Grid (query blocks of 64 up to the buffer's
+// padded end, heads, batch), 128 threads: 8 lanes per row, each with 16-byte loads of dO and O
+// (columns 8 lane' + 64 c, lane' = lane & 7), 16 rows per pass; every load of the block is
+// issued before the first sum (the kernel is a stream of loads: keep them in flight).
 template <typename T>
 __global__ void __launch_bounds__(128) bwd_hopper_prep_entry(const __grid_constant__ BwdParams p) {
-    constexpr int M = kStatsRows;
-    const int b = blockIdx.z, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int M = kStatsRows, kRows = 16, kPasses = M / kRows;
+    constexpr int kChunks = 2;  // 64 columns each: head dims up to 128
+    const int b = blockIdx.z, h = blockIdx.y, sub = threadIdx.x & 7, row = threadIdx.x >> 3;
     const BwdSeq s = bwd_seq(p, b, h);
-    const int seqlen_q = s.f.seqlen_q;
-    float* stats = bwd_stats_block(p, b, h, blockIdx.x * M);
-    for (int i = warp; i < M; i += 4) {
-        const int r = blockIdx.x * M + i;
-        const float d = r < seqlen_q ? dsum_row<T, float>(p, s, r, lane) : 0.f;
-        if (lane == 0) {
-            stats[i] = bwd_lse_log2<float>(p.fwd.lse + s.f.lse_off, r, seqlen_q);
-            stats[M + i] = d;
+    const int seqlen_q = s.f.seqlen_q, headdim = p.fwd.headdim, r0 = blockIdx.x * M;
+    const T* o = static_cast<const T*>(p.fwd.o) + s.f.o_off;
+    const T* dout = static_cast<const T*>(p.dout) + s.do_off;
+    uint4 ov[kPasses][kChunks], dv[kPasses][kChunks];
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+        const int r = r0 + i * kRows + row;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            const int col = 64 * c + 8 * sub;
+            ov[i][c] = dv[i][c] = make_uint4(0u, 0u, 0u, 0u);
+            if (r < seqlen_q && col < headdim) {
+                ov[i][c] = __ldg(reinterpret_cast<const uint4*>(o + (int64_t)r * p.fwd.o_row_stride + col));
+                dv[i][c] = __ldg(reinterpret_cast<const uint4*>(dout + (int64_t)r * p.do_row_stride + col));
+            }
+        }
+    }
+    float* stats = bwd_stats_block(p, b, h, r0);
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+        float d = 0.f;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            const uint32_t x[4] = {ov[i][c].x, ov[i][c].y, ov[i][c].z, ov[i][c].w};
+            const uint32_t y[4] = {dv[i][c].x, dv[i][c].y, dv[i][c].z, dv[i][c].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 a = to_float2<T>(x[e]), g = to_float2<T>(y[e]);
+                d = fmaf(a.y, g.y, fmaf(a.x, g.x, d));
+            }
+        }
+#pragma unroll
+        for (int off = 4; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+        const int k = i * kRows + row;
+        if (sub == 0) {
+            stats[k] = bwd_lse_log2<float>(p.fwd.lse + s.f.lse_off, r0 + k, seqlen_q);
+            stats[M + k] = d;
         }
     }
 }
 
-// dq = softmax_scale dq_accum for one query block of kBlockM rows (a DqTile, read in order).
+// dq = softmax_scale dq_accum for one query block of kBlockM rows: the DqTile read in order, a
+// float4 per thread and iteration (float2 numbers 2 e and 2 e + 1: threads u and u + 1 of a
+// fragment, one row's columns c .. c + 3), all loads issued before the first store.
 template <typename T, int HEADDIM>
 __global__ void __launch_bounds__(256) bwd_dq_convert_entry(const __grid_constant__ BwdParams p) {
     using Tile = DqTile<HopperBwdTraits<T, HEADDIM>>;
+    constexpr int kIters = Tile::kFloats / 4 / 256;
+    static_assert(kIters * 4 * 256 == Tile::kFloats, "whole float4 per thread");
     const FwdParams& f = p.fwd;
     const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const BwdSeq s = bwd_seq(p, b, h);
-    const float2* acc = reinterpret_cast<const float2*>(
+    const float4* acc = reinterpret_cast<const float4*>(
         p.dq_accum + (((int64_t)b * f.nheads + h) * gridDim.x + m) * Tile::kFloats);
+    float4 x[kIters];
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) x[i] = __ldg(acc + threadIdx.x + 256 * i);
     const float scale = (float)f.softmax_scale_d;
-    for (int e = threadIdx.x; e < Tile::kFloats / 2; e += 256) {
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
         int row, c;
-        Tile::position(e, row, c);
+        Tile::position(2 * (threadIdx.x + 256 * i), row, c);
         const int r = m * HopperBwdTraits<T, HEADDIM>::kBlockM + row;
-        if (r < f.seqlen_q && c < f.headdim) {
-            const float2 x = acc[e];
+        if (r < f.seqlen_q && c < f.headdim) {  // (head dims are multiples of 8: c + 3 too)
             T* out = static_cast<T*>(p.dq) + s.dq_off + (int64_t)r * p.dq_row_stride;
-            *reinterpret_cast<uint32_t*>(out + c) = pack2<T>(x.x * scale, x.y * scale);
+            *reinterpret_cast<uint2*>(out + c) = make_uint2(pack2<T>(x[i].x * scale, x[i].y * scale),
+                                                            pack2<T>(x[i].z * scale, x[i].w * scale));
         }
     }
 }

@@ -39,6 +39,15 @@ template <> struct DtypeInfo<double> { static constexpr int kBytes = 8; };
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+// The two 16-bit values packed in a 32-bit word (low half first) as floats, exactly (bf16: the
+// bits moved into a float's upper half).
+template <typename T> __device__ __forceinline__ float2 to_float2(uint32_t w);
+template <> __device__ __forceinline__ float2 to_float2<__half>(uint32_t w) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+template <> __device__ __forceinline__ float2 to_float2<__nv_bfloat16>(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
 // float -> T, round to nearest even
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
