@@ -15,6 +15,7 @@ before`` (below 1: the change is faster).
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --only decode --rounds 3
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --prefill-seqlens 16384 --headdims 128
     PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --only backward --headdims 64 128
+    PYTHONPATH=. python experiments/bench_ab.py --before /tmp/before --variants /tmp/v1 /tmp/v2 --only backward
 
 Appends a run to ``experiments/results/bench_ab.jsonl``: a header with this checkout's commit and
 the GPU (experiments/common.py), then one line per shape with ``commit_before``.
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=Path, help="root of the other build (holds cupyflash/ and "
                     "kernels_cu/)")
+    ap.add_argument("--variants", type=Path, nargs="+", default=[], metavar="DIR",
+                    help="roots of further builds, timed in the same rounds and each compared "
+                    "with --before")
     ap.add_argument("--rounds", type=int, default=2, help="processes per build, alternated")
     ap.add_argument("--only", choices=("prefill", "decode", "backward"),
                     help="one op only (backward: both modes; not in the default set)")
@@ -152,20 +156,24 @@ def main(argv=None) -> int:
                                    for hd in args.headdims])
     if args.before is None:
         ap.error("--before: the root of the build to compare against is required")
-    if not (args.before / "cupyflash").is_dir():
-        ap.error(f"--before: {args.before} holds no cupyflash/ package")
+    for root in [args.before] + args.variants:
+        if not (root / "cupyflash").is_dir():
+            ap.error(f"--before/--variants: {root} holds no cupyflash/ package")
     sys.path.insert(0, str(HERE))
     import common
     ops = {None: ["prefill", "decode"], "backward": ["backward", "backward_det"]}.get(
         args.only, [args.only])
     shapes = shapes_of(ops, prefill, args.headdims)
-    after_root = HERE.parent
-    sides = {"before": args.before.resolve(), "after": after_root}
-    runs = {"before": [], "after": []}
+    sides = {"before": args.before.resolve(), "after": HERE.parent}
+    sides.update((f"variant {v.resolve().name}", v.resolve()) for v in args.variants)
+    if len(set(sides.values())) < len(sides):
+        ap.error("--before/--variants: each build must be a different directory")
+    names = list(sides)
+    runs = {side: [] for side in names}
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
-    for r in range(args.rounds):
-        for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-            path = tmp / f"bench_ab_{side}_{r}.json"
+    for r in range(args.rounds):  # the order rotates, so that no build always runs first
+        for side in names[r % len(names):] + names[:r % len(names)]:
+            path = tmp / f"bench_ab_{side.replace(' ', '_')}_{r}.json"
             env = dict(os.environ, PYTHONPATH=str(sides[side]))
             print(f"round {r}: {side} ({sides[side]})", flush=True)
             subprocess.run([sys.executable, __file__, "--worker", str(path), json.dumps(shapes)],
@@ -175,21 +183,23 @@ def main(argv=None) -> int:
         got = {Path(x["cupyflash"]).resolve().parent for x in runs[side]}
         assert got == {sides[side]}, f"{side}: imported cupyflash from {got}"
     recs = []
-    for key in runs["after"][0]:
-        if key == "cupyflash":
-            continue
-        op, dt, hd, b, sq, sk, h, hk, causal, ps = json.loads(key)
-        before = [x[key] for x in runs["before"]]
-        after = [x[key] for x in runs["after"]]
-        mb, ma = statistics.median(before), statistics.median(after)
-        recs.append(dict(what="bench_ab", op=op, dtype=dt, headdim=hd, batch=b, seqlen_q=sq,
-                         seqlen_k=sk, nheads=h, nheads_k=hk, causal=causal, page_size=ps,
-                         ms_before=before, ms_after=after, ms_before_median=mb,
-                         ms_after_median=ma, ratio=ma / mb,
-                         commit_before=args.before_commit or _commit(sides["before"])))
-        print(f"{op:7s} {dt:8s} hd{hd:<3d} b{b:<3d} sq{sq:<5d} sk{sk:<6d} "
-              f"{'causal' if causal else 'full  '} p{ps:<3d} before {mb:8.4f} ms  after "
-              f"{ma:8.4f} ms  ratio {ma / mb:.4f}", flush=True)
+    for side in names[1:]:
+        variant = None if side == "after" else sides[side].name
+        for key in runs[side][0]:
+            if key == "cupyflash":
+                continue
+            op, dt, hd, b, sq, sk, h, hk, causal, ps = json.loads(key)
+            before = [x[key] for x in runs["before"]]
+            after = [x[key] for x in runs[side]]
+            mb, ma = statistics.median(before), statistics.median(after)
+            recs.append(dict(what="bench_ab", op=op, dtype=dt, headdim=hd, batch=b, seqlen_q=sq,
+                             seqlen_k=sk, nheads=h, nheads_k=hk, causal=causal, page_size=ps,
+                             ms_before=before, ms_after=after, ms_before_median=mb,
+                             ms_after_median=ma, ratio=ma / mb, variant=variant,
+                             commit_before=args.before_commit or _commit(sides["before"])))
+            print(f"{variant or 'after':10s} {op:12s} {dt:8s} hd{hd:<3d} b{b:<3d} sq{sq:<5d} "
+                  f"sk{sk:<6d} {'causal' if causal else 'full  '} p{ps:<3d} before {mb:8.4f} ms"
+                  f"  after {ma:8.4f} ms  ratio {ma / mb:.4f}", flush=True)
     common.append_results(args.out, recs)  # the run's header: this checkout's commit and GPU
     return 0
 

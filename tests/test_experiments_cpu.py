@@ -1011,4 +1011,21 @@ def test_bench_ab_backward_shapes_and_a_run_without_a_gpu(monkeypatch, tmp_path)
     recs = [r for r in map(json.loads, out.read_text().splitlines()) if r["what"] == "bench_ab"]
     assert len(recs) == 8 and {r["op"] for r in recs} == {"backward", "backward_det"}
     assert all(r["headdim"] == 128 and r["ratio"] == 0.75 and r["commit_before"] == "abc1234"
-               and r["ms_before"] == [2.0, 2.0] for r in recs)
+               and r["ms_before"] == [2.0, 2.0] and r["variant"] is None for r in recs)
+    # --variants: a third build in the same rounds (the order rotating), compared with --before
+    variant = tmp_path / "v1"
+    (variant / "cupyflash").mkdir(parents=True)
+    calls.clear()
+    out.unlink()
+    assert bench_ab.main(["--before", str(before), "--variants", str(variant), "--only",
+                          "backward", "--headdims", "128", "--rounds", "3", "--before-commit",
+                          "abc1234", "--out", str(out)]) == 0
+    roots = [c[1] for c in calls]
+    assert len(roots) == 9 and roots[0] != roots[3] != roots[6] and \
+        sorted(roots) == sorted(3 * [str(before.resolve()), str(bench_ab.HERE.parent),
+                                     str(variant.resolve())])
+    recs = [r for r in map(json.loads, out.read_text().splitlines()) if r["what"] == "bench_ab"]
+    assert len(recs) == 16 and {r["variant"] for r in recs} == {None, "v1"}
+    assert all(r["ratio"] == 0.75 and len(r["ms_after"]) == 3 for r in recs)
+    with pytest.raises(SystemExit):  # the same directory twice
+        bench_ab.main(["--before", str(before), "--variants", str(before), "--out", str(out)])
