@@ -144,8 +144,9 @@ def _mma_backward(dtypes, small):
 
 
 def hopper_backward(small, bf16):
-    """The Hopper backward (sm_90a's default): hd64 and hd128 (a padded 72), tails,
-    GQA, causal with keys no query sees, a window, more than one query head per CTA."""
+    """The Hopper backward (sm_90a's default): hd64, hd128 (a padded 72) and hd256 (a padded
+    200), tails, GQA, causal with keys no query sees, a window, more than one query head per
+    CTA."""
     import os
     from unittest import mock
 
@@ -154,13 +155,14 @@ def hopper_backward(small, bf16):
         return
     with mock.patch.dict(os.environ, {"CUPYFLASH_BWD_HOPPER": "1"}):
         for dt in ((bf16,) if small else (bf16, cp.float16)):
-            for d in (64, 72):
+            for d in (64, 72, 200):
                 q, k = rand((2, 77, 4, d), dt), rand((2, 133, 2, d), dt)
                 v = rand((2, 133, 2, d), dt)
                 for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
                     out, lse = cf.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                                   return_lse=True)
-                    for det in (False, True):  # atomics; turns in a fixed order
+                    # atomics; turns in a fixed order (hd256: the mma.sync plan)
+                    for det in (False, True):
                         cf.flash_attn_backward(rand(q.shape, dt), q, k, v, out, lse, causal=causal,
                                                window_size=window, deterministic=det)
 

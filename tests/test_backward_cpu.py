@@ -184,7 +184,7 @@ def test_hopper_plan_geometry_and_shared_memory():
     # padded to a multiple of 128 rows (1000 -> 1024)
     prep = plan.dsum
     assert (prep.name, prep.entry, prep.spec.arch) == (
-        "bwdtma_prep_f16", "cf::bwd_hopper_prep_entry<__half>", "sm_90a")
+        "bwdtma_prep_f16", "cf::bwd_hopper_prep_entry<__half, 128>", "sm_90a")
     assert kernels.launch_geometry(prep, p) == ((16, 8, 3), (128, 1, 1))
     assert kernels.stats_shape(p) == (3, 8, 16, 128)
     # K, V (128 x 128), three Q and dO slots (64 x 128), two dS^T buffers (128 x 64), three
@@ -214,9 +214,26 @@ def test_hopper_plan_geometry_and_shared_memory():
     det = kernels.plan_backward("float16", 72, True, hopper=True, deterministic=True).dkdv[0]
     assert det.name == main.name + "_det" and det.entry.endswith(", 128, true, true>")
     assert det.smem_bytes == main.smem_bytes
-    for dtype, d in (("float32", 64), ("bfloat16", 136)):
-        with pytest.raises(ValueError, match="hopper"):
-            kernels.plan_backward(dtype, d, False, hopper=True)
+    with pytest.raises(ValueError, match="hopper"):
+        kernels.plan_backward("float32", 64, False, hopper=True)
+    # hd256 (every head dim above 128): 64 keys per CTA shared by both consumer warpgroups,
+    # 64-row steps, its own pre-pass (256 columns); no fixed dQ order (the mma.sync plan has one)
+    p256 = checks.check_attention(np.empty((3, 1000, 8, 136), np.float16),
+                                  np.empty((3, 700, 2, 136), np.float16),
+                                  np.empty((3, 700, 2, 136), np.float16))
+    plan256 = kernels.plan_backward("bfloat16", 136, False, hopper=True)
+    m256, c256, prep256 = plan256.dkdv[0], plan256.dq, plan256.dsum
+    assert (m256.headdim, m256.block_m, m256.block_n, c256.block_m) == (256, 64, 64, 64)
+    assert (prep256.name, prep256.entry) == ("bwdtma_prep_bf16_hd256",
+                                             "cf::bwd_hopper_prep_entry<__nv_bfloat16, 256>")
+    assert kernels.launch_geometry(m256, p256) == ((11, 2, 3), (384, 1, 1))
+    assert kernels.launch_geometry(c256, p256) == ((16, 8, 3), (256, 1, 1))
+    # K, V (64 x 256), two Q and dO slots (64 x 256), two buffers of P^T and dS^T (64 x 64
+    # each), two slots of statistics, no dQ tile (added from registers), five mbarriers
+    assert m256.smem_bytes == ((2 * 64 * 256 + 2 * 2 * 64 * 256 + 2 * 2 * 64 * 64) * 2
+                               + 2 * 2 * 64 * 4 + 8 * 5 + 1024) <= 227 * 1024
+    with pytest.raises(ValueError, match="deterministic"):
+        kernels.plan_backward("bfloat16", 256, False, hopper=True, deterministic=True)
 
 
 def test_hopper_tiles_are_the_kernels():

@@ -37,7 +37,7 @@ from ..core.params import BwdParams, BwdTmaParams, FwdParams
 from ..forward import kernels as fwd
 
 __all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "HOPPER_SOURCE", "HEADDIMS",
-           "HOPPER_HEADDIMS", "HOPPER_TILES", "padded_headdim", "hopper_enabled",
+           "HOPPER_HEADDIMS", "HOPPER_TILES", "HOPPER_DETERMINISTIC_HEADDIMS", "padded_headdim", "hopper_enabled",
            "plan_backward", "all_kernels", "stats_shape",
            "launch_geometry", "bwd_fields", "params_of", "POINTERS", "ACC_DTYPE"]
 
@@ -46,8 +46,11 @@ SIMT_SOURCE = "backward/simt.cu"
 HOPPER_SOURCE = "backward/hopper.cu"
 #: The Hopper kernel's compiled head dims and their tiles (query rows per step, keys per CTA:
 #: ``HopperBwdTraits``; the dq conversion takes one query block of a step's rows per CTA).
-HOPPER_HEADDIMS = (64, 128)
-HOPPER_TILES = {64: (128, 128), 128: (64, 128)}
+HOPPER_HEADDIMS = (64, 128, 256)
+HOPPER_TILES = {64: (128, 128), 128: (64, 128), 256: (64, 64)}
+#: The Hopper kernel's head dims with a deterministic form (at hd256 its consumers add dQ from
+#: registers, in no fixed order: ``deterministic=True`` runs the mma.sync plan there, which is).
+HOPPER_DETERMINISTIC_HEADDIMS = (64, 128)
 #: Warps of the Hopper kernel's CTA (``HopperBwdTraits::kThreads``): two consumer warpgroups and
 #: a producer one.
 HOPPER_WARPS = 12
@@ -136,7 +139,9 @@ class BwdKernel:
     def name(self) -> str:
         d = _SHORT[self.dtype]
         if self.role == "dsum":
-            return f"bwdtma_prep_{d}" if self.tma else f"bwd_dsum_{d}"
+            if self.tma:  # (one per dtype up to hd128, one above)
+                return f"bwdtma_prep_{d}" + (f"_hd{self.headdim}" if self.headdim > 128 else "")
+            return f"bwd_dsum_{d}"
         if self.tma:
             if self.role == "dq":
                 return f"bwdtma_dqconv_{d}_hd{self.headdim}"
@@ -153,7 +158,7 @@ class BwdKernel:
         t, c = _CTYPE[self.dtype], ("true" if self.causal else "false")
         if self.role == "dsum":
             if self.tma:
-                return f"cf::bwd_hopper_prep_entry<{t}>"
+                return f"cf::bwd_hopper_prep_entry<{t}, {max(self.headdim, 128)}>"
             return f"cf::bwd_dsum_entry<{t}, {_CTYPE[ACC_DTYPE[self.dtype]]}>"
         if self.tma:
             if self.role == "dq":
@@ -241,7 +246,7 @@ def hopper_enabled() -> bool:
 
 
 def hopper_headdim(headdim: int):
-    """The Hopper kernel's compiled head dim for an actual one, or None above 128."""
+    """The Hopper kernel's compiled head dim for an actual one (None above 256)."""
     return next((h for h in HOPPER_HEADDIMS if h >= headdim), None)
 
 
@@ -250,8 +255,9 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
                   deterministic: bool = False) -> BwdPlan:
     """The backward kernels of a problem's dtype, actual head dim (a multiple of 8 up to 256,
     run on the next compiled one) and causal flag; ``hopper``: the Hopper plan (dsum, the
-    Hopper kernel, the dq conversion; float16/bfloat16, head dims up to 128), whose kernel adds
-    dQ in a fixed order when ``deterministic`` (the other plans always do).
+    Hopper kernel, the dq conversion; float16/bfloat16), whose kernel adds dQ in a fixed order
+    when ``deterministic`` (at head dims up to 128: :data:`HOPPER_DETERMINISTIC_HEADDIMS`; the
+    other plans always do).
 
     Raises
     ------
@@ -264,10 +270,13 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
     if hopper:
         hhd = hopper_headdim(headdim)
         if dtype not in fwd.TC_DTYPES or hhd is None:
-            raise ValueError(f"hopper: the Hopper backward takes float16/bfloat16 at head dims up "
-                             f"to 128, got {dtype} at {headdim}")
+            raise ValueError(f"hopper: the Hopper backward takes float16/bfloat16, got {dtype}")
+        if deterministic and hhd not in HOPPER_DETERMINISTIC_HEADDIMS:
+            raise ValueError(f"deterministic: the Hopper backward has no fixed dQ order at head "
+                             f"dim {headdim} (the mma.sync plan has)")
         bm, bn = HOPPER_TILES[hhd]
-        prep = BwdKernel("dsum", dtype, 0, STATS_ROWS, 0, 4, tma=True)  # LSE log2(e) and D, padded
+        # LSE log2(e) and D, padded (one pre-pass up to hd128, one above)
+        prep = BwdKernel("dsum", dtype, 0 if hhd <= 128 else hhd, STATS_ROWS, 0, 4, tma=True)
         return BwdPlan(prep, (BwdKernel("dkdv", dtype, hhd, bm, bn, HOPPER_WARPS, causal, tma=True,
                                         deterministic=deterministic),),
                        BwdKernel("dq", dtype, hhd, bm, 0, 8, tma=True))
@@ -294,7 +303,7 @@ def all_kernels() -> tuple:
     for dtype in fwd.TC_DTYPES:
         for hd in HOPPER_HEADDIMS:
             for causal in (False, True):
-                for det in (False, True):
+                for det in (False, True) if hd in HOPPER_DETERMINISTIC_HEADDIMS else (False,):
                     for k in plan_backward(dtype, hd, causal, hopper=True, deterministic=det).kernels:
                         seen[k] = None
     return tuple(seen)

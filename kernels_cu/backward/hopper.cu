@@ -16,6 +16,9 @@
 //   half w at hd64, columns half w at hd128) into its half of the step's dQ tile in shared
 //   memory (DqTile), which the writer warp adds to an fp32 accumulator in global memory by a
 //   bulk reduction (cp.reduce.async.bulk .add.f32); dq_convert_entry scales and rounds it.
+// At hd256 dK and dV of 64 keys do not fit one warpgroup's registers: a CTA takes 64 keys, its
+// two consumer warpgroups split the head dim (bwd_consumer_split: S^T over half the step's
+// queries each, P^T and dS^T through shared memory, dQ added from registers).
 // So dK and dV are summed in registers over the query heads of a GQA group (no atomics), dQ
 // over the key blocks by reductions in L2, in an order that varies from run to run; DETERMINISTIC
 // fixes it (FlashAttention-3's semaphores, flash-attention PR 1893): the key blocks add to a
@@ -50,7 +53,13 @@ struct HopperBwdTraits {
     // query rows per step: 128 at hd64 (FlashAttention-3's tile there: a step's GEMMs as large
     // as hd128's, half the steps and barriers), 64 at hd128 (registers)
     static constexpr int kBlockM = HEADDIM == 64 ? 128 : 64;
-    static constexpr int kBlockN = 128;             // keys per CTA, 64 per consumer warpgroup
+    // hd256 (kSplitD): dK and dV of 64 keys at every column are 256 floats per thread, more than
+    // the registers; so a CTA takes 64 keys, both consumer warpgroups the same ones, and
+    // warpgroup w owns head-dim columns [128 w, 128 w + 128) of dK, dV and dQ, and the step's
+    // query columns [32 w, 32 w + 32) of S^T and dP^T; P^T and dS^T go through shared memory
+    // (FlashAttention-3's hd256 layout: its dQ is added from registers too)
+    static constexpr bool kSplitD = HEADDIM == 256;
+    static constexpr int kBlockN = kSplitD ? 64 : 128;  // keys per CTA (64 per warpgroup, or 64 shared)
     // two consumer warpgroups and a producer one (its warp 0 copies, warp 1 adds dQ)
     static constexpr int kConsumerThreads = 256;
     static constexpr int kThreads = kConsumerThreads + 128;
@@ -60,23 +69,30 @@ struct HopperBwdTraits {
     static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
     static constexpr int kProducerRegs = 40;
     static constexpr int kConsumerRegs = 232;
-    static constexpr int kStages = HEADDIM == 64 ? 2 : 3;   // Q / dO ring (shared memory)
+    static constexpr int kStages = HEADDIM == 128 ? 3 : 2;  // Q / dO ring (shared memory)
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;   // one Q or dO tile
     static constexpr int kKBytes = kBlockN * HEADDIM * 2;   // the K or V tile
-    static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // dS^T, [128 keys][kBlockM queries]
+    static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // dS^T, [kBlockN keys][kBlockM queries]
+    // a step's buffer in shared memory: dS^T, after P^T when kSplitD
+    static constexpr int kPSBytes = (kSplitD ? 2 : 1) * kDSBytes;
     static constexpr int kStatsBytes = 2 * kBlockM * 4;     // LSE log2(e) and D of a step's rows
-    static constexpr int kSAcc = kBlockM / 2;       // S^T floats per thread (64 keys x kBlockM)
-    static constexpr int kAcc = HEADDIM / 2;        // dK, dV floats per thread (64 keys x HEADDIM)
+    static constexpr int kSCols = kSplitD ? kBlockM / 2 : kBlockM;  // S^T columns per warpgroup
+    static constexpr int kSAcc = kSCols / 2;        // S^T floats per thread (64 keys x kSCols)
+    static constexpr int kDCols = kSplitD ? HEADDIM / 2 : HEADDIM;  // dK, dV columns per warpgroup
+    static constexpr int kAcc = kDCols / 2;         // dK, dV floats per thread (64 keys x kDCols)
     // dQ of a step: warpgroup w computes query rows [64 w, 64 w + 64) at every column when a
     // step has 128 rows (kDqRows), else the 64 rows at columns [64 w, 64 w + 64) (hd128)
+    // (kSplitD: columns [128 w, 128 w + 128) in two GEMMs of 64 columns, kQN)
     static constexpr bool kDqRows = kBlockM == 128;
-    static constexpr int kQN = kDqRows ? HEADDIM : HEADDIM / 2;   // dQ columns per warpgroup
+    static constexpr int kQN = (kDqRows && !kSplitD) ? HEADDIM : 64;  // dQ columns per GEMM
     static constexpr int kQAcc = kQN / 2;           // dQ floats per thread (64 rows x kQN)
     static constexpr int kHdSteps = HEADDIM / 16;   // k16 steps of S^T and dP^T
     static constexpr int kMSteps = kBlockM / 16;    // k16 steps of dV and dK (queries)
+    static constexpr int kSSteps = kSCols / 16;     // k16 steps in a warpgroup's P^T, dS^T
     static constexpr int kNSteps = kBlockN / 16;    // k16 steps of dQ (keys)
     static_assert(sizeof(T) == 2, "wgmma path is for 16-bit inputs");
-    static_assert(HEADDIM == 64 || HEADDIM == 128, "compiled head dims: 64, 128");
+    static_assert(HEADDIM == 64 || HEADDIM == 128 || HEADDIM == 256,
+                  "compiled head dims: 64, 128, 256");
     static_assert(kQN == 64, "dQ: one 64-column swizzle span of K per warpgroup");
     static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads == kLaunchRegs * kThreads,
                   "setmaxnreg: the counts add up to the launch's registers");
@@ -85,9 +101,10 @@ struct HopperBwdTraits {
 // The shared memory, its one definition (cupyflash/backward/kernels.py reads kBytes through an
 // NVRTC probe): from a 1024-byte aligned base (the swizzle repeat) K, V, the Q ring, the dO
 // ring, two dS^T buffers (step j writes buffer j & 1: the other warpgroup may still read the
-// previous one; each [128 keys][64 queries] blocks of 128-byte rows, one per 64 query
-// columns), the ring of the steps' row statistics (bwd_hopper_prep_entry), the dQ tile of a
-// step (fp32, DqTile), the mbarriers; + 1024 bytes to align the base.
+// previous one; each [kBlockN keys][64 queries] blocks of 128-byte rows, one per 64 query
+// columns; kSplitD: P^T, then dS^T), the ring of the steps' row statistics
+// (bwd_hopper_prep_entry), the dQ tile of a step (fp32, DqTile; none when kSplitD), the
+// mbarriers; + 1024 bytes to align the base.
 template <typename Tr>
 struct HopperBwdSmem {
     static constexpr int S = Tr::kStages;
@@ -96,9 +113,9 @@ struct HopperBwdSmem {
     static constexpr uint32_t kQ = kV + Tr::kKBytes;
     static constexpr uint32_t kDO = kQ + S * Tr::kQBytes;
     static constexpr uint32_t kDS = kDO + S * Tr::kQBytes;
-    static constexpr uint32_t kStats = kDS + 2 * Tr::kDSBytes;
+    static constexpr uint32_t kStats = kDS + 2 * Tr::kPSBytes;
     static constexpr uint32_t kDQ = kStats + S * Tr::kStatsBytes;
-    static constexpr uint32_t kKVFull = kDQ + Tr::kBlockM * Tr::kHeadDim * 4;
+    static constexpr uint32_t kKVFull = kDQ + (Tr::kSplitD ? 0 : Tr::kBlockM * Tr::kHeadDim * 4);
     static constexpr uint32_t kFull = kKVFull + 8;   // per ring slot: its copies have landed
     static constexpr uint32_t kEmpty = kFull + 8 * S;  // per ring slot: the consumers are done
     static constexpr int kBytes = (int)kEmpty + 8 * S + 1024;
@@ -136,7 +153,7 @@ struct BwdGemms {
         ds_rows = Tr::kDqRows ? (uint32_t)(w * Tr::kBlockN * 128) : 0u;
         k_cols = base + L::kK + (Tr::kDqRows ? 0u : (uint32_t)(w * Tr::kBlockN * 128));
     }
-    // S^T (64 keys x kBlockM queries) = A B^T of a 64-row K-major A (keys) and a kBlockM-row B
+    // S^T (64 keys x kSCols queries) = A B^T of a 64-row K-major A (keys) and a kSCols-row B
     // (queries)
     static __device__ __forceinline__ void scores(float (&s)[Tr::kSAcc], uint32_t a_rows,
                                                   uint32_t b_rows) {
@@ -146,7 +163,7 @@ struct BwdGemms {
         for (int ks = 0; ks < Tr::kHdSteps; ++ks) {
             const uint64_t ao = (uint64_t)(((ks >> 2) * Tr::kBlockN * 128 + (ks & 3) * 32) >> 4);
             const uint64_t bo = (uint64_t)(((ks >> 2) * Tr::kBlockM * 128 + (ks & 3) * 32) >> 4);
-            Wgmma<T, Tr::kBlockM>::ss(s, a + ao, b + bo, ks > 0 ? 1 : 0);
+            Wgmma<T, Tr::kSCols>::ss(s, a + ao, b + bo, ks > 0 ? 1 : 0);
         }
     }
     __device__ __forceinline__ void st_dpt(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
@@ -183,6 +200,98 @@ struct BwdGemms {
             Wgmma<T, Tr::kQN>::ss_tt(acc, a + o, b + o, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
+    }
+};
+
+// The GEMMs of warpgroup w at hd256 (kSplitD): the CTA's 64 keys, the step's query columns
+// [32 w, 32 w + 32) of S^T and dP^T, head-dim columns [128 w, 128 w + 128) of dV and dK, and
+// dQ's in two GEMMs of 64 columns.
+template <typename T, typename Tr>
+struct BwdGemmsSplit {
+    uint32_t k0, v0;         // K and V (the 64 keys: K-major A of S^T, dP^T)
+    uint32_t q_rows, do_rows;  // this warpgroup's 32 rows of the first Q, dO slots (B of S^T, dP^T)
+    uint32_t q_cols, do_cols;  // its 128 columns of the first Q, dO slots (MN-major B of dK, dV)
+    uint32_t ps0;            // the first P^T, dS^T buffer
+
+    __device__ __forceinline__ BwdGemmsSplit(uint32_t base, int w) {
+        using L = HopperBwdSmem<Tr>;
+        k0 = base + L::kK;
+        v0 = base + L::kV;
+        q_rows = base + L::kQ + (uint32_t)(w * Tr::kSCols * 128);
+        do_rows = base + L::kDO + (uint32_t)(w * Tr::kSCols * 128);
+        q_cols = base + L::kQ + (uint32_t)(2 * w * Tr::kBlockM * 128);
+        do_cols = base + L::kDO + (uint32_t)(2 * w * Tr::kBlockM * 128);
+        ps0 = base + L::kDS;
+    }
+    __device__ __forceinline__ void st_dpt(float (&st)[Tr::kSAcc], float (&dpt)[Tr::kSAcc],
+                                           int slot) const {
+        BwdGemms<T, Tr>::scores(st, k0, q_rows + (uint32_t)(slot * Tr::kQBytes));
+        BwdGemms<T, Tr>::scores(dpt, v0, do_rows + (uint32_t)(slot * Tr::kQBytes));
+        wgmma_commit();
+    }
+    // acc (64 keys x 128 columns) += A (a 64 x 64 buffer in shared memory, K-major: queries
+    // contiguous) B (128 columns of a Q or dO slot, MN-major)
+    static __device__ __forceinline__ void acc_ss(float (&acc)[Tr::kAcc], uint32_t a_tile,
+                                                  uint32_t b_tile) {
+        const uint64_t a = wgmma_desc_sw128(a_tile, 16, 1024);
+        const uint64_t b = wgmma_desc_sw128(b_tile, (uint32_t)(Tr::kBlockM * 128), 1024);
+#pragma unroll
+        for (int kk = 0; kk < Tr::kMSteps; ++kk)
+            Wgmma<T, Tr::kDCols>::ss_tn(acc, a + (uint64_t)((kk * 32) >> 4),
+                                        b + (uint64_t)((kk * 16 * 128) >> 4), 1);
+    }
+    __device__ __forceinline__ void dv_dk(float (&dv)[Tr::kAcc], float (&dk)[Tr::kAcc], int buf,
+                                          int slot) const {
+        const uint32_t ps = ps0 + (uint32_t)(buf * Tr::kPSBytes);
+        acc_ss(dv, ps, do_cols + (uint32_t)(slot * Tr::kQBytes));                 // dV += P^T dO
+        acc_ss(dk, ps + Tr::kDSBytes, q_cols + (uint32_t)(slot * Tr::kQBytes));   // dK += dS^T Q
+        wgmma_commit();
+    }
+    // dQ (64 queries x 64 columns [64 c, 64 c + 64)) = dS K: A = the dS^T buffer (MN-major:
+    // queries contiguous), B = K's column tile c (MN-major), k-steps over the 64 keys
+    __device__ __forceinline__ void dq(float (&acc)[Tr::kQAcc], int buf, int c) const {
+        const uint64_t a = wgmma_desc_sw128(ps0 + (uint32_t)(buf * Tr::kPSBytes + Tr::kDSBytes),
+                                            (uint32_t)(Tr::kBlockN * 128), 1024);
+        const uint64_t b = wgmma_desc_sw128(k0 + (uint32_t)(c * Tr::kBlockN * 128),
+                                            (uint32_t)(Tr::kBlockN * 128), 1024);
+#pragma unroll
+        for (int kk = 0; kk < Tr::kNSteps; ++kk) {
+            const uint64_t o = (uint64_t)((kk * 16 * 128) >> 4);
+            Wgmma<T, Tr::kQN>::ss_tt(acc, a + o, b + o, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+    }
+};
+
+// One 16-byte reduction into global memory (sm_90: red with a vector type).
+__device__ __forceinline__ void red_add_v4_f32(float4* p, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(a), "f"(b),
+                 "f"(c), "f"(d) : "memory");
+}
+
+// hd256's dQ tile of a step (64 query rows x 256, fp32) as dq_accum stores it per (batch, query
+// head, query block), added to from registers (red.global.add.v4.f32): float4 number
+// (8 c + i) 128 + u holds thread u of the warpgroup that computed column tile c (64 columns,
+// c = 2 w + half): dq[4 i .. 4 i + 3], rows r = 16 (u >> 5) + ((u >> 2) & 7) and r + 8,
+// columns 64 c + 8 i + 2 (u & 3) + {0, 1}. A warp's reductions are 512 contiguous bytes.
+template <typename Tr>
+struct DqTileSplit {
+    static constexpr int kFloats = Tr::kBlockM * Tr::kHeadDim;
+    static constexpr int kN8 = Tr::kQN / 8;  // float4 per thread and column tile
+
+    // this thread's part of column tile c into the tile at `acc` (global memory)
+    static __device__ __forceinline__ void add(float* acc, const float (&dq)[Tr::kQAcc], int c,
+                                               int u) {
+        float4* tile = reinterpret_cast<float4*>(acc) + c * kN8 * 128 + u;
+#pragma unroll
+        for (int i = 0; i < kN8; ++i)
+            red_add_v4_f32(tile + i * 128, dq[4 * i], dq[4 * i + 1], dq[4 * i + 2], dq[4 * i + 3]);
+    }
+    // the first row and column of float4 number e of a tile (the others: + 1 column, + 8 rows)
+    static __device__ __forceinline__ void position(int e, int& row, int& col) {
+        const int u = e & 127, ci = e >> 7, c = ci / kN8, i = ci % kN8;
+        row = 16 * (u >> 5) + ((u >> 2) & 7);
+        col = Tr::kQN * c + 8 * i + 2 * (u & 3);
     }
 };
 
@@ -341,17 +450,17 @@ __device__ __forceinline__ void bwd_probs(float (&st)[Tr::kSAcc], float (&dpt)[T
 }
 
 // dS^T (packed A fragments of this thread) into buffer `buf` (per 64 query columns a block of
-// [128 keys][64 queries], 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7): the layout TMA
-// would leave and ss_tt reads).
+// [kBlockN keys][64 queries], 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7): the layout
+// TMA would leave and ss_tt reads), from query column 16 kk0 (kSplitD: P^T too, the same way).
 template <typename Tr>
-__device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&dsf)[Tr::kMSteps][4],
-                                         int key_row0, int t) {
+__device__ __forceinline__ void store_ds(unsigned char* buf, const uint32_t (&dsf)[Tr::kSSteps][4],
+                                         int key_row0, int t, int kk0 = 0) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kMSteps; ++kk)
+    for (int kk = 0; kk < Tr::kSSteps; ++kk)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             // A fragment e of k-step kk: columns 16 kk + 8 (e >> 1) + 2 t, rows + 8 (e & 1)
-            const int r = key_row0 + 8 * (e & 1), col16 = 2 * kk + (e >> 1);
+            const int r = key_row0 + 8 * (e & 1), col16 = 2 * (kk0 + kk) + (e >> 1);
             const int blk = col16 >> 3, chunk = col16 & 7;
             *reinterpret_cast<uint32_t*>(buf + blk * Tr::kBlockN * 128 + r * 128 +
                                          ((chunk ^ (r & 7)) << 4) + 4 * t) = dsf[kk][e];
@@ -487,12 +596,12 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParams& p, uint32_t base,
     if (lane == 0) bulk_wait_group<0>();  // the last reductions, before the CTA's memory goes
 }
 
-// The epilogue: dK = softmax_scale dS^T Q and dV of this thread's keys key0 + {0, 8}, rounded
-// to T (zeros for keys no query saw).
+// The epilogue: dK = softmax_scale dS^T Q and dV of this thread's keys key0 + {0, 8} (columns
+// from col0), rounded to T (zeros for keys no query saw).
 template <typename T, typename Tr>
 __device__ __forceinline__ void bwd_store_dk_dv(const BwdParams& p, const float (&dk)[Tr::kAcc],
                                                 const float (&dv)[Tr::kAcc], int b, int hk,
-                                                int key0, int t) {
+                                                int key0, int t, int col0 = 0) {
     const FwdParams& f = p.fwd;
     const BwdSeq s0 = bwd_seq(p, b, hk * f.h_per_kv);
     const float scale = (float)f.softmax_scale_d;
@@ -504,7 +613,7 @@ __device__ __forceinline__ void bwd_store_dk_dv(const BwdParams& p, const float 
         T* dv_row = static_cast<T*>(p.dv) + s0.dv_off + (int64_t)key * p.dv_row_stride;
 #pragma unroll
         for (int i = 0; i < Tr::kAcc / 4; ++i) {
-            const int col = 8 * i + 2 * t, idx = 4 * i + 2 * hh;
+            const int col = col0 + 8 * i + 2 * t, idx = 4 * i + 2 * hh;
             if (col >= f.headdim) continue;
             *reinterpret_cast<uint32_t*>(dk_row + col) = pack2<T>(dk[idx] * scale, dk[idx + 1] * scale);
             *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[idx], dv[idx + 1]);
@@ -582,6 +691,83 @@ __device__ __forceinline__ void bwd_consumer(const BwdParams& p, uint32_t base, 
     bwd_store_dk_dv<T, Tr>(p, dk, dv, b, hk, n0 + key_row0, t);
 }
 
+// Consumer warpgroup w at hd256 (kSplitD): the CTA's 64 keys, the step's query columns
+// [32 w, 32 w + 32) of S^T, dP^T, P^T and dS^T, head-dim columns [128 w, 128 w + 128) of dK,
+// dV and dQ. Step j:
+//   S^T, dP^T of its 32 queries; P^T, dS^T of them into buffer j & 1 (shared memory);
+//   both warpgroups' halves written (kBarDs); dV += P^T dO, dK += dS^T Q (A from the buffer);
+//   dQ = dS K in two GEMMs of 64 columns, each added to dq_accum from registers as it completes
+//   (red.global.add.v4.f32: no dQ tile in shared memory, none left for it; DqTileSplit).
+template <typename T, typename Tr, bool CAUSAL>
+__device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t base,
+                                                   unsigned char* raw, int w, int tid, int n_steps,
+                                                   int n_m, int m_block_min, int n0, int hk,
+                                                   int b) {
+    using L = HopperBwdSmem<Tr>;
+    const FwdParams& f = p.fwd;
+    const int lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const int seqlen_q = f.seqlen_q, seqlen_k = f.seqlen_k;
+    const BwdGemmsSplit<T, Tr> gemm(base, w);
+    const MbarRing<Tr::kStages> ring = bwd_ring<Tr>(base);
+    const int key_row0 = warp_in_wg * 16 + g;  // this thread's keys: + 0, + 8
+    const int q0 = w * Tr::kSCols;             // its query columns of a step
+    const int n_m_total = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    float* dq_accum = p.dq_accum + (int64_t)b * f.nheads * n_m_total * DqTileSplit<Tr>::kFloats;
+    float dk[Tr::kAcc], dv[Tr::kAcc];
+#pragma unroll
+    for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
+    if (n_steps > 0) mbarrier_wait(base + L::kKVFull, 0u);
+    PipelineState<Tr::kStages> ring_st = consumer_start<Tr::kStages>();
+    for (int j = 0; j < n_steps; ++j, ring_st.advance()) {
+        const int slot = ring_st.slot, buf = j & 1;
+        const BwdStep stp = bwd_step<Tr>(j, n_m, m_block_min, hk, f.h_per_kv);
+        float st[Tr::kSAcc], dpt[Tr::kSAcc];
+        bwd_scores<Tr>(gemm, st, dpt, base, ring_st);
+        const BwdStats<Tr> stats(reinterpret_cast<const float*>(raw + L::kStats +
+                                                                slot * Tr::kStatsBytes) + q0, t);
+        wgmma_wait<0>();
+        wgmma_fence_operand(st);
+        wgmma_fence_operand(dpt);
+        // P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)
+        const bool mask = bwd_tile_needs_mask<Tr::kBlockM, Tr::kBlockN>(f, stp.m0, n0, seqlen_q,
+                                                                         seqlen_k, CAUSAL);
+        bwd_probs<Tr, CAUSAL>(st, dpt, stats, mask, n0 + key_row0, stp.m0 + q0, t, seqlen_q,
+                              seqlen_k, f);
+        uint32_t ptf[Tr::kSSteps][4], dsf[Tr::kSSteps][4];
+        pack_p<T, Tr::kSAcc / 4>(st, ptf);
+        pack_p<T, Tr::kSAcc / 4>(dpt, dsf);
+        unsigned char* ps = raw + L::kDS + buf * Tr::kPSBytes;
+        store_ds<Tr>(ps, ptf, key_row0, t, q0 / 16);
+        store_ds<Tr>(ps + Tr::kDSBytes, dsf, key_row0, t, q0 / 16);
+        fence_proxy_async();  // the writes (generic proxy) before wgmma's reads (async)
+        // both halves written (and each warpgroup done with step j - 1, which read the other
+        // buffer)
+        named_barrier_sync(kBarDs, Tr::kConsumerThreads);
+        // dV += P^T dO, dK += dS^T Q; dQ = dS K, its two column tiles
+        float dqa[Tr::kQAcc], dqb[Tr::kQAcc];
+        wgmma_fence_operand(dv);
+        wgmma_fence_operand(dk);
+        wgmma_fence();
+        gemm.dv_dk(dv, dk, buf, slot);
+        gemm.dq(dqa, buf, 2 * w);
+        gemm.dq(dqb, buf, 2 * w + 1);
+        wgmma_wait<2>();
+        wgmma_fence_operand(dv);
+        wgmma_fence_operand(dk);
+        ring.consumer_release(ring_st, lane);  // this warp's reads of the slot are done
+        float* tile = dq_accum + ((int64_t)stp.h * n_m_total + stp.m0 / Tr::kBlockM) *
+                                     DqTileSplit<Tr>::kFloats;
+        wgmma_wait<1>();
+        wgmma_fence_operand(dqa);
+        DqTileSplit<Tr>::add(tile, dqa, 2 * w, tid & 127);
+        wgmma_wait<0>();
+        wgmma_fence_operand(dqb);
+        DqTileSplit<Tr>::add(tile, dqb, 2 * w + 1, tid & 127);
+    }
+    bwd_store_dk_dv<T, Tr>(p, dk, dv, b, hk, n0 + key_row0, t, w * Tr::kDCols);
+}
+
 // One CTA: the barriers, then each warpgroup takes its role: warpgroups 0 and 1 compute
 // (bwd_consumer), warpgroup 2's warp 0 copies (bwd_producer) and its warp 1 adds dQ
 // (bwd_dq_writer); its other two warps leave.
@@ -589,6 +775,7 @@ template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     using Tr = HopperBwdTraits<T, HEADDIM>;
     using L = HopperBwdSmem<Tr>;
+    static_assert(!(Tr::kSplitD && DETERMINISTIC), "hd256: no fixed dQ order (the mma.sync plan)");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (smem_u32addr(smem_raw) + 1023u) & ~1023u;
     unsigned char* raw = smem_raw + (base - smem_u32addr(smem_raw));
@@ -613,13 +800,17 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
         const int warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
         if (warp == 0 && lane == 0)
             bwd_producer<Tr>(P, base, n_steps, n_m, qt.m_block_min, n0, hk, b);
-        else if (warp == 1)
+        else if (warp == 1 && !Tr::kSplitD)  // (kSplitD: the consumers add dQ themselves)
             bwd_dq_writer<Tr, CAUSAL, DETERMINISTIC>(p, base, lane, n_steps, n_m, qt.m_block_min,
                                                     n_block, hk, b);
         return;
     }
     warpgroup_reg_alloc<Tr::kConsumerRegs>();
-    bwd_consumer<T, Tr, CAUSAL>(p, base, raw, wg, tid, n_steps, n_m, qt.m_block_min, n0, hk, b);
+    if constexpr (Tr::kSplitD)
+        bwd_consumer_split<T, Tr, CAUSAL>(p, base, raw, wg, tid, n_steps, n_m, qt.m_block_min, n0,
+                                          hk, b);
+    else
+        bwd_consumer<T, Tr, CAUSAL>(p, base, raw, wg, tid, n_steps, n_m, qt.m_block_min, n0, hk, b);
 }
 
 // The entries: cf::bwd_hopper_entry<T, HEADDIM, CAUSAL, DETERMINISTIC> (grid: key blocks of
@@ -639,11 +830,12 @@ bwd_hopper_entry(const __grid_constant__ BwdTmaParams P) {
 // copies into its ring with a step's Q and dO tiles. Grid (query blocks of 64 up to the buffer's
 // padded end, heads, batch), 128 threads: 8 lanes per row, each with 16-byte loads of dO and O
 // (columns 8 lane' + 64 c, lane' = lane & 7), 16 rows per pass; every load of the block is
-// issued before the first sum (the kernel is a stream of loads: keep them in flight).
-template <typename T>
+// issued before the first sum (the kernel is a stream of loads: keep them in flight). Head dims
+// up to HEADDIM_MAX (128 or 256).
+template <typename T, int HEADDIM_MAX>
 __global__ void __launch_bounds__(128) bwd_hopper_prep_entry(const __grid_constant__ BwdParams p) {
     constexpr int M = kStatsRows, kRows = 16, kPasses = M / kRows;
-    constexpr int kChunks = 2;  // 64 columns each: head dims up to 128
+    constexpr int kChunks = HEADDIM_MAX / 64;  // 64 columns each
     const int b = blockIdx.z, h = blockIdx.y, sub = threadIdx.x & 7, row = threadIdx.x >> 3;
     const BwdSeq s = bwd_seq(p, b, h);
     const int seqlen_q = s.f.seqlen_q, headdim = p.fwd.headdim, r0 = blockIdx.x * M;
@@ -687,32 +879,48 @@ __global__ void __launch_bounds__(128) bwd_hopper_prep_entry(const __grid_consta
     }
 }
 
-// dq = softmax_scale dq_accum for one query block of kBlockM rows: the DqTile read in order, a
-// float4 per thread and iteration (float2 numbers 2 e and 2 e + 1: threads u and u + 1 of a
-// fragment, one row's columns c .. c + 3), all loads issued before the first store.
+// dq = softmax_scale dq_accum for one query block of kBlockM rows: the tile (DqTile; hd256:
+// DqTileSplit) read in order, a float4 per thread and iteration, all loads issued before the
+// first store. DqTile: float2 numbers 2 e and 2 e + 1 (threads u and u + 1 of a fragment), one
+// row's columns c .. c + 3; DqTileSplit: columns c, c + 1 of rows r and r + 8.
 template <typename T, int HEADDIM>
 __global__ void __launch_bounds__(256) bwd_dq_convert_entry(const __grid_constant__ BwdParams p) {
-    using Tile = DqTile<HopperBwdTraits<T, HEADDIM>>;
-    constexpr int kIters = Tile::kFloats / 4 / 256;
-    static_assert(kIters * 4 * 256 == Tile::kFloats, "whole float4 per thread");
+    using Tr = HopperBwdTraits<T, HEADDIM>;
+    constexpr int kFloats = Tr::kBlockM * HEADDIM;
+    constexpr int kIters = kFloats / 4 / 256;
+    static_assert(kIters * 4 * 256 == kFloats, "whole float4 per thread");
     const FwdParams& f = p.fwd;
     const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const BwdSeq s = bwd_seq(p, b, h);
     const float4* acc = reinterpret_cast<const float4*>(
-        p.dq_accum + (((int64_t)b * f.nheads + h) * gridDim.x + m) * Tile::kFloats);
+        p.dq_accum + (((int64_t)b * f.nheads + h) * gridDim.x + m) * kFloats);
     float4 x[kIters];
 #pragma unroll
     for (int i = 0; i < kIters; ++i) x[i] = __ldg(acc + threadIdx.x + 256 * i);
     const float scale = (float)f.softmax_scale_d;
+    T* dq = static_cast<T*>(p.dq) + s.dq_off;
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
+        const int e = threadIdx.x + 256 * i;
         int row, c;
-        Tile::position(2 * (threadIdx.x + 256 * i), row, c);
-        const int r = m * HopperBwdTraits<T, HEADDIM>::kBlockM + row;
-        if (r < f.seqlen_q && c < f.headdim) {  // (head dims are multiples of 8: c + 3 too)
-            T* out = static_cast<T*>(p.dq) + s.dq_off + (int64_t)r * p.dq_row_stride;
-            *reinterpret_cast<uint2*>(out + c) = make_uint2(pack2<T>(x[i].x * scale, x[i].y * scale),
-                                                            pack2<T>(x[i].z * scale, x[i].w * scale));
+        if constexpr (Tr::kSplitD) {
+            DqTileSplit<Tr>::position(e, row, c);
+            const int r = m * Tr::kBlockM + row;
+            if (c >= f.headdim) continue;  // (head dims are multiples of 8: c + 1 too)
+            if (r < f.seqlen_q)
+                *reinterpret_cast<uint32_t*>(dq + (int64_t)r * p.dq_row_stride + c) =
+                    pack2<T>(x[i].x * scale, x[i].y * scale);
+            if (r + 8 < f.seqlen_q)
+                *reinterpret_cast<uint32_t*>(dq + (int64_t)(r + 8) * p.dq_row_stride + c) =
+                    pack2<T>(x[i].z * scale, x[i].w * scale);
+        } else {
+            DqTile<Tr>::position(2 * e, row, c);
+            const int r = m * Tr::kBlockM + row;
+            if (r < f.seqlen_q && c < f.headdim) {  // (head dims are multiples of 8: c + 3 too)
+                *reinterpret_cast<uint2*>(dq + (int64_t)r * p.dq_row_stride + c) =
+                    make_uint2(pack2<T>(x[i].x * scale, x[i].y * scale),
+                               pack2<T>(x[i].z * scale, x[i].w * scale));
+            }
         }
     }
 }

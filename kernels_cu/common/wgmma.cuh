@@ -92,6 +92,8 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&r)[N][4]) {
 //   ss:    D(64xN) (+)= A(64x16, smem, K-major) * B(16xN, smem, K-major); scale_d = 0: D = A*B;
 //   rs_tn: D(64xN) (+)= A(64x16, registers, mma.m16n8k16 A-fragment order per warp) *
 //          B(16xN, smem, MN-major: imm-trans-b = 1); scale_d as above.
+//   ss_tn: D(64xN) (+)= A(64x16, smem, K-major) * B(16xN, smem, MN-major: imm-trans-b = 1) (the
+//          backward's dV += P^T dO and dK += dS^T Q at hd256, P^T and dS^T from shared memory);
 //   ss_tt: D(64xN) (+)= A(64x16, smem, MN-major: imm-trans-a = 1) * B(16xN, smem, MN-major:
 //          imm-trans-b = 1) (the backward's dQ = dS K from dS^T and K as stored).
 template <typename T, int N> struct Wgmma;
@@ -137,16 +139,19 @@ template <> struct Wgmma<T, 64> { \
 };
 
 // N = 128: S = Q K^T of 128-key tiles and the backward's S^T, dP^T at hd64 (ss), O += P V at
-// hd128 and, in two halves, hd256, and the backward's dV, dK at hd128 (rs_tn).
+// hd128 and, in two halves, hd256, the backward's dV, dK at hd128 (rs_tn) and, per half of the
+// head dim, at hd256 (ss_tn).
 #define CF_WGMMA_M64N128K16(T, PTX_T) \
 template <> struct Wgmma<T, 128> { \
     static constexpr int kAcc = 64; \
-    static __device__ __forceinline__ void ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+    /* TRANS_B = 1: B MN-major (imm-trans-b = 1); A K-major */ \
+    template <int TRANS_B> \
+    static __device__ __forceinline__ void ss_t(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
         asm volatile( \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
             "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_T "." PTX_T " " \
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-            "%64, %65, p, 1, 1, 0, 0;\n}\n" \
+            "%64, %65, p, 1, 1, 0, %67;\n}\n" \
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
@@ -155,7 +160,13 @@ template <> struct Wgmma<T, 128> { \
               "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
               "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
               "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)); \
+    } \
+    static __device__ __forceinline__ void ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+        ss_t<0>(d, desc_a, desc_b, scale_d); \
+    } \
+    static __device__ __forceinline__ void ss_tn(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+        ss_t<1>(d, desc_a, desc_b, scale_d); \
     } \
     static __device__ __forceinline__ void rs_tn(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) { \
         asm volatile( \
@@ -194,12 +205,31 @@ template <> struct Wgmma<T, 80> { \
     } \
 };
 
+// N = 32: the backward's S^T, dP^T at hd256 (64 keys x each consumer warpgroup's 32 queries; ss).
+#define CF_WGMMA_M64N32K16(T, PTX_T) \
+template <> struct Wgmma<T, 32> { \
+    static constexpr int kAcc = 16; \
+    static __device__ __forceinline__ void ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) { \
+        asm volatile( \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_T "." PTX_T " " \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+            "%16, %17, p, 1, 1, 0, 0;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
+    } \
+};
+
+CF_WGMMA_M64N32K16(__nv_bfloat16, "bf16")
+CF_WGMMA_M64N32K16(__half, "f16")
 CF_WGMMA_M64N64K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N64K16(__half, "f16")
 CF_WGMMA_M64N128K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N128K16(__half, "f16")
 CF_WGMMA_M64N80K16(__nv_bfloat16, "bf16")
 CF_WGMMA_M64N80K16(__half, "f16")
+#undef CF_WGMMA_M64N32K16
 #undef CF_WGMMA_M64N64K16
 #undef CF_WGMMA_M64N128K16
 #undef CF_WGMMA_M64N80K16

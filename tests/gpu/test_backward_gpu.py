@@ -249,6 +249,10 @@ HOPPER_CASES = [  # (b, sq, sk, h, hk, d, causal, window)
     (2, 1000, 1000, 8, 2, 128, True, (-1, -1)),
     (1, 513, 700, 4, 4, 64, False, (100, 50)),
     (1, 2048, 2048, 4, 4, 128, False, (-1, -1)),
+    (2, 300, 300, 4, 2, 256, True, (-1, -1)),   # hd256: 64-key CTAs, dQ added from registers
+    (1, 131, 257, 2, 1, 192, False, (-1, -1)),  # (hd192 on the hd256 kernel)
+    (1, 1000, 1000, 4, 4, 256, False, (70, 20)),
+    (1, 67, 250, 6, 2, 256, True, (-1, -1)),
 ]
 
 
@@ -279,6 +283,20 @@ def test_hopper_backward_deterministic(hopper, case):
     assert_grads(got, q, k, v, dout, "bfloat16", causal=causal)
 
 
+def test_hopper_deterministic_hd256_runs_the_mma_plan(hopper):
+    """No fixed dQ order in the hd256 Hopper kernel: deterministic=True runs the mma.sync plan
+    there (bitwise repeatable), the default the Hopper kernel."""
+    from cupyflash.backward import run as bwd_run
+    rng = np.random.default_rng(256)
+    q, k, v, dout = inputs(rng, (1, 300, 4, 256), (1, 300, 2, 256), "bfloat16")
+    got = run_backward(q, k, v, dout, causal=True, deterministic=True)
+    mma = bwd_kernels.plan_backward("bfloat16", 256, True).dkdv[0]
+    assert any(key[0] == mma for key in bwd_run._LAUNCHES), "the mma.sync plan did not run"
+    assert_grads(got, q, k, v, dout, "bfloat16", causal=True)
+    run_backward(q, k, v, dout, causal=True, repeatable=("dk", "dv"))
+    hopper("bfloat16", 256, True)
+
+
 def test_hopper_autograd_deterministic(hopper):
     """flash_attn_func(..., deterministic=True) under torch autograd hands the flag to its
     backward (the Hopper kernel's fixed dQ order): two backward passes, bitwise-equal gradients."""
@@ -299,9 +317,9 @@ def test_hopper_autograd_deterministic(hopper):
 
 @settings(deadline=None)
 @given(case=testing.attention_cases(dtypes=("bfloat16", "float16"), max_seqlen_q=300,
-                                    max_seqlen_k=300, max_headdim=128, min_seqlen=1))
+                                    max_seqlen_k=300, max_headdim=256, min_seqlen=1))
 def test_hopper_backward_property(case):
-    """Random shapes, GQA ratios, head dims up to 128, masks and scales on the Hopper plan."""
+    """Random shapes, GQA ratios, head dims up to 256, masks and scales on the Hopper plan."""
     import os
     from unittest import mock
     from cupyflash.core import planning
