@@ -161,8 +161,7 @@ def hopper_backward(small, bf16):
                 for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))):
                     out, lse = cf.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                                   return_lse=True)
-                    # atomics; turns in a fixed order (hd256: the mma.sync plan)
-                    for det in (False, True):
+                    for det in (False, True):  # atomics; turns in a fixed order
                         cf.flash_attn_backward(rand(q.shape, dt), q, k, v, out, lse, causal=causal,
                                                window_size=window, deterministic=det)
 

@@ -217,7 +217,7 @@ def test_hopper_plan_geometry_and_shared_memory():
     with pytest.raises(ValueError, match="hopper"):
         kernels.plan_backward("float32", 64, False, hopper=True)
     # hd256 (every head dim above 128): 64 keys per CTA shared by both consumer warpgroups,
-    # 64-row steps, its own pre-pass (256 columns); no fixed dQ order (the mma.sync plan has one)
+    # 64-row steps, its own pre-pass (256 columns)
     p256 = checks.check_attention(np.empty((3, 1000, 8, 136), np.float16),
                                   np.empty((3, 700, 2, 136), np.float16),
                                   np.empty((3, 700, 2, 136), np.float16))
@@ -232,8 +232,8 @@ def test_hopper_plan_geometry_and_shared_memory():
     # each), two slots of statistics, no dQ tile (added from registers), five mbarriers
     assert m256.smem_bytes == ((2 * 64 * 256 + 2 * 2 * 64 * 256 + 2 * 2 * 64 * 64) * 2
                                + 2 * 2 * 64 * 4 + 8 * 5 + 1024) <= 227 * 1024
-    with pytest.raises(ValueError, match="deterministic"):
-        kernels.plan_backward("bfloat16", 256, False, hopper=True, deterministic=True)
+    det256 = kernels.plan_backward("bfloat16", 256, True, hopper=True, deterministic=True).dkdv[0]
+    assert det256.name == "bwdtma_bf16_hd256_m64_n64_causal_det"
 
 
 def test_hopper_tiles_are_the_kernels():

@@ -37,7 +37,7 @@ from ..core.params import BwdParams, BwdTmaParams, FwdParams
 from ..forward import kernels as fwd
 
 __all__ = ["BwdKernel", "BwdPlan", "MMA_SOURCE", "SIMT_SOURCE", "HOPPER_SOURCE", "HEADDIMS",
-           "HOPPER_HEADDIMS", "HOPPER_TILES", "HOPPER_DETERMINISTIC_HEADDIMS", "padded_headdim", "hopper_enabled",
+           "HOPPER_HEADDIMS", "HOPPER_TILES", "padded_headdim", "hopper_enabled",
            "plan_backward", "all_kernels", "stats_shape",
            "launch_geometry", "bwd_fields", "params_of", "POINTERS", "ACC_DTYPE"]
 
@@ -48,9 +48,6 @@ HOPPER_SOURCE = "backward/hopper.cu"
 #: ``HopperBwdTraits``; the dq conversion takes one query block of a step's rows per CTA).
 HOPPER_HEADDIMS = (64, 128, 256)
 HOPPER_TILES = {64: (128, 128), 128: (64, 128), 256: (64, 64)}
-#: The Hopper kernel's head dims with a deterministic form (at hd256 its consumers add dQ from
-#: registers, in no fixed order: ``deterministic=True`` runs the mma.sync plan there, which is).
-HOPPER_DETERMINISTIC_HEADDIMS = (64, 128)
 #: Warps of the Hopper kernel's CTA (``HopperBwdTraits::kThreads``): two consumer warpgroups and
 #: a producer one.
 HOPPER_WARPS = 12
@@ -256,8 +253,7 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
     """The backward kernels of a problem's dtype, actual head dim (a multiple of 8 up to 256,
     run on the next compiled one) and causal flag; ``hopper``: the Hopper plan (dsum, the
     Hopper kernel, the dq conversion; float16/bfloat16), whose kernel adds dQ in a fixed order
-    when ``deterministic`` (at head dims up to 128: :data:`HOPPER_DETERMINISTIC_HEADDIMS`; the
-    other plans always do).
+    when ``deterministic`` (the other plans always do).
 
     Raises
     ------
@@ -271,9 +267,6 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
         hhd = hopper_headdim(headdim)
         if dtype not in fwd.TC_DTYPES or hhd is None:
             raise ValueError(f"hopper: the Hopper backward takes float16/bfloat16, got {dtype}")
-        if deterministic and hhd not in HOPPER_DETERMINISTIC_HEADDIMS:
-            raise ValueError(f"deterministic: the Hopper backward has no fixed dQ order at head "
-                             f"dim {headdim} (the mma.sync plan has)")
         bm, bn = HOPPER_TILES[hhd]
         # LSE log2(e) and D, padded (one pre-pass up to hd128, one above)
         prep = BwdKernel("dsum", dtype, 0 if hhd <= 128 else hhd, STATS_ROWS, 0, 4, tma=True)
@@ -303,7 +296,7 @@ def all_kernels() -> tuple:
     for dtype in fwd.TC_DTYPES:
         for hd in HOPPER_HEADDIMS:
             for causal in (False, True):
-                for det in (False, True) if hd in HOPPER_DETERMINISTIC_HEADDIMS else (False,):
+                for det in (False, True):
                     for k in plan_backward(dtype, hd, causal, hopper=True, deterministic=det).kernels:
                         seen[k] = None
     return tuple(seen)

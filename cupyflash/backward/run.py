@@ -55,16 +55,13 @@ def _launch(kernel, fields, grid, block, dev, pointers, stream, maps=None) -> No
 _MAP_SOURCES = tuple(kernels.POINTERS.index(n) for n in ("q", "k", "v", "dout"))
 
 
-def _hopper_maps(problem, strides, arrays, caller, dev, deterministic):
+def _hopper_maps(problem, strides, arrays, caller, dev):
     """The tensor-map layouts of the Hopper plan where it takes this call, else None: sm_90a,
-    float16/bfloat16, dense, strides and base addresses a tensor map accepts, a head dim with a
-    deterministic form if ``deterministic`` (:data:`kernels.HOPPER_DETERMINISTIC_HEADDIMS`), and
+    float16/bfloat16, dense, strides and base addresses a tensor map accepts, and
     :func:`kernels.hopper_enabled`."""
     from ..core import planning, tma
-    hhd = kernels.hopper_headdim(problem.headdim)
-    if (problem.varlen or problem.dtype not in fwd_kernels.TC_DTYPES or hhd is None
-            or (deterministic and hhd not in kernels.HOPPER_DETERMINISTIC_HEADDIMS)
-            or not kernels.hopper_enabled()
+    if (problem.varlen or problem.dtype not in fwd_kernels.TC_DTYPES
+            or kernels.hopper_headdim(problem.headdim) is None or not kernels.hopper_enabled()
             or planning._device_info(dev)[0] != fwd_kernels.WG_ARCH):
         return None
     if any(caller.ptr(arrays[n]) % 16 for n in ("q", "k", "v", "dout")):
@@ -94,7 +91,7 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
     dev = _device_of(views["q"])
     strides = {n: _elem_strides(arrays[n], caller) for n in
                ("q", "k", "v", "out", "lse", "dout")}
-    maps = _hopper_maps(problem, strides, arrays, caller, dev, bool(deterministic))
+    maps = _hopper_maps(problem, strides, arrays, caller, dev)
     plan = kernels.plan_backward(dt, problem.headdim, problem.causal, hopper=maps is not None,
                                  deterministic=bool(deterministic) and maps is not None)
     geometry = [(kern,) + kernels.launch_geometry(kern, problem) for kern in plan.kernels]

@@ -488,6 +488,10 @@ enum HopperBwdBarrier : int {
     kBarDs = 1,       // both consumer warpgroups have written the step's dS^T (256 threads)
     kBarDqFull = 2,   // + w: consumer warpgroup w's half of the dQ tile is written (2, 3)
     kBarDqEmpty = 4,  // + w: the writer's reduction has read that half (4, 5)
+    // hd256 (kSplitD), DETERMINISTIC: consumer warpgroup w may add its dQ (6, 7: 128 threads);
+    // both have added theirs (8: 256 threads)
+    kBarTurn = 6,
+    kBarAdded = 8,
 };
 constexpr int kBwdDqBarThreads = 128 + 32;
 
@@ -698,11 +702,14 @@ __device__ __forceinline__ void bwd_consumer(const BwdParams& p, uint32_t base, 
 //   both warpgroups' halves written (kBarDs); dV += P^T dO, dK += dS^T Q (A from the buffer);
 //   dQ = dS K in two GEMMs of 64 columns, each added to dq_accum from registers as it completes
 //   (red.global.add.v4.f32: no dQ tile in shared memory, none left for it; DqTileSplit).
-template <typename T, typename Tr, bool CAUSAL>
+// DETERMINISTIC: a thread of each warpgroup waits for the key block's turn at the query block
+// (DqTurns) before its warpgroup adds; once both have added, thread 0 passes the turn on with a
+// release (cumulative over the CTA's additions, which the barrier orders before it).
+template <typename T, typename Tr, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t base,
                                                    unsigned char* raw, int w, int tid, int n_steps,
-                                                   int n_m, int m_block_min, int n0, int hk,
-                                                   int b) {
+                                                   int n_m, int m_block_min, int n0, int n_block,
+                                                   int hk, int b) {
     using L = HopperBwdSmem<Tr>;
     const FwdParams& f = p.fwd;
     const int lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
@@ -713,7 +720,11 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
     const int key_row0 = warp_in_wg * 16 + g;  // this thread's keys: + 0, + 8
     const int q0 = w * Tr::kSCols;             // its query columns of a step
     const int n_m_total = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-    float* dq_accum = p.dq_accum + (int64_t)b * f.nheads * n_m_total * DqTileSplit<Tr>::kFloats;
+    const int64_t tiles = (int64_t)f.nheads * n_m_total;  // dq_accum tiles of a batch entry
+    float* dq_accum = p.dq_accum + b * tiles * DqTileSplit<Tr>::kFloats;
+    const DqTurns<Tr, CAUSAL> turns{  // the counters follow the tiles of every batch entry
+        reinterpret_cast<int*>(p.dq_accum + f.batch * tiles * DqTileSplit<Tr>::kFloats) + b * tiles,
+        (int)gridDim.x, n_m_total, seqlen_q, seqlen_k, f.window_left, f.window_right};
     float dk[Tr::kAcc], dv[Tr::kAcc];
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
@@ -758,12 +769,24 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
         ring.consumer_release(ring_st, lane);  // this warp's reads of the slot are done
         float* tile = dq_accum + ((int64_t)stp.h * n_m_total + stp.m0 / Tr::kBlockM) *
                                      DqTileSplit<Tr>::kFloats;
+        int* turn = turns.counter(stp.h, stp.m0);
+        if constexpr (DETERMINISTIC) {
+            if ((tid & 127) == 0) {
+                const int my = turns.rank(n_block, stp.m0 / Tr::kBlockM);
+                while (ld_acquire_gpu(turn) != my) __nanosleep(32);
+            }
+            named_barrier_sync(kBarTurn + w, 128);
+        }
         wgmma_wait<1>();
         wgmma_fence_operand(dqa);
         DqTileSplit<Tr>::add(tile, dqa, 2 * w, tid & 127);
         wgmma_wait<0>();
         wgmma_fence_operand(dqb);
         DqTileSplit<Tr>::add(tile, dqb, 2 * w + 1, tid & 127);
+        if constexpr (DETERMINISTIC) {
+            named_barrier_sync(kBarAdded, Tr::kConsumerThreads);
+            if (tid == 0) red_release_gpu_add(turn, 1);
+        }
     }
     bwd_store_dk_dv<T, Tr>(p, dk, dv, b, hk, n0 + key_row0, t, w * Tr::kDCols);
 }
@@ -775,7 +798,6 @@ template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     using Tr = HopperBwdTraits<T, HEADDIM>;
     using L = HopperBwdSmem<Tr>;
-    static_assert(!(Tr::kSplitD && DETERMINISTIC), "hd256: no fixed dQ order (the mma.sync plan)");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (smem_u32addr(smem_raw) + 1023u) & ~1023u;
     unsigned char* raw = smem_raw + (base - smem_u32addr(smem_raw));
@@ -807,8 +829,8 @@ __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     }
     warpgroup_reg_alloc<Tr::kConsumerRegs>();
     if constexpr (Tr::kSplitD)
-        bwd_consumer_split<T, Tr, CAUSAL>(p, base, raw, wg, tid, n_steps, n_m, qt.m_block_min, n0,
-                                          hk, b);
+        bwd_consumer_split<T, Tr, CAUSAL, DETERMINISTIC>(p, base, raw, wg, tid, n_steps, n_m,
+                                                         qt.m_block_min, n0, n_block, hk, b);
     else
         bwd_consumer<T, Tr, CAUSAL>(p, base, raw, wg, tid, n_steps, n_m, qt.m_block_min, n0, hk, b);
 }
