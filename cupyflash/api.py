@@ -282,8 +282,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     ``dS = P * (dP - D)`` with ``D = rowsum(dout * out)``, ``dq = softmax_scale * dS k``,
     ``dk = softmax_scale * dS^T q``; under GQA/MQA ``dk``, ``dv`` are summed over the query heads
     of each KV head. FlashAttention-2, arXiv 2307.08691, Sec. 3.2 and Algorithm 2. On sm_90a
-    (float16/bfloat16, head dim <= 128, dense) one Hopper kernel per key block computes dK, dV
-    and adds dQ to an fp32 accumulator by reductions in L2 (FlashAttention-3, arXiv 2407.08608;
+    (float16/bfloat16, dense) one Hopper kernel per key block computes dK, dV and adds dQ to an
+    fp32 accumulator by reductions in L2 (FlashAttention-3, arXiv 2407.08608;
     ``deterministic`` below); elsewhere three kernels (``kernels_cu/common/bwd_tile.cuh``): D,
     then dK/dV (one CTA per key block) and dQ (one CTA per query block), with no atomics, so the
     gradients are bitwise the same from run to run. float16/bfloat16 on tensor cores (wgmma on
@@ -310,11 +310,11 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
         True: bitwise the same gradients from run to run (each gradient element is reduced in
         a fixed order), and a sequence's gradients do not depend on the other sequences of its
         batch. False (the default) gives the same, except where the Hopper kernel runs (sm_90a,
-        float16/bfloat16, head dim <= 128, dense; ``CUPYFLASH_BWD_HOPPER=0`` turns it off): it
-        adds ``dq`` over the key blocks by fp32 reductions in L2, in an order that varies
-        (``dk``, ``dv`` stay repeatable); with True the key blocks take turns (FlashAttention-3's
-        semaphores), in a fixed order, at 0.77-0.98x the default's speed on an H200
-        (2026-12-06, 74d3d00; still faster than the mma.sync kernels at S >= 4k).
+        float16/bfloat16, dense; ``CUPYFLASH_BWD_HOPPER=0`` turns it off): it adds ``dq`` over
+        the key blocks by fp32 reductions in L2, in an order that varies (``dk``, ``dv`` stay
+        repeatable); with True the key blocks take turns (FlashAttention-3's semaphores), in a
+        fixed order, at 0.70-0.94x the default's speed on an H100 (2026-12-07, 4e04ef9; still
+        faster than the mma.sync kernels).
     dq, dk, dv : CUDA arrays, optional
         Buffers for the results, shaped and typed like ``q``, ``k``, ``v`` (any strides with a
         contiguous last dimension); allocated when None.

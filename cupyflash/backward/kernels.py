@@ -14,15 +14,15 @@ Float16/bfloat16 run ``kernels_cu/backward/mma.cu`` (mma.sync m16n8k16, fp32 acc
 float32/float64 ``kernels_cu/backward/simt.cu`` (CUDA cores, computed in the dtype). Pure Python
 but for :func:`layout` (an NVRTC probe of the shared-memory sizes, no GPU needed).
 
-On sm_90a, float16/bfloat16 at head dims up to 128, dense, a Hopper plan
-(``plan_backward(..., hopper=True)``) can run instead, from ``kernels_cu/backward/hopper.cu``: a
-pre-pass writing LSE log2(e) and D per 64-row query block, padded (:func:`stats_shape`), which
-the main kernel copies into its TMA ring with Q and dO; the main kernel (TMA, warpgroup MMA; dK/dV
-and dQ in one kernel, dQ added to an fp32 accumulator by bulk reductions in L2; with
-``deterministic`` the key blocks add in a fixed order, one after the other, on turn counters); a
-``dq`` kernel that scales and rounds that accumulator. It is the default where it applies
-(:func:`hopper_enabled`; ``CUPYFLASH_BWD_HOPPER=0`` runs the mma.sync kernels instead): 1.2-3x the
-mma.sync plan on an H100 (experiments/NOTES.md, v80-v81).
+On sm_90a, float16/bfloat16, dense, a Hopper plan (``plan_backward(..., hopper=True)``) can run
+instead, from ``kernels_cu/backward/hopper.cu``: a pre-pass writing LSE log2(e) and D per 64-row
+query block, padded (:func:`stats_shape`), which the main kernel copies into its TMA ring with Q
+and dO; the main kernel (TMA, warpgroup MMA; dK/dV and dQ in one kernel, dQ added to an fp32
+accumulator by bulk reductions in L2, above head dim 128 by 16-byte reductions from registers;
+with ``deterministic`` the key blocks add in a fixed order, one after the other, on turn
+counters); a ``dq`` kernel that scales and rounds that accumulator. It is the default where it
+applies (:func:`hopper_enabled`; ``CUPYFLASH_BWD_HOPPER=0`` runs the mma.sync kernels instead):
+1.2-3x the mma.sync plan on an H100 (experiments/NOTES.md, v80-v81, v90).
 """
 from __future__ import annotations
 

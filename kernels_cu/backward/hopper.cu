@@ -3,11 +3,11 @@
 // machinery of FlashAttention-3 (Shah et al., arXiv 2407.08608): TMA copies into 128-byte
 // swizzled shared memory, completed on mbarriers, and warpgroup MMA (common/wgmma.cuh).
 //
-// One CTA per (key block of 128 keys, KV head, batch), three warpgroups (FlashAttention-3's
+// One CTA per (key block of 128 keys, 64 at hd256; KV head, batch), three warpgroups (FlashAttention-3's
 // warp specialisation): two consumer warpgroups of 64 keys each compute; warpgroup 2's warp 0
 // issues every copy and its warp 1 adds dQ (setmaxnreg moves registers to the consumers). K and
 // V stay in shared memory; a ring of kStages slots carries the Q and dO tiles of query steps of
-// kBlockM rows (128 at hd64, 64 at hd128), one step per (query head of the group, query block
+// kBlockM rows (128 at hd64, 64 at hd128 and hd256), one step per (query head of the group, query block
 // that sees the keys). Step j, per consumer warpgroup (its 64 keys as rows):
 //   S^T = K Q^T, dP^T = V dO^T                        (wgmma, both operands from smem)
 //   P^T = exp2(S^T c - LSE log2 e), dS^T = P^T (dP^T - D)   (registers; common/bwd_tile.cuh)
@@ -18,13 +18,13 @@
 //   bulk reduction (cp.reduce.async.bulk .add.f32); dq_convert_entry scales and rounds it.
 // At hd256 dK and dV of 64 keys do not fit one warpgroup's registers: a CTA takes 64 keys, its
 // two consumer warpgroups split the head dim (bwd_consumer_split: S^T over half the step's
-// queries each, P^T and dS^T through shared memory, dQ added from registers).
+// queries each, P^T and dS^T through shared memory, dQ added from registers; no writer warp).
 // So dK and dV are summed in registers over the query heads of a GQA group (no atomics), dQ
 // over the key blocks by reductions in L2, in an order that varies from run to run; DETERMINISTIC
 // fixes it (FlashAttention-3's semaphores, flash-attention PR 1893): the key blocks add to a
 // query block's dQ one after the other, each waiting for its turn on a counter per (batch, query
 // head, query block) that the previous one increments (DqTurns below); only the writer warp
-// waits for it.
+// waits for it (at hd256 a thread of each consumer warpgroup).
 //
 // The producer (bwd_producer) copies K and V once, then each step's Q and dO tiles and the LSE
 // and D of its rows (written padded per 64-row block by the pre-pass, bwd_hopper_prep_entry, so
