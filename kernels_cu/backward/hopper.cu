@@ -485,7 +485,7 @@ __device__ __forceinline__ MbarRing<Tr::kStages> bwd_ring(uint32_t base) {
 // The named barriers of the kernel (id 0 is __syncthreads'); the dQ barriers count a consumer
 // warpgroup and the writer warp.
 enum HopperBwdBarrier : int {
-    kBarDs = 1,       // both consumer warpgroups have written the step's dS^T (256 threads)
+    kBarDs = 1,       // both consumer warpgroups have written the step's dS^T (hd256: and P^T)
     kBarDqFull = 2,   // + w: consumer warpgroup w's half of the dQ tile is written (2, 3)
     kBarDqEmpty = 4,  // + w: the writer's reduction has read that half (4, 5)
     // hd256 (kSplitD), DETERMINISTIC: consumer warpgroup w may add its dQ (6, 7: 128 threads);
@@ -792,8 +792,8 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
 }
 
 // One CTA: the barriers, then each warpgroup takes its role: warpgroups 0 and 1 compute
-// (bwd_consumer), warpgroup 2's warp 0 copies (bwd_producer) and its warp 1 adds dQ
-// (bwd_dq_writer); its other two warps leave.
+// (bwd_consumer; hd256: bwd_consumer_split), warpgroup 2's warp 0 copies (bwd_producer) and its
+// warp 1 adds dQ (bwd_dq_writer; not at hd256); its other warps leave.
 template <typename T, int HEADDIM, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_hopper_block(const BwdTmaParams& P) {
     using Tr = HopperBwdTraits<T, HEADDIM>;
