@@ -242,9 +242,9 @@ def hopper_enabled() -> bool:
     return os.environ.get("CUPYFLASH_BWD_HOPPER", "1") != "0"
 
 
-def hopper_headdim(headdim: int):
-    """The Hopper kernel's compiled head dim for an actual one (None above 256)."""
-    return next((h for h in HOPPER_HEADDIMS if h >= headdim), None)
+def hopper_headdim(headdim: int) -> int:
+    """The Hopper kernel's compiled head dim for an actual one (up to 256)."""
+    return next(h for h in HOPPER_HEADDIMS if h >= headdim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,9 +264,9 @@ def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
     hd = padded_headdim(headdim)
     dsum = BwdKernel("dsum", dtype)
     if hopper:
-        hhd = hopper_headdim(headdim)
-        if dtype not in fwd.TC_DTYPES or hhd is None:
+        if dtype not in fwd.TC_DTYPES:
             raise ValueError(f"hopper: the Hopper backward takes float16/bfloat16, got {dtype}")
+        hhd = hopper_headdim(headdim)
         bm, bn = HOPPER_TILES[hhd]
         # LSE log2(e) and D, padded (one pre-pass up to hd128, one above)
         prep = BwdKernel("dsum", dtype, 0 if hhd <= 128 else hhd, STATS_ROWS, 0, 4, tma=True)

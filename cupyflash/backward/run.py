@@ -61,7 +61,7 @@ def _hopper_maps(problem, strides, arrays, caller, dev):
     :func:`kernels.hopper_enabled`."""
     from ..core import planning, tma
     if (problem.varlen or problem.dtype not in fwd_kernels.TC_DTYPES
-            or kernels.hopper_headdim(problem.headdim) is None or not kernels.hopper_enabled()
+            or not kernels.hopper_enabled()
             or planning._device_info(dev)[0] != fwd_kernels.WG_ARCH):
         return None
     if any(caller.ptr(arrays[n]) % 16 for n in ("q", "k", "v", "dout")):
