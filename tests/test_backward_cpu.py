@@ -246,6 +246,11 @@ def test_hopper_tiles_are_the_kernels():
         plan = kernels.plan_backward("float16", hd, False, hopper=True)
         assert plan.dkdv[0].threads == threads == 32 * kernels.HOPPER_WARPS == 384
     assert kernels.layout(kernels.HOPPER_SOURCE, "cf::kStatsRows") == kernels.STATS_ROWS
+    # the deterministic turn counters per dQ tile, which the host allocates after the tiles
+    for hd in (64, 72, 128, 200, 256):
+        got = kernels.layout(kernels.HOPPER_SOURCE, "cf::DqTurns<cf::HopperBwdTraits<__half, "
+                             f"{kernels.hopper_headdim(hd)}>, true>::kPerTile")
+        assert got == kernels.turns_per_tile(hd) == (2 if hd > 128 else 1)
     assert max(bm for bm, _ in kernels.HOPPER_TILES.values()) == kernels.STATS_PAD
 
 

@@ -247,6 +247,13 @@ def hopper_headdim(headdim: int) -> int:
     return next(h for h in HOPPER_HEADDIMS if h >= headdim)
 
 
+def turns_per_tile(headdim: int) -> int:
+    """The deterministic Hopper kernel's int32 turn counters per dQ tile (after dq_accum's
+    tiles): one per consumer warpgroup at compiled head dim 256 (each adds its own columns),
+    else one (``kernels_cu/backward/hopper.cu``'s ``DqTurns::kPerTile``)."""
+    return 2 if hopper_headdim(headdim) == 256 else 1
+
+
 @functools.lru_cache(maxsize=None)
 def plan_backward(dtype: str, headdim: int, causal: bool, hopper: bool = False,
                   deterministic: bool = False) -> BwdPlan:

@@ -109,11 +109,13 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
                             else tuple(views["lse"].shape), kernels.ACC_DTYPE[dt], dev)
         dq_accum = None
         if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it;
-            # deterministic: then one int32 turn counter per (batch, head, query block of a step)
-            # (dQ tiles of a step's rows, padded: kernels_cu/backward/hopper.cu's DqTile)
+            # deterministic: then int32 turn counters per (batch, head, query block of a step),
+            # one per consumer warpgroup at hd256 (kernels_cu/backward/hopper.cu's DqTurns)
+            # (dQ tiles of a step's rows, padded: DqTile)
             bm = plan.dq.block_m
             blocks = problem.batch * problem.nheads * -(-problem.seqlen_q // bm)
-            size = blocks * bm * plan.dq.headdim + (blocks if deterministic else 0)
+            turns = kernels.turns_per_tile(plan.dq.headdim) if deterministic else 0
+            size = blocks * bm * plan.dq.headdim + blocks * turns
             dq_accum = caller.full((size,), 0, "float32", dev)
         for n in ("dq", "dk", "dv"):
             strides[n] = _elem_strides(arrays[n], caller)

@@ -329,12 +329,15 @@ struct DqTile {
 // diagonal did, at the same step count: the order in which they arrive anyway), ascending
 // otherwise. A key block waits only for key blocks launched before it: the grid's x index runs
 // the key blocks in that order (bwd_key_block). One counter per (batch, query head, query
-// block), int32, after the dq_accum tiles, zeroed with them; key block n's turn at query block
+// block; hd256: per consumer warpgroup, kPerTile), int32, after the dq_accum tiles, zeroed with
+// them; key block n's turn at query block
 // m is its rank among the key blocks that see m (an interval of key blocks, found by bisection
 // over the same QueryTiles the CTAs walk, so the count cannot disagree with what they do).
 template <typename Tr, bool CAUSAL>
 struct DqTurns {
-    int* counters;   // of this (batch, query head 0): + h * n_m_total + m
+    // hd256 (kSplitD): one counter per consumer warpgroup (each adds its own 128 columns)
+    static constexpr int kPerTile = Tr::kSplitD ? 2 : 1;
+    int* counters;   // of this (batch, query head 0): + (h * n_m_total + m) kPerTile + w
     int n_blocks, n_m_total;
     int seqlen_q, seqlen_k, window_left, window_right;
 
@@ -360,8 +363,8 @@ struct DqTurns {
         }
         return n - hi;
     }
-    __device__ __forceinline__ int* counter(int h, int m0) const {
-        return counters + (int64_t)h * n_m_total + m0 / Tr::kBlockM;
+    __device__ __forceinline__ int* counter(int h, int m0, int w = 0) const {
+        return counters + ((int64_t)h * n_m_total + m0 / Tr::kBlockM) * kPerTile + w;
     }
 };
 
@@ -488,10 +491,9 @@ enum HopperBwdBarrier : int {
     kBarDs = 1,       // both consumer warpgroups have written the step's dS^T (hd256: and P^T)
     kBarDqFull = 2,   // + w: consumer warpgroup w's half of the dQ tile is written (2, 3)
     kBarDqEmpty = 4,  // + w: the writer's reduction has read that half (4, 5)
-    // hd256 (kSplitD), DETERMINISTIC: consumer warpgroup w may add its dQ (6, 7: 128 threads);
-    // both have added theirs (8: 256 threads)
+    // hd256 (kSplitD), DETERMINISTIC: consumer warpgroup w may add its dQ; at the end, it has
+    // (6, 7: 128 threads)
     kBarTurn = 6,
-    kBarAdded = 8,
 };
 constexpr int kBwdDqBarThreads = 128 + 32;
 
@@ -703,8 +705,12 @@ __device__ __forceinline__ void bwd_consumer(const BwdParams& p, uint32_t base, 
 //   dQ = dS K in two GEMMs of 64 columns, each added to dq_accum from registers as it completes
 //   (red.global.add.v4.f32: no dQ tile in shared memory, none left for it; DqTileSplit).
 // DETERMINISTIC: a thread of each warpgroup waits for the key block's turn at the query block
-// (DqTurns) before its warpgroup adds; once both have added, thread 0 passes the turn on with a
-// release (cumulative over the CTA's additions, which the barrier orders before it).
+// (DqTurns: one counter per warpgroup, for its columns) before the warpgroup adds, and passes
+// it on with a release after the next step's kBarDs, which orders the warpgroup's additions
+// before it (the release is cumulative); by then they have reached L2, so the release does not
+// hold up the warp (at once after the additions it did: 2026-12-07, experiments/NOTES.md v91).
+// No deadlock: between a turn and its release lie only the step's additions and the next
+// step's scores, neither of which waits for a turn.
 template <typename T, typename Tr, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t base,
                                                    unsigned char* raw, int w, int tid, int n_steps,
@@ -723,8 +729,10 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
     const int64_t tiles = (int64_t)f.nheads * n_m_total;  // dq_accum tiles of a batch entry
     float* dq_accum = p.dq_accum + b * tiles * DqTileSplit<Tr>::kFloats;
     const DqTurns<Tr, CAUSAL> turns{  // the counters follow the tiles of every batch entry
-        reinterpret_cast<int*>(p.dq_accum + f.batch * tiles * DqTileSplit<Tr>::kFloats) + b * tiles,
+        reinterpret_cast<int*>(p.dq_accum + f.batch * tiles * DqTileSplit<Tr>::kFloats) +
+            b * tiles * DqTurns<Tr, CAUSAL>::kPerTile,
         (int)gridDim.x, n_m_total, seqlen_q, seqlen_k, f.window_left, f.window_right};
+    int* prev_turn = nullptr;  // DETERMINISTIC: the counter of the last step's turn
     float dk[Tr::kAcc], dv[Tr::kAcc];
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
@@ -755,6 +763,9 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
         // both halves written (and each warpgroup done with step j - 1, which read the other
         // buffer)
         named_barrier_sync(kBarDs, Tr::kConsumerThreads);
+        // DETERMINISTIC: the warpgroup's additions of step j - 1 are behind the barrier: its
+        // turn there passes on now (the release, cumulative, finds them arrived by now)
+        if (DETERMINISTIC && j > 0 && (tid & 127) == 0) red_release_gpu_add(prev_turn, 1);
         // dV += P^T dO, dK += dS^T Q; dQ = dS K, its two column tiles
         float dqa[Tr::kQAcc], dqb[Tr::kQAcc];
         wgmma_fence_operand(dv);
@@ -769,12 +780,13 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
         ring.consumer_release(ring_st, lane);  // this warp's reads of the slot are done
         float* tile = dq_accum + ((int64_t)stp.h * n_m_total + stp.m0 / Tr::kBlockM) *
                                      DqTileSplit<Tr>::kFloats;
-        int* turn = turns.counter(stp.h, stp.m0);
         if constexpr (DETERMINISTIC) {
+            prev_turn = turns.counter(stp.h, stp.m0, w);
             if ((tid & 127) == 0) {
                 const int my = turns.rank(n_block, stp.m0 / Tr::kBlockM);
-                while (ld_acquire_gpu(turn) != my) __nanosleep(32);
+                while (ld_acquire_gpu(prev_turn) != my) __nanosleep(32);
             }
+            __syncwarp();  // (bar.sync is .aligned: warp 0 converged after its lane's spin)
             named_barrier_sync(kBarTurn + w, 128);
         }
         wgmma_wait<1>();
@@ -783,10 +795,10 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
         wgmma_wait<0>();
         wgmma_fence_operand(dqb);
         DqTileSplit<Tr>::add(tile, dqb, 2 * w + 1, tid & 127);
-        if constexpr (DETERMINISTIC) {
-            named_barrier_sync(kBarAdded, Tr::kConsumerThreads);
-            if (tid == 0) red_release_gpu_add(turn, 1);
-        }
+    }
+    if (DETERMINISTIC && n_steps > 0) {  // the last step's turn, once the warpgroup has added
+        named_barrier_sync(kBarTurn + w, 128);
+        if ((tid & 127) == 0) red_release_gpu_add(prev_turn, 1);
     }
     bwd_store_dk_dv<T, Tr>(p, dk, dv, b, hk, n0 + key_row0, t, w * Tr::kDCols);
 }
