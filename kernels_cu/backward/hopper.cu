@@ -700,17 +700,20 @@ __device__ __forceinline__ void bwd_consumer(const BwdParams& p, uint32_t base, 
 // Consumer warpgroup w at hd256 (kSplitD): the CTA's 64 keys, the step's query columns
 // [32 w, 32 w + 32) of S^T, dP^T, P^T and dS^T, head-dim columns [128 w, 128 w + 128) of dK,
 // dV and dQ. Step j:
-//   S^T, dP^T of its 32 queries; P^T, dS^T of them into buffer j & 1 (shared memory);
-//   both warpgroups' halves written (kBarDs); dV += P^T dO, dK += dS^T Q (A from the buffer);
-//   dQ = dS K in two GEMMs of 64 columns, each added to dq_accum from registers as it completes
-//   (red.global.add.v4.f32: no dQ tile in shared memory, none left for it; DqTileSplit).
+//   S^T, dP^T of its 32 queries issued, then step j - 1's second dQ column tile added while
+//   they run; P^T, dS^T into buffer j & 1 (shared memory); both warpgroups' halves written
+//   (kBarDs); dV += P^T dO, dK += dS^T Q (A from the buffer); dQ = dS K in two GEMMs of 64
+//   columns, the first added to dq_accum from registers as soon as it completes, the second
+//   at step j + 1 (red.global.add.v4.f32: no dQ tile in shared memory, none left for it;
+//   DqTileSplit). The reductions, 16 per thread and step, throttle the load-store queue (ncu,
+//   2026-12-07): half of them behind the next scores took 5-10% off (NOTES v92).
 // DETERMINISTIC: a thread of each warpgroup waits for the key block's turn at the query block
 // (DqTurns: one counter per warpgroup, for its columns) before the warpgroup adds, and passes
 // it on with a release after the next step's kBarDs, which orders the warpgroup's additions
 // before it (the release is cumulative); by then they have reached L2, so the release does not
 // hold up the warp (at once after the additions it did: 2026-12-07, experiments/NOTES.md v91).
 // No deadlock: between a turn and its release lie only the step's additions and the next
-// step's scores, neither of which waits for a turn.
+// step's scores (and the additions behind them), none of which waits for a turn.
 template <typename T, typename Tr, bool CAUSAL, bool DETERMINISTIC>
 __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t base,
                                                    unsigned char* raw, int w, int tid, int n_steps,
@@ -738,11 +741,19 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
     for (int i = 0; i < Tr::kAcc; ++i) dk[i] = dv[i] = 0.f;
     if (n_steps > 0) mbarrier_wait(base + L::kKVFull, 0u);
     PipelineState<Tr::kStages> ring_st = consumer_start<Tr::kStages>();
+    // the second dQ column tile of step j - 1 is added here, while step j's scores compute
+    // (copied from dqb once its wgmma completed, and zeroed on the way in: else ptxas, seeing
+    // registers a wgmma may define, waits for the scores before the additions, C7517)
+    float dqb[Tr::kQAcc], dqc[Tr::kQAcc];
+#pragma unroll
+    for (int i = 0; i < Tr::kQAcc; ++i) dqc[i] = 0.f;
+    float* prev_tile = nullptr;
     for (int j = 0; j < n_steps; ++j, ring_st.advance()) {
         const int slot = ring_st.slot, buf = j & 1;
         const BwdStep stp = bwd_step<Tr>(j, n_m, m_block_min, hk, f.h_per_kv);
         float st[Tr::kSAcc], dpt[Tr::kSAcc];
         bwd_scores<Tr>(gemm, st, dpt, base, ring_st);
+        if (j > 0) DqTileSplit<Tr>::add(prev_tile, dqc, 2 * w + 1, tid & 127);
         const BwdStats<Tr> stats(reinterpret_cast<const float*>(raw + L::kStats +
                                                                 slot * Tr::kStatsBytes) + q0, t);
         wgmma_wait<0>();
@@ -763,11 +774,11 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
         // both halves written (and each warpgroup done with step j - 1, which read the other
         // buffer)
         named_barrier_sync(kBarDs, Tr::kConsumerThreads);
-        // DETERMINISTIC: the warpgroup's additions of step j - 1 are behind the barrier: its
-        // turn there passes on now (the release, cumulative, finds them arrived by now)
+        // DETERMINISTIC: the warpgroup's additions of step j - 1 are behind the barrier (the
+        // second tile's issued above): its turn there passes on now (the release is cumulative)
         if (DETERMINISTIC && j > 0 && (tid & 127) == 0) red_release_gpu_add(prev_turn, 1);
         // dV += P^T dO, dK += dS^T Q; dQ = dS K, its two column tiles
-        float dqa[Tr::kQAcc], dqb[Tr::kQAcc];
+        float dqa[Tr::kQAcc];
         wgmma_fence_operand(dv);
         wgmma_fence_operand(dk);
         wgmma_fence();
@@ -794,8 +805,11 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParams& p, uint32_t 
         DqTileSplit<Tr>::add(tile, dqa, 2 * w, tid & 127);
         wgmma_wait<0>();
         wgmma_fence_operand(dqb);
-        DqTileSplit<Tr>::add(tile, dqb, 2 * w + 1, tid & 127);
+#pragma unroll
+        for (int i = 0; i < Tr::kQAcc; ++i) asm volatile("mov.b32 %0, %1;" : "=f"(dqc[i]) : "f"(dqb[i]));
+        prev_tile = tile;
     }
+    if (n_steps > 0) DqTileSplit<Tr>::add(prev_tile, dqc, 2 * w + 1, tid & 127);
     if (DETERMINISTIC && n_steps > 0) {  // the last step's turn, once the warpgroup has added
         named_barrier_sync(kBarTurn + w, 128);
         if ((tid & 127) == 0) red_release_gpu_add(prev_turn, 1);
