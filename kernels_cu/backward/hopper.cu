@@ -24,7 +24,7 @@
 // fixes it (FlashAttention-3's semaphores, flash-attention PR 1893): the key blocks add to a
 // query block's dQ one after the other, each waiting for its turn on a counter per (batch, query
 // head, query block) that the previous one increments (DqTurns below); only the writer warp
-// waits for it (at hd256 a thread of each consumer warpgroup).
+// waits for it (at hd256 a thread of each consumer warpgroup, on its warpgroup's own counter).
 //
 // The producer (bwd_producer) copies K and V once, then each step's Q and dO tiles and the LSE
 // and D of its rows (written padded per 64-row block by the pre-pass, bwd_hopper_prep_entry, so
@@ -330,9 +330,9 @@ struct DqTile {
 // otherwise. A key block waits only for key blocks launched before it: the grid's x index runs
 // the key blocks in that order (bwd_key_block). One counter per (batch, query head, query
 // block; hd256: per consumer warpgroup, kPerTile), int32, after the dq_accum tiles, zeroed with
-// them; key block n's turn at query block
-// m is its rank among the key blocks that see m (an interval of key blocks, found by bisection
-// over the same QueryTiles the CTAs walk, so the count cannot disagree with what they do).
+// them; key block n's turn at query block m is its rank among the key blocks that see m (an
+// interval of key blocks, found by bisection over the same QueryTiles the CTAs walk, so the
+// count cannot disagree with what they do).
 template <typename Tr, bool CAUSAL>
 struct DqTurns {
     // hd256 (kSplitD): one counter per consumer warpgroup (each adds its own 128 columns)
