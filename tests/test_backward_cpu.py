@@ -251,6 +251,8 @@ def test_hopper_tiles_are_the_kernels():
         got = kernels.layout(kernels.HOPPER_SOURCE, "cf::DqTurns<cf::HopperBwdTraits<__half, "
                              f"{kernels.hopper_headdim(hd)}>, true>::kPerTile")
         assert got == kernels.turns_per_tile(hd) == (2 if hd > 128 else 1)
+    with pytest.raises(ValueError, match="headdim"):
+        kernels.hopper_headdim(264)
     assert max(bm for bm, _ in kernels.HOPPER_TILES.values()) == kernels.STATS_PAD
 
 

@@ -243,8 +243,13 @@ def hopper_enabled() -> bool:
 
 
 def hopper_headdim(headdim: int) -> int:
-    """The Hopper kernel's compiled head dim for an actual one (up to 256)."""
-    return next(h for h in HOPPER_HEADDIMS if h >= headdim)
+    """The Hopper kernel's compiled head dim for an actual one (up to 256; ValueError above,
+    which the input checks reject before any plan)."""
+    hhd = next((h for h in HOPPER_HEADDIMS if h >= headdim), None)
+    if hhd is None:
+        raise ValueError(f"headdim: the Hopper backward takes at most {HOPPER_HEADDIMS[-1]}, "
+                         f"got {headdim}")
+    return hhd
 
 
 def turns_per_tile(headdim: int) -> int:

@@ -108,10 +108,10 @@ def _backward(problem, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seq
         dsum = caller.empty(kernels.stats_shape(problem) if maps is not None
                             else tuple(views["lse"].shape), kernels.ACC_DTYPE[dt], dev)
         dq_accum = None
-        if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it;
+        if maps is not None:  # zeroed on the call's stream, before the Hopper kernel adds to it:
+            # the dQ tiles of a step's rows, padded (kernels_cu/backward/hopper.cu's DqTile);
             # deterministic: then int32 turn counters per (batch, head, query block of a step),
-            # one per consumer warpgroup at hd256 (kernels_cu/backward/hopper.cu's DqTurns)
-            # (dQ tiles of a step's rows, padded: DqTile)
+            # one per consumer warpgroup at hd256 (DqTurns)
             bm = plan.dq.block_m
             blocks = problem.batch * problem.nheads * -(-problem.seqlen_q // bm)
             turns = kernels.turns_per_tile(plan.dq.headdim) if deterministic else 0
